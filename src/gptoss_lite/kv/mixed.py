@@ -1,0 +1,243 @@
+"""MixedKVCache: ring buffers on sliding-window layers, growing buffers on global layers (SPEC §3.1).
+
+Storage per layer is (B, K, slots, D) for keys and values. Keys are stored already rotated at their
+absolute positions and are never re-rotated.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from gptoss_lite.config import ModelConfig
+
+DEFAULT_GLOBAL_CAP_TOKENS = 4_000_000  # per global layer (SPEC §3.1)
+
+
+class _LayerStore:
+    """Common state: geometry checks and the count of tokens ever appended (`seen`)."""
+
+    def __init__(self, batch_size: int, kv_heads: int, head_dim: int):
+        self.batch_size, self.kv_heads, self.head_dim = batch_size, kv_heads, head_dim
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.seen = 0  # tokens appended since the last reset (the next absolute position)
+
+    def _check(self, k: torch.Tensor, v: torch.Tensor) -> int:
+        expected = (self.batch_size, self.kv_heads, k.shape[2], self.head_dim)
+        if k.dim() != 4 or tuple(k.shape) != expected or v.shape != k.shape:
+            raise ValueError(f"KV append: got k {tuple(k.shape)}, v {tuple(v.shape)}; expected (B, K, T, D) = "
+                             f"({self.batch_size}, {self.kv_heads}, T, {self.head_dim}) for both")
+        if self.k is not None and (k.dtype != self.k.dtype or k.device != self.k.device):
+            raise ValueError(f"KV append: dtype/device {k.dtype}/{k.device} differs from the cache's "
+                             f"{self.k.dtype}/{self.k.device}; reset() the cache first")
+        return k.shape[2]
+
+    def reset(self) -> None:
+        self.k = self.v = None
+        self.seen = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes actually allocated for K and V (capacity, not just the valid part)."""
+        if self.k is None:
+            return 0
+        return self.k.numel() * self.k.element_size() * 2
+
+    def _token_bytes(self) -> int:
+        return 0 if self.k is None else 2 * self.batch_size * self.kv_heads * self.head_dim * self.k.element_size()
+
+
+class RingBuffer(_LayerStore):
+    """Capacity-W ring: `head` is the next slot to write, `count` the valid slots (<= W)."""
+
+    def __init__(self, batch_size: int, kv_heads: int, head_dim: int, window: int):
+        super().__init__(batch_size, kv_heads, head_dim)
+        self.window = window
+        self.head = 0
+        self.count = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write T new slots in place; a write of T >= W keeps only the last W (chronological from 0)."""
+        T = self._check(k, v)
+        W = self.window
+        if self.k is None:
+            shape = (self.batch_size, self.kv_heads, W, self.head_dim)
+            self.k = torch.empty(shape, dtype=k.dtype, device=k.device)
+            self.v = torch.empty(shape, dtype=v.dtype, device=v.device)
+        if T >= W:
+            self.k.copy_(k[:, :, T - W:])
+            self.v.copy_(v[:, :, T - W:])
+            self.head, self.count = 0, W
+        else:
+            first = min(T, W - self.head)  # slots before the wrap point
+            self.k[:, :, self.head:self.head + first] = k[:, :, :first]
+            self.v[:, :, self.head:self.head + first] = v[:, :, :first]
+            if first < T:
+                self.k[:, :, :T - first] = k[:, :, first:]
+                self.v[:, :, :T - first] = v[:, :, first:]
+            self.head = (self.head + T) % W
+            self.count = min(W, self.count + T)
+        self.seen += T
+
+    def get(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Valid keys and values in chronological order, each (B, K, count, D)."""
+        if self.k is None or self.count == 0:
+            return self._empty()
+        if self.count < self.window:  # not yet wrapped: slots 0 … count-1 are in order
+            return self.k[:, :, :self.count], self.v[:, :, :self.count]
+        order = lambda t: torch.cat((t[:, :, self.head:], t[:, :, :self.head]), dim=2)  # noqa: E731
+        return order(self.k), order(self.v)
+
+    def slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Valid slots in storage order (no copy); fine for attention once keys carry their rotation."""
+        if self.k is None:
+            return self._empty()
+        return self.k[:, :, :self.count], self.v[:, :, :self.count]
+
+    def _empty(self) -> tuple[torch.Tensor, torch.Tensor]:
+        z = torch.empty(self.batch_size, self.kv_heads, 0, self.head_dim)
+        return z, z
+
+    def reset(self) -> None:
+        super().reset()
+        self.head = self.count = 0
+
+    @property
+    def length(self) -> int:
+        return self.count
+
+
+class GrowingBuffer(_LayerStore):
+    """Append-only buffer with 1.5× amortised growth and a hard token cap."""
+
+    def __init__(self, batch_size: int, kv_heads: int, head_dim: int, cap_tokens: int):
+        super().__init__(batch_size, kv_heads, head_dim)
+        self.cap_tokens = cap_tokens
+        self.length = 0
+        self.capacity = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        T = self._check(k, v)
+        needed = self.length + T
+        if needed > self.cap_tokens:
+            raise MemoryError(f"global-layer KV cache cap exceeded: {self.length} + {T} tokens > cap "
+                              f"{self.cap_tokens}; raise max_tokens_per_global_layer or shorten the sequence")
+        if self.k is None or needed > self.capacity:
+            new_cap = needed if self.k is None else min(self.cap_tokens, max(needed, int(self.capacity * 1.5) + 1))
+            shape = (self.batch_size, self.kv_heads, new_cap, self.head_dim)
+            new_k = torch.empty(shape, dtype=k.dtype, device=k.device)
+            new_v = torch.empty(shape, dtype=v.dtype, device=v.device)
+            if self.length:
+                new_k[:, :, :self.length] = self.k[:, :, :self.length]
+                new_v[:, :, :self.length] = self.v[:, :, :self.length]
+            self.k, self.v, self.capacity = new_k, new_v, new_cap
+        self.k[:, :, self.length:needed] = k
+        self.v[:, :, self.length:needed] = v
+        self.length = needed
+        self.seen += T
+
+    def get(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views (no copy) of the valid keys and values, each (B, K, length, D)."""
+        if self.k is None:
+            z = torch.empty(self.batch_size, self.kv_heads, 0, self.head_dim)
+            return z, z
+        return self.k[:, :, :self.length], self.v[:, :, :self.length]
+
+    def reset(self) -> None:
+        super().reset()
+        self.length = self.capacity = 0
+
+
+class MixedKVCache:
+    """One cache per generation, indexed by layer: `cache[layer]` is a RingBuffer or GrowingBuffer."""
+
+    def __init__(self, config: ModelConfig, batch_size: int = 1,
+                 max_tokens_per_global_layer: int = DEFAULT_GLOBAL_CAP_TOKENS):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r}: must be an int >= 1")
+        self.config = config
+        self.batch_size = batch_size
+        K, D = config.n_kv_heads, config.head_dim
+        self.layers: list[RingBuffer | GrowingBuffer] = [
+            RingBuffer(batch_size, K, D, config.sliding_window) if config.is_sliding(i)
+            else GrowingBuffer(batch_size, K, D, max_tokens_per_global_layer)
+            for i in range(config.n_layers)
+        ]
+        self._sinks: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, layer: int) -> RingBuffer | GrowingBuffer:
+        return self.layers[layer]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append rotated keys and values (B, K, T, D) to `layer`."""
+        self.layers[layer].append(k, v)
+
+    def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chronological (K, V) of the valid part of `layer`, each (B, K, n, D)."""
+        return self.layers[layer].get()
+
+    def seq_len(self, layer: int) -> int:
+        """Valid tokens held: the ring's count (<= W) or the global length; 0 if never written."""
+        return self.layers[layer].length
+
+    @property
+    def position(self) -> int:
+        """Tokens seen so far: the absolute position of the next token."""
+        return self.layers[0].seen
+
+    def reset(self) -> None:
+        """Empty every layer (between independent requests); frees the storage."""
+        for store in self.layers:
+            store.reset()
+        self._sinks.clear()
+
+    def memo_sinks(self, layer: int, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Clamped sink logits, computed once per cache (i.e. per generate call) per layer."""
+        if layer not in self._sinks:
+            self._sinks[layer] = compute().detach()
+        return self._sinks[layer]
+
+    def attend_inputs(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, int, int | None]:
+        """Store new rotated (B, K, T, D) keys/values and return what the new queries attend over.
+
+        Returns (keys, values, q_offset, window) for the attention kernels. Global layers append
+        and attend over a view of the whole buffer. Windowed layers: a single decode token is
+        written first and attends over all ring slots (all inside its window, order irrelevant);
+        a chunk attends over the chronological ring past plus itself with the window mask, and
+        is written afterwards.
+        """
+        store = self.layers[layer]
+        if start_pos != store.seen:
+            raise ValueError(f"layer {layer}: start_pos={start_pos} but the cache holds {store.seen} "
+                             f"tokens; positions must continue where the cache ends")
+        T = k.shape[2]
+        if isinstance(store, GrowingBuffer):
+            store.append(k, v)
+            keys, values = store.get()
+            return keys, values, keys.shape[2] - T, None
+        if T == 1:
+            store.append(k, v)
+            keys, values = store.slots()
+            return keys, values, keys.shape[2] - 1, None
+        past_k, past_v = store.get()
+        keys = torch.cat((past_k.to(k), k), dim=2)  # (B, K, past + T, D), past <= W
+        values = torch.cat((past_v.to(v), v), dim=2)
+        store.append(k, v)
+        return keys, values, past_k.shape[2], store.window
+
+    # ---- byte accounting -------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated for K and V across layers (ring capacity W, global capacity)."""
+        return sum(store.nbytes for store in self.layers)
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of valid K and V across layers."""
+        return sum(store.length * store._token_bytes() for store in self.layers)

@@ -1,0 +1,154 @@
+"""Grouped-query attention with learned sinks, sliding windows and a KV cache (SPEC §1.3).
+
+Two kernels that must agree:
+- `attention_reference`: dense (T, S) scores, repeated KV heads, an explicit sink column. Slow and
+  obviously correct; the oracle for every test.
+- `attention_fast`: query blocks × key blocks with an online softmax whose running state starts at
+  the sink logit (max = sink, sum = exp(0) = 1, acc = 0), so the sink costs nothing extra. It never
+  builds a (T, S) matrix larger than one block, never repeats KV heads (queries of one KV group are
+  stacked as rows), skips key blocks outside the causal/window band, and only builds a mask for
+  blocks that straddle the band's edge.
+
+Both take queries (B, H, T, D) whose first row sits at key index `q_offset` (query i has key-array
+index i + q_offset) and keys/values (B, K, S, D) in chronological order. Key j is visible to query i
+iff j <= i + q_offset and, with a window W, (i + q_offset) - j < W.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from gptoss_lite.config import ModelConfig
+from gptoss_lite.model.rope import apply_rotary
+
+if TYPE_CHECKING:
+    from gptoss_lite.kv.mixed import MixedKVCache
+
+# Budget for one score block (elements of B·H·Tq·Sk); 4M fp32 elements = 16 MiB.
+SCORE_BLOCK_ELEMENTS = 1 << 22
+
+
+def visible_mask(T: int, S: int, q_offset: int, window: int | None, device=None) -> torch.Tensor:
+    """Boolean (T, S) mask: True where query i may see key j (SPEC §1.3)."""
+    qi = torch.arange(T, device=device)[:, None] + q_offset
+    kj = torch.arange(S, device=device)[None, :]
+    mask = kj <= qi
+    if window is not None:
+        mask &= (qi - kj) < window
+    return mask
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+                        q_offset: int, window: int | None) -> torch.Tensor:
+    """Dense attention with an explicit sink column. q (B,H,T,D), k/v (B,K,S,D) -> (B,H,T,D)."""
+    B, H, T, D = q.shape
+    G = H // k.shape[1]
+    S = k.shape[2]
+    k = k.repeat_interleave(G, dim=1)  # (B, H, S, D)
+    v = v.repeat_interleave(G, dim=1)  # (B, H, S, D)
+    scores = (q.float() @ k.float().transpose(-1, -2)) / D**0.5  # (B, H, T, S)
+    scores = scores.masked_fill(~visible_mask(T, S, q_offset, window, q.device), float("-inf"))
+    if sinks is not None:
+        sink_col = sinks.float().view(1, H, 1, 1).expand(B, H, T, 1)  # (B, H, T, 1)
+        probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]  # (B, H, T, S)
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return (probs @ v.float()).to(q.dtype)  # (B, H, T, D)
+
+
+def attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+                   q_offset: int, window: int | None, q_block: int | None = None,
+                   k_block: int | None = None) -> torch.Tensor:
+    """Blocked online-softmax attention; same contract as `attention_reference`."""
+    B, H, T, D = q.shape
+    K, S = k.shape[1], k.shape[2]
+    G = H // K
+    scale = D**-0.5
+    if q_block is None:
+        q_block = T if T * G <= 2048 else max(1, 2048 // G)
+    if k_block is None:
+        k_block = max(128, SCORE_BLOCK_ELEMENTS // max(1, B * H * q_block))
+    qg = q.view(B, K, G, T, D)
+    if sinks is None:
+        # NOTE: finite, not -inf: a row whose first key block is fully masked must not become NaN.
+        sink_init = torch.full((1, K, G, 1, 1), -1e30, device=q.device)
+    else:
+        sink_init = sinks.float().view(1, K, G, 1, 1)
+    out_blocks = []
+    for qs in range(0, T, q_block):
+        qe = min(T, qs + q_block)
+        Tb = qe - qs
+        first_q, last_q = qs + q_offset, qe - 1 + q_offset  # key-array indices of the block's queries
+        lo = 0 if window is None else max(0, first_q - window + 1)
+        hi = min(S, last_q + 1)
+        rows = qg[:, :, :, qs:qe].reshape(B, K, G * Tb, D) * scale  # (B, K, G·Tb, D); row = g·Tb + t
+        m = sink_init.expand(B, K, G, Tb, 1).reshape(B, K, G * Tb, 1)  # running max (B, K, G·Tb, 1)
+        l = torch.ones_like(m) if sinks is not None else torch.zeros_like(m)  # running sum
+        acc = torch.zeros(B, K, G * Tb, D, device=q.device, dtype=torch.float32)
+        for ks in range(lo, hi, k_block):
+            ke = min(hi, ks + k_block)
+            s = (rows @ k[:, :, ks:ke].transpose(-1, -2)).float()  # (B, K, G·Tb, Sb)
+            fully_visible = ke - 1 <= first_q and (window is None or last_q - ks < window)
+            if not fully_visible:
+                mask = visible_mask(Tb, ke - ks, first_q - ks, window, q.device)  # (Tb, Sb)
+                s = s.masked_fill(~mask.repeat(G, 1), float("-inf"))
+            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))  # (B, K, G·Tb, 1)
+            p = torch.exp(s - m_new)  # (B, K, G·Tb, Sb)
+            corr = torch.exp(m - m_new)
+            l = l * corr + p.sum(dim=-1, keepdim=True)
+            acc = acc * corr + (p.to(v.dtype) @ v[:, :, ks:ke]).float()  # (B, K, G·Tb, D)
+            m = m_new
+        out_blocks.append((acc / l).view(B, K, G, Tb, D))
+    out = out_blocks[0] if len(out_blocks) == 1 else torch.cat(out_blocks, dim=3)  # (B, K, G, T, D)
+    return out.view(B, H, T, D).to(q.dtype)
+
+
+class Attention(nn.Module):
+    """GQA attention block: q_proj, fused kv_proj (K then V), o_proj, per-head sink logits."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        C, H, K, D = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.layer = layer
+        self.n_heads, self.n_kv_heads, self.head_dim = H, K, D
+        self.window = cfg.sliding_window if cfg.is_sliding(layer) else None
+        self.sink_clamp = cfg.sink_clamp
+        self.q_proj = nn.Linear(C, H * D, bias=cfg.attention_bias)
+        self.kv_proj = nn.Linear(C, 2 * K * D, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(H * D, C, bias=cfg.attention_bias)
+        self.sinks = nn.Parameter(torch.zeros(H))  # learned sink logit per query head
+
+    def sink_logits(self) -> torch.Tensor:
+        """The sink logits as used in the softmax (clamped where configured), shape (H,)."""
+        if self.sink_clamp is None:
+            return self.sinks
+        return self.sinks.clamp(*self.sink_clamp)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: MixedKVCache | None = None, start_pos: int = 0, impl: str = "fast") -> torch.Tensor:
+        """x (B, T, C) at absolute positions start_pos…start_pos+T-1 -> (B, T, C).
+
+        With a cache, new keys are rotated once at their absolute positions and appended; queries
+        attend over the cached past plus the new keys.
+        """
+        B, T, C = x.shape
+        H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
+        q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        kv = self.kv_proj(x).view(B, T, 2, K, D)
+        k = kv[:, :, 0].transpose(1, 2)  # (B, K, T, D)
+        v = kv[:, :, 1].transpose(1, 2).contiguous()  # (B, K, T, D)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        window = self.window
+        if cache is None:
+            sinks = self.sink_logits()
+            keys, values, q_offset = k, v, 0
+        else:
+            sinks = cache.memo_sinks(self.layer, self.sink_logits)
+            keys, values, q_offset, window = cache.attend_inputs(self.layer, k, v, start_pos)
+        attend = attention_fast if impl == "fast" else attention_reference
+        y = attend(q, keys, values, sinks, q_offset, window)  # (B, H, T, D)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))

@@ -1,0 +1,89 @@
+"""Mixture of experts: router, top-k routed experts computed per expert group, shared experts (SPEC §1.5)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gptoss_lite.config import ModelConfig
+
+
+class Experts(nn.Module):
+    """E expert MLPs stored as stacked weights (nn.Linear convention: out × in).
+
+    gate_proj, up_proj (E, I, C); down_proj (E, C, I); optional biases gate_bias, up_bias (E, I),
+    down_bias (E, C).
+    """
+
+    def __init__(self, n: int, d_model: int, hidden: int, activation: str, limit: float, bias: bool):
+        super().__init__()
+        self.activation, self.limit = activation, limit
+        self.gate_proj = nn.Parameter(torch.empty(n, hidden, d_model))
+        self.up_proj = nn.Parameter(torch.empty(n, hidden, d_model))
+        self.down_proj = nn.Parameter(torch.empty(n, d_model, hidden))
+        if bias:
+            self.gate_bias = nn.Parameter(torch.zeros(n, hidden))
+            self.up_bias = nn.Parameter(torch.zeros(n, hidden))
+            self.down_bias = nn.Parameter(torch.zeros(n, d_model))
+        else:
+            self.gate_bias = self.up_bias = self.down_bias = None
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Apply expert e to x (N, C) -> (N, C), down-projection bias included."""
+        gate = F.linear(x, self.gate_proj[e], None if self.gate_bias is None else self.gate_bias[e])  # (N, I)
+        up = F.linear(x, self.up_proj[e], None if self.up_bias is None else self.up_bias[e])  # (N, I)
+        if self.activation == "swiglu":
+            h = F.silu(gate) * up
+        else:  # gpt-oss clamped variant
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(-self.limit, self.limit)
+            h = (up + 1) * (gate * torch.sigmoid(gate * 1.702))
+        return F.linear(h, self.down_proj[e], None if self.down_bias is None else self.down_bias[e])
+
+
+class MoE(nn.Module):
+    """Router -> top-k -> softmax over the k logits -> weighted expert sum, plus shared experts."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
+        self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=cfg.router_bias)
+        self.experts = Experts(cfg.n_experts, cfg.d_model, cfg.expert_hidden, cfg.activation,
+                               cfg.swiglu_limit, cfg.expert_bias)
+        self.shared = (Experts(cfg.n_shared_experts, cfg.d_model, cfg.expert_hidden, cfg.activation,
+                               cfg.swiglu_limit, cfg.expert_bias) if cfg.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, T, C) -> (y (B, T, C), aux loss scalar). Only selected experts run, grouped by expert."""
+        B, T, C = x.shape
+        E, A = self.n_experts, self.top_k
+        flat = x.reshape(B * T, C)  # (N, C)
+        logits = self.router(flat)  # (N, E)
+        top_logits, top_idx = logits.topk(A, dim=-1)  # (N, A)
+        weights = torch.softmax(top_logits.float(), dim=-1).to(x.dtype)  # (N, A)
+
+        # Group the N·A (token, expert) assignments by expert: one matmul per expert that has tokens.
+        assign_expert = top_idx.reshape(-1)  # (N·A,)
+        order = torch.argsort(assign_expert, stable=True)
+        token_of = order // A  # token index of each sorted assignment
+        counts = torch.bincount(assign_expert, minlength=E)  # (E,)
+        sorted_x = flat.index_select(0, token_of)  # (N·A, C)
+        sorted_w = weights.reshape(-1).index_select(0, order)  # (N·A,)
+        outs = []
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                outs.append(self.experts.expert(e, sorted_x[start:start + n]))
+                start += n
+        expert_out = torch.cat(outs, dim=0) * sorted_w[:, None]  # (N·A, C)
+        y = torch.zeros_like(flat).index_add_(0, token_of, expert_out)  # (N, C)
+        if self.shared is not None:
+            for s in range(self.shared.gate_proj.shape[0]):
+                y = y + self.shared.expert(s, flat)
+
+        # Switch-style load balancing: E · Σ_e f_e · P_e (f: fraction of assignments, P: mean prob).
+        frac = counts.float() / assign_expert.numel()  # (E,)
+        mean_prob = torch.softmax(logits.float(), dim=-1).mean(dim=0)  # (E,)
+        aux = E * (frac * mean_prob).sum()
+        return y.view(B, T, C), aux

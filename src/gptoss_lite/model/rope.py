@@ -1,0 +1,79 @@
+"""YaRN rotary position embeddings with half-split ("NeoX") rotation and pruned pairs (SPEC §1.4)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from gptoss_lite.config import ModelConfig
+
+
+def yarn_inv_freq(head_dim: int, theta: float, factor: float, original_context: int,
+                  beta_fast: float = 32.0, beta_slow: float = 1.0) -> torch.Tensor:
+    """Inverse frequencies (D/2,) blended between extrapolation and interpolation by the YaRN ramp.
+
+    NOTE: `low`/`high` are not rounded (gpt-oss's `truncate = false`); rounding them changes the
+    frequencies of the pairs in the ramp.
+    """
+    half = head_dim // 2
+    freq = theta ** (torch.arange(half, dtype=torch.float64) * 2 / head_dim)  # (D/2,)
+    extrapolated = 1.0 / freq
+    if factor == 1.0:
+        return extrapolated.float()
+    interpolated = 1.0 / (factor * freq)
+    low = half * math.log(original_context / (beta_fast * 2 * math.pi)) / math.log(theta)
+    high = half * math.log(original_context / (beta_slow * 2 * math.pi)) / math.log(theta)
+    if high == low:  # degenerate ramp: a step at `low`
+        high = low + 1e-3
+    ramp = ((torch.arange(half, dtype=torch.float64) - low) / (high - low)).clamp(0.0, 1.0)
+    return (interpolated * ramp + extrapolated * (1.0 - ramp)).float()
+
+
+def yarn_concentration(factor: float) -> float:
+    """cos and sin are scaled by 0.1 ln(s) + 1, so attention logits scale by its square."""
+    return 0.1 * math.log(factor) + 1.0 if factor > 1.0 else 1.0
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables on demand for one layer kind (windowed: no pruning; global: pruned pairs).
+
+    The first `pruned_pairs` pairs (highest frequencies) are identity: cos = 1, sin = 0, with no
+    concentration scaling, so those dimensions carry position-free content.
+    """
+
+    def __init__(self, cfg: ModelConfig, pruned_pairs: int = 0):
+        super().__init__()
+        inv_freq = yarn_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_factor,
+                                 cfg.rope_original_context, cfg.rope_beta_fast, cfg.rope_beta_slow)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # (D/2,)
+        self.pruned_pairs = pruned_pairs
+        self.concentration = yarn_concentration(cfg.rope_factor)
+
+    def _finish(self, angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = angles.cos() * self.concentration
+        sin = angles.sin() * self.concentration
+        if self.pruned_pairs:
+            cos[..., : self.pruned_pairs] = 1.0
+            sin[..., : self.pruned_pairs] = 0.0
+        return cos, sin
+
+    def forward(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape (length, D/2) for absolute positions start … start+length-1 (fp32)."""
+        if length == 1:
+            # Decode fast path: one position is a scalar times the frequency vector,
+            # no (T, D/2) outer-product temporaries.
+            angles = self.inv_freq * float(start)  # (D/2,)
+            cos, sin = self._finish(angles)
+            return cos[None], sin[None]  # (1, D/2)
+        pos = torch.arange(start, start + length, device=self.inv_freq.device, dtype=torch.float32)
+        return self._finish(torch.outer(pos, self.inv_freq))  # (T, D/2)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (..., T, D) by half-split pairs: (x1 cos - x2 sin, x2 cos + x1 sin); cos/sin (T, D/2)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)

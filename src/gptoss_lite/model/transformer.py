@@ -1,0 +1,126 @@
+"""GPTOSS: embedding, pre-norm blocks (attention + MoE), final norm, tied or untied head."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from gptoss_lite.config import ModelConfig
+from gptoss_lite.model.attention import Attention
+from gptoss_lite.model.moe import MoE
+from gptoss_lite.model.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from gptoss_lite.kv.mixed import MixedKVCache
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32; the weight is applied after normalising, then cast back."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (self.weight.float() * h).to(x.dtype)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm1(x)), then + moe(norm2(x))."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.moe = MoE(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, cos, sin, cache=None, start_pos=0, impl="fast"):
+        x = x + self.drop(self.attn(self.norm1(x), cos, sin, cache, start_pos, impl))
+        h, aux = self.moe(self.norm2(x))
+        return x + self.drop(h), aux
+
+
+@dataclass
+class ModelOutput:
+    """logits (B, T, V) (or (B, 1, V) with last_only); loss: mean next-token CE or None; aux_loss: summed over layers."""
+
+    logits: torch.Tensor
+    loss: torch.Tensor | None
+    aux_loss: torch.Tensor
+
+
+class GPTOSS(nn.Module):
+    """The GPT-OSS-Lite / gpt-oss model. One code path for every preset; knobs live in ModelConfig."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.rope_window = RotaryEmbedding(config, pruned_pairs=0)
+        self.rope_global = RotaryEmbedding(config, pruned_pairs=config.rope_pruned_pairs)
+        self.gradient_checkpointing = False
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Initialise weights N(0, initializer_range), biases and sinks 0, norms 1."""
+        gen = None
+        if seed is not None:
+            gen = torch.Generator(device="cpu").manual_seed(seed)
+        std = self.config.initializer_range
+        for name, p in self.named_parameters():
+            if name.endswith("norm1.weight") or name.endswith("norm2.weight") or name == "norm.weight":
+                p.fill_(1.0)
+            elif "bias" in name.rsplit(".", 1)[-1] or name.endswith("sinks"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+
+    def head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
+                cache: MixedKVCache | None = None, start_pos: int = 0, last_only: bool = False,
+                attn_impl: str = "fast") -> ModelOutput:
+        """input_ids (B, T) at absolute positions start_pos… -> ModelOutput.
+
+        targets (B, T) are next-token labels aligned with input positions; -100 is ignored.
+        With a cache, new K/V are appended and attention covers the cached past.
+        """
+        B, T = input_ids.shape
+        if attn_impl not in ("fast", "reference"):
+            raise ValueError(f"attn_impl={attn_impl!r}: must be 'fast' or 'reference'")
+        x = self.embed(input_ids)  # (B, T, C)
+        rope_w = self.rope_window(start_pos, T)  # (cos, sin) each (T, D/2)
+        rope_g = self.rope_global(start_pos, T)
+        aux_total = x.new_zeros((), dtype=torch.float32)
+        use_ckpt = self.gradient_checkpointing and self.training and cache is None and torch.is_grad_enabled()
+        for block in self.blocks:
+            cos, sin = rope_w if block.attn.window is not None else rope_g
+            if use_ckpt:
+                x, aux = checkpoint(block, x, cos, sin, None, start_pos, attn_impl, use_reentrant=False)
+            else:
+                x, aux = block(x, cos, sin, cache, start_pos, attn_impl)
+            aux_total = aux_total + aux
+        if last_only:
+            x = x[:, -1:]
+        x = self.norm(x)
+        logits = F.linear(x, self.head_weight())  # (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                   ignore_index=-100)
+        return ModelOutput(logits=logits, loss=loss, aux_loss=aux_total)
