@@ -22,6 +22,8 @@ class Experts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(n, hidden, d_model))
         self.up_proj = nn.Parameter(torch.empty(n, hidden, d_model))
         self.down_proj = nn.Parameter(torch.empty(n, d_model, hidden))
+        for w in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(w, std=0.02)  # GPTOSS.reset_parameters re-initialises with the config's std
         if bias:
             self.gate_bias = nn.Parameter(torch.zeros(n, hidden))
             self.up_bias = nn.Parameter(torch.zeros(n, hidden))

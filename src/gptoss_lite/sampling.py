@@ -1,0 +1,50 @@
+"""Logits -> token ids: greedy, temperature and nucleus (top-p) sampling (SPEC §3.2)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How next tokens are chosen. temperature <= 0 means greedy argmax (consumes no randomness)."""
+
+    temperature: float = 0.7  # softmax temperature; <= 0 is greedy
+    top_p: float = 0.9  # nucleus mass in (0, 1]; 1.0 keeps every token
+    seed: int | None = None  # seeds the single random draw per step; None: nondeterministic
+
+    def __post_init__(self) -> None:
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature={self.temperature!r}: must be a finite number (<= 0 for greedy)")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
+                or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p={self.top_p!r}: must be in (0, 1]")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise TypeError(f"seed={self.seed!r}: must be an int or None")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+def sample(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits (B, V) -> token ids (B,).
+
+    Nucleus: sort descending, keep the smallest prefix whose cumulative mass reaches top_p (a token
+    is kept when the mass before it is < top_p), renormalise, draw once.
+    """
+    if cfg.greedy:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)  # (B, V)
+    if cfg.top_p < 1.0:
+        sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)  # (B, V)
+        mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+        sorted_p = sorted_p.masked_fill(mass_before >= cfg.top_p, 0.0)
+        sorted_p = sorted_p / sorted_p.sum(dim=-1, keepdim=True)
+        choice = torch.multinomial(sorted_p, 1, generator=generator)  # (B, 1)
+        return sorted_idx.gather(-1, choice).squeeze(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -1,0 +1,100 @@
+import pytest
+import torch
+
+from gptoss_lite.model.attention import attention_fast, attention_reference, visible_mask
+
+
+def _qkv(B=2, H=4, K=2, T=7, S=19, D=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, D, generator=g)
+    k = torch.randn(B, K, S, D, generator=g)
+    v = torch.randn(B, K, S, D, generator=g)
+    sinks = torch.randn(H, generator=g) * 2
+    return q, k, v, sinks
+
+
+CASES = [  # (T, S) : full prefill, single-token decode, chunk into a cached prefix
+    (23, 23), (1, 23), (7, 23), (5, 300), (64, 64),
+]
+
+
+@pytest.mark.parametrize("T,S", CASES)
+@pytest.mark.parametrize("window", [None, 8])
+@pytest.mark.parametrize("with_sinks", [True, False])
+@pytest.mark.parametrize("blocks", [(None, None), (3, 5)])
+def test_fast_matches_reference(T, S, window, with_sinks, blocks):
+    """The blocked online-softmax kernel equals dense attention within 1e-5 (fp32) for any (T, S)."""
+    q, k, v, sinks = _qkv(T=T, S=S)
+    sinks = sinks if with_sinks else None
+    ref = attention_reference(q, k, v, sinks, S - T, window)
+    fast = attention_fast(q, k, v, sinks, S - T, window, q_block=blocks[0], k_block=blocks[1])
+    assert fast.shape == (2, 4, T, 16)
+    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_mask_matches_spec_rule():
+    """Key j is visible to query i iff j <= i + offset and (i + offset) - j < W."""
+    m = visible_mask(3, 10, 7, 4)
+    for i in range(3):
+        for j in range(10):
+            assert bool(m[i, j]) == (j <= i + 7 and (i + 7) - j < 4)
+
+
+@pytest.mark.parametrize("impl", [attention_fast, attention_reference])
+def test_chunk_never_sees_future_keys(impl):
+    """Changing keys/values after a query's position cannot change that query's output."""
+    q, k, v, sinks = _qkv(T=6, S=20)
+    out = impl(q, k, v, sinks, 14, None)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 17:] += 5.0
+    v2[:, :, 17:] -= 3.0
+    out2 = impl(q, k2, v2, sinks, 14, None)
+    torch.testing.assert_close(out[:, :, :3], out2[:, :, :3], atol=0, rtol=0)  # queries at 14, 15, 16
+    assert not torch.allclose(out[:, :, 3:], out2[:, :, 3:])
+
+
+@pytest.mark.parametrize("impl", [attention_fast, attention_reference])
+def test_window_sees_exactly_w_keys(impl):
+    """A windowed query at p depends on keys p-W+1 … p and not on p-W."""
+    q, k, v, sinks = _qkv(T=1, S=30)
+    W = 8
+    base = impl(q, k, v, sinks, 29, W)
+    k_old = k.clone()
+    k_old[:, :, 29 - W] += 10.0  # just outside the window
+    torch.testing.assert_close(impl(q, k_old, v, sinks, 29, W), base, atol=0, rtol=0)
+    k_in = k.clone()
+    k_in[:, :, 29 - W + 1] += 10.0  # oldest key inside the window
+    assert not torch.allclose(impl(q, k_in, v, sinks, 29, W), base)
+
+
+def test_sink_closed_form():
+    """out_with_sink = out_without_sink * sigmoid(lse - sink) (SPEC §1.3)."""
+    q, k, v, sinks = _qkv(T=5, S=12)
+    with_sink = attention_reference(q, k, v, sinks, 7, None)
+    without = attention_reference(q, k, v, None, 7, None)
+    K = k.shape[1]
+    kk = k.repeat_interleave(4 // K, dim=1)
+    scores = (q @ kk.transpose(-1, -2)) / 16**0.5
+    scores = scores.masked_fill(~visible_mask(5, 12, 7, None), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (B, H, T, 1)
+    expected = without * torch.sigmoid(lse - sinks.view(1, -1, 1, 1))
+    torch.testing.assert_close(with_sink, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_sink_weights_sum_below_one():
+    """With a sink, attention weights over real keys sum to less than one (value vectors of ones)."""
+    q, k, _, sinks = _qkv(T=4, S=9)
+    ones = torch.ones(2, 2, 9, 16)
+    out = attention_fast(q, k, ones, sinks, 5, None)
+    assert (out < 1).all() and (out > 0).all()
+
+
+def test_no_repeated_kv_in_fast_kernel(monkeypatch):
+    """The fast kernel never calls repeat_interleave/expand on K or V (GQA without materialising)."""
+    q, k, v, sinks = _qkv(T=4, S=9)
+
+    def boom(*a, **kw):
+        raise AssertionError("repeat_interleave used")
+
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", boom)
+    attention_fast(q, k, v, sinks, 5, None)
