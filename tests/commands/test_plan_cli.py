@@ -1,0 +1,83 @@
+"""CLI smoke tests for `gptoss-lite plan` and `gptoss-lite kv-bench` through cli.main."""
+
+from __future__ import annotations
+
+import json
+
+from gptoss_lite.cli import main
+
+
+def test_plan_text_labels_and_units(capsys):
+    """`plan` prints every section, labelled payload / upper bound, with GiB and GB units."""
+    assert main(["plan", "--context", "4096", "131072", "--batch", "1", "8"]) == 0
+    out = capsys.readouterr().out
+    for text in ("KV ladder (payload", "Decode ceilings (upper bound", "ridge 153.0 FLOP/B",
+                 "Batch knee", "capacity (upper bound", "Prefill", "chunked stall", "Compression scenarios",
+                 "1,209,139,200", "GiB", "GB/s", "18.00 KiB/token"):
+        assert text in out, text
+
+
+def test_plan_json_is_stable_and_parses(capsys):
+    """`plan --json` emits sorted-key JSON whose figures match the library (schema_version 1)."""
+    assert main(["plan", "--json", "--model", "llama-3.3-70b", "--hardware", "h200", "--devices", "2",
+                 "--context", "131072",
+                 "--batch", "1", "--kv-bits", "16", "8"]) == 0
+    text = capsys.readouterr().out
+    report = json.loads(text)
+    assert text.strip() == json.dumps(report, sort_keys=True, indent=2)
+    assert report["schema_version"] == 1
+    assert report["kv_ladder"][0]["payload_bytes"] == 40 * 2**30
+    assert [row["kv_bits"] for row in report["capacity"]] == [16, 8]
+    assert report["capacity"][1]["payload_bytes"] == 20 * 2**30
+    assert report["decode_ceilings"][0]["memory_bound"] is True
+
+
+def test_plan_accepts_model_config_preset(capsys):
+    """A ModelConfig preset name (not a geometry preset) also works as --model."""
+    assert main(["plan", "--json", "--model", "lite-tiny", "--context", "16", "--batch", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"]["geometry"]["sliding_window_layers"] == 2
+    assert report["model"]["geometry"]["window"] == 8
+
+
+def test_plan_unknown_model_is_a_clear_error(capsys):
+    """An unknown --model exits 2 with the valid names listed."""
+    assert main(["plan", "--model", "nope"]) == 2
+    assert "unknown model 'nope'; valid:" in capsys.readouterr().err
+
+
+def test_plan_weights_over_capacity_suggest_devices(capsys):
+    """A model too big for one chip exits 2 and says to use more devices."""
+    assert main(["plan", "--model", "llama-3.3-70b"]) == 2
+    assert "use more devices (at least 2)" in capsys.readouterr().err
+    assert main(["plan", "--model", "llama-3.3-70b", "--devices", "2", "--json"]) == 0
+
+
+def test_plan_writes_png(tmp_path, capsys):
+    """`--plot` writes a PNG file (magic bytes checked)."""
+    out = tmp_path / "plan.png"
+    assert main(["plan", "--plot", str(out), "--context", "4096", "8192"]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_kv_bench_passes(capsys):
+    """`kv-bench` reproduces SPEC §3.1 (2.25 GiB vs 1.13 GiB at 128K) and exits 0 with a PASS line."""
+    assert main(["kv-bench"]) == 0
+    out = capsys.readouterr().out
+    assert "2,415,919,104" in out and "1,209,139,200" in out
+    assert "1.94x" in out and "1.97x" in out and "1.99x" in out
+    assert "PASS: mixed cache payload is 2.00x" in out
+    assert main(["kv-bench", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["passed"] is True
+
+
+def test_plan_weight_bits_fit_gpt_oss_120b_on_one_h100(capsys):
+    """BF16 gpt-oss-120b does not fit one 80 GB H100; at 4.25-bit weights it does."""
+    assert main(["plan", "--model", "gpt-oss-120b", "--hardware", "h100-sxm"]) == 2
+    assert "at least 3" in capsys.readouterr().err
+    assert main(["plan", "--json", "--model", "gpt-oss-120b", "--hardware", "h100-sxm", "--weight-bits", "4.25"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["bytes_per_parameter"] == 4.25 / 8
+    assert main(["plan", "--weight-bits", "0"]) == 2
+    assert "--weight-bits 0.0: must be in (0, 64]" in capsys.readouterr().err
+    assert main(["plan", "--kv-bits", "0"]) == 2
+    assert "--kv-bits 0: must be >= 1" in capsys.readouterr().err
