@@ -202,7 +202,7 @@ PRESETS: dict[str, ModelConfig] = {
     # ~20M-parameter gpt-oss config used by the benchmarks (issue: inference path).
     "gpt-oss-bench-20m": ModelConfig(
         vocab_size=12_288, d_model=256, n_layers=8, n_heads=8, n_kv_heads=2, head_dim=32,
-        sliding_window=128, n_experts=8, top_k=2, expert_hidden=1024,
+        sliding_window=128, n_experts=8, top_k=2, expert_hidden=256,
         max_position_embeddings=131_072,
         **{**_GPT_OSS_KNOBS, "rope_original_context": 4096}),
 }

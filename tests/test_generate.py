@@ -1,0 +1,115 @@
+import random
+
+import pytest
+import torch
+
+from conftest import make_model
+from gptoss_lite.generate import generate, stream_generate
+from gptoss_lite.kv.mixed import MixedKVCache
+from gptoss_lite.sampling import SamplingConfig, sample
+
+
+@pytest.mark.parametrize("preset", ["lite-tiny", "gpt-oss-tiny"])
+@pytest.mark.parametrize("B,T", [(1, 5), (1, 30), (2, 5), (2, 30)])  # window is 8
+def test_cached_equals_uncached_64_tokens(preset, B, T):
+    """Greedy cached generation equals the uncached O(T²) reference for 64 new tokens."""
+    model = make_model(preset)
+    ids = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(T + B))
+    cached = generate(model, ids, 64, temperature=0)
+    reference = generate(model, ids, 64, temperature=0, use_cache=False, attn_impl="reference")
+    assert cached.shape == (B, T + 64)
+    assert torch.equal(cached, reference)
+
+
+def test_random_chunked_prefill_matches_one_shot(tiny_model):
+    """Prefill in random chunk sizes gives the same logits (<= 1e-5) and the same tokens as one shot."""
+    ids = torch.randint(0, 256, (2, 90))
+    full = tiny_model(ids).logits
+    rng = random.Random(0)
+    for _ in range(3):
+        cache, pos, pieces = MixedKVCache(tiny_model.config, 2), 0, []
+        while pos < 90:
+            n = min(90 - pos, rng.randint(1, 20))
+            pieces.append(tiny_model(ids[:, pos:pos + n], cache=cache, start_pos=pos).logits)
+            pos += n
+        torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=1e-5)
+    one = generate(tiny_model, ids, 16, temperature=0, prefill_chunk=4096)
+    for chunk in (1, 7, 13):
+        assert torch.equal(generate(tiny_model, ids, 16, temperature=0, prefill_chunk=chunk), one)
+
+
+def test_seeded_sampling_reproducible(tiny_model):
+    """A seed makes temperature/top-p sampling reproducible; different seeds differ."""
+    ids = torch.randint(0, 256, (1, 10))
+    a = generate(tiny_model, ids, 32, temperature=1.5, top_p=0.95, seed=7)
+    b = generate(tiny_model, ids, 32, temperature=1.5, top_p=0.95, seed=7)
+    c = generate(tiny_model, ids, 32, temperature=1.5, top_p=0.95, seed=8)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_greedy_consumes_no_randomness():
+    """Greedy sampling leaves the global RNG untouched."""
+    logits = torch.randn(3, 10)
+    before = torch.get_rng_state()
+    sample(logits, SamplingConfig(temperature=0))
+    assert torch.equal(before, torch.get_rng_state())
+
+
+def test_top_p_keeps_smallest_prefix():
+    """Nucleus keeps the smallest prefix whose mass reaches top_p: here only the top token."""
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.1]]))
+    g = torch.Generator().manual_seed(0)
+    picks = {int(sample(logits, SamplingConfig(temperature=1.0, top_p=0.55), g)) for _ in range(50)}
+    assert picks == {0}
+    picks = {int(sample(logits, SamplingConfig(temperature=1.0, top_p=0.85), g)) for _ in range(200)}
+    assert picks == {0, 1}
+
+
+def test_stream_equals_generate_and_stop_tokens(tiny_model):
+    """Streaming yields the same tokens as generate(); a stop token ends generation early."""
+    ids = torch.randint(0, 256, (1, 12))
+    full = generate(tiny_model, ids, 20, temperature=0)
+    streamed = torch.stack(list(stream_generate(tiny_model, ids, 20, temperature=0)), dim=1)
+    assert torch.equal(streamed, full[:, 12:])
+    stop = int(full[0, 12 + 5])
+    stopped = generate(tiny_model, ids, 20, temperature=0, stop_tokens=[stop])
+    first = (full[0, 12:] == stop).nonzero()[0].item()
+    assert stopped.shape[1] == 12 + first + 1 and int(stopped[0, -1]) == stop
+
+
+def test_sinks_memoised_once_per_generate(tiny_model, monkeypatch):
+    """The clamped sink values are computed once per layer per generate call, not per step."""
+    calls = []
+    for block in tiny_model.blocks:
+        original = block.attn.sink_logits
+        monkeypatch.setattr(block.attn, "sink_logits", lambda o=original: calls.append(1) or o())
+    generate(tiny_model, torch.randint(0, 256, (1, 10)), 12, temperature=0)
+    assert len(calls) == tiny_model.config.n_layers
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(input_ids=torch.zeros(1, 0, dtype=torch.long)), "empty prompt"),
+    (dict(input_ids=torch.tensor([[1, 999]])), "out of vocabulary"),
+    (dict(input_ids=torch.tensor([[1, -1]])), "out of vocabulary"),
+    (dict(max_new_tokens=-1), "max_new_tokens=-1"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(max_new_tokens=70_000), "exceeds the configured maximum"),
+    (dict(input_ids=torch.tensor([1, 2])), r"\(B, T\)"),
+    (dict(prefill_chunk=0), "prefill_chunk"),
+])
+def test_bad_input(tiny_model, kwargs, match):
+    """Bad generate() arguments raise clear errors before any work."""
+    args = dict(input_ids=torch.tensor([[1, 2, 3]]), max_new_tokens=4)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        generate(tiny_model, **args)
+
+
+def test_used_cache_rejected(tiny_model):
+    """Passing a cache that already holds tokens is an error (positions would not line up)."""
+    cache = MixedKVCache(tiny_model.config)
+    generate(tiny_model, torch.tensor([[1, 2, 3]]), 2, temperature=0, cache=cache)
+    with pytest.raises(ValueError, match="reset"):
+        generate(tiny_model, torch.tensor([[1, 2, 3]]), 2, temperature=0, cache=cache)
