@@ -25,6 +25,9 @@ def yarn_inv_freq(head_dim: int, theta: float, factor: float, original_context: 
     interpolated = 1.0 / (factor * freq)
     low = half * math.log(original_context / (beta_fast * 2 * math.pi)) / math.log(theta)
     high = half * math.log(original_context / (beta_slow * 2 * math.pi)) / math.log(theta)
+    # Bounds clamped to [0, D-1] as in the gpt-oss reference and transformers. It only bites for
+    # original contexts below beta_fast·2π ≈ 201 tokens (tiny test configs), never for real presets.
+    low, high = max(low, 0.0), min(high, head_dim - 1.0)
     if high == low:  # degenerate ramp: a step at `low`
         high = low + 1e-3
     ramp = ((torch.arange(half, dtype=torch.float64) - low) / (high - low)).clamp(0.0, 1.0)

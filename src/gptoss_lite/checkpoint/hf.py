@@ -1,0 +1,287 @@
+"""The Hugging Face `GptOssForCausalLM` layout: config mapping, tensor mapping, save_hf (SPEC §2).
+
+Expert tensors, per layer, in the HF layout (input-major, `x @ W`):
+  mlp.experts.gate_up_proj       (E, C, 2I)  gate and up INTERLEAVED by column: [..., ::2] gate, [..., 1::2] up
+  mlp.experts.gate_up_proj_bias  (E, 2I)     interleaved the same way
+  mlp.experts.down_proj          (E, I, C)
+  mlp.experts.down_proj_bias     (E, C)
+This is both the layout of the released checkpoints once MXFP4 is dequantised and what
+transformers 5.23 `save_pretrained` writes for an unquantised model (GptOssExperts holds exactly
+these parameters and 5.23 has no save-time conversion for gpt_oss; pinned by tests/test_hf_oracle.py).
+Released checkpoints store gate_up_proj / down_proj as MXFP4 `*_blocks` / `*_scales` in the
+(out, in) orientation; they are dequantised and transposed here (see mxfp4.py).
+
+Ours stores every expert matrix nn.Linear-style (out × in) with separate gate/up, and fuses K and
+V into one kv_proj (K rows first); the mapping below converts between the two exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from gptoss_lite.config import FULL, SLIDING, ModelConfig
+from gptoss_lite.checkpoint.io import CONFIG_NAME, DEFAULT_MAX_SHARD_BYTES, read_json, read_tensors, write_checkpoint_dir
+from gptoss_lite.checkpoint.mxfp4 import dequantize_mxfp4
+from gptoss_lite.model.rope import yarn_inv_freq
+
+SWIGLU_ALPHA = 1.702  # sigmoid gain of the gpt-oss activation, fixed in our model code (SPEC §1.2)
+# HF GptOssConfig defaults (transformers 5.23 configuration_gpt_oss.py), used for absent keys.
+_HF_DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                    "truncate": False, "original_max_position_embeddings": 4096}
+_HF_DEFAULT_THETA = 150_000.0
+
+
+# ---- config -----------------------------------------------------------------------------------------
+
+def _rope_params(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The flat RoPE dict transformers would use: rope_scaling wins over rope_parameters (5.23 order)."""
+    params = hf.get("rope_scaling") or hf.get("rope_parameters")
+    params = dict(_HF_DEFAULT_ROPE if params is None else params)
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ValueError(f"per-layer-type RoPE parameters are not supported: {params}")
+    params.setdefault("rope_theta", hf.get("rope_theta", _HF_DEFAULT_THETA))
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
+    """ModelConfig of an HF gpt-oss config.json dict; anything our model cannot reproduce is a ValueError."""
+    if hf.get("model_type") != "gpt_oss":
+        raise ValueError(f"not an HF gpt-oss config: model_type={hf.get('model_type')!r}, expected 'gpt_oss'")
+    try:
+        C, H = hf["hidden_size"], hf["num_attention_heads"]
+        n_layers = hf["num_hidden_layers"]
+        fields = dict(
+            vocab_size=hf["vocab_size"], d_model=C, n_layers=n_layers, n_heads=H,
+            n_kv_heads=hf.get("num_key_value_heads") or H, head_dim=hf.get("head_dim") or C // H,
+            n_experts=hf.get("num_local_experts", hf.get("num_experts")), top_k=hf["num_experts_per_tok"],
+            expert_hidden=hf["intermediate_size"], max_position_embeddings=hf["max_position_embeddings"])
+    except KeyError as e:
+        raise ValueError(f"HF gpt-oss config lacks required key {e.args[0]!r}") from e
+    alpha = hf.get("swiglu_alpha", SWIGLU_ALPHA)
+    if alpha != SWIGLU_ALPHA:
+        raise ValueError(f"swiglu_alpha={alpha}: this model implements only {SWIGLU_ALPHA}")
+    quant = hf.get("quantization_config")
+    if quant is not None and quant.get("quant_method") != "mxfp4":
+        raise ValueError(f"quantization_config {quant}: only MXFP4 (dequantised on load) is supported")
+    layer_types = tuple(hf.get("layer_types") or (SLIDING if i % 2 == 0 else FULL for i in range(n_layers)))
+    window = hf.get("sliding_window")
+    if window is None:
+        if SLIDING in layer_types:
+            raise ValueError("sliding_window is null but layer_types has sliding_attention layers")
+        window = fields["max_position_embeddings"]
+    rope = _rope_params(hf)
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial_rotary_factor={rope['partial_rotary_factor']}: only 1.0 is supported")
+    if rope["rope_type"] == "yarn":
+        if rope.get("truncate", True):
+            raise ValueError("rope truncate is true (or absent, which transformers reads as true): gpt-oss YaRN "
+                             "uses unrounded ramp bounds; set \"truncate\": false if that is what the model was trained with")
+        factor = float(rope["factor"])
+        concentration = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        for key in ("mscale", "mscale_all_dim"):
+            if rope.get(key):
+                raise ValueError(f"rope {key}={rope[key]}: not supported (gpt-oss uses 0.1·ln(factor) + 1)")
+        if rope.get("attention_factor") is not None and not math.isclose(rope["attention_factor"], concentration):
+            raise ValueError(f"rope attention_factor={rope['attention_factor']}: this model uses "
+                             f"0.1·ln(factor) + 1 = {concentration}")
+        rope_fields = dict(rope_factor=factor, rope_original_context=rope["original_max_position_embeddings"],
+                           rope_beta_fast=float(rope.get("beta_fast") or 32.0),
+                           rope_beta_slow=float(rope.get("beta_slow") or 1.0))
+    elif rope["rope_type"] == "default":
+        rope_fields = dict(rope_factor=1.0, rope_original_context=fields["max_position_embeddings"])
+    else:
+        raise ValueError(f"rope_type={rope['rope_type']!r}: only 'yarn' and 'default' are supported")
+    cfg = ModelConfig(
+        **fields, **rope_fields, sliding_window=window, layer_types=layer_types,
+        n_shared_experts=0, activation="gptoss", swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+        attention_bias=bool(hf.get("attention_bias", True)), router_bias=True, expert_bias=True,
+        sink_clamp=None, rope_theta=float(rope["rope_theta"]), rope_pruned_pairs=0,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+        initializer_range=float(hf.get("initializer_range", 0.02)))
+    return cfg
+
+
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    """HF gpt-oss config.json dict for `cfg`; a ValueError for any GPT-OSS-Lite knob HF cannot express.
+
+    Absent router/expert biases are fine (written as zeros, exactly equivalent); dropout is a
+    training-only setting and is not carried.
+    """
+    refuse = []
+    if cfg.n_shared_experts:
+        refuse.append(f"n_shared_experts={cfg.n_shared_experts} (HF gpt-oss has no shared experts)")
+    if cfg.activation != "gptoss":
+        refuse.append(f"activation={cfg.activation!r} (HF gpt-oss has only the clamped 'gptoss' activation)")
+    if cfg.sink_clamp is not None:
+        refuse.append(f"sink_clamp={cfg.sink_clamp} (HF gpt-oss does not clamp sinks)")
+    if cfg.rope_pruned_pairs:
+        refuse.append(f"rope_pruned_pairs={cfg.rope_pruned_pairs} (HF gpt-oss rotates every pair)")
+    if refuse:
+        raise ValueError("cannot write the HF gpt-oss layout for this config: " + "; ".join(refuse))
+    if cfg.rope_factor == 1.0:
+        rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    else:
+        # NOTE: truncate must be written as false: transformers reads a missing key as true (rounded bounds).
+        rope = {"rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": cfg.rope_factor,
+                "beta_fast": cfg.rope_beta_fast, "beta_slow": cfg.rope_beta_slow,
+                "original_max_position_embeddings": cfg.rope_original_context, "truncate": False}
+    return {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "sliding_window": cfg.sliding_window, "layer_types": list(cfg.layer_types),
+        "num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.top_k,
+        "intermediate_size": cfg.expert_hidden, "hidden_act": "silu",
+        "swiglu_limit": cfg.swiglu_limit, "swiglu_alpha": SWIGLU_ALPHA,
+        "attention_bias": cfg.attention_bias, "attention_dropout": 0.0,
+        "tie_word_embeddings": cfg.tie_embeddings, "rms_norm_eps": cfg.norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings, "initializer_range": cfg.initializer_range,
+        # transformers 5.x reads rope_parameters (rope_scaling wins when both exist); 4.x, vLLM and
+        # other engines read rope_scaling + rope_theta. Both carry the same values.
+        "rope_theta": cfg.rope_theta, "rope_parameters": dict(rope), "rope_scaling": dict(rope),
+    }
+
+
+# ---- tensors ----------------------------------------------------------------------------------------
+
+def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name of the (unquantised) HF layout for `cfg`, with its shape."""
+    C, H, K, D, E, I = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_experts, cfg.expert_hidden
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, C), "model.norm.weight": (C,)}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, C)
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        out.update({p + "input_layernorm.weight": (C,), p + "post_attention_layernorm.weight": (C,),
+                    p + "self_attn.q_proj.weight": (H * D, C), p + "self_attn.k_proj.weight": (K * D, C),
+                    p + "self_attn.v_proj.weight": (K * D, C), p + "self_attn.o_proj.weight": (C, H * D),
+                    p + "self_attn.sinks": (H,),
+                    p + "mlp.router.weight": (E, C), p + "mlp.router.bias": (E,),
+                    p + "mlp.experts.gate_up_proj": (E, C, 2 * I), p + "mlp.experts.gate_up_proj_bias": (E, 2 * I),
+                    p + "mlp.experts.down_proj": (E, I, C), p + "mlp.experts.down_proj_bias": (E, C)})
+        if cfg.attention_bias:
+            out.update({p + "self_attn.q_proj.bias": (H * D,), p + "self_attn.k_proj.bias": (K * D,),
+                        p + "self_attn.v_proj.bias": (K * D,), p + "self_attn.o_proj.bias": (C,)})
+    return out
+
+
+def _dequantize_experts(state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """Replace every `X_blocks` + `X_scales` pair by the dequantised (E, in, out) tensor `X`, in place."""
+    for name in sorted(k for k in state if k.endswith("_blocks")):
+        base = name[: -len("_blocks")]
+        scales = base + "_scales"
+        if scales not in state:
+            raise ValueError(f"MXFP4 tensor {name} has no matching {scales}")
+        if base in state:
+            raise ValueError(f"tensor {base} is stored both unquantised and as MXFP4 {name}; each must appear once")
+        try:
+            state[base] = dequantize_mxfp4(state.pop(name), state.pop(scales), dtype)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from e
+    orphans = sorted(k for k in state if k.endswith("_scales"))
+    if orphans:
+        raise ValueError(f"MXFP4 scales without blocks: {orphans}")
+
+
+def load_hf_state_dict(directory: str | Path, cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
+    """Read an HF gpt-oss directory into a NATIVE state dict (strictly checked, MXFP4 dequantised).
+
+    The HF tensors are checked by their HF names first (missing / unexpected / both shapes /
+    non-finite), so errors name what is actually in the files.
+    """
+    from gptoss_lite.checkpoint.native import check_state_dict
+
+    directory = Path(directory)
+    if cfg is None:
+        cfg = config_from_hf(read_json(directory / CONFIG_NAME))
+    state = read_tensors(directory)
+    floats = {t.dtype for t in state.values() if t.is_floating_point()}
+    _dequantize_experts(state, floats.pop() if len(floats) == 1 else torch.float32)
+    if cfg.tie_embeddings and "lm_head.weight" in state:
+        # Some writers store the tied head anyway; accept it only if it really is the embedding.
+        head = state.pop("lm_head.weight")
+        emb = state.get("model.embed_tokens.weight")
+        if emb is not None and not (head.shape == emb.shape and torch.equal(head, emb)):
+            raise ValueError("tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight")
+    check_state_dict(hf_shapes(cfg), state, str(directory))
+    return hf_to_native(state, cfg)
+
+
+def hf_to_native(hf: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Map a complete, shape-checked HF state dict to native names and layouts."""
+    out = {"embed.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = hf["lm_head.weight"]
+    for i in range(cfg.n_layers):
+        p, n = f"model.layers.{i}.", f"blocks.{i}."
+        out[n + "norm1.weight"] = hf[p + "input_layernorm.weight"]
+        out[n + "norm2.weight"] = hf[p + "post_attention_layernorm.weight"]
+        out[n + "attn.sinks"] = hf[p + "self_attn.sinks"]
+        kinds = ("weight", "bias") if cfg.attention_bias else ("weight",)
+        for kind in kinds:
+            out[n + f"attn.q_proj.{kind}"] = hf[p + f"self_attn.q_proj.{kind}"]
+            out[n + f"attn.o_proj.{kind}"] = hf[p + f"self_attn.o_proj.{kind}"]
+            out[n + f"attn.kv_proj.{kind}"] = torch.cat(  # K rows first, then V (our fused layout)
+                (hf[p + f"self_attn.k_proj.{kind}"], hf[p + f"self_attn.v_proj.{kind}"]), dim=0)
+        out[n + "moe.router.weight"] = hf[p + "mlp.router.weight"]
+        out[n + "moe.router.bias"] = hf[p + "mlp.router.bias"]
+        gate_up = hf[p + "mlp.experts.gate_up_proj"]  # (E, C, 2I), interleaved columns
+        out[n + "moe.experts.gate_proj"] = gate_up[..., 0::2].transpose(1, 2).contiguous()  # (E, I, C)
+        out[n + "moe.experts.up_proj"] = gate_up[..., 1::2].transpose(1, 2).contiguous()  # (E, I, C)
+        gate_up_bias = hf[p + "mlp.experts.gate_up_proj_bias"]  # (E, 2I)
+        out[n + "moe.experts.gate_bias"] = gate_up_bias[:, 0::2].contiguous()  # (E, I)
+        out[n + "moe.experts.up_bias"] = gate_up_bias[:, 1::2].contiguous()  # (E, I)
+        out[n + "moe.experts.down_proj"] = hf[p + "mlp.experts.down_proj"].transpose(1, 2).contiguous()  # (E, C, I)
+        out[n + "moe.experts.down_bias"] = hf[p + "mlp.experts.down_proj_bias"]  # (E, C)
+    return out
+
+
+def native_to_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Map a native state dict to HF names and layouts; absent router/expert biases become zeros."""
+    K, D, E, I = cfg.n_kv_heads, cfg.head_dim, cfg.n_experts, cfg.expert_hidden
+    out = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["norm.weight"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = state["lm_head.weight"]
+    for i in range(cfg.n_layers):
+        p, n = f"model.layers.{i}.", f"blocks.{i}."
+        out[p + "input_layernorm.weight"] = state[n + "norm1.weight"]
+        out[p + "post_attention_layernorm.weight"] = state[n + "norm2.weight"]
+        out[p + "self_attn.sinks"] = state[n + "attn.sinks"]
+        kinds = ("weight", "bias") if cfg.attention_bias else ("weight",)
+        for kind in kinds:
+            out[p + f"self_attn.q_proj.{kind}"] = state[n + f"attn.q_proj.{kind}"]
+            out[p + f"self_attn.o_proj.{kind}"] = state[n + f"attn.o_proj.{kind}"]
+            kv = state[n + f"attn.kv_proj.{kind}"]  # (2·K·D, …): K rows then V rows
+            out[p + f"self_attn.k_proj.{kind}"] = kv[: K * D].clone()
+            out[p + f"self_attn.v_proj.{kind}"] = kv[K * D:].clone()
+        router_w = state[n + "moe.router.weight"]
+        out[p + "mlp.router.weight"] = router_w
+        out[p + "mlp.router.bias"] = state.get(n + "moe.router.bias", router_w.new_zeros(E))
+        gate, up = state[n + "moe.experts.gate_proj"], state[n + "moe.experts.up_proj"]  # (E, I, C)
+        gate_up = torch.stack((gate, up), dim=2).reshape(E, 2 * I, -1)  # rows g0, u0, g1, u1, …
+        out[p + "mlp.experts.gate_up_proj"] = gate_up.transpose(1, 2).contiguous()  # (E, C, 2I)
+        zeros_i = gate.new_zeros(E, I)
+        gb = state.get(n + "moe.experts.gate_bias", zeros_i)
+        ub = state.get(n + "moe.experts.up_bias", zeros_i)
+        out[p + "mlp.experts.gate_up_proj_bias"] = torch.stack((gb, ub), dim=2).reshape(E, 2 * I)  # (E, 2I)
+        down = state[n + "moe.experts.down_proj"]  # (E, C, I)
+        out[p + "mlp.experts.down_proj"] = down.transpose(1, 2).contiguous()  # (E, I, C)
+        out[p + "mlp.experts.down_proj_bias"] = state.get(n + "moe.experts.down_bias", down.new_zeros(E, down.shape[1]))
+    return out
+
+
+def save_hf(model, directory: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """Write `model` in the HF GptOssForCausalLM layout (config.json + safetensors), atomically.
+
+    Raises ValueError (before writing anything) for a config HF gpt-oss cannot express.
+    """
+    cfg = model.config
+    hf_config = config_to_hf(cfg)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    hf_config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    return write_checkpoint_dir(directory, hf_config, native_to_hf(state, cfg), max_shard_bytes)

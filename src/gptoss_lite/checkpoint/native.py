@@ -1,0 +1,192 @@
+"""Native checkpoints: save_model / load_model, strict validation, the default demo model (SPEC §2).
+
+Native layout: `config.json` = {"format_version": 1, "model": ModelConfig.to_dict(), ...extras} and
+safetensors weights named exactly as `GPTOSS.state_dict()` (a tied head is stored once, as
+`embed.weight`).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from gptoss_lite.config import CONFIG_FORMAT_VERSION, PRESETS, ModelConfig, get_preset
+from gptoss_lite.checkpoint.io import (CONFIG_NAME, DEFAULT_MAX_SHARD_BYTES, read_json, read_tensors,
+                                       write_checkpoint_dir)
+from gptoss_lite.model import GPTOSS, RotaryEmbedding
+
+# Where the trained demo model lives once it has been trained and copied in (package data).
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo"
+# Preset used when the demo model is not there (random weights, announced on stderr).
+FALLBACK_PRESET = "lite-tiny"
+_RESERVED_KEYS = ("format_version", "model")
+
+
+def default_model_source() -> Path | str:
+    """The demo model directory if it holds a config.json, else the preset name "lite-tiny".
+
+    In the second case a one-line notice goes to stderr: the model will have random weights.
+    """
+    if (DEFAULT_MODEL / CONFIG_NAME).is_file():
+        return DEFAULT_MODEL
+    print(f"gptoss-lite: no trained demo model at {DEFAULT_MODEL}; using preset {FALLBACK_PRESET!r} "
+          "with RANDOM weights", file=sys.stderr)
+    return FALLBACK_PRESET
+
+
+def save_model(model: GPTOSS, directory: str | Path, extra_config: Mapping[str, Any] | None = None,
+               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """Write `model` to `directory` in the native layout, atomically; returns the directory.
+
+    extra_config: extra top-level config.json keys (e.g. {"tokenizer": "byte"}); "format_version"
+    and "model" are reserved. Weights above `max_shard_bytes` are sharded with an index json.
+    The model is not modified.
+    """
+    if not isinstance(model, GPTOSS):
+        raise TypeError(f"save_model: expected a GPTOSS model, got {type(model).__name__}")
+    extra = dict(extra_config or {})
+    clash = [k for k in _RESERVED_KEYS if k in extra]
+    if clash:
+        raise ValueError(f"extra_config keys {clash} are reserved for the native config layout")
+    config = {"format_version": CONFIG_FORMAT_VERSION, "model": model.config.to_dict(), **extra}
+    return write_checkpoint_dir(directory, config, dict(model.state_dict()), max_shard_bytes)
+
+
+def read_native_config(directory: str | Path) -> tuple[ModelConfig, dict[str, Any]]:
+    """(ModelConfig, the whole config.json dict) of a native checkpoint directory."""
+    path = Path(directory) / CONFIG_NAME
+    data = read_json(path)
+    version = data.get("format_version")
+    if version != CONFIG_FORMAT_VERSION:
+        raise ValueError(f"{path}: format_version={version!r}; this version reads {CONFIG_FORMAT_VERSION}")
+    if not isinstance(data.get("model"), dict):
+        raise ValueError(f"{path}: missing the 'model' section (a dict of ModelConfig fields)")
+    try:
+        cfg = ModelConfig.from_dict(data["model"])
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{path}: bad model config: {e}") from e
+    return cfg, data
+
+
+def check_state_dict(expected: Mapping[str, tuple[int, ...]], state: Mapping[str, torch.Tensor],
+                     source: str) -> None:
+    """Raise ValueError unless `state` has exactly the expected names and shapes, all finite.
+
+    Every problem is listed (missing, unexpected, mis-shaped with both shapes, non-finite), so one
+    error message shows everything that is wrong with a checkpoint.
+    """
+    problems = []
+    for name in sorted(set(expected) - set(state)):
+        problems.append(f"missing tensor {name} (expected shape {list(expected[name])})")
+    for name in sorted(set(state) - set(expected)):
+        problems.append(f"unexpected tensor {name} (shape {list(state[name].shape)})")
+    for name in sorted(set(expected) & set(state)):
+        got = tuple(state[name].shape)
+        if got != tuple(expected[name]):
+            problems.append(f"tensor {name}: shape {list(got)} in checkpoint, model expects {list(expected[name])}")
+        elif not state[name].is_floating_point():
+            problems.append(f"tensor {name}: dtype {state[name].dtype} is not floating point")
+        elif not bool(torch.isfinite(state[name]).all()):
+            n_bad = int((~torch.isfinite(state[name])).sum())
+            problems.append(f"tensor {name}: {n_bad} non-finite value(s) (nan/inf)")
+    if problems:
+        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+        raise ValueError(f"{source}: checkpoint does not match the model config:\n  " + "\n  ".join(shown))
+
+
+def _resolve_dtype(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> torch.dtype:
+    if dtype is not None:
+        if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"dtype={dtype!r}: must be a floating torch.dtype")
+        return dtype
+    stored = {t.dtype for t in state.values()}
+    return stored.pop() if len(stored) == 1 else torch.float32
+
+
+def model_from_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor], source: str,
+                          device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> GPTOSS:
+    """A fresh GPTOSS in eval mode holding `state` (native names), validated strictly before use.
+
+    dtype None keeps the stored dtype when all tensors share one, else float32.
+    """
+    with torch.device("meta"):
+        model = GPTOSS(cfg)  # no memory, no random init: every parameter comes from `state`
+    check_state_dict({k: tuple(v.shape) for k, v in model.state_dict().items()}, state, source)
+    dtype = _resolve_dtype(state, dtype)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()},
+                          strict=True, assign=True)
+    # Non-persistent buffers (rotary inverse frequencies) are not in the checkpoint: rebuild them.
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.inv_freq = RotaryEmbedding(cfg, pruned_pairs=module.pruned_pairs).inv_freq.to(device)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    assert not left, f"tensors left unmaterialised after loading: {left}"
+    return model.eval()
+
+
+def load_model(source: str | Path, device: str | torch.device | None = None,
+               dtype: torch.dtype | None = None, seed: int = 0) -> GPTOSS:
+    """Load a GPTOSS in eval mode from a directory or a preset name.
+
+    - a directory with our config.json ("format_version") -> native layout;
+    - a directory with an HF gpt-oss config.json (model_type "gpt_oss") -> HF layout (MXFP4 experts
+      are dequantised);
+    - a preset name -> RANDOM weights seeded by `seed` (announced with a warning).
+    Loading is strict (see check_state_dict) and never unpickles.
+    """
+    path = Path(source)
+    if path.is_dir():
+        return _load_dir(path, device, dtype)
+    if isinstance(source, str) and source in PRESETS:
+        cfg = get_preset(source)
+        warnings.warn(f"load_model({source!r}): preset with RANDOM weights (seed={seed}), not a trained model",
+                      stacklevel=2)
+        model = GPTOSS(cfg)
+        model.reset_parameters(seed)
+        return model.to(device=device, dtype=dtype).eval()
+    if path.exists():
+        raise ValueError(f"load_model: {path} is a file; pass the model directory that holds {CONFIG_NAME}")
+    raise ValueError(f"load_model: {str(source)!r} is neither a model directory nor a preset; "
+                     f"valid presets: {', '.join(sorted(PRESETS))}")
+
+
+def _load_dir(directory: Path, device, dtype) -> GPTOSS:
+    config_path = directory / CONFIG_NAME
+    if not config_path.is_file():
+        raise ValueError(f"{directory}: no {CONFIG_NAME}; not a model directory")
+    data = read_json(config_path)
+    if data.get("model_type") == "gpt_oss":
+        from gptoss_lite.checkpoint.hf import config_from_hf, load_hf_state_dict
+        cfg = config_from_hf(data)
+        state = load_hf_state_dict(directory, cfg)
+    elif "format_version" in data:
+        cfg, _ = read_native_config(directory)
+        state = read_tensors(directory)
+    else:
+        raise ValueError(f"{config_path}: neither a gptoss-lite config (format_version) nor an HF gpt-oss "
+                         f"config (model_type 'gpt_oss'; got model_type={data.get('model_type')!r})")
+    return model_from_state_dict(cfg, state, str(directory), device, dtype)
+
+
+def load_weights_into(model: GPTOSS, directory: str | Path) -> GPTOSS:
+    """Copy a native checkpoint's weights into an existing model (e.g. to resume training).
+
+    Everything is validated first (config equal to model.config, names, shapes, finiteness); on any
+    error the model is left exactly as it was.
+    """
+    directory = Path(directory)
+    cfg, _ = read_native_config(directory)
+    if cfg != model.config:
+        diff = {k: (v, getattr(cfg, k)) for k, v in model.config.to_dict().items() if cfg.to_dict()[k] != v}
+        raise ValueError(f"{directory}: config differs from the model's (field: (model, checkpoint)): {diff}")
+    state = read_tensors(directory)
+    check_state_dict({k: tuple(v.shape) for k, v in model.state_dict().items()}, state, str(directory))
+    with torch.no_grad():
+        for name, target in model.state_dict().items():
+            target.copy_(state[name])
+    return model

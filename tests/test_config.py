@@ -1,0 +1,58 @@
+"""ModelConfig: the 502M parameter count (SPEC §1.1), presets by exact name, validation."""
+
+import pytest
+import torch
+
+from gptoss_lite.config import ModelConfig, count_active_parameters, count_parameters, get_preset
+from gptoss_lite.model import GPTOSS
+
+
+def test_502m_parameter_count_on_meta():
+    """gptoss-lite-502m has exactly 501,836,640 parameters, 247,032,672 active per token."""
+    cfg = get_preset("gptoss-lite-502m")
+    with torch.device("meta"):
+        model = GPTOSS(cfg)
+    assert sum(p.numel() for p in model.parameters()) == 501_836_640
+    assert count_parameters(cfg) == 501_836_640
+    assert count_active_parameters(cfg) == 247_032_672
+
+
+@pytest.mark.parametrize("preset", ["lite-tiny", "gpt-oss-tiny", "gpt-oss-20b"])
+def test_count_parameters_matches_model(preset):
+    """count_parameters agrees with the built model for every kind of knob."""
+    cfg = get_preset(preset)
+    with torch.device("meta"):
+        model = GPTOSS(cfg)
+    assert count_parameters(cfg) == sum(p.numel() for p in model.parameters())
+
+
+def test_unknown_preset_lists_valid_names():
+    """An unknown preset name is an error listing the valid ones."""
+    with pytest.raises(ValueError, match=r"unknown preset 'gpt-oss-7b'; valid presets: .*gptoss-lite-502m"):
+        get_preset("gpt-oss-7b")
+
+
+@pytest.mark.parametrize("change, exc, match", [
+    (dict(n_heads=6, n_kv_heads=4), ValueError, "n_heads=6 must be a multiple of n_kv_heads=4"),
+    (dict(head_dim=7), ValueError, "head_dim=7: must be even"),
+    (dict(top_k=9), ValueError, "top_k=9 must be <= n_experts=8"),
+    (dict(activation="gelu"), ValueError, "activation='gelu'"),
+    (dict(d_model=0), ValueError, "d_model=0: must be >= 1"),
+    (dict(d_model=7.5), TypeError, "d_model=7.5: must be an int"),
+    (dict(rope_factor=0.5), ValueError, "rope_factor=0.5"),
+    (dict(sink_clamp=(5.0, -5.0)), ValueError, "sink_clamp"),
+    (dict(layer_types=("full_attention",)), ValueError, "layer_types has 1 entries"),
+    (dict(tie_embeddings=1), TypeError, "tie_embeddings=1: must be a bool"),
+])
+def test_bad_field_values(change, exc, match):
+    """Bad field values are errors naming the field, its value and the limit."""
+    with pytest.raises(exc, match=match):
+        ModelConfig().replace(**change)
+
+
+def test_from_dict_rejects_unknown_keys_and_round_trips():
+    """from_dict(to_dict()) is the identity; an unknown key is named."""
+    cfg = get_preset("gpt-oss-tiny")
+    assert ModelConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match=r"unknown ModelConfig field\(s\) \['n_layer'\]"):
+        ModelConfig.from_dict({**cfg.to_dict(), "n_layer": 3})
