@@ -6,6 +6,10 @@ import torch
 from gptoss_lite.config import get_preset
 from gptoss_lite.model import GPTOSS
 
+# One intra-op thread: tiny models gain nothing from two, and on a shared 2-core machine (CI, or a
+# developer training in the background) oversubscribed OpenMP threads make tests 10x slower.
+torch.set_num_threads(1)
+
 
 def make_model(preset: str = "lite-tiny", seed: int = 0, **changes) -> GPTOSS:
     """A tiny model with non-trivial sinks and biases (so sink/bias bugs cannot hide behind zeros)."""

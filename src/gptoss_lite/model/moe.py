@@ -56,14 +56,21 @@ class MoE(nn.Module):
         self.shared = (Experts(cfg.n_shared_experts, cfg.d_model, cfg.expert_hidden, cfg.activation,
                                cfg.swiglu_limit, cfg.expert_bias) if cfg.n_shared_experts else None)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x (B, T, C) -> (y (B, T, C), aux loss scalar). Only selected experts run, grouped by expert."""
+    def forward(self, x: torch.Tensor, need_aux: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x (B, T, C) -> (y (B, T, C), aux loss scalar or None). Only selected experts run, grouped by expert."""
         B, T, C = x.shape
         E, A = self.n_experts, self.top_k
         flat = x.reshape(B * T, C)  # (N, C)
         logits = self.router(flat)  # (N, E)
         top_logits, top_idx = logits.topk(A, dim=-1)  # (N, A)
         weights = torch.softmax(top_logits.float(), dim=-1).to(x.dtype)  # (N, A)
+        if flat.shape[0] == 1 and not need_aux:
+            # Single-token decode: each selected expert is its own group; skip the sort/scatter.
+            y = None
+            for j, e in enumerate(top_idx[0].tolist()):
+                out = self.experts.expert(e, flat) * weights[0, j]
+                y = out if y is None else y + out
+            return self._add_shared(flat, y).view(B, T, C), None
 
         # Group the N·A (token, expert) assignments by expert: one matmul per expert that has tokens.
         assign_expert = top_idx.reshape(-1)  # (N·A,)
@@ -79,13 +86,19 @@ class MoE(nn.Module):
                 outs.append(self.experts.expert(e, sorted_x[start:start + n]))
                 start += n
         expert_out = torch.cat(outs, dim=0) * sorted_w[:, None]  # (N·A, C)
-        y = torch.zeros_like(flat).index_add_(0, token_of, expert_out)  # (N, C)
-        if self.shared is not None:
-            for s in range(self.shared.gate_proj.shape[0]):
-                y = y + self.shared.expert(s, flat)
+        y = self._add_shared(flat, torch.zeros_like(flat).index_add_(0, token_of, expert_out))  # (N, C)
+        if not need_aux:
+            return y.view(B, T, C), None
 
         # Switch-style load balancing: E · Σ_e f_e · P_e (f: fraction of assignments, P: mean prob).
         frac = counts.float() / assign_expert.numel()  # (E,)
         mean_prob = torch.softmax(logits.float(), dim=-1).mean(dim=0)  # (E,)
         aux = E * (frac * mean_prob).sum()
         return y.view(B, T, C), aux
+
+    def _add_shared(self, flat: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y + every shared expert applied to every token."""
+        if self.shared is not None:
+            for s in range(self.shared.gate_proj.shape[0]):
+                y = y + self.shared.expert(s, flat)
+        return y
