@@ -14,6 +14,10 @@ import sys
 # Order is the order shown in `gptoss-lite --help`.
 COMMANDS: tuple[str, ...] = (
     "generate",
+    "plan",
+    "kv_bench",
+    "train",
+    "passkey",
 )
 
 

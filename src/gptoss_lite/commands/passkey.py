@@ -1,0 +1,129 @@
+"""`gptoss-lite passkey`: passkey retrieval accuracy by context length and depth (SPEC §4)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _depth(text: str) -> float:
+    aliases = {"start": 0.0, "middle": 0.5, "end": 1.0}
+    if text in aliases:
+        return aliases[text]
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"depth {text!r}: use a fraction in [0, 1] or start/middle/end") from None
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from gptoss_lite.evals.passkey import BASE_SEED, DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_TRIALS, TEMPLATES
+
+    p = subparsers.add_parser(
+        "passkey", help="passkey retrieval accuracy by context length and depth",
+        description="Needle-in-a-haystack passkey retrieval (SPEC §4): greedy, cached generation of 16 tokens "
+                    "per trial; prints accuracy per length and a length x depth grid, then PASS/FAIL at the "
+                    "longest length (target >= 85%). Exits 0 either way.")
+    p.add_argument("--model", default=None,
+                   help="model directory or preset name (default: the shipped demo model)")
+    p.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS), metavar="TOKENS",
+                   help=f"context lengths in tokens (default: {' '.join(map(str, DEFAULT_LENGTHS))})")
+    p.add_argument("--depths", type=_depth, nargs="+", default=list(DEFAULT_DEPTHS), metavar="FRAC",
+                   help="needle depths, fractions in [0, 1] or start/middle/end (default: 0 0.5 1)")
+    p.add_argument("--trials", type=int, default=DEFAULT_TRIALS, metavar="N",
+                   help=f"distinct passkeys per length, each asked at every depth (default: {DEFAULT_TRIALS})")
+    p.add_argument("--seed", type=int, default=BASE_SEED,
+                   help=f"base seed: keys of length L come from random.Random(seed + L) (default: {BASE_SEED})")
+    p.add_argument("--template", choices=TEMPLATES, default="default",
+                   help="prompt template; 'classic' is the grass/sky/sun template (default: default)")
+    p.add_argument("--prefill-chunk", type=int, default=2048, metavar="TOKENS",
+                   help="prompt tokens per prefill forward (default: 2048)")
+    p.add_argument("--batch-size", type=int, default=1, metavar="N",
+                   help="trials generated together (equal-length prompts only; default: 1)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write a length x depth accuracy heatmap")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gptoss_lite.checkpoint import default_model_source, load_model
+    from gptoss_lite.evals.passkey import PasskeyEvaluator
+    from gptoss_lite.tokenizer import load_tokenizer
+
+    source = args.model if args.model is not None else default_model_source()
+    model = load_model(source)
+    evaluator = PasskeyEvaluator(model, tokenizer=load_tokenizer(source), lengths=args.lengths,
+                                 depths=args.depths, n_trials=args.trials, base_seed=args.seed,
+                                 template=args.template, prefill_chunk=args.prefill_chunk,
+                                 batch_size=args.batch_size)
+    result = evaluator.run(progress=not args.no_progress)
+    if args.plot:
+        plot_heatmap(result, args.plot)
+    if args.json:
+        out = result.to_dict()
+        out["model"] = str(source)
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_table(result, str(source)))
+        if args.plot:
+            print(f"heatmap: {args.plot}")
+        print(result.verdict())
+    return 0
+
+
+def format_table(result, source: str) -> str:
+    """Accuracy per length (with extrapolation ratio and KV bytes), then the length x depth grid."""
+    ratio = result.extrapolation
+    lines = [f"passkey retrieval: model {source}, template {result.template}, {result.n_trials} trials x "
+             f"{len(result.depths)} depths per length, train context "
+             f"{result.train_context_length if result.train_context_length else 'unknown'}", ""]
+    header = f"{'length':>8} {'tokens':>8} {'x train':>8} {'accuracy':>9} {'KV payload':>12} {'KV alloc':>12}"
+    lines += [header, "-" * len(header)]
+    for n in result.lengths:
+        x = f"{ratio[n]:.1f}x" if ratio else "-"
+        lines.append(f"{n:>8} {result.prompt_tokens[n]:>8} {x:>8} {100 * result.accuracy[n]:>8.1f}% "
+                     f"{_bytes(result.kv_payload_bytes[n]):>12} {_bytes(result.kv_allocated_bytes[n]):>12}")
+    lines += ["", "accuracy by depth (%)"]
+    head = f"{'length':>8} {'x train':>8} " + " ".join(f"{d:>6g}" for d in result.depths)
+    lines += [head, "-" * len(head)]
+    for n in result.lengths:
+        x = f"{ratio[n]:.1f}x" if ratio else "-"
+        lines.append(f"{n:>8} {x:>8} " + " ".join(f"{100 * result.accuracy_by_depth[n][d]:>6.1f}"
+                                                  for d in result.depths))
+    return "\n".join(lines)
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def plot_heatmap(result, path: str) -> None:
+    """Length x depth accuracy heatmap as PNG (matplotlib, imported only here)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grid = [[100 * result.accuracy_by_depth[n][d] for d in result.depths] for n in result.lengths]
+    fig, ax = plt.subplots(figsize=(1.2 * len(result.depths) + 3, 0.5 * len(result.lengths) + 2))
+    im = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
+    ax.set_xticks(range(len(result.depths)), [f"{d:g}" for d in result.depths])
+    ratio = result.extrapolation
+    ax.set_yticks(range(len(result.lengths)),
+                  [f"{n} ({ratio[n]:.0f}x)" if ratio else str(n) for n in result.lengths])
+    ax.set_xlabel("needle depth")
+    ax.set_ylabel("context length (tokens)")
+    for i, row in enumerate(grid):
+        for j, value in enumerate(row):
+            ax.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=9)
+    fig.colorbar(im, ax=ax, label="accuracy (%)")
+    ax.set_title(f"passkey retrieval, {result.n_trials} trials per cell")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"passkey: wrote {path}", file=sys.stderr)

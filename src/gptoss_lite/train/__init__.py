@@ -1,0 +1,13 @@
+"""Training: synthetic long-context data, the trainer config, and the AdamW loop (SPEC §6)."""
+
+from gptoss_lite.train.config import TrainConfig, load_train_config
+from gptoss_lite.train.data import SyntheticRetrievalData
+
+__all__ = ["TrainConfig", "load_train_config", "SyntheticRetrievalData", "train"]
+
+
+def train(*args, **kwargs):
+    """Run the trainer (`gptoss_lite.train.loop.train`); imported lazily so configs load without torch work."""
+    from gptoss_lite.train.loop import train as _train
+
+    return _train(*args, **kwargs)

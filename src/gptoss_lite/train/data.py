@@ -1,0 +1,211 @@
+"""Synthetic long-context training data, generated on the fly (no downloads).
+
+Every document is exactly `seq_len + 1` tokens (inputs are the first `seq_len`, targets the last
+`seq_len`) and teaches copying from far away:
+
+- `passkey`: a needle `The passkey is NNNNN.` at a random depth in filler, then the question and the
+  answer digits. A share of the documents (`eval_phrasing_prob`) uses exactly the evaluator's
+  wording (imported from `gptoss_lite.evals.passkey`); the rest use other phrasings.
+- `kv`: several facts `The code for the red lantern is NNNNN.` scattered through the filler, then a
+  query about one of them (the other numbers are distractors).
+- `copy`: a short sequence of made-up words early on, repeated at the end.
+
+NOTE: the filler here is NOT the evaluator's filler: it is generated from a different word bank
+(procedural subject-verb-object sentences, no digits) with a seed stream derived from the training
+seed, never `42 + context_length`. A model therefore cannot score on the passkey evaluation by
+memorising its haystack.
+
+Determinism: the batch of step k depends only on (data seed, k) — each row seeds its own
+`random.Random` from (seed, step, global row) — so a resumed run reproduces the stream exactly, and
+each DDP rank / gradient-accumulation micro-step draws different rows.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+from gptoss_lite.evals.passkey import NEEDLE_TEMPLATE, QUESTION
+from gptoss_lite.tokenizer import ByteTokenizer
+
+if TYPE_CHECKING:
+    from gptoss_lite.train.config import DataConfig
+
+IGNORE_INDEX = -100  # targets with this value are not scored (torch cross_entropy convention)
+
+# ---- training filler: procedural sentences, digit-free, disjoint from the evaluator's bank --------
+_ADJ = ("quiet", "copper", "narrow", "patient", "crooked", "silver", "hollow", "gentle", "rusty",
+        "bright", "distant", "heavy", "tiny", "ancient", "restless", "woolen", "salty", "frozen")
+_NOUN = ("fisherman", "weaver", "lantern", "goat", "carpenter", "violin", "merchant", "kettle",
+         "sailor", "beetle", "potter", "orchard", "miller", "compass", "shepherd", "ladder", "owl",
+         "blacksmith", "wagon", "falcon")
+_VERB = ("carried", "painted", "followed", "repaired", "counted", "admired", "buried", "polished",
+         "traded", "watched", "dropped", "mended", "chased", "sketched", "weighed")
+_PLACE = ("the harbor", "the mill", "a muddy lane", "the market square", "the old bridge",
+          "a windy hill", "the cellar", "the riverbank", "the workshop", "a pine forest",
+          "the village well", "the lighthouse")
+_PREP = ("near", "behind", "beyond", "inside", "across", "under", "beside")
+_TIME = ("At dawn", "Later that week", "Every winter", "Before supper", "Long ago", "By noon",
+         "After the storm", "One evening")
+_SYLLABLES = ("ka", "lo", "mi", "ren", "tu", "vos", "sha", "pel", "dri", "qua", "zor", "ne", "fi")
+
+# Non-evaluator passkey phrasings: (needle template, question). Leading space / newline as in the eval.
+_PASSKEY_VARIANTS = (
+    (" The pass key is {key}. Remember it. {key} is the pass key.", "\nWhat is the pass key? The pass key is"),
+    (" The secret number is {key}.", "\nWhat is the secret number? The secret number is"),
+    (" Passkey: {key}. Keep it safe.", "\nWhat was the passkey? The passkey is"),
+    (" Remember that the passkey is {key}.", "\nRecall the passkey. The passkey is"),
+)
+ANSWER_TEMPLATE = " {key}."
+
+
+def filler_sentence(rng: random.Random) -> str:
+    """One digit-free training filler sentence with a leading space."""
+    form = rng.randrange(3)
+    a, b = rng.sample(_NOUN, 2)
+    if form == 0:
+        return f" The {rng.choice(_ADJ)} {a} {rng.choice(_VERB)} the {b} {rng.choice(_PREP)} {rng.choice(_PLACE)}."
+    if form == 1:
+        return f" {rng.choice(_TIME)}, a {rng.choice(_ADJ)} {a} {rng.choice(_VERB)} a {rng.choice(_ADJ)} {b}."
+    return f" Nobody {rng.choice(_VERB)} the {a} {rng.choice(_PREP)} {rng.choice(_PLACE)}, said the {b}."
+
+
+def _word(rng: random.Random) -> str:
+    return "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3)))
+
+
+def _key(rng: random.Random) -> str:
+    return f"{rng.randrange(100_000):05d}"
+
+
+class SyntheticRetrievalData:
+    """Deterministic (input_ids, targets) batches of retrieval documents; see the module docstring.
+
+    `batch(step)` returns two LongTensors of shape (B, T) with B = `batch_size`, T = `seq_len`;
+    `targets[:, t]` is the token after `input_ids[:, t]` (IGNORE_INDEX where not scored).
+    """
+
+    def __init__(self, config: "DataConfig", rank: int = 0, world_size: int = 1, grad_accum_steps: int = 1):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank}: must be in [0, world_size={world_size})")
+        if grad_accum_steps < 1:
+            raise ValueError(f"grad_accum_steps={grad_accum_steps}: must be >= 1")
+        self.config = config
+        self.rank, self.world_size, self.grad_accum_steps = rank, world_size, grad_accum_steps
+        self.tokenizer = ByteTokenizer()
+        self._tasks = ("passkey", "kv", "copy")
+        self._weights = (config.passkey_weight, config.kv_weight, config.copy_weight)
+        need = self.max_overhead_tokens()
+        if config.seq_len < need + 16:
+            raise ValueError(f"data.seq_len={config.seq_len}: too short for the retrieval documents, whose "
+                             f"fixed parts take up to {need} tokens; use seq_len >= {need + 16}")
+
+    def max_overhead_tokens(self, n_facts: int = 2) -> int:
+        """Upper bound on the non-filler tokens of a document (BOS, needles, question, answer, EOS).
+
+        kv documents hold up to `max_facts` facts, but fewer when they would leave less than a quarter
+        of the sequence for filler; the bound uses `n_facts` facts.
+        """
+        enc = lambda s: len(self.tokenizer.encode(s))  # noqa: E731
+        key = "00000"
+        passkey = max(enc(n.format(key=key)) + enc(q) for n, q in ((NEEDLE_TEMPLATE, QUESTION), *_PASSKEY_VARIANTS))
+        longest_name = max(len(a) for a in _ADJ) + max(len(n) for n in _NOUN)
+        fact = enc(" The code for the  is 00000.") + longest_name
+        query = enc("\nWhat is the code for the ? The code for the  is") + 2 * longest_name
+        kv = n_facts * fact + query
+        copy = enc(" Remember this sequence: .") + enc("\nRepeat the sequence:") + 2 * (5 * 10)
+        return 2 + enc(ANSWER_TEMPLATE.format(key=key)) + max(passkey, kv, copy)
+
+    # ---- documents ------------------------------------------------------------------------------
+    def document(self, rng: random.Random) -> tuple[list[int], int]:
+        """(tokens of length seq_len + 1, index of the first answer token) for one random document."""
+        task = rng.choices(self._tasks, weights=self._weights)[0]
+        if task == "passkey":
+            key = _key(rng)
+            if rng.random() < self.config.eval_phrasing_prob:
+                needle, question = NEEDLE_TEMPLATE, QUESTION
+            else:
+                needle, question = rng.choice(_PASSKEY_VARIANTS)
+            inserts = [needle.format(key=key)]
+            answer = ANSWER_TEMPLATE.format(key=key)
+        elif task == "kv":
+            n = rng.randint(2, self.config.max_facts)
+            while n > 2 and self.max_overhead_tokens(n) > (3 * self.config.seq_len) // 4:
+                n -= 1  # keep at least a quarter of the document as filler
+            names = set()
+            while len(names) < n:
+                names.add(f"{rng.choice(_ADJ)} {rng.choice(_NOUN)}")
+            names = sorted(names)
+            rng.shuffle(names)
+            keys = [_key(rng) for _ in names]
+            inserts = [f" The code for the {name} is {key}." for name, key in zip(names, keys)]
+            asked = rng.randrange(n)
+            question = f"\nWhat is the code for the {names[asked]}? The code for the {names[asked]} is"
+            answer = ANSWER_TEMPLATE.format(key=keys[asked])
+        else:
+            words = " ".join(_word(rng) for _ in range(rng.randint(2, 5)))
+            inserts = [f" Remember this sequence: {words}."]
+            question = "\nRepeat the sequence:"
+            answer = f" {words}."
+        return self._assemble(rng, inserts, question, answer)
+
+    def _assemble(self, rng: random.Random, inserts: list[str], question: str, answer: str) -> tuple[list[int], int]:
+        tok = self.tokenizer
+        insert_ids = [tok.encode(s) for s in inserts]
+        tail = tok.encode(question)
+        answer_ids = tok.encode(answer) + [tok.eos_id]
+        total = self.config.seq_len + 1
+        budget = total - 1 - sum(map(len, insert_ids)) - len(tail) - len(answer_ids)
+        assert budget >= 0, f"document overhead exceeds seq_len={self.config.seq_len}"
+        # Filler sentences until the budget is covered; the last one is cut at the token level.
+        sentences: list[list[int]] = []
+        used = 0
+        while used < budget:
+            ids = tok.encode(filler_sentence(rng))
+            ids = ids[: budget - used]
+            sentences.append(ids)
+            used += len(ids)
+        # Each insert goes at a sentence boundary chosen by a uniform random depth.
+        slots = sorted(rng.randint(0, len(sentences)) for _ in insert_ids)
+        body: list[int] = [tok.bos_id]
+        pending = list(zip(slots, insert_ids))
+        for i in range(len(sentences) + 1):
+            while pending and pending[0][0] == i:
+                body.extend(pending.pop(0)[1])
+            if i < len(sentences):
+                body.extend(sentences[i])
+        body.extend(tail)
+        answer_start = len(body)
+        body.extend(answer_ids)
+        assert len(body) == total, f"document has {len(body)} tokens, expected {total}"
+        return body, answer_start
+
+    # ---- batches --------------------------------------------------------------------------------
+    def batch(self, step: int, micro_step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, targets), each (B, T) long, for this rank's share of optimiser step `step`."""
+        if step < 0 or not 0 <= micro_step < self.grad_accum_steps:
+            raise ValueError(f"step={step}, micro_step={micro_step}: need step >= 0 and "
+                             f"0 <= micro_step < grad_accum_steps={self.grad_accum_steps}")
+        cfg = self.config
+        B, T = cfg.batch_size, cfg.seq_len
+        first_row = (micro_step * self.world_size + self.rank) * B
+        docs = torch.empty(B, T + 1, dtype=torch.long)
+        mask = torch.zeros(B, T, dtype=torch.bool)
+        for i in range(B):
+            rng = random.Random(f"gptoss-lite-train/{cfg.seed}/{step}/{first_row + i}")
+            tokens, answer_start = self.document(rng)
+            docs[i] = torch.tensor(tokens, dtype=torch.long)
+            mask[i, answer_start - 1:] = True  # target position t predicts token t + 1
+        inputs, targets = docs[:, :-1], docs[:, 1:].clone()  # (B, T), (B, T)
+        if cfg.loss_on == "answer":
+            targets[~mask] = IGNORE_INDEX
+        return inputs.contiguous(), targets
+
+    def batches(self, start_step: int = 0) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Endless (step, input_ids, targets) from `start_step` on (micro-step 0 of each step)."""
+        step = start_step
+        while True:
+            yield (step, *self.batch(step))
+            step += 1

@@ -1,0 +1,339 @@
+"""The training loop: AdamW, warmup + cosine, grad clipping, BF16 autocast, checkpoints, DDP (SPEC §6).
+
+Layout of `checkpoint.out_dir`:
+
+```
+checkpoints/step_0000500/   config.json + model.safetensors (save_model), optimizer.safetensors,
+                            trainer_state.json (step, optimiser scalars, RNG, config)
+final/                      config.json + model.safetensors of the last step
+metrics.jsonl               one JSON line per logged step
+```
+
+NOTE: nothing is pickled: optimiser tensors (and the torch RNG state) go to safetensors, scalars to
+JSON. Under `torchrun` (WORLD_SIZE > 1) the model is wrapped in DistributedDataParallel (gloo on
+CPU, NCCL on GPU), every rank draws its own rows of the data stream, and only rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from gptoss_lite.train.config import TrainConfig
+from gptoss_lite.train.data import SyntheticRetrievalData
+
+CHECKPOINT_DIR = "checkpoints"
+FINAL_DIR = "final"
+METRICS_FILE = "metrics.jsonl"
+STATE_FILE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.safetensors"
+STATE_FORMAT_VERSION = 1
+
+
+@dataclass
+class TrainSummary:
+    """What a finished run reports."""
+
+    start_step: int  # first optimiser step this process ran (> 0 after a resume)
+    end_step: int  # optimiser steps completed in total
+    losses: list[float] = field(default_factory=list)  # LM loss of each step run here
+    aux_losses: list[float] = field(default_factory=list)  # unscaled aux loss of each step run here
+    tokens_per_s: float = 0.0  # training throughput over this process's steps, all ranks together
+    out_dir: str = ""
+    final_dir: str | None = None  # None on ranks other than 0
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.losses[-1] if self.losses else None
+
+
+# ---- distributed helpers ---------------------------------------------------------------------------
+
+def _dist_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from the torchrun environment (1 process without it)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return int(os.environ.get("RANK", "0")), world, int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def _resolve_device(config: TrainConfig, local_rank: int) -> torch.device:
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' but CUDA is not available; use device: cpu or auto")
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+# ---- optimiser -------------------------------------------------------------------------------------
+
+def _build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norm weights, biases and sinks are not decayed)."""
+    decay, no_decay = [], []
+    for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    opt = config.optimizer
+    groups = [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=opt.lr, betas=opt.betas, eps=opt.eps)
+
+
+def _save_optimizer(optimizer: torch.optim.Optimizer, directory: Path) -> dict:
+    """Write optimiser tensors to safetensors; return its scalar state for the JSON file."""
+    from safetensors.torch import save_file
+
+    state = optimizer.state_dict()
+    tensors, scalars = {}, {}
+    for idx, per_param in state["state"].items():
+        for name, value in per_param.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{idx}.{name}"] = value.detach().to("cpu").contiguous()
+            else:
+                scalars[f"{idx}.{name}"] = value
+    save_file(tensors, str(directory / OPTIMIZER_FILE))
+    return {"param_groups": state["param_groups"], "scalars": scalars}
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, directory: Path, saved: dict) -> None:
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(directory / OPTIMIZER_FILE))
+    per_param: dict[int, dict] = {}
+    for key, value in tensors.items():
+        idx, name = key.split(".", 1)
+        per_param.setdefault(int(idx), {})[name] = value
+    for key, value in saved["scalars"].items():
+        idx, name = key.split(".", 1)
+        per_param.setdefault(int(idx), {})[name] = value
+    optimizer.load_state_dict({"state": per_param, "param_groups": saved["param_groups"]})
+
+
+# ---- checkpoints -----------------------------------------------------------------------------------
+
+def _checkpoint_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint under `out_dir/checkpoints`, or None."""
+    root = Path(out_dir) / CHECKPOINT_DIR
+    if not root.is_dir():
+        return None
+    done = [d for d in root.iterdir() if d.is_dir() and d.name.startswith("step_") and (d / STATE_FILE).is_file()]
+    return max(done, key=lambda d: int(d.name[len("step_"):]), default=None)
+
+
+def _save_checkpoint(model, optimizer, config: TrainConfig, step: int, out_dir: Path) -> Path:
+    """Write a checkpoint atomically (temp dir, then rename) and prune old ones."""
+    from gptoss_lite.checkpoint import save_model
+
+    root = out_dir / CHECKPOINT_DIR
+    final = root / _checkpoint_name(step)
+    tmp = root / f".tmp-{final.name}"  # hidden: never taken for a checkpoint
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_model(model, tmp, extra_config=_extra_config(config, step))
+    opt_state = _save_optimizer(optimizer, tmp)
+    from safetensors.torch import save_file
+
+    save_file({"cpu_rng": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
+    state = {"format_version": STATE_FORMAT_VERSION, "step": step, "optimizer": opt_state,
+             "config": config.to_dict()}
+    (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    kept = sorted((d for d in root.iterdir() if d.is_dir() and d.name.startswith("step_")),
+                  key=lambda d: int(d.name[len("step_"):]))
+    for old in kept[: -config.checkpoint.keep]:
+        shutil.rmtree(old)
+    return final
+
+
+def _load_checkpoint(model, optimizer, directory: Path) -> int:
+    """Restore model, optimiser and RNG from `directory`; returns the step to continue from."""
+    from safetensors.torch import load_file
+
+    from gptoss_lite.checkpoint import load_weights_into
+
+    state = json.loads((directory / STATE_FILE).read_text())
+    if state.get("format_version") != STATE_FORMAT_VERSION:
+        raise ValueError(f"{directory}: trainer state format {state.get('format_version')!r}, "
+                         f"expected {STATE_FORMAT_VERSION}; start a new run without --resume")
+    load_weights_into(model, directory)  # validates the config against the train config's model
+    _load_optimizer(optimizer, directory, state["optimizer"])
+    torch.set_rng_state(load_file(str(directory / "rng.safetensors"))["cpu_rng"])
+    return int(state["step"])
+
+
+# ---- the loop --------------------------------------------------------------------------------------
+
+def train(config: TrainConfig, resume: bool = False, max_steps: int | None = None,
+          progress: bool = True) -> TrainSummary:
+    """Train `config.model` on synthetic retrieval data; see the module docstring for outputs.
+
+    `resume`: continue from the newest checkpoint in `config.checkpoint.out_dir` (error when none).
+    `max_steps`: stop once this many optimiser steps are done in total (the lr schedule still spans
+    `schedule.total_steps`); None runs to `schedule.total_steps`.
+    """
+    from gptoss_lite.model import GPTOSS
+
+    if max_steps is not None and max_steps < 1:
+        raise ValueError(f"max_steps={max_steps}: must be >= 1 (or None to run schedule.total_steps)")
+    end_step = config.schedule.total_steps if max_steps is None else min(max_steps, config.schedule.total_steps)
+    out_dir = Path(config.checkpoint.out_dir)
+    resume_dir = latest_checkpoint(out_dir) if resume else None
+    if resume and resume_dir is None:
+        raise FileNotFoundError(f"--resume: no checkpoint under {out_dir / CHECKPOINT_DIR}; "
+                                f"run once without --resume first")
+
+    rank, world, local_rank = _dist_env()
+    distributed = world > 1
+    device = _resolve_device(config, local_rank)
+    if distributed:
+        import torch.distributed as dist
+
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        owns_group = not dist.is_initialized()
+        if owns_group:
+            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    is_main = rank == 0
+
+    torch.manual_seed(config.seed)  # same initial weights on every rank
+    model = GPTOSS(config.model).to(device)
+    optimizer = _build_optimizer(model, config)
+    start_step = 0
+    if resume_dir is not None:
+        # load_state_dict copies into the device parameters; the optimiser casts its state to them.
+        start_step = _load_checkpoint(model, optimizer, resume_dir)
+        if is_main:
+            _truncate_metrics(out_dir / METRICS_FILE, start_step)
+    model.train()
+    model.gradient_checkpointing = config.gradient_checkpointing
+    net = model
+    if distributed:
+        from torch.nn.parallel import DistributedDataParallel
+
+        # NOTE: find_unused_parameters: a routed expert that receives no token in a micro-batch has
+        # no gradient, which plain DDP would wait for forever.
+        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                      find_unused_parameters=True)
+
+    accum = config.optimizer.grad_accum_steps
+    data = SyntheticRetrievalData(config.data, rank=rank, world_size=world, grad_accum_steps=accum)
+    autocast = (torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+                if config.precision == "bf16" else nullcontext())
+    tokens_per_step = config.data.batch_size * config.data.seq_len * accum * world
+    if is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        print(f"train: {sum(p.numel() for p in model.parameters()):,} parameters, seq_len {config.data.seq_len}, "
+              f"{tokens_per_step:,} tokens/step, {world} process(es) on {device}, precision {config.precision}, "
+              f"steps {start_step}->{end_step}" + (f" (resumed from {resume_dir})" if resume_dir else ""),
+              file=sys.stderr)
+
+    summary = TrainSummary(start_step=start_step, end_step=start_step, out_dir=str(out_dir))
+    bar = None
+    if is_main and progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=end_step, initial=start_step, desc="train", unit="step", file=sys.stderr,
+                   dynamic_ncols=True)
+    metrics = open(out_dir / METRICS_FILE, "a") if is_main else None
+    t_start = time.perf_counter()
+    try:
+        for step in range(start_step, end_step):
+            t0 = time.perf_counter()
+            lr = config.optimizer.lr * config.schedule.lr_factor(step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss_sum = torch.zeros((), device=device)
+            aux_sum = torch.zeros((), device=device)
+            for micro in range(accum):
+                inputs, targets = data.batch(step, micro)  # (B, T), (B, T)
+                inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+                sync = nullcontext() if (not distributed or micro == accum - 1) else net.no_sync()
+                with sync:
+                    with autocast:
+                        out = net(inputs, targets=targets)
+                    lm_loss, aux_loss = out.loss.float(), out.aux_loss.float()
+                    total = (lm_loss + config.aux_loss_coef * aux_loss) / accum
+                    total.backward()
+                loss_sum += lm_loss.detach() / accum
+                aux_sum += aux_loss.detach() / accum
+            if config.optimizer.grad_clip is not None:
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.grad_clip)
+            else:
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if distributed:
+                import torch.distributed as dist
+
+                stats = torch.stack([loss_sum, aux_sum])
+                dist.all_reduce(stats)
+                loss_sum, aux_sum = stats[0] / world, stats[1] / world
+            loss_value, aux_value = float(loss_sum), float(aux_sum)
+            if not math.isfinite(loss_value):
+                raise FloatingPointError(f"step {step}: loss is {loss_value}; lower optimizer.lr "
+                                         f"(now {config.optimizer.lr}) or use precision: fp32")
+            done = step + 1
+            dt = time.perf_counter() - t0
+            summary.losses.append(loss_value)
+            summary.aux_losses.append(aux_value)
+            summary.end_step = done
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss_value:.4f}", aux=f"{aux_value:.3f}", lr=f"{lr:.2e}",
+                                tok_s=f"{tokens_per_step / dt:,.0f}")
+            if metrics is not None and (done % config.logging.every_n_steps == 0 or done == end_step):
+                metrics.write(json.dumps({"step": done, "loss": loss_value, "aux_loss": aux_value, "lr": lr,
+                                          "grad_norm": float(grad_norm), "tokens_per_s": tokens_per_step / dt,
+                                          "elapsed_s": time.perf_counter() - t_start}) + "\n")
+                metrics.flush()
+            if is_main and done % config.checkpoint.every_n_steps == 0 and done < end_step:
+                _save_checkpoint(model, optimizer, config, done, out_dir)
+        elapsed = time.perf_counter() - t_start
+        ran = summary.end_step - start_step
+        summary.tokens_per_s = tokens_per_step * ran / elapsed if ran and elapsed > 0 else 0.0
+        if is_main:
+            if summary.end_step > start_step:
+                _save_checkpoint(model, optimizer, config, summary.end_step, out_dir)
+            from gptoss_lite.checkpoint import save_model
+
+            final = out_dir / FINAL_DIR
+            save_model(model, final, extra_config=_extra_config(config, summary.end_step))
+            summary.final_dir = str(final)
+            print(f"train: done at step {summary.end_step}; final loss {summary.final_loss}; "
+                  f"{summary.tokens_per_s:,.0f} tokens/s; model in {final}", file=sys.stderr)
+    finally:
+        if bar is not None:
+            bar.close()
+        if metrics is not None:
+            metrics.close()
+        if distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+            if owns_group:
+                dist.destroy_process_group()
+    return summary
+
+
+def _extra_config(config: TrainConfig, step: int) -> dict:
+    """config.json keys beside the model: the tokenizer and how the weights were trained."""
+    return {"tokenizer": "byte", "training": {"step": step, "seq_len": config.data.seq_len,
+                                              "data_seed": config.data.seed, "precision": config.precision}}
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop metrics lines past `step` (left by a run that stopped after its last checkpoint)."""
+    if path.is_file():
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+        path.write_text("".join(ln + "\n" for ln in lines))

@@ -1,0 +1,289 @@
+"""Trainer: config loading and validation, synthetic data, one step, resume, DDP, CLI (SPEC §6)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from gptoss_lite.config import count_parameters
+from gptoss_lite.evals.passkey import FILLER_SENTENCES, NEEDLE_TEMPLATE, QUESTION
+from gptoss_lite.tokenizer import ByteTokenizer
+from gptoss_lite.train.config import DataConfig, ScheduleConfig, TrainConfig, load_train_config
+from gptoss_lite.train.data import IGNORE_INDEX, SyntheticRetrievalData
+
+REPO = Path(__file__).resolve().parents[2]
+SEQ_LEN = 224  # shortest comfortable length for the byte-level documents
+
+
+def tiny_config(out_dir: Path, **overrides) -> TrainConfig:
+    """A lite-tiny model on short sequences: a step takes well under a second on CPU."""
+    data = {"model": {"preset": "lite-tiny", "n_layers": 2},
+            "data": {"seq_len": SEQ_LEN, "batch_size": 2, "seed": 7},
+            "optimizer": {"lr": 3e-3},
+            "schedule": {"warmup_steps": 1, "total_steps": 4},
+            "checkpoint": {"out_dir": str(out_dir), "every_n_steps": 2, "keep": 2},
+            "logging": {"every_n_steps": 1},
+            "device": "cpu"}
+    for key, value in overrides.items():
+        if isinstance(value, dict):
+            data.setdefault(key, {}).update(value)
+        else:
+            data[key] = value
+    return TrainConfig.from_dict(data)
+
+
+# ---- config -----------------------------------------------------------------------------------------
+
+def test_demo_config_loads():
+    """configs/demo_cpu.yaml is a valid TrainConfig that records its seq_len as train_context_length."""
+    cfg = load_train_config(REPO / "configs" / "demo_cpu.yaml")
+    assert cfg.data.seq_len == 256 and cfg.model.train_context_length == 256
+    assert cfg.model.vocab_size == 264 and cfg.model.d_model == 128
+    SyntheticRetrievalData(cfg.data)  # the documents fit the sequence length
+
+
+def test_a100_config_is_the_502m_preset_at_4096():
+    """configs/pretrain_a100_502m.yaml: the 502M preset at 4,096 tokens, bf16, checkpointing."""
+    cfg = load_train_config(REPO / "configs" / "pretrain_a100_502m.yaml")
+    assert cfg.model_preset == "gptoss-lite-502m"
+    assert count_parameters(cfg.model) == 501_836_640
+    assert cfg.data.seq_len == 4096 and cfg.model.train_context_length == 4096
+    assert cfg.precision == "bf16" and cfg.gradient_checkpointing
+    SyntheticRetrievalData(cfg.data)
+
+
+def test_config_round_trips_through_dict(tmp_path):
+    """to_dict -> JSON -> load_train_config gives an equal config."""
+    cfg = tiny_config(tmp_path)
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg.to_dict()))
+    assert load_train_config(path) == cfg
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path):
+    """A nonexistent config path raises FileNotFoundError naming the path."""
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_train_config(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("data, match", [
+    ({"optimiser": {}}, r"unknown train config key\(s\) \['optimiser'\]"),
+    ({"data": {"seqlen": 8}}, r"unknown key\(s\) \['seqlen'\] in section 'data'"),
+    ({"model": {"preset": "lite-tiny", "dmodel": 8}}, r"unknown model field\(s\) \['dmodel'\]"),
+    ({"model": {"dmodel": 8}}, r"unknown ModelConfig field\(s\) \['dmodel'\]"),
+    ({"model": {"preset": "nope"}}, "unknown preset 'nope'"),
+    ({"precision": "fp16"}, "precision='fp16': must be one of"),
+    ({"schedule": {"warmup_steps": 10, "total_steps": 5}}, "warmup_steps=10: must be <= total_steps=5"),
+    ({"data": {"loss_on": "prompt"}}, "loss_on='prompt'"),
+])
+def test_bad_config_keys_and_values_are_rejected(tmp_path, data, match):
+    """Unknown keys are named at every level; bad values say the limit."""
+    with pytest.raises(ValueError, match=match):
+        TrainConfig.from_dict({"model": {"preset": "lite-tiny"}, **data})
+
+
+def test_unknown_key_in_yaml_file_names_the_file(tmp_path):
+    """Errors from a config file name the file and the bad key."""
+    path = tmp_path / "bad.yaml"
+    path.write_text("model: {preset: lite-tiny}\ndata: {seq_len: 256, batchsize: 4}\n")
+    with pytest.raises(ValueError, match=r"bad.yaml: unknown key\(s\) \['batchsize'\]"):
+        load_train_config(path)
+
+
+def test_seq_len_too_short_for_documents():
+    """A seq_len that cannot hold the document overhead is rejected with the minimum."""
+    with pytest.raises(ValueError, match=r"data.seq_len=64: too short .* use seq_len >= \d+"):
+        SyntheticRetrievalData(DataConfig(seq_len=64))
+
+
+def test_lr_schedule_warmup_then_cosine():
+    """lr factor rises linearly to 1 over warmup and decays by cosine to min_lr_ratio."""
+    s = ScheduleConfig(warmup_steps=4, total_steps=14, min_lr_ratio=0.1)
+    assert [s.lr_factor(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert s.lr_factor(4) == pytest.approx(1.0)
+    assert s.lr_factor(9) == pytest.approx(0.55)
+    assert s.lr_factor(14) == pytest.approx(0.1)
+    factors = [s.lr_factor(i) for i in range(4, 15)]
+    assert all(a >= b for a, b in zip(factors, factors[1:]))
+
+
+# ---- data -------------------------------------------------------------------------------------------
+
+def test_batches_are_deterministic_per_step_and_shifted():
+    """batch(k) depends only on (seed, k); targets are inputs shifted by one; every row is seq_len."""
+    cfg = DataConfig(seq_len=SEQ_LEN, batch_size=4, seed=3)
+    a, b = SyntheticRetrievalData(cfg), SyntheticRetrievalData(cfg)
+    x0, y0 = a.batch(0)
+    a.batch(5)
+    x0b, y0b = b.batch(0)
+    assert x0.shape == y0.shape == (4, SEQ_LEN) and x0.dtype == torch.long
+    assert torch.equal(x0, x0b) and torch.equal(y0, y0b)
+    assert torch.equal(x0[:, 1:], y0[:, :-1])
+    assert not torch.equal(a.batch(1)[0], x0)
+    other_seed = SyntheticRetrievalData(DataConfig(seq_len=SEQ_LEN, batch_size=4, seed=4))
+    assert not torch.equal(other_seed.batch(0)[0], x0)
+
+
+def test_ranks_and_micro_steps_draw_different_rows():
+    """DDP ranks and accumulation micro-steps get disjoint rows of the same step."""
+    cfg = DataConfig(seq_len=SEQ_LEN, batch_size=2, seed=3)
+    rows = [SyntheticRetrievalData(cfg, rank=r, world_size=2, grad_accum_steps=2).batch(9, m)[0]
+            for r in range(2) for m in range(2)]
+    flat = {tuple(row.tolist()) for batch in rows for row in batch}
+    assert len(flat) == 8
+
+
+def test_documents_end_with_question_and_answer():
+    """Passkey documents hold the needle once and end with the question and its answer digits."""
+    data = SyntheticRetrievalData(DataConfig(seq_len=512, batch_size=16, seed=0, passkey_weight=1.0,
+                                             kv_weight=0.0, copy_weight=0.0, eval_phrasing_prob=1.0))
+    x, y = data.batch(0)
+    tok = ByteTokenizer()
+    for i in range(16):
+        text = tok.decode(torch.cat([x[i], y[i, -1:]]).tolist())
+        key = text.rsplit(" ", 1)[-1].rstrip(".")
+        assert len(key) == 5 and key.isdigit()
+        assert text.endswith(QUESTION + f" {key}.")
+        assert text[:text.rindex(QUESTION)].count(NEEDLE_TEMPLATE.format(key=key)) == 1
+        assert x[i, 0].item() == tok.bos_id and y[i, -1].item() == tok.eos_id
+
+
+def test_training_filler_is_not_the_evaluator_filler():
+    """No sentence of the evaluator's filler bank appears in training documents."""
+    data = SyntheticRetrievalData(DataConfig(seq_len=1024, batch_size=8, seed=0))
+    x, _ = data.batch(0)
+    text = "".join(ByteTokenizer().decode(row.tolist()) for row in x)
+    assert not [s for s in FILLER_SENTENCES if s.strip() in text]
+
+
+def test_answer_only_loss_masks_everything_but_the_answer():
+    """loss_on='answer' leaves only the answer tokens (and EOS) as targets."""
+    data = SyntheticRetrievalData(DataConfig(seq_len=SEQ_LEN, batch_size=3, seed=0, loss_on="answer"))
+    _, y = data.batch(0)
+    for row in y:
+        kept = (row != IGNORE_INDEX).nonzero().flatten()
+        assert 3 <= len(kept) <= 60
+        assert kept[-1].item() == SEQ_LEN - 1 and torch.equal(kept, torch.arange(kept[0].item(), SEQ_LEN))
+
+
+# ---- training -----------------------------------------------------------------------------------------
+
+def test_one_training_step_lowers_the_loss():
+    """One AdamW step on a batch lowers the LM loss on that batch."""
+    from gptoss_lite.model import GPTOSS
+    from gptoss_lite.train.loop import _build_optimizer
+
+    cfg = tiny_config(Path("unused"))
+    torch.manual_seed(0)
+    model = GPTOSS(cfg.model).train()
+    optimizer = _build_optimizer(model, cfg)
+    x, y = SyntheticRetrievalData(cfg.data).batch(0)
+    out = model(x, targets=y)
+    (out.loss + cfg.aux_loss_coef * out.aux_loss).backward()
+    optimizer.step()
+    with torch.no_grad():
+        after = model(x, targets=y).loss.item()
+    assert out.aux_loss.ndim == 0
+    assert after < out.loss.item() - 0.05
+
+
+def test_train_writes_final_model_metrics_and_checkpoints(tmp_path):
+    """train() saves final/ (with train_context_length), metrics.jsonl and the last `keep` checkpoints."""
+    from gptoss_lite.checkpoint import load_model
+    from gptoss_lite.train.loop import latest_checkpoint
+
+    summary = train_run(tiny_config(tmp_path), max_steps=4)
+    assert summary.end_step == 4 and len(summary.losses) == 4
+    assert all(math.isfinite(v) for v in summary.losses + summary.aux_losses)
+    assert summary.tokens_per_s > 0
+    final = load_model(tmp_path / "final")
+    assert final.config.train_context_length == SEQ_LEN
+    lines = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [ln["step"] for ln in lines] == [1, 2, 3, 4]
+    assert {"loss", "aux_loss", "lr", "tokens_per_s", "grad_norm"} <= set(lines[0])
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000002", "step_0000004"]
+    assert latest_checkpoint(tmp_path).name == "step_0000004"
+    assert not list(tmp_path.rglob("*.pt")) and not list(tmp_path.rglob("*.pkl"))
+
+
+def test_resume_continues_from_the_saved_step_with_the_same_loss(tmp_path):
+    """Stopping at step 2 and resuming reproduces the uninterrupted run's losses of steps 3-4."""
+    full = train_run(tiny_config(tmp_path / "full"), max_steps=4)
+    cfg = tiny_config(tmp_path / "split")
+    first = train_run(cfg, max_steps=2)
+    resumed = train_run(cfg, resume=True)
+    assert first.losses == pytest.approx(full.losses[:2], abs=0)
+    assert resumed.start_step == 2 and resumed.end_step == 4
+    assert resumed.losses == pytest.approx(full.losses[2:], rel=1e-6)
+
+
+def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
+    """--resume with an empty output directory says to run without --resume first."""
+    with pytest.raises(FileNotFoundError, match="no checkpoint under .* run once without --resume"):
+        train_run(tiny_config(tmp_path), resume=True)
+
+
+def test_bf16_autocast_step_runs(tmp_path):
+    """precision bf16 trains with autocast and finite losses."""
+    summary = train_run(tiny_config(tmp_path, precision="bf16"), max_steps=1)
+    assert summary.end_step == 1 and math.isfinite(summary.losses[0])
+
+
+def train_run(cfg, **kwargs):
+    from gptoss_lite.train.loop import train
+
+    return train(cfg, progress=False, **kwargs)
+
+
+# ---- DDP ----------------------------------------------------------------------------------------------
+
+def _ddp_worker(rank: int, world: int, port: int, out_dir: str, result_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    summary = train_run(tiny_config(Path(out_dir)), max_steps=2)
+    Path(result_dir, f"rank{rank}.json").write_text(json.dumps({"losses": summary.losses,
+                                                                "final": summary.final_dir}))
+
+
+def test_ddp_two_processes_train(tmp_path):
+    """Two gloo processes train 2 steps: identical (all-reduced) losses, only rank 0 writes."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_worker, args=(2, port, str(tmp_path / "run"), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert len(r0["losses"]) == 2 and r0["losses"] == r1["losses"]
+    assert r0["final"] is not None and r1["final"] is None
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+
+
+# ---- CLI ----------------------------------------------------------------------------------------------
+
+def test_cli_train_smoke(tmp_path, capsys):
+    """`gptoss-lite train --config ... --max-steps 1 --out DIR` trains and reports tokens/s."""
+    from gptoss_lite.cli import main
+
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(tiny_config(tmp_path / "ignored").to_dict()))
+    assert main(["train", "--config", str(path), "--max-steps", "1", "--out", str(tmp_path / "out"),
+                 "--no-progress"]) == 0
+    assert "tokens/s" in capsys.readouterr().out
+    assert (tmp_path / "out" / "final" / "config.json").is_file()
+    assert not (tmp_path / "ignored").exists()
+
+
+def test_cli_train_missing_config_exits_2(tmp_path, capsys):
+    """A nonexistent --config is exit code 2 with a one-line error."""
+    from gptoss_lite.cli import main
+
+    assert main(["train", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
