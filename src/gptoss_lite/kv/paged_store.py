@@ -1,0 +1,445 @@
+"""Paged KV tensors driven by `PagedKVPool` bookkeeping, and a paged drop-in for MixedKVCache.
+
+Layout. Every layer owns K and V tensors of shape (N, bs, K, D): N physical blocks of bs token
+slots, token-major so one token's (K, D) slab is contiguous (vLLM's layout). Block ids are not
+per layer: **one pool per layer kind** hands them out, and a block id names the same slots in the
+tensors of every layer of that kind.
+
+- Global layers share one pool (`store.pools["global"]`): they see every token, so their page
+  tables are identical.
+- Sliding-window layers share one pool (`store.pools["window"]`): every windowed layer has the same
+  window W (`config.sliding_window`) and sees the same positions, so their page tables are identical
+  too; the pool releases a sequence's leading blocks once they fall outside the window
+  (`release_before`), which is why it cannot share a table with the global pool.
+
+So a decode step costs one `append` per kind per sequence, not one per layer, and a prefix hit
+shares a block across all layers of a kind at once.
+
+`PagedKVCache` is the interface the model calls (`memo_sinks`, `attend_inputs`), for a batch of
+pool sequences (one per row). A forward pass is a *step*: the first `attend_inputs` at a new
+`start_pos` preflights both pools for the whole batch (raising `PoolExhaustedError` with nothing
+changed), releases windowed blocks that fell out of the window, appends the new tokens in both
+pools and applies copy-on-write copies; every layer then writes its K/V into the planned slots and
+gathers what its queries need.
+
+Window release is lazy: at the start of a step at `p0`, windowed blocks whose every slot is before
+`p0 - W + 1 - rollback_tokens` are released. A decode step therefore holds at most
+`ceil(W / bs) + 1` windowed blocks per sequence (with `rollback_tokens=0`), and after a one-chunk
+prefill nothing has been released yet, which is what lets a prompt be inserted into the prefix
+cache (below).
+
+Prefix caching (SPEC §5.5). The store keeps one `PrefixCache` per pool (`store.prefix[kind]`),
+keyed by the same chained hashes. A windowed layer at position N needs the K/V of the W - 1 tokens
+before N, and those cannot be recomputed without the windowed K/V before *them* (and so on back to
+0), so a windowed hit must come from stored blocks as well: `insert_prefix` pins the prompt's full
+blocks in *both* pools (so cached prompts cost windowed memory too, until evicted), and
+`from_prefix` attaches a sequence to the cached blocks of both pools, the hit being the shorter of
+the two; the window pool then drops the leading shared blocks on its first append. `insert_prefix`
+therefore requires that the windowed sequence has released nothing yet (prefill in one chunk, or
+insert before the prompt outgrows the window).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Hashable, Sequence
+from typing import Callable
+
+import torch
+
+from gptoss_lite.config import ModelConfig
+from gptoss_lite.kv.paged import DEFAULT_BLOCK_SIZE, PagedKVPool, PoolExhaustedError, _check_count
+from gptoss_lite.kv.prefix import PrefixCache
+
+GLOBAL, WINDOW = "global", "window"  # layer kinds; one pool each
+
+
+class PagedKVStore:
+    """Per-layer K/V block tensors (N, bs, K, D) plus one `PagedKVPool` per layer kind.
+
+    `total_blocks` sizes the global pool, `window_blocks` the window pool (default: the same).
+    """
+
+    def __init__(self, config: ModelConfig, total_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE,
+                 *, window_blocks: int | None = None, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> None:
+        if not isinstance(config, ModelConfig):
+            raise TypeError(f"config: expected a ModelConfig, got {type(config).__name__}")
+        total_blocks = _check_count("total_blocks", total_blocks)
+        window_blocks = total_blocks if window_blocks is None else _check_count("window_blocks",
+                                                                                window_blocks)
+        self.config = config
+        self.block_size = block_size
+        self.dtype, self.device = dtype, torch.device(device)
+        self.layers_of: dict[str, tuple[int, ...]] = {}
+        self.pools: dict[str, PagedKVPool] = {}
+        if config.global_layers:
+            self.layers_of[GLOBAL] = config.global_layers
+            self.pools[GLOBAL] = PagedKVPool(total_blocks, block_size)
+        if config.sliding_layers:
+            self.layers_of[WINDOW] = config.sliding_layers
+            self.pools[WINDOW] = PagedKVPool(window_blocks, block_size)
+        self.prefix = {kind: PrefixCache(block_size, pool=pool) for kind, pool in self.pools.items()}
+        K, D = config.n_kv_heads, config.head_dim
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        for layer in range(config.n_layers):
+            shape = (self.pools[self.kind(layer)].total_blocks, block_size, K, D)  # (N, bs, K, D)
+            self.k.append(torch.zeros(shape, dtype=dtype, device=self.device))
+            self.v.append(torch.zeros(shape, dtype=dtype, device=self.device))
+
+    def kind(self, layer: int) -> str:
+        """'window' for a sliding-window layer, 'global' otherwise."""
+        return WINDOW if self.config.is_sliding(layer) else GLOBAL
+
+    def pool(self, layer: int) -> PagedKVPool:
+        """The pool whose page tables index `layer`'s tensors."""
+        return self.pools[self.kind(layer)]
+
+    def apply_copies(self, kind: str, copies: Sequence[tuple[int, int, int]]) -> None:
+        """Copy-on-write: slots [0, n) of block src -> dst, in every layer of `kind`."""
+        for src, dst, n in copies:
+            for layer in self.layers_of[kind]:
+                self.k[layer][dst, :n] = self.k[layer][src, :n]
+                self.v[layer][dst, :n] = self.v[layer][src, :n]
+
+    def write(self, layer: int, blocks: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """Write token i's k[i], v[i] (N_tok, K, D) into (blocks[i], slots[i]) of `layer`."""
+        self.k[layer][blocks, slots] = k
+        self.v[layer][blocks, slots] = v
+
+    def gather(self, seq_id: Hashable, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sequence's resident K and V in `layer`, chronological, each (K, n, D).
+
+        n counts resident tokens: the whole sequence on a global layer; on a windowed layer the
+        tokens from `first_block_index * block_size` on.
+        """
+        pool = self.pool(layer)
+        table = torch.tensor(pool.page_table(seq_id), dtype=torch.long, device=self.device)
+        n = pool.sequence_length(seq_id) - pool.first_block_index(seq_id) * self.block_size
+        K, D = self.config.n_kv_heads, self.config.head_dim
+        keys = self.k[layer][table].reshape(-1, K, D)[:n]  # (n, K, D)
+        values = self.v[layer][table].reshape(-1, K, D)[:n]
+        return keys.transpose(0, 1), values.transpose(0, 1)  # (K, n, D)
+
+    def block_bytes(self, kind: str) -> int:
+        """Bytes of one block id across every layer of `kind`, K and V."""
+        K, D = self.config.n_kv_heads, self.config.head_dim
+        per_layer = 2 * self.block_size * K * D * torch.empty((), dtype=self.dtype).element_size()
+        return per_layer * len(self.layers_of[kind])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated for every layer's block tensors."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class _Step:
+    """One forward pass's plan: where each layer writes and which blocks each layer reads."""
+
+    def __init__(self, p0: int, T: int) -> None:
+        self.p0, self.T = p0, T
+        self.write_at: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # kind -> (blocks, slots)
+        self.read: dict[str, tuple[torch.Tensor, int]] = {}  # kind -> (table (B, nb), first token)
+
+
+def _check_position(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}={value!r}: must be an int (not {type(value).__name__})")
+    return int(value)
+
+
+class PagedKVCache:
+    """A batch of pool sequences behind MixedKVCache's interface (`attend_inputs`, `memo_sinks`).
+
+    Row b of the batch is sequence `seq_ids[b]` in every pool of `store`. `rollback_tokens` keeps
+    that many extra tokens before each windowed layer's window, so `truncate` can go back at least
+    that far (plus the last step's tokens).
+    """
+
+    def __init__(self, config: ModelConfig, store: PagedKVStore, seq_ids: Sequence[Hashable], *,
+                 rollback_tokens: int = 0, _attached: bool = False) -> None:
+        if not isinstance(store, PagedKVStore):
+            raise TypeError(f"store: expected a PagedKVStore, got {type(store).__name__}")
+        if config != store.config:
+            raise ValueError("config differs from the store's; build the store with this config")
+        seq_ids = tuple(seq_ids)
+        if not seq_ids:
+            raise ValueError("seq_ids: empty; give one sequence id per batch row")
+        for s in seq_ids:
+            hash(s)  # unhashable ids raise TypeError here, before anything is created
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"seq_ids={seq_ids}: duplicate ids; one distinct id per batch row")
+        if not _attached:
+            for kind, pool in store.pools.items():
+                taken = [s for s in seq_ids if s in pool]
+                if taken:
+                    raise ValueError(f"seq_ids {taken}: already live in the {kind} pool; "
+                                     "release them or pick new ids")
+            for pool in store.pools.values():
+                for s in seq_ids:
+                    pool.create(s)
+        self.config, self.store, self.seq_ids = config, store, seq_ids
+        self.rollback_tokens = _check_count("rollback_tokens", rollback_tokens)
+        self.batch_size = len(seq_ids)
+        self._length = self._pool_length()
+        self._written = [self._length] * config.n_layers  # per layer: tokens written so far
+        self._step: _Step | None = None
+        self._sinks: dict[int, torch.Tensor] = {}
+        self._closed = False
+
+    def _pool_length(self) -> int:
+        lengths = {pool.sequence_length(s) for pool in self.store.pools.values() for s in self.seq_ids}
+        assert len(lengths) == 1, f"batch rows disagree on length: {lengths}"
+        return lengths.pop()
+
+    # ------------------------------------------------------------------ prefix sharing
+
+    @classmethod
+    def from_prefix(cls, config: ModelConfig, store: PagedKVStore, seq_ids: Sequence[Hashable],
+                    prompts: Sequence[Sequence[int]], scope: str, revision: str, *,
+                    rollback_tokens: int = 0) -> tuple[PagedKVCache, int]:
+        """A cache whose rows start with the prompts' cached blocks, shared in every pool.
+
+        Returns (cache, n): the first n tokens of every prompt are cached (the same n for every
+        row, a block multiple, the shortest hit over rows and pools); run the model on
+        `prompt[n:]` at `start_pos=n`. Each pool's prefix cache records one request per row.
+        """
+        seq_ids = tuple(seq_ids)
+        if len(prompts) != len(seq_ids):
+            raise ValueError(f"prompts: {len(prompts)} prompts for {len(seq_ids)} seq_ids; "
+                             "give one prompt per row")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"seq_ids={seq_ids}: duplicate ids; one distinct id per batch row")
+        for kind, pool in store.pools.items():
+            if any(s in pool for s in seq_ids):
+                raise ValueError(f"seq_ids {seq_ids}: some are already live in the {kind} pool")
+        hits = [store.prefix[kind].attach(s, p, scope, revision)
+                for kind in store.pools for s, p in zip(seq_ids, prompts)]
+        n = min(hits)
+        for pool in store.pools.values():
+            for s in seq_ids:
+                pool.truncate(s, n)  # a longer hit in one pool is cut back to the common one
+        return cls(config, store, seq_ids, rollback_tokens=rollback_tokens, _attached=True), n
+
+    def insert_prefix(self, prompts: Sequence[Sequence[int]], scope: str, revision: str) -> int:
+        """Cache each row's prompt (its full blocks, in every pool); return blocks newly cached.
+
+        Call after the prompt's prefill and before the windowed layers release any block (the
+        first decode steps past the window); otherwise raises ValueError, nothing cached.
+        """
+        if len(prompts) != self.batch_size:
+            raise ValueError(f"prompts: {len(prompts)} prompts for batch size {self.batch_size}")
+        if self._step is not None and any(w != self._length for w in self._written):
+            raise ValueError("insert_prefix: a forward pass is in progress; finish it first")
+        for s, p in zip(self.seq_ids, prompts):
+            if len(p) > self._length:
+                raise ValueError(f"prompt of {len(p)} tokens but the cache holds {self._length}; "
+                                 "prefill the prompt first")
+            if WINDOW in self.store.pools and self.store.pools[WINDOW].first_block_index(s):
+                raise ValueError(f"seq {s!r}: its windowed layers already released leading blocks, "
+                                 "so the prompt cannot be cached; insert right after prefill "
+                                 "(prefill in one chunk)")
+        return sum(self.store.prefix[kind].insert(p, scope, revision, seq_id=s)
+                   for kind in self.store.pools for s, p in zip(self.seq_ids, prompts))
+
+    def fork(self, new_seq_ids: Sequence[Hashable]) -> PagedKVCache:
+        """A cache whose row b shares every block of row b here (copy-on-write on append)."""
+        new_seq_ids = tuple(new_seq_ids)
+        if len(new_seq_ids) != self.batch_size:
+            raise ValueError(f"new_seq_ids: {len(new_seq_ids)} ids for batch size {self.batch_size}")
+        if self._step is not None and any(w != self._length for w in self._written):
+            raise ValueError("fork: a forward pass is in progress; finish it first")
+        for kind, pool in self.store.pools.items():
+            if len(set(new_seq_ids)) != len(new_seq_ids) or any(s in pool for s in new_seq_ids):
+                raise ValueError(f"new_seq_ids={new_seq_ids}: duplicate or already live in the "
+                                 f"{kind} pool")
+        for pool in self.store.pools.values():
+            for src, dst in zip(self.seq_ids, new_seq_ids):
+                pool.share_prefix(src, dst, self._length)
+        child = PagedKVCache(self.config, self.store, new_seq_ids,
+                             rollback_tokens=self.rollback_tokens, _attached=True)
+        child._sinks = dict(self._sinks)
+        return child
+
+    # ------------------------------------------------------------------ the model's interface
+
+    @property
+    def position(self) -> int:
+        """Tokens held per row: the absolute position of the next token."""
+        return self._length
+
+    def memo_sinks(self, layer: int, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Clamped sink logits, computed once per cache per layer."""
+        if layer not in self._sinks:
+            self._sinks[layer] = compute().detach()
+        return self._sinks[layer]
+
+    def attend_inputs(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, int, int | None]:
+        """Store new rotated K/V (B, K, T, D) of `layer`; return (keys, values, q_offset, window).
+
+        Global layers: every key, window None. Windowed layers: the resident blocks covering
+        [start_pos - W + 1, start_pos + T - 1], chronological, with window W.
+        """
+        if self._closed:
+            raise ValueError("cache is closed; build a new PagedKVCache")
+        B, K, T, D = k.shape
+        expected = (self.batch_size, self.config.n_kv_heads, T, self.config.head_dim)
+        if k.dim() != 4 or tuple(k.shape) != expected or v.shape != k.shape or T < 1:
+            raise ValueError(f"KV append: got k {tuple(k.shape)}, v {tuple(v.shape)}; expected "
+                             f"(B, K, T, D) = {expected[:2] + ('T>=1',) + expected[3:]} for both")
+        if k.dtype != self.store.dtype or k.device != self.store.device:
+            raise ValueError(f"KV append: dtype/device {k.dtype}/{k.device} differs from the "
+                             f"store's {self.store.dtype}/{self.store.device}")
+        if start_pos != self._written[layer]:
+            raise ValueError(f"layer {layer}: start_pos={start_pos} but the cache holds "
+                             f"{self._written[layer]} tokens for it; positions must continue "
+                             "where the cache ends")
+        step = self._step
+        if step is None or step.p0 != start_pos:
+            if start_pos != self._length or any(w != self._length for w in self._written):
+                raise ValueError(f"layer {layer}: start_pos={start_pos} starts a new step but the "
+                                 f"previous one is unfinished (written per layer: {self._written})")
+            step = self._begin_step(start_pos, T)
+        elif step.T != T:
+            raise ValueError(f"layer {layer}: {T} new tokens but this step appends {step.T}")
+        kind = self.store.kind(layer)
+        blocks, slots = step.write_at[kind]
+        self.store.write(layer, blocks, slots, k.transpose(1, 2).reshape(B * T, K, D),
+                         v.transpose(1, 2).reshape(B * T, K, D))
+        self._written[layer] = start_pos + T
+        table, first = step.read[kind]
+        S = start_pos + T - first
+        keys = self.store.k[layer][table].view(B, -1, K, D)[:, :S].transpose(1, 2)  # (B, K, S, D)
+        values = self.store.v[layer][table].view(B, -1, K, D)[:, :S].transpose(1, 2)
+        window = self.config.sliding_window if kind == WINDOW else None
+        return keys, values, start_pos - first, window
+
+    def _release_target(self, p0: int) -> int:
+        """Windowed tokens before this index are outside every future window (minus slack)."""
+        return max(0, p0 - self.config.sliding_window + 1 - self.rollback_tokens)
+
+    def _begin_step(self, p0: int, T: int) -> _Step:
+        """Preflight every pool for the batch, then release, append, copy; plan writes and reads."""
+        bs = self.store.block_size
+        for kind, pool in self.store.pools.items():
+            needed = sum(pool.blocks_needed(s, T) for s in self.seq_ids)
+            freed = 0  # blocks the window release is sure to free (held by this row alone)
+            if kind == WINDOW:
+                target = self._release_target(p0)
+                for s in self.seq_ids:
+                    n_drop = max(0, target // bs - pool.first_block_index(s))
+                    freed += sum(pool.refcount(b) == 1 for b in pool.page_table(s)[:n_drop])
+            if needed > pool.free_blocks + freed:
+                raise PoolExhaustedError(
+                    f"step at position {p0} (+{T} tokens x {self.batch_size} rows) needs {needed} "
+                    f"free blocks in the {kind} pool but {pool.free_blocks} are free (+{freed} the "
+                    "window would release); release or truncate sequences, evict prefix-cache "
+                    "blocks, or use a larger store. The cache is unchanged")
+        step = _Step(p0, T)
+        dev = self.store.device
+        for kind, pool in self.store.pools.items():
+            blocks: list[int] = []
+            slots: list[int] = []
+            for s in self.seq_ids:
+                if kind == WINDOW:
+                    pool.release_before(s, self._release_target(p0))
+                plan = pool.append(s, T)
+                self.store.apply_copies(kind, plan.copies)
+                for b, slot in plan.slots:
+                    blocks.append(b)
+                    slots.append(slot)
+            step.write_at[kind] = (torch.tensor(blocks, dtype=torch.long, device=dev),
+                                   torch.tensor(slots, dtype=torch.long, device=dev))
+            # Reads: all blocks (global), or from the block holding the window's first key.
+            first_block = 0 if kind == GLOBAL else max(0, p0 - self.config.sliding_window + 1) // bs
+            rows = []
+            for s in self.seq_ids:
+                skip = first_block - pool.first_block_index(s)
+                assert skip >= 0, f"seq {s!r}: window start block {first_block} was released"
+                rows.append(pool.page_table(s)[skip:])
+            step.read[kind] = (torch.tensor(rows, dtype=torch.long, device=dev), first_block * bs)
+        self._step = step
+        self._length = p0 + T
+        return step
+
+    # ------------------------------------------------------------------ rollback and lifetime
+
+    def truncate(self, position: int) -> None:
+        """Roll every row back to `position` tokens (speculative-decoding rejection, SPEC §5.7).
+
+        Allowed when 0 <= position <= self.position and every key the next query at `position`
+        needs is still resident (its window start not before a windowed layer's released blocks).
+        Also recovers from a forward pass that raised half way.
+        """
+        position = _check_position("position", position)
+        if not 0 <= position <= self._length:
+            raise ValueError(f"position={position}: outside [0, {self._length}]; truncate can only "
+                             "shorten")
+        if WINDOW in self.store.pools:
+            pool = self.store.pools[WINDOW]
+            start = max(pool.first_block_index(s) for s in self.seq_ids) * self.store.block_size
+            need = max(0, position - self.config.sliding_window + 1)
+            if need < start:
+                raise ValueError(
+                    f"position={position}: before the retained interval; windowed layers released "
+                    f"tokens before {start} but the next query at {position} needs keys from "
+                    f"{need}, so truncate to >= {start + self.config.sliding_window - 1} or build "
+                    "the cache with a larger rollback_tokens")
+        for pool in self.store.pools.values():
+            for s in self.seq_ids:
+                pool.truncate(s, position)
+        self._length = position
+        self._written = [position] * self.config.n_layers
+        self._step = None
+
+    def reset(self) -> None:
+        """Release every row's blocks and start the same ids over, empty (position 0)."""
+        self._release_all()
+        for pool in self.store.pools.values():
+            for s in self.seq_ids:
+                pool.create(s)
+        self._closed = False
+
+    def close(self) -> None:
+        """Release every row's blocks for good; the ids become free for reuse."""
+        self._release_all()
+        self._closed = True
+
+    def _release_all(self) -> None:
+        if not self._closed:
+            for pool in self.store.pools.values():
+                for s in self.seq_ids:
+                    pool.release(s)
+        self._length = 0
+        self._written = [0] * self.config.n_layers
+        self._step = None
+        self._sinks.clear()
+
+    # ------------------------------------------------------------------ byte accounting
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the distinct blocks this cache's rows hold, across layers (capacity)."""
+        if self._closed:
+            return 0
+        total = 0
+        for kind, pool in self.store.pools.items():
+            held = {b for s in self.seq_ids for b in pool.page_table(s)}
+            total += len(held) * self.store.block_bytes(kind)
+        return total
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of resident K and V across layers, rows counted separately (shared or not)."""
+        if self._closed:
+            return 0
+        bs = self.store.block_size
+        total = 0
+        for kind, pool in self.store.pools.items():
+            tokens = sum(pool.sequence_length(s) - pool.first_block_index(s) * bs
+                         for s in self.seq_ids)
+            total += tokens * self.store.block_bytes(kind) // bs
+        return total
