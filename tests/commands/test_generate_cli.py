@@ -1,0 +1,50 @@
+import io
+import json
+
+import pytest
+
+from gptoss_lite.cli import main
+
+
+def test_generate_prints_text_and_stats(capsys):
+    """`gptoss-lite generate` prints text; --stats gives speed and KV bytes (the last token is never cached)."""
+    assert main(["generate", "Hello", "--model", "lite-tiny", "--max-new-tokens", "8",
+                 "--temperature", "0", "--stats"]) == 0
+    out, err = capsys.readouterr()
+    assert out.endswith("\n")
+    assert "prefill: 5 tokens" in err and "tokens/s" in err
+    assert "KV cache:" in err and "all-global cache of 12 tokens" in err
+
+
+def test_generate_json_is_reproducible(capsys):
+    """--json gives text and figures; a seed makes sampled text reproducible."""
+    args = ["generate", "abc", "--model", "lite-tiny", "--max-new-tokens", "12", "--temperature", "1.0",
+            "--seed", "3", "--json", "--stop", "999"]
+    texts = []
+    for _ in range(2):
+        assert main(args) == 0
+        data = json.loads(capsys.readouterr().out)
+        texts.append(data["text"])
+        assert data["prompt_tokens"] == 3 and data["new_tokens"] == 12
+        assert data["kv_payload_bytes"] <= data["kv_all_global_payload_bytes"]
+    assert texts[0] == texts[1]
+
+
+def test_generate_reads_stdin(monkeypatch, capsys):
+    """With no prompt argument the prompt comes from standard input."""
+    monkeypatch.setattr("sys.stdin", io.StringIO("from stdin"))
+    assert main(["generate", "--model", "lite-tiny", "--max-new-tokens", "2", "--temperature", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["prompt_tokens"] == len("from stdin")
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["generate", "", "--model", "lite-tiny"], "empty prompt"),
+    (["generate", "x", "--model", "lite-tiny", "--top-p", "0"], "top_p"),
+    (["generate", "x", "--model", "lite-tiny", "--max-new-tokens", "-1"], "max_new_tokens=-1"),
+    (["generate", "x", "--model", "no-such-preset"], "unknown preset|not a directory|no-such-preset"),
+])
+def test_generate_bad_input_exit_2(argv, match, capsys):
+    """Bad CLI input exits 2 with one clear error line, no traceback."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and pytest.importorskip("re").search(match, err)
