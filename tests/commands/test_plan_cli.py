@@ -81,3 +81,15 @@ def test_plan_weight_bits_fit_gpt_oss_120b_on_one_h100(capsys):
     assert "--weight-bits 0.0: must be in (0, 64]" in capsys.readouterr().err
     assert main(["plan", "--kv-bits", "0"]) == 2
     assert "--kv-bits 0: must be >= 1" in capsys.readouterr().err
+
+
+def test_kv_bench_measured_cache_matches_formula():
+    """A real MixedKVCache of the 502M geometry holds exactly the computed mixed payload."""
+    from gptoss_lite import plan as P
+    from gptoss_lite.commands.kv_bench import measure_mixed_cache
+
+    measured = measure_mixed_cache((100, 300), chunk=128)
+    geometry = P.get_geometry("gptoss-lite-502m")
+    for t, (payload, allocated) in measured.items():
+        assert payload == P.kv_payload_bytes(geometry, t)
+        assert payload <= allocated <= 1.5 * payload + 6 * 128 * 1536

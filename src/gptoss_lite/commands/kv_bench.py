@@ -1,8 +1,9 @@
 """`gptoss-lite kv-bench`: mixed (ring + growing) vs all-global KV payload for the 502M preset (SPEC §3.1).
 
-The table is computed payload (exact bytes of K and V), not measured occupancy. Columns are a list of
-(header, cell function) pairs so that a measured column from the real MixedKVCache can be appended
-without touching the rest.
+The table is computed payload (exact bytes of K and V). With `--measured`, two more columns come from
+a real MixedKVCache of the preset's geometry filled in 2,048-token prefill chunks (BF16): the payload
+it holds (must equal the computed mixed payload) and the bytes it has allocated (ring = W slots,
+global buffers within their 1.5x growth slack).
 """
 
 from __future__ import annotations
@@ -66,12 +67,36 @@ def format_table(rows: list[KVBenchRow], columns: list[Column] = COLUMNS) -> str
     return "\n".join(lines)
 
 
+def measure_mixed_cache(contexts: tuple[int, ...], chunk: int = 2048) -> dict[int, tuple[int, int]]:
+    """{context: (payload bytes, allocated bytes)} of a real 502M-geometry MixedKVCache after prefill."""
+    import torch
+
+    from gptoss_lite.config import get_preset
+    from gptoss_lite.kv.mixed import MixedKVCache
+
+    cfg = get_preset(PRESET)
+    block = torch.zeros(1, cfg.n_kv_heads, chunk, cfg.head_dim, dtype=torch.bfloat16)  # (B, K, T, D)
+    out = {}
+    for t in contexts:
+        cache = MixedKVCache(cfg)
+        for start in range(0, t, chunk):
+            piece = block[:, :, : min(chunk, t - start)]
+            for layer in range(cfg.n_layers):
+                cache.append(layer, piece, piece)
+        out[t] = (cache.payload_bytes, cache.nbytes)
+        cache.reset()
+    return out
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "kv-bench", help="mixed vs all-global KV payload of the 502M preset (SPEC §3.1); PASS at >= 1.8x at 128K",
         description="Computed KV payload (bytes of K and V, BF16) of the gptoss-lite-502m preset with "
                     "ring buffers on its 6 sliding layers vs every layer global.")
     p.add_argument("--json", action="store_true", help="print rows and verdict as JSON (sorted keys)")
+    p.add_argument("--measured", action="store_true",
+                   help="also fill a real MixedKVCache (BF16, ~1.2 GB at 128K) and report its payload and "
+                        "allocated bytes")
     p.set_defaults(handler=run)
 
 
@@ -80,17 +105,31 @@ def run(args: argparse.Namespace) -> int:
     rows = bench_rows(geometry)
     check = next(r for r in rows if r.context_tokens == PASS_CONTEXT)
     passed = check.ratio >= PASS_RATIO
+    columns = COLUMNS
+    measured = {}
+    if args.measured:
+        measured = measure_mixed_cache(tuple(r.context_tokens for r in rows))
+        mismatched = [t for t, r in zip(measured, rows) if measured[t][0] != r.mixed_bytes]
+        if mismatched:
+            raise AssertionError(f"measured payload differs from the formula at {mismatched} tokens")
+        columns = COLUMNS + [
+            ("measured payload B", lambda r: f"{measured[r.context_tokens][0]:,}"),
+            ("measured allocated GiB", lambda r: f"{measured[r.context_tokens][1] / P.GIB:.3f}"),
+        ]
     if args.json:
         print(json.dumps({"preset": PRESET, "quantity": "payload",
                           "rows": [{"context_tokens": r.context_tokens, "all_global_bytes": r.all_global_bytes,
-                                    "mixed_bytes": r.mixed_bytes, "ratio": r.ratio} for r in rows],
+                                    "mixed_bytes": r.mixed_bytes, "ratio": r.ratio,
+                                    **({"measured_payload_bytes": measured[r.context_tokens][0],
+                                        "measured_allocated_bytes": measured[r.context_tokens][1]}
+                                       if measured else {})} for r in rows],
                           "pass_context_tokens": PASS_CONTEXT, "pass_ratio": PASS_RATIO, "passed": passed},
                          sort_keys=True, indent=2))
     else:
         print(f"KV payload of {PRESET} (BF16, batch 1): {geometry.sliding_window_layers} sliding layers "
               f"(ring, W={geometry.window}) + {geometry.global_layers} global vs all {geometry.attention_layers} "
               "global; GiB = 2^30 B, GB = 10^9 B")
-        print(format_table(rows))
+        print(format_table(rows, columns))
         verdict = "PASS" if passed else "FAIL"
         print(f"{verdict}: mixed cache payload is {check.ratio:.2f}x smaller than all-global at "
               f"{PASS_CONTEXT:,} tokens (target >= {PASS_RATIO}x)")
