@@ -150,7 +150,20 @@ class GrowingBuffer(_LayerStore):
         self.length = self.capacity = 0
 
 
-class MixedKVCache:
+class SinkMemo:
+    """The per-cache memo of clamped sink logits that every cache the model runs on provides."""
+
+    def __init__(self) -> None:
+        self._sinks: dict[int, torch.Tensor] = {}
+
+    def memo_sinks(self, layer: int, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Clamped sink logits, computed once per cache (i.e. per generate call) per layer."""
+        if layer not in self._sinks:
+            self._sinks[layer] = compute().detach()
+        return self._sinks[layer]
+
+
+class MixedKVCache(SinkMemo):
     """One cache per generation, indexed by layer: `cache[layer]` is a RingBuffer or GrowingBuffer."""
 
     def __init__(self, config: ModelConfig, batch_size: int = 1,
@@ -165,7 +178,7 @@ class MixedKVCache:
             else GrowingBuffer(batch_size, K, D, max_tokens_per_global_layer)
             for i in range(config.n_layers)
         ]
-        self._sinks: dict[int, torch.Tensor] = {}
+        super().__init__()
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -195,12 +208,6 @@ class MixedKVCache:
         for store in self.layers:
             store.reset()
         self._sinks.clear()
-
-    def memo_sinks(self, layer: int, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Clamped sink logits, computed once per cache (i.e. per generate call) per layer."""
-        if layer not in self._sinks:
-            self._sinks[layer] = compute().detach()
-        return self._sinks[layer]
 
     def attend_inputs(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int
                       ) -> tuple[torch.Tensor, torch.Tensor, int, int | None]:

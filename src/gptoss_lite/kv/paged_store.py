@@ -43,11 +43,11 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Hashable, Sequence
-from typing import Callable
 
 import torch
 
 from gptoss_lite.config import ModelConfig
+from gptoss_lite.kv.mixed import SinkMemo
 from gptoss_lite.kv.paged import DEFAULT_BLOCK_SIZE, PagedKVPool, PoolExhaustedError, _check_count
 from gptoss_lite.kv.prefix import PrefixCache
 
@@ -150,7 +150,7 @@ def _check_position(name: str, value: object) -> int:
     return int(value)
 
 
-class PagedKVCache:
+class PagedKVCache(SinkMemo):
     """A batch of pool sequences behind MixedKVCache's interface (`attend_inputs`, `memo_sinks`).
 
     Row b of the batch is sequence `seq_ids[b]` in every pool of `store`. `rollback_tokens` keeps
@@ -186,7 +186,7 @@ class PagedKVCache:
         self._length = self._pool_length()
         self._written = [self._length] * config.n_layers  # per layer: tokens written so far
         self._step: _Step | None = None
-        self._sinks: dict[int, torch.Tensor] = {}
+        SinkMemo.__init__(self)
         self._closed = False
 
     def _pool_length(self) -> int:
@@ -269,12 +269,6 @@ class PagedKVCache:
     def position(self) -> int:
         """Tokens held per row: the absolute position of the next token."""
         return self._length
-
-    def memo_sinks(self, layer: int, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Clamped sink logits, computed once per cache per layer."""
-        if layer not in self._sinks:
-            self._sinks[layer] = compute().detach()
-        return self._sinks[layer]
 
     def attend_inputs(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int
                       ) -> tuple[torch.Tensor, torch.Tensor, int, int | None]:
