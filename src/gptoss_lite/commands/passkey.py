@@ -18,6 +18,7 @@ def _depth(text: str) -> float:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from gptoss_lite.commands.common import add_model_arg
     from gptoss_lite.evals.passkey import BASE_SEED, DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_TRIALS, TEMPLATES
 
     p = subparsers.add_parser(
@@ -25,8 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Needle-in-a-haystack passkey retrieval (SPEC §4): greedy, cached generation of 16 tokens "
                     "per trial; prints accuracy per length and a length x depth grid, then PASS/FAIL at the "
                     "longest length (target >= 85%). Exits 0 either way.")
-    p.add_argument("--model", default=None,
-                   help="model directory or preset name (default: the shipped demo model)")
+    add_model_arg(p)
     p.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS), metavar="TOKENS",
                    help=f"context lengths in tokens (default: {' '.join(map(str, DEFAULT_LENGTHS))})")
     p.add_argument("--depths", type=_depth, nargs="+", default=list(DEFAULT_DEPTHS), metavar="FRAC",
@@ -39,8 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="prompt template; 'classic' is the grass/sky/sun template (default: default)")
     p.add_argument("--prefill-chunk", type=int, default=2048, metavar="TOKENS",
                    help="prompt tokens per prefill forward (default: 2048)")
-    p.add_argument("--batch-size", type=int, default=1, metavar="N",
-                   help="trials generated together (equal-length prompts only; default: 1)")
+    p.add_argument("--batch-size", type=int, default=8, metavar="N",
+                   help="trials generated together (prompts of one length and depth; default: 8)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--plot", default=None, metavar="PNG", help="write a length x depth accuracy heatmap")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
@@ -48,13 +48,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gptoss_lite.checkpoint import default_model_source, load_model
+    from gptoss_lite.commands.common import load_model_and_tokenizer
     from gptoss_lite.evals.passkey import PasskeyEvaluator
-    from gptoss_lite.tokenizer import load_tokenizer
 
-    source = args.model if args.model is not None else default_model_source()
-    model = load_model(source)
-    evaluator = PasskeyEvaluator(model, tokenizer=load_tokenizer(source), lengths=args.lengths,
+    model, tokenizer, source = load_model_and_tokenizer(args)
+    evaluator = PasskeyEvaluator(model, tokenizer=tokenizer, lengths=args.lengths,
                                  depths=args.depths, n_trials=args.trials, base_seed=args.seed,
                                  template=args.template, prefill_chunk=args.prefill_chunk,
                                  batch_size=args.batch_size)
