@@ -8,7 +8,10 @@ Every document is exactly `seq_len + 1` tokens (inputs are the first `seq_len`, 
   wording (imported from `gptoss_lite.evals.passkey`); the rest use other phrasings.
 - `kv`: several facts `The code for the red lantern is NNNNN.` scattered through the filler, then a
   query about one of them (the other numbers are distractors).
-- `copy`: a short sequence of made-up words early on, repeated at the end.
+- `copy`: a sequence of made-up words and 5-digit numbers (up to `COPY_MAX_TOKENS` tokens) early on,
+  repeated at the end. Every repeated token is an induction target, so this task gives the dense
+  copy-from-far-away signal that makes induction heads form early; the sparse passkey answers
+  (5 digits per document) alone barely move a small model off chance in its first thousands of steps.
 
 NOTE: the filler here is NOT the evaluator's filler: it is generated from a different word bank
 (procedural subject-verb-object sentences, no digits) with a seed stream derived from the training
@@ -59,6 +62,7 @@ _PASSKEY_VARIANTS = (
     (" Remember that the passkey is {key}.", "\nRecall the passkey. The passkey is"),
 )
 ANSWER_TEMPLATE = " {key}."
+COPY_MAX_TOKENS = 60  # longest copy sequence, tokens (bytes); each document holds it twice
 
 
 def filler_sentence(rng: random.Random) -> str:
@@ -74,6 +78,14 @@ def filler_sentence(rng: random.Random) -> str:
 
 def _word(rng: random.Random) -> str:
     return "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3)))
+
+
+def _copy_sequence(rng: random.Random) -> str:
+    """Space-separated made-up words and 5-digit numbers, at most COPY_MAX_TOKENS bytes."""
+    items = [_key(rng) if rng.random() < 0.5 else _word(rng) for _ in range(rng.randint(3, 10))]
+    while len(" ".join(items)) > COPY_MAX_TOKENS:
+        items.pop()
+    return " ".join(items)
 
 
 def _key(rng: random.Random) -> str:
@@ -115,7 +127,7 @@ class SyntheticRetrievalData:
         fact = enc(" The code for the  is 00000.") + longest_name
         query = enc("\nWhat is the code for the ? The code for the  is") + 2 * longest_name
         kv = n_facts * fact + query
-        copy = enc(" Remember this sequence: .") + enc("\nRepeat the sequence:") + 2 * (5 * 10)
+        copy = enc(" Remember this sequence: .") + enc("\nRepeat the sequence:") + 2 * COPY_MAX_TOKENS
         return 2 + enc(ANSWER_TEMPLATE.format(key=key)) + max(passkey, kv, copy)
 
     # ---- documents ------------------------------------------------------------------------------
@@ -145,7 +157,7 @@ class SyntheticRetrievalData:
             question = f"\nWhat is the code for the {names[asked]}? The code for the {names[asked]} is"
             answer = ANSWER_TEMPLATE.format(key=keys[asked])
         else:
-            words = " ".join(_word(rng) for _ in range(rng.randint(2, 5)))
+            words = _copy_sequence(rng)
             inserts = [f" Remember this sequence: {words}."]
             question = "\nRepeat the sequence:"
             answer = f" {words}."
