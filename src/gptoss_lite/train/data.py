@@ -8,7 +8,8 @@ Every document is exactly `seq_len + 1` tokens (inputs are the first `seq_len`, 
   wording (imported from `gptoss_lite.evals.passkey`); the rest use other phrasings.
 - `kv`: several facts `The code for the red lantern is NNNNN.` scattered through the filler, then a
   query about one of them (the other numbers are distractors).
-- `copy`: a sequence of made-up words and 5-digit numbers (up to `COPY_MAX_TOKENS` tokens) early on,
+- `copy`: a sequence of random letter codes, 5-digit numbers and made-up words (up to
+  `COPY_MAX_TOKENS` tokens) early on,
   repeated at the end. Every repeated token is an induction target, so this task gives the dense
   copy-from-far-away signal that makes induction heads form early; the sparse passkey answers
   (5 digits per document) alone barely move a small model off chance in its first thousands of steps.
@@ -80,9 +81,22 @@ def _word(rng: random.Random) -> str:
     return "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3)))
 
 
+_CODE_CHARS = "abcdefghijkmnpqrstuvwxyzABCDEFGHJKLMNPQRSTUVWXYZ"
+
+
+def _code(rng: random.Random) -> str:
+    """A random letter code such as 'kXq': near-unique bytes, so one previous byte locates the copy."""
+    return "".join(rng.choice(_CODE_CHARS) for _ in range(rng.randint(3, 6)))
+
+
 def _copy_sequence(rng: random.Random) -> str:
-    """Space-separated made-up words and 5-digit numbers, at most COPY_MAX_TOKENS bytes."""
-    items = [_key(rng) if rng.random() < 0.5 else _word(rng) for _ in range(rng.randint(3, 10))]
+    """Space-separated letter codes, 5-digit numbers and made-up words, at most COPY_MAX_TOKENS bytes.
+
+    NOTE: high-entropy letter codes are what bootstraps induction: with them a single previous byte
+    identifies where to copy from; the low-entropy numbers and words then need longer contexts.
+    """
+    makers = (_code, _code, _key, _word)
+    items = [rng.choice(makers)(rng) for _ in range(rng.randint(4, 12))]
     while len(" ".join(items)) > COPY_MAX_TOKENS:
         items.pop()
     return " ".join(items)
