@@ -4,8 +4,9 @@ Builds a random ~20M-parameter gpt-oss model with transformers (seeded), saves i
 loads those same files into both engines, and measures in separate worker processes (so peak RSS is
 per engine and per length):
 
-- prefill tokens/s: prompt tokens / time to produce the first new token (one prefill pass);
-- decode tokens/s: extra new tokens / (time for 1 + N new tokens - prefill time);
+- prefill tokens/s: prompt tokens / time from the call to the first new token (one prefill pass);
+- decode tokens/s: tokens after the first / time from the first to the last new token, timed inside
+  one generation call (our token iterator; transformers' streamer hook, called once per token);
 - peak RSS of the worker process, and its rise above the RSS after loading the model.
 
 Each figure is the median of --repeats runs in one sitting; the ratio column is ours / transformers'.
@@ -62,33 +63,47 @@ def worker(engine: str, ckpt: str, length: int, new_tokens: int, repeats: int, t
     ids = torch.randint(1, HF_CONFIG["vocab_size"], (1, length), generator=g)
     if engine == "ours":
         from gptoss_lite.checkpoint import load_model
-        from gptoss_lite.generate import generate
+        from gptoss_lite.generate import stream_generate
 
         model = load_model(ckpt)
 
-        def run(n: int) -> torch.Tensor:
-            return generate(model, ids, n, temperature=0)
+        def run(n: int) -> tuple[list[float], list[int]]:
+            stamps, tokens = [time.perf_counter()], []
+            for token in stream_generate(model, ids, n, temperature=0):
+                stamps.append(time.perf_counter())
+                tokens.append(int(token[0]))
+            return stamps, tokens
     else:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="eager", dtype=torch.float32).eval()
         mask = torch.ones_like(ids)  # explicit: without it transformers masks every pad-id token
 
-        def run(n: int) -> torch.Tensor:
+        class Stamps:  # transformers calls put() with the prompt first, then once per new token
+            def __init__(self):
+                self.stamps, self.tokens = [], []
+
+            def put(self, value):
+                self.stamps.append(time.perf_counter())
+                if len(self.stamps) > 1:
+                    self.tokens.append(int(value.reshape(-1)[0]))
+
+            def end(self):
+                pass
+
+        def run(n: int) -> tuple[list[float], list[int]]:
+            streamer = Stamps()
+            t0 = time.perf_counter()
             with torch.inference_mode():
-                return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                      do_sample=False, pad_token_id=0)
+                model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                               pad_token_id=0, streamer=streamer)
+            return [t0] + streamer.stamps[1:], streamer.tokens
     base_rss = rss_mib()
     prefill, decode, tokens = [], [], None
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        run(1)
-        t1 = time.perf_counter()
-        out = run(1 + new_tokens)
-        t2 = time.perf_counter()
-        prefill.append(t1 - t0)
-        decode.append(max(1e-9, (t2 - t1) - (t1 - t0)))
-        tokens = out[0, length:].tolist()
+        stamps, tokens = run(1 + new_tokens)
+        prefill.append(stamps[1] - stamps[0])
+        decode.append(stamps[-1] - stamps[1])
     return {
         "engine": engine, "length": length, "new_tokens": new_tokens, "repeats": repeats,
         "prefill_tokens_per_s": length / statistics.median(prefill),
