@@ -455,3 +455,14 @@ def test_mxfp4_checkpoint_loads_dequantised(tmp_path):
     _rewrite(tmp_path, tensors)
     with pytest.raises(ValueError, match=r"scales without blocks: \['model\.layers\.0\.mlp\.experts\.extra_scales'\]"):
         load_model(tmp_path)
+
+
+def test_shipped_demo_model_is_the_default_and_runs():
+    """The committed demo model loads strictly, records its training context, and generates."""
+    from gptoss_lite.generate import generate
+
+    assert default_model_source() == DEFAULT_MODEL
+    model = load_model(DEFAULT_MODEL)
+    assert model.config.train_context_length == 256 and model.config.sliding_window == 128
+    out = generate(model, torch.tensor([[256, 65, 66]]), 4, temperature=0)
+    assert out.shape == (1, 7)
