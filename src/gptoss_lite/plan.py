@@ -25,20 +25,13 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Union
 
+from gptoss_lite.validation import check_int as _int
+
 KIB, MIB, GIB = 2**10, 2**20, 2**30
 KB, MB, GB = 10**3, 10**6, 10**9
 
 
 # ---- validation helpers ---------------------------------------------------------------------------
-
-def _int(name: str, value: Any, minimum: int) -> int:
-    """An int >= minimum; booleans are rejected (True is not a size)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r}: must be an int (not bool or float)")
-    if value < minimum:
-        raise ValueError(f"{name}={value}: must be >= {minimum}")
-    return value
-
 
 def _real(name: str, value: Any, *, positive: bool = True) -> float:
     """A finite real number, > 0 (or >= 0 with positive=False); booleans are rejected."""

@@ -13,13 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r}: must be an int (not bool or float)")
-    if value < minimum:
-        raise ValueError(f"{name}={value}: must be >= {minimum}")
-    return value
+from gptoss_lite.validation import check_int as _check_int
 
 
 def _as_masses(attention_mass: Any) -> list[float]:
