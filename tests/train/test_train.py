@@ -287,3 +287,26 @@ def test_cli_train_missing_config_exits_2(tmp_path, capsys):
 
     assert main(["train", "--config", str(tmp_path / "missing.yaml")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_init_from_starts_a_second_stage_from_saved_weights(tmp_path):
+    """init_from loads a saved model before step 1: the stage-2 first loss equals stage 1's final model's loss."""
+    from gptoss_lite.checkpoint import load_model
+    from gptoss_lite.train.data import SyntheticRetrievalData
+
+    first = tiny_config(tmp_path / "one")
+    train_run(first, max_steps=4)
+    second = tiny_config(tmp_path / "two", init_from=str(tmp_path / "one" / "final"))
+    summary = train_run(second, max_steps=1)
+    model = load_model(tmp_path / "one" / "final").train()
+    x, y = SyntheticRetrievalData(second.data).batch(0)
+    with torch.no_grad():
+        expected = model(x, targets=y).loss.item()
+    assert summary.losses[0] == pytest.approx(expected, rel=1e-5)
+
+
+def test_init_from_missing_directory_is_an_error(tmp_path):
+    """A missing init_from directory fails before training, naming the path."""
+    cfg = tiny_config(tmp_path, init_from=str(tmp_path / "nope"))
+    with pytest.raises((FileNotFoundError, ValueError), match="nope"):
+        train_run(cfg, max_steps=1)

@@ -168,6 +168,9 @@ class TrainConfig:
     aux_loss_coef: float = 0.01  # weight of the MoE load-balancing loss (SPEC §1.5)
     seed: int = 0  # model initialisation seed
     device: str = "auto"  # "auto": cuda when available, else cpu
+    # A model directory whose weights start this run (a second training stage); None: seeded init.
+    # Its architecture must equal `model`; a relative path is relative to the working directory.
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -176,6 +179,8 @@ class TrainConfig:
             raise TypeError(f"gradient_checkpointing={self.gradient_checkpointing!r}: must be true or false")
         _check_float("aux_loss_coef", self.aux_loss_coef, 0.0, math.inf)
         _check_int("seed", self.seed, 0)
+        if self.init_from is not None and not isinstance(self.init_from, str):
+            raise TypeError(f"init_from={self.init_from!r}: must be a model directory path or null")
         if self.device not in DEVICES:
             raise ValueError(f"device={self.device!r}: must be one of {DEVICES}")
         if self.data.seq_len > self.model.max_position_embeddings:
@@ -195,7 +200,7 @@ class TrainConfig:
             raise ValueError(f"a train config must be a mapping of sections, got {type(data).__name__}")
         sections = {"data": DataConfig, "optimizer": OptimizerConfig, "schedule": ScheduleConfig,
                     "checkpoint": CheckpointConfig, "logging": LoggingConfig}
-        scalars = {"precision", "gradient_checkpointing", "aux_loss_coef", "seed", "device"}
+        scalars = {"precision", "gradient_checkpointing", "aux_loss_coef", "seed", "device", "init_from"}
         known = {"model", *sections, *scalars}
         unknown = sorted(set(data) - known)
         if unknown:

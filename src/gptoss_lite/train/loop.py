@@ -210,6 +210,10 @@ def train(config: TrainConfig, resume: bool = False, max_steps: int | None = Non
     model = GPTOSS(config.model).to(device)
     optimizer = _build_optimizer(model, config)
     start_step = 0
+    if config.init_from is not None and resume_dir is None:
+        from gptoss_lite.checkpoint import load_weights_into
+
+        load_weights_into(model, config.init_from)  # strict: every tensor, shapes checked, or nothing
     if resume_dir is not None:
         # load_state_dict copies into the device parameters; the optimiser casts its state to them.
         start_step = _load_checkpoint(model, optimizer, resume_dir)
