@@ -73,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
 
 def format_table(result, source: str) -> str:
     """Accuracy per length (with extrapolation ratio and KV bytes), then the length x depth grid."""
+    from gptoss_lite.commands.common import fmt_bytes
+
     ratio = result.extrapolation
     lines = [f"passkey retrieval: model {source}, template {result.template}, {result.n_trials} trials x "
              f"{len(result.depths)} depths per length, train context "
@@ -82,7 +84,7 @@ def format_table(result, source: str) -> str:
     for n in result.lengths:
         x = f"{ratio[n]:.1f}x" if ratio else "-"
         lines.append(f"{n:>8} {result.prompt_tokens[n]:>8} {x:>8} {100 * result.accuracy[n]:>8.1f}% "
-                     f"{_bytes(result.kv_payload_bytes[n]):>12} {_bytes(result.kv_allocated_bytes[n]):>12}")
+                     f"{fmt_bytes(result.kv_payload_bytes[n]):>12} {fmt_bytes(result.kv_allocated_bytes[n]):>12}")
     lines += ["", "accuracy by depth (%)"]
     head = f"{'length':>8} {'x train':>8} " + " ".join(f"{d:>6g}" for d in result.depths)
     lines += [head, "-" * len(head)]
@@ -91,13 +93,6 @@ def format_table(result, source: str) -> str:
         lines.append(f"{n:>8} {x:>8} " + " ".join(f"{100 * result.accuracy_by_depth[n][d]:>6.1f}"
                                                   for d in result.depths))
     return "\n".join(lines)
-
-
-def _bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
 
 
 def plot_heatmap(result, path: str) -> None:

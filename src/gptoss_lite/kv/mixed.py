@@ -45,6 +45,11 @@ class _LayerStore:
             return 0
         return self.k.numel() * self.k.element_size() * 2
 
+    def _empty(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zero-length (B, K, 0, D) keys and values, for a layer with nothing stored."""
+        z = torch.empty(self.batch_size, self.kv_heads, 0, self.head_dim)
+        return z, z
+
     def _token_bytes(self) -> int:
         return 0 if self.k is None else 2 * self.batch_size * self.kv_heads * self.head_dim * self.k.element_size()
 
@@ -96,10 +101,6 @@ class RingBuffer(_LayerStore):
             return self._empty()
         return self.k[:, :, :self.count], self.v[:, :, :self.count]
 
-    def _empty(self) -> tuple[torch.Tensor, torch.Tensor]:
-        z = torch.empty(self.batch_size, self.kv_heads, 0, self.head_dim)
-        return z, z
-
     def reset(self) -> None:
         super().reset()
         self.head = self.count = 0
@@ -141,8 +142,7 @@ class GrowingBuffer(_LayerStore):
     def get(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Views (no copy) of the valid keys and values, each (B, K, length, D)."""
         if self.k is None:
-            z = torch.empty(self.batch_size, self.kv_heads, 0, self.head_dim)
-            return z, z
+            return self._empty()
         return self.k[:, :, :self.length], self.v[:, :, :self.length]
 
     def reset(self) -> None:
