@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import random
 import socket
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from gptoss_lite.evals.passkey import FILLER_SENTENCES, NEEDLE_TEMPLATE, QUESTIO
 from gptoss_lite.tokenizer import ByteTokenizer
 from gptoss_lite.train.config import DataConfig, ScheduleConfig, TrainConfig, load_train_config
 from gptoss_lite.train.data import IGNORE_INDEX, SyntheticRetrievalData
+from gptoss_lite.train.filler import varied_sentence
 
 REPO = Path(__file__).resolve().parents[2]
 SEQ_LEN = 224  # shortest comfortable length for the byte-level documents
@@ -81,6 +84,7 @@ def test_missing_config_file_is_a_clear_error(tmp_path):
     ({"precision": "fp16"}, "precision='fp16': must be one of"),
     ({"schedule": {"warmup_steps": 10, "total_steps": 5}}, "warmup_steps=10: must be <= total_steps=5"),
     ({"data": {"loss_on": "prompt"}}, "loss_on='prompt'"),
+    ({"data": {"filler": "lorem"}}, r"data.filler='lorem': must be one of \('procedural', 'varied'\)"),
 ])
 def test_bad_config_keys_and_values_are_rejected(tmp_path, data, match):
     """Unknown keys are named at every level; bad values say the limit."""
@@ -154,12 +158,38 @@ def test_documents_end_with_question_and_answer():
         assert x[i, 0].item() == tok.bos_id and y[i, -1].item() == tok.eos_id
 
 
-def test_training_filler_is_not_the_evaluator_filler():
-    """No sentence of the evaluator's filler bank appears in training documents."""
-    data = SyntheticRetrievalData(DataConfig(seq_len=1024, batch_size=8, seed=0))
+@pytest.mark.parametrize("filler", ["procedural", "varied"])
+def test_training_filler_is_not_the_evaluator_filler(filler):
+    """No sentence of the evaluator's filler bank appears in training documents of either filler."""
+    data = SyntheticRetrievalData(DataConfig(seq_len=1024, batch_size=8, seed=0, filler=filler))
     x, _ = data.batch(0)
     text = "".join(ByteTokenizer().decode(row.tolist()) for row in x)
     assert not [s for s in FILLER_SENTENCES if s.strip() in text]
+
+
+def test_varied_filler_is_digit_free_and_varied():
+    """The varied haystack has no digits (needles are the only numbers), many distinct sentence
+    shapes and lengths, short fragments like the evaluator's, and never an evaluator sentence."""
+    rng = random.Random(0)
+    sentences = [varied_sentence(rng) for _ in range(5000)]
+    assert not any(ch.isdigit() for s in sentences for ch in s)
+    assert all(s[0] in " \n" and s[-1] in ".!;" for s in sentences)
+    assert len(set(sentences)) > 4900
+    words = [len(s.split()) for s in sentences]
+    assert min(words) == 1 and max(words) >= 20
+    assert not set(FILLER_SENTENCES) & set(sentences)
+
+
+def test_procedural_filler_stream_is_pinned():
+    """Stage 1 of the demo recipe (`filler: procedural`) must keep drawing the documents it was
+    trained on: a digest of three batches of configs/demo_cpu.yaml is pinned."""
+    data = SyntheticRetrievalData(load_train_config(REPO / "configs" / "demo_cpu.yaml").data)
+    digest = hashlib.sha256()
+    for step in (0, 1, 2999):
+        x, y = data.batch(step)
+        digest.update(x.numpy().tobytes())
+        digest.update(y.numpy().tobytes())
+    assert digest.hexdigest() == "f93c6c21ec96d71cc6283af8980efea6b388a2a7b08c50f58d5a7b1d9ae08e14"
 
 
 def test_answer_only_loss_masks_everything_but_the_answer():

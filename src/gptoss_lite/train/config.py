@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from gptoss_lite.config import ModelConfig, get_preset
+from gptoss_lite.train.filler import FILLERS
 
 PRECISIONS = ("fp32", "bf16")
 LOSS_ON = ("all", "answer")
@@ -63,6 +64,7 @@ class DataConfig:
     eval_phrasing_prob: float = 0.5  # share of passkey documents using the evaluator's exact wording
     max_facts: int = 6  # most key/value facts in one kv document (>= 2)
     loss_on: str = "all"  # "all": plain LM loss on every token; "answer": only the answer tokens
+    filler: str = "procedural"  # haystack generator: "procedural" (small bank) or "varied" (train/filler.py)
 
     def __post_init__(self) -> None:
         _check_int("data.seq_len", self.seq_len, 1)
@@ -75,6 +77,8 @@ class DataConfig:
             raise ValueError("data.passkey_weight + kv_weight + copy_weight must be > 0; set at least one weight")
         if self.loss_on not in LOSS_ON:
             raise ValueError(f"data.loss_on={self.loss_on!r}: must be one of {LOSS_ON}")
+        if self.filler not in FILLERS:
+            raise ValueError(f"data.filler={self.filler!r}: must be one of {FILLERS}")
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ Every document is exactly `seq_len + 1` tokens (inputs are the first `seq_len`, 
   copy-from-far-away signal that makes induction heads form early; the sparse passkey answers
   (5 digits per document) alone barely move a small model off chance in its first thousands of steps.
 
-NOTE: the filler here is NOT the evaluator's filler: it is generated from a different word bank
-(procedural subject-verb-object sentences, no digits) with a seed stream derived from the training
-seed, never `42 + context_length`. A model therefore cannot score on the passkey evaluation by
-memorising its haystack.
+NOTE: the filler here is NOT the evaluator's filler: it comes from `gptoss_lite.train.filler`
+(`data.filler`: `procedural` or `varied`; own word banks, no digits, never an evaluator sentence)
+with a seed stream derived from the training seed, never `42 + context_length`. A model therefore
+cannot score on the passkey evaluation by memorising its haystack.
 
 Determinism: the batch of step k depends only on (data seed, k) — each row seeds its own
 `random.Random` from (seed, step, global row) — so a resumed run reproduces the stream exactly, and
@@ -33,27 +33,12 @@ import torch
 
 from gptoss_lite.evals.passkey import NEEDLE_TEMPLATE, QUESTION
 from gptoss_lite.tokenizer import ByteTokenizer
+from gptoss_lite.train.filler import ADJ, NOUN, SYLLABLES, sentence_generator
 
 if TYPE_CHECKING:
     from gptoss_lite.train.config import DataConfig
 
 IGNORE_INDEX = -100  # targets with this value are not scored (torch cross_entropy convention)
-
-# ---- training filler: procedural sentences, digit-free, disjoint from the evaluator's bank --------
-_ADJ = ("quiet", "copper", "narrow", "patient", "crooked", "silver", "hollow", "gentle", "rusty",
-        "bright", "distant", "heavy", "tiny", "ancient", "restless", "woolen", "salty", "frozen")
-_NOUN = ("fisherman", "weaver", "lantern", "goat", "carpenter", "violin", "merchant", "kettle",
-         "sailor", "beetle", "potter", "orchard", "miller", "compass", "shepherd", "ladder", "owl",
-         "blacksmith", "wagon", "falcon")
-_VERB = ("carried", "painted", "followed", "repaired", "counted", "admired", "buried", "polished",
-         "traded", "watched", "dropped", "mended", "chased", "sketched", "weighed")
-_PLACE = ("the harbor", "the mill", "a muddy lane", "the market square", "the old bridge",
-          "a windy hill", "the cellar", "the riverbank", "the workshop", "a pine forest",
-          "the village well", "the lighthouse")
-_PREP = ("near", "behind", "beyond", "inside", "across", "under", "beside")
-_TIME = ("At dawn", "Later that week", "Every winter", "Before supper", "Long ago", "By noon",
-         "After the storm", "One evening")
-_SYLLABLES = ("ka", "lo", "mi", "ren", "tu", "vos", "sha", "pel", "dri", "qua", "zor", "ne", "fi")
 
 # Non-evaluator passkey phrasings: (needle template, question). Leading space / newline as in the eval.
 _PASSKEY_VARIANTS = (
@@ -66,19 +51,8 @@ ANSWER_TEMPLATE = " {key}."
 COPY_MAX_TOKENS = 60  # longest copy sequence, tokens (bytes); each document holds it twice
 
 
-def filler_sentence(rng: random.Random) -> str:
-    """One digit-free training filler sentence with a leading space."""
-    form = rng.randrange(3)
-    a, b = rng.sample(_NOUN, 2)
-    if form == 0:
-        return f" The {rng.choice(_ADJ)} {a} {rng.choice(_VERB)} the {b} {rng.choice(_PREP)} {rng.choice(_PLACE)}."
-    if form == 1:
-        return f" {rng.choice(_TIME)}, a {rng.choice(_ADJ)} {a} {rng.choice(_VERB)} a {rng.choice(_ADJ)} {b}."
-    return f" Nobody {rng.choice(_VERB)} the {a} {rng.choice(_PREP)} {rng.choice(_PLACE)}, said the {b}."
-
-
 def _word(rng: random.Random) -> str:
-    return "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 3)))
+    return "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3)))
 
 
 _CODE_CHARS = "abcdefghijkmnpqrstuvwxyzABCDEFGHJKLMNPQRSTUVWXYZ"
@@ -123,6 +97,7 @@ class SyntheticRetrievalData:
         self.tokenizer = ByteTokenizer()
         self._tasks = ("passkey", "kv", "copy")
         self._weights = (config.passkey_weight, config.kv_weight, config.copy_weight)
+        self._sentence = sentence_generator(config.filler)
         need = self.max_overhead_tokens()
         if config.seq_len < need + 16:
             raise ValueError(f"data.seq_len={config.seq_len}: too short for the retrieval documents, whose "
@@ -137,7 +112,7 @@ class SyntheticRetrievalData:
         enc = lambda s: len(self.tokenizer.encode(s))  # noqa: E731
         key = "00000"
         passkey = max(enc(n.format(key=key)) + enc(q) for n, q in ((NEEDLE_TEMPLATE, QUESTION), *_PASSKEY_VARIANTS))
-        longest_name = max(len(a) for a in _ADJ) + max(len(n) for n in _NOUN)
+        longest_name = max(len(a) for a in ADJ) + max(len(n) for n in NOUN)
         fact = enc(" The code for the  is 00000.") + longest_name
         query = enc("\nWhat is the code for the ? The code for the  is") + 2 * longest_name
         kv = n_facts * fact + query
@@ -162,7 +137,7 @@ class SyntheticRetrievalData:
                 n -= 1  # keep at least a quarter of the document as filler
             names = set()
             while len(names) < n:
-                names.add(f"{rng.choice(_ADJ)} {rng.choice(_NOUN)}")
+                names.add(f"{rng.choice(ADJ)} {rng.choice(NOUN)}")
             names = sorted(names)
             rng.shuffle(names)
             keys = [_key(rng) for _ in names]
@@ -189,7 +164,7 @@ class SyntheticRetrievalData:
         sentences: list[list[int]] = []
         used = 0
         while used < budget:
-            ids = tok.encode(filler_sentence(rng))
+            ids = tok.encode(self._sentence(rng))
             ids = ids[: budget - used]
             sentences.append(ids)
             used += len(ids)
