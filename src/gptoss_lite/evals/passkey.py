@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:
+    import torch
+
+    from gptoss_lite.kv.mixed import MixedKVCache
     from gptoss_lite.tokenizer import Tokenizer
 
 DEFAULT_LENGTHS: tuple[int, ...] = (4096, 8192, 32768, 65536, 131072)  # tokens (SPEC §4)
@@ -298,14 +301,24 @@ class PasskeyEvaluator:
         text = build_passkey_prompt(length, key, depth, self.tokenizer, self.template, filler)
         return self.tokenizer.encode(text, bos=self.tokenizer.bos_id is not None)
 
+    def answers(self, ids: "torch.Tensor") -> tuple[list[str | None], "MixedKVCache"]:
+        """Score-ready answers of a (B, T) batch of equal-length prompts: greedy NEW_TOKENS tokens
+        through the cached path, the first 5-digit number of each (None if none); and the cache used."""
+        from gptoss_lite.generate import generate
+        from gptoss_lite.kv.mixed import MixedKVCache
+
+        eos = self.tokenizer.eos_id
+        cache = MixedKVCache(self.model.config, batch_size=ids.shape[0])
+        out = generate(self.model, ids, max_new_tokens=NEW_TOKENS, temperature=0.0, top_p=1.0,
+                       use_cache=True, stop_tokens=None if eos is None else [eos],
+                       prefill_chunk=self.prefill_chunk, cache=cache)  # (B, T + n)
+        return [extract_passkey(self.tokenizer.decode(row)) for row in out[:, ids.shape[1]:].tolist()], cache
+
     def run(self, progress: bool = False) -> PasskeyResult:
         """Every (length, depth, key) trial; a tqdm bar on stderr when `progress`."""
         import sys
 
         import torch
-
-        from gptoss_lite.generate import generate
-        from gptoss_lite.kv.mixed import MixedKVCache
 
         device = next(self.model.parameters()).device
         bar = None
@@ -314,7 +327,6 @@ class PasskeyEvaluator:
 
             bar = tqdm(total=len(self.lengths) * len(self.depths) * self.n_trials, desc="passkey",
                        unit="trial", file=sys.stderr, dynamic_ncols=True)
-        eos = self.tokenizer.eos_id
         acc, by_depth, tokens, payload, allocated, records = {}, {}, {}, {}, {}, []
         try:
             for length in self.lengths:
@@ -327,15 +339,10 @@ class PasskeyEvaluator:
                     correct = 0
                     for group in _batches(prompts, self.batch_size):
                         ids = torch.tensor([prompts[i] for i in group], dtype=torch.long, device=device)  # (B, T)
-                        cache = MixedKVCache(self.model.config, batch_size=len(group))
-                        out = generate(self.model, ids, max_new_tokens=NEW_TOKENS, temperature=0.0, top_p=1.0,
-                                       use_cache=True, stop_tokens=None if eos is None else [eos],
-                                       prefill_chunk=self.prefill_chunk, cache=cache)  # (B, T + n)
+                        answers, cache = self.answers(ids)
                         payload[length] = max(payload.get(length, 0), cache.payload_bytes // len(group))
                         allocated[length] = max(allocated.get(length, 0), cache.nbytes // len(group))
-                        new = out[:, ids.shape[1]:].tolist()
-                        for row, i in enumerate(group):
-                            answer = extract_passkey(self.tokenizer.decode(new[row]))
+                        for answer, i in zip(answers, group):
                             hit = answer == keys[i]
                             correct += hit
                             records.append({"length": length, "depth": depth, "key": keys[i],
