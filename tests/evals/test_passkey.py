@@ -229,3 +229,19 @@ def test_cli_passkey_zero_trials_exits_2(capsys):
 
     assert main(["passkey", "--model", "lite-tiny", "--lengths", "300", "--trials", "0", "--no-progress"]) == 2
     assert "n_trials=0" in capsys.readouterr().err
+
+
+# ---- the shipped demo model ---------------------------------------------------------------------
+
+def test_shipped_demo_model_retrieves_at_16x_its_training_context():
+    """The embedded default model finds the passkey at 16x its training context at every depth.
+
+    A small regression guard on the model, the loader and the cached generation path together
+    (6 keys x 3 depths at 4,096 tokens, a few seconds); the README's full 50-trial curve is the claim.
+    """
+    from gptoss_lite.checkpoint import DEFAULT_MODEL, load_model
+
+    model = load_model(DEFAULT_MODEL)
+    length = 16 * model.config.train_context_length
+    result = PasskeyEvaluator(model, lengths=[length], n_trials=6, batch_size=6).run()
+    assert result.accuracy[length] >= 0.8, result.accuracy_by_depth

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     if args.stream:
         sys.stdout.write("\n")
     else:
-        print(text)
+        print(text, flush=True)  # before the stats on stderr, also when stdout is a pipe
     if args.stats:
         pf = stats["prefill_tokens_per_s"]
         dc = stats["decode_tokens_per_s"]
