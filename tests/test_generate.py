@@ -107,9 +107,24 @@ def test_bad_input(tiny_model, kwargs, match):
         generate(tiny_model, **args)
 
 
-def test_used_cache_rejected(tiny_model):
-    """Passing a cache that already holds tokens is an error (positions would not line up)."""
+def test_cache_holding_the_whole_prompt_or_wrong_batch_is_rejected(tiny_model):
+    """A cache must hold fewer tokens than the prompt (there must be a token to prefill) and match B."""
     cache = MixedKVCache(tiny_model.config)
-    generate(tiny_model, torch.tensor([[1, 2, 3]]), 2, temperature=0, cache=cache)
-    with pytest.raises(ValueError, match="reset"):
+    generate(tiny_model, torch.tensor([[1, 2, 3]]), 2, temperature=0, cache=cache)  # now holds 4 tokens
+    with pytest.raises(ValueError, match=r"position=4; .*fewer tokens than the 3-token prompt.*reset"):
         generate(tiny_model, torch.tensor([[1, 2, 3]]), 2, temperature=0, cache=cache)
+    with pytest.raises(ValueError, match="batch_size=1, position=0; it must have batch_size=2"):
+        generate(tiny_model, torch.tensor([[1, 2, 3]] * 2), 2, cache=MixedKVCache(tiny_model.config))
+
+
+@pytest.mark.parametrize("P", [1, 7, 20, 39])  # window is 8: prefixes shorter and longer than it
+def test_generation_resumes_from_a_cache_holding_a_prompt_prefix(P):
+    """A cache prefilled with the first P prompt tokens generates exactly what a cold start does."""
+    model = make_model("lite-tiny")
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(P))
+    cold = generate(model, ids, 24, temperature=0)
+    cache = MixedKVCache(model.config, batch_size=2)
+    with torch.inference_mode():
+        model(ids[:, :P], cache=cache, start_pos=0)
+    warm = generate(model, ids, 24, temperature=0, cache=cache, prefill_chunk=5)
+    assert torch.equal(warm, cold)

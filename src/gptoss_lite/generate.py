@@ -48,6 +48,10 @@ def stream_generate(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int 
     """An iterator of the next token ids (B,) step by step; stops after max_new_tokens or when every
     row has produced a stop token (rows that stopped earlier keep repeating their stop token).
 
+    A `cache` that already holds P tokens (a prefix-cache hit, or a shared system prompt prefilled
+    once) is taken to hold the K/V of `input_ids[:, :P]`; only the rest of the prompt is prefilled.
+    The caller vouches for that content: positions are checked, tokens cannot be.
+
     Arguments are validated here, eagerly, before any work starts.
     """
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)
@@ -58,9 +62,11 @@ def stream_generate(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int 
     if use_cache:
         if cache is None:
             cache = MixedKVCache(model.config, batch_size=B)
-        elif cache.batch_size != B or cache.position != 0:
-            raise ValueError(f"cache must be empty with batch_size={B}; got batch_size={cache.batch_size}, "
-                             f"position={cache.position} (call cache.reset())")
+        elif cache.batch_size != B or not 0 <= cache.position < input_ids.shape[1]:
+            raise ValueError(f"cache has batch_size={cache.batch_size}, position={cache.position}; it must have "
+                             f"batch_size={B} and hold fewer tokens than the {input_ids.shape[1]}-token prompt "
+                             "(empty, or the K/V of a prompt prefix such as a prefix-cache hit; "
+                             "call cache.reset() to start over)")
     model.eval()
     model.to(input_ids.device)
     return _steps(model, input_ids.long(), max_new_tokens, sampling, use_cache, stop_tokens,
@@ -93,7 +99,7 @@ def _steps(model, input_ids, max_new_tokens, sampling, use_cache, stop_tokens, p
     if max_new_tokens == 0:
         return
     logits = None
-    for start in range(0, T, prefill_chunk):
+    for start in range(cache.position, T, prefill_chunk):  # skip a prefix the cache already holds
         piece = input_ids[:, start:start + prefill_chunk]
         logits = model(piece, cache=cache, start_pos=start, last_only=True, attn_impl=attn_impl).logits
     prev = None

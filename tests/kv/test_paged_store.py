@@ -157,9 +157,30 @@ def test_prefix_hit_shares_blocks_and_generation_matches():
         assert len(table) == 4 and pool.free_blocks == free[kind]  # no new blocks for the hit
         assert all(pool.refcount(b) == 2 for b in table)  # the cache's pin + this sequence
     assert _greedy(model, cache, torch.tensor([prompt[n:]]), n, 20) == cold
-    assert store.prefix[GLOBAL].stats().hit_requests == 1
+    again, n = PagedKVCache.from_prefix(model.config, store, ["hit2"], [prompt], "tenant", "rev")
+    out = generate(model, torch.tensor([prompt]), 20, temperature=0, cache=again)  # prefills the rest only
+    assert out[:, len(prompt):].tolist() == cold
+    assert store.prefix[GLOBAL].stats().hit_requests == 2
     other, m = PagedKVCache.from_prefix(model.config, store, ["miss"], [prompt], "other-tenant", "rev")
     assert m == 0 and other.position == 0  # scope isolates tenants
+
+
+def test_a_whole_prompt_hit_leaves_the_last_block_to_run():
+    """A prompt of whole blocks hits all but its last block (the last token must run to give the
+    first logits), and generate() continues from the hit exactly as a cold start does."""
+    model = make_model("lite-tiny")
+    store = PagedKVStore(model.config, total_blocks=60, block_size=BS)
+    prompt = _prompt(1, 4 * BS, seed=9)[0].tolist()
+    cold = generate(model, torch.tensor([prompt]), 12, temperature=0)
+    donor = PagedKVCache(model.config, store, ["donor"])
+    _greedy(model, donor, torch.tensor([prompt]), 0, 1)
+    assert donor.insert_prefix([prompt], "t", "r") == 2 * 4
+    donor.close()
+    cache, n = PagedKVCache.from_prefix(model.config, store, ["hit"], [prompt], "t", "r")
+    assert n == len(prompt) - BS and cache.position == n
+    assert torch.equal(generate(model, torch.tensor([prompt]), 12, temperature=0, cache=cache), cold)
+    for pool in store.pools.values():
+        pool.validate()
 
 
 def test_pool_exhausted_leaves_store_and_pool_unchanged():

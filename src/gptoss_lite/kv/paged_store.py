@@ -203,8 +203,10 @@ class PagedKVCache(SinkMemo):
         """A cache whose rows start with the prompts' cached blocks, shared in every pool.
 
         Returns (cache, n): the first n tokens of every prompt are cached (the same n for every
-        row, a block multiple, the shortest hit over rows and pools); run the model on
-        `prompt[n:]` at `start_pos=n`. Each pool's prefix cache records one request per row.
+        row: the shortest hit over rows and pools, a block multiple, and below every prompt's
+        length, since a prefix cache leaves the last token to run for the logits that start
+        generation); run the model on `prompt[n:]` at `start_pos=n`, or pass the cache and the
+        whole prompts to `generate()`. Each pool's prefix cache records one request per row.
         """
         seq_ids = tuple(seq_ids)
         if len(prompts) != len(seq_ids):
