@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gptoss_lite.validation import check_int as _check_int
+
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 ACTIVATIONS = ("swiglu", "gptoss")
@@ -164,12 +166,6 @@ class ModelConfig:
                              f"expected {CONFIG_FORMAT_VERSION} with a 'model' section)")
         return cls.from_dict(data["model"])
 
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r}: must be an int")
-    if value < minimum:
-        raise ValueError(f"{name}={value}: must be >= {minimum}")
 
 
 # ---- presets ------------------------------------------------------------------------------------

@@ -30,17 +30,12 @@ from typing import Any
 
 from gptoss_lite.config import ModelConfig, get_preset
 from gptoss_lite.train.filler import FILLERS
+from gptoss_lite.validation import check_int as _check_int
 
 PRECISIONS = ("fp32", "bf16")
 LOSS_ON = ("all", "answer")
 DEVICES = ("auto", "cpu", "cuda")
 
-
-def _check_int(where: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{where}={value!r}: must be an int")
-    if value < minimum:
-        raise ValueError(f"{where}={value}: must be >= {minimum}")
 
 
 def _check_float(where: str, value: Any, low: float, high: float, low_open: bool = False) -> None:
