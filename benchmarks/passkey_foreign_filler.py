@@ -18,7 +18,7 @@ import re
 import torch
 
 from gptoss_lite.checkpoint import DEFAULT_MODEL, load_model
-from gptoss_lite.evals.passkey import PasskeyEvaluator
+from gptoss_lite.evals.passkey import PasskeyEvaluator, prompt_overhead
 
 
 def python_docs_sentences() -> list[str]:
@@ -30,14 +30,15 @@ def python_docs_sentences() -> list[str]:
     return [" " + s.strip() for s in re.split(r"(?<=[.!?]) ", text) if 3 < len(s.strip()) < 300]
 
 
-def haystack(sentences: list[str], length: int, overhead: int) -> list[str]:
-    """Leading sentences totalling at most `length - overhead` bytes (= byte-tokenizer tokens)."""
+def haystack(sentences: list[str], budget: int, tokenizer) -> list[str]:
+    """Leading sentences totalling at most `budget` tokens."""
     out, used = [], 0
     for s in sentences:
-        if used + len(s.encode()) > length - overhead:
+        n = len(tokenizer.encode(s))
+        if used + n > budget:
             break
         out.append(s)
-        used += len(s.encode())
+        used += n
     return out
 
 
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     evaluator = PasskeyEvaluator(model, lengths=args.lengths, n_trials=args.trials)
     sentences = python_docs_sentences()
     for length in args.lengths:
-        filler = haystack(sentences, length, overhead=60)
+        filler = haystack(sentences, length - prompt_overhead(evaluator.tokenizer), evaluator.tokenizer)
         by_depth = {}
         for depth in evaluator.depths:
             hits = 0
