@@ -322,8 +322,15 @@ def train(config: TrainConfig, resume: bool = False, max_steps: int | None = Non
         if metrics is not None:
             metrics.close()
         if distributed:
+            import gc
+
             import torch.distributed as dist
 
+            # NOTE: the DDP wrapper's reducer holds the process group; drop it first so the group (and
+            # gloo's worker threads) is torn down here, not at interpreter exit, where a CI run saw
+            # rank 1 abort with "terminate called without an active exception".
+            net = None
+            gc.collect()
             dist.barrier()
             if owns_group:
                 dist.destroy_process_group()
