@@ -1,9 +1,11 @@
 import math
 
+import pytest
 import torch
 
 from gptoss_lite.config import get_preset
-from gptoss_lite.model.rope import RotaryEmbedding, apply_rotary, yarn_concentration, yarn_inv_freq
+from gptoss_lite.model.rope import (RotaryEmbedding, apply_rotary, apply_rotary_tables, rotary_tables,
+                                   yarn_concentration, yarn_inv_freq)
 
 
 def test_yarn_inv_freq_by_hand():
@@ -54,6 +56,17 @@ def test_half_split_rotation():
     out = apply_rotary(x, cos, sin)
     x1, x2 = x[:, :4], x[:, 4:]
     torch.testing.assert_close(out, torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_table_rotation_is_bit_identical(dtype):
+    """The model's four-op rotation (full-width tables) equals the readable form exactly."""
+    rope = RotaryEmbedding(get_preset("gptoss-lite-502m"), pruned_pairs=24)
+    cos, sin = rope(300, 9)
+    x = torch.randn(2, 3, 9, 2 * cos.shape[-1]).to(dtype)
+    out = apply_rotary_tables(x, *rotary_tables(cos, sin))
+    assert out.dtype == dtype
+    assert torch.equal(out, apply_rotary(x, cos, sin))
 
 
 def test_relative_positions():

@@ -8,8 +8,8 @@ Shape legend (used in comments throughout the package):
 
 from gptoss_lite.model.attention import Attention, attention_fast, attention_reference
 from gptoss_lite.model.moe import MoE
-from gptoss_lite.model.rope import RotaryEmbedding, apply_rotary, yarn_inv_freq
+from gptoss_lite.model.rope import RotaryEmbedding, apply_rotary, apply_rotary_tables, rotary_tables, yarn_inv_freq
 from gptoss_lite.model.transformer import GPTOSS, Block, ModelOutput, RMSNorm
 
 __all__ = ["GPTOSS", "Block", "ModelOutput", "RMSNorm", "Attention", "MoE", "RotaryEmbedding",
-           "apply_rotary", "yarn_inv_freq", "attention_fast", "attention_reference"]
+           "apply_rotary", "apply_rotary_tables", "rotary_tables", "yarn_inv_freq", "attention_fast", "attention_reference"]

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from gptoss_lite.config import ModelConfig
-from gptoss_lite.model.rope import apply_rotary
+from gptoss_lite.model.rope import apply_rotary_tables
 
 if TYPE_CHECKING:
     from gptoss_lite.kv.mixed import MixedKVCache
@@ -67,6 +67,8 @@ def attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: tor
     K, S = k.shape[1], k.shape[2]
     G = H // K
     scale = D**-0.5
+    if T == 1 and q_offset == S - 1 and (window is None or S <= window) and k_block is None:
+        return _attend_one_query(q, k, v, sinks, scale)
     if q_block is None:
         q_block = T if T * G <= 2048 else max(1, 2048 // G)
     if k_block is None:
@@ -106,6 +108,34 @@ def attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: tor
     return out.view(B, H, T, D).to(q.dtype)
 
 
+def _attend_one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+                      scale: float) -> torch.Tensor:
+    """The decode step: one query per head that sees every key (the caller checked). q (B,H,1,D).
+
+    One score row per head, so no blocking and no mask: ten tensor ops instead of the blocked
+    kernel's ~25, which matters when a decode step is a few milliseconds.
+    """
+    B, H, _, D = q.shape
+    K = k.shape[1]
+    rows = q.view(B, K, H // K, D)  # (B, K, G, D): the G query heads of a KV group as rows
+    fp32 = q.dtype == torch.float32 and v.dtype == torch.float32  # skip no-op casts (each is a dispatch)
+    s = torch.matmul(rows, k.transpose(-1, -2))  # (B, K, G, S)
+    s = (s if fp32 else s.float()) * scale
+    m = s.amax(dim=-1, keepdim=True)  # (B, K, G, 1)
+    if sinks is not None:
+        sink = sinks.view(1, K, H // K, 1)
+        sink = sink if sink.dtype == torch.float32 else sink.float()
+        m = torch.maximum(m, sink)
+    p = torch.exp(s - m)
+    denom = p.sum(dim=-1, keepdim=True)
+    if sinks is not None:
+        denom = denom + torch.exp(sink - m)
+    if fp32:
+        return (torch.matmul(p, v) / denom).view(B, H, 1, D)
+    out = torch.matmul(p.to(v.dtype), v).float() / denom  # (B, K, G, D)
+    return out.view(B, H, 1, D).to(q.dtype)
+
+
 class Attention(nn.Module):
     """GQA attention block: q_proj, fused kv_proj (K then V), o_proj, per-head sink logits."""
 
@@ -120,6 +150,38 @@ class Attention(nn.Module):
         self.kv_proj = nn.Linear(C, 2 * K * D, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(H * D, C, bias=cfg.attention_bias)
         self.sinks = nn.Parameter(torch.zeros(H))  # learned sink logit per query head
+        self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see pack_for_decode
+
+    @torch.no_grad()
+    def pack_for_decode(self) -> None:
+        """Make q_proj and kv_proj views of one input-major (C, H·D + 2·K·D) buffer (and their biases
+        views of one vector), so the projections of a token are a single GEMV. Same shapes and values;
+        the parameters stay separate for training and checkpoints. Idempotent.
+        """
+        if self._packed_qkv() is not None:
+            return
+        wq, wkv = self.q_proj.weight, self.kv_proj.weight  # (Nq, C), (Nkv, C)
+        nq = wq.shape[0]
+        buf = torch.cat((wq.t(), wkv.t()), dim=1)  # (C, Nq + Nkv), contiguous: input-major
+        wq.data, wkv.data = buf[:, :nq].t(), buf[:, nq:].t()
+        bias = None
+        if self.q_proj.bias is not None:
+            bias = torch.cat((self.q_proj.bias, self.kv_proj.bias))
+            self.q_proj.bias.data, self.kv_proj.bias.data = bias[:nq], bias[nq:]
+        self._qkv = (buf, bias)
+
+    def _packed_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The packed (weight, bias) while the parameters still live in it (e.g. not after .to(dtype))."""
+        if self._qkv is None:
+            return None
+        buf, bias = self._qkv
+        step = self.q_proj.weight.shape[0] * buf.element_size()
+        if (self.q_proj.weight.data_ptr() != buf.data_ptr() or self.kv_proj.weight.data_ptr() != buf.data_ptr() + step
+                or (bias is not None and (self.q_proj.bias.data_ptr() != bias.data_ptr()
+                                          or self.kv_proj.bias.data_ptr() != bias.data_ptr() + step))):
+            self._qkv = None
+            return None
+        return self._qkv
 
     def sink_logits(self) -> torch.Tensor:
         """The sink logits as used in the softmax (clamped where configured), shape (H,)."""
@@ -129,19 +191,28 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: MixedKVCache | None = None, start_pos: int = 0, impl: str = "fast") -> torch.Tensor:
-        """x (B, T, C) at absolute positions start_pos…start_pos+T-1 -> (B, T, C).
+        """x (B, T, C) at absolute positions start_pos…start_pos+T-1 -> (B, T, C); cos, sin are the
+        (T, D) tables of `rope.rotary_tables` for this layer's kind.
 
         With a cache, new keys are rotated once at their absolute positions and appended; queries
         attend over the cached past plus the new keys.
         """
         B, T, C = x.shape
         H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
-        q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-        kv = self.kv_proj(x).view(B, T, 2, K, D)
+        packed = None if torch.is_grad_enabled() else self._packed_qkv()  # the buffer carries no gradient
+        if packed is None:
+            q = self.q_proj(x)  # (B, T, H·D)
+            kv = self.kv_proj(x)  # (B, T, 2·K·D)
+        else:
+            w, b = packed
+            qkv = (torch.mm(x.view(B * T, C), w) if b is None else torch.addmm(b, x.view(B * T, C), w))
+            q, kv = qkv.view(B, T, -1).split((H * D, 2 * K * D), dim=-1)
+        q = q.reshape(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        kv = kv.reshape(B, T, 2, K, D)
         k = kv[:, :, 0].transpose(1, 2)  # (B, K, T, D)
         v = kv[:, :, 1].transpose(1, 2).contiguous()  # (B, K, T, D)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        q = apply_rotary_tables(q, cos, sin)
+        k = apply_rotary_tables(k, cos, sin)
         window = self.window
         if cache is None:
             sinks = self.sink_logits()

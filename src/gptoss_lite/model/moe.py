@@ -30,18 +30,76 @@ class Experts(nn.Module):
             self.down_bias = nn.Parameter(torch.zeros(n, d_model))
         else:
             self.gate_bias = self.up_bias = self.down_bias = None
+        self._gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see pack_for_decode
+
+    @torch.no_grad()
+    def pack_for_decode(self) -> None:
+        """Re-store the weights for one-token GEMVs: gate_proj and up_proj become views of one
+        input-major (E, C, 2I) buffer (so an expert's gate and up are one GEMV), down_proj is stored
+        input-major, and the gate/up biases are views of one (E, 2I) buffer. Same shapes and values;
+        the parameters stay separate for training and checkpoints. Idempotent.
+        """
+        if self._packed_gate_up() is None:
+            hidden = self.gate_proj.shape[1]
+            buf = torch.cat((self.gate_proj.transpose(1, 2), self.up_proj.transpose(1, 2)), dim=2)  # (E, C, 2I)
+            self.gate_proj.data = buf[:, :, :hidden].transpose(1, 2)
+            self.up_proj.data = buf[:, :, hidden:].transpose(1, 2)
+            bias = None
+            if self.gate_bias is not None:
+                bias = torch.cat((self.gate_bias, self.up_bias), dim=1)  # (E, 2I)
+                self.gate_bias.data, self.up_bias.data = bias[:, :hidden], bias[:, hidden:]
+            self._gate_up = (buf, bias)
+        down = self.down_proj
+        if not down.transpose(1, 2).is_contiguous():
+            down.data = down.data.transpose(1, 2).contiguous().transpose(1, 2)
+
+    def _packed_gate_up(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The packed (weight, bias) while the parameters still live in it (e.g. not after .to(dtype))."""
+        if self._gate_up is None:
+            return None
+        buf, bias = self._gate_up
+        step = self.gate_proj.shape[1] * buf.element_size()
+        if (self.gate_proj.data_ptr() != buf.data_ptr() or self.up_proj.data_ptr() != buf.data_ptr() + step
+                or (bias is not None and (self.gate_bias.data_ptr() != bias.data_ptr()
+                                          or self.up_bias.data_ptr() != bias.data_ptr() + step))):
+            self._gate_up = None
+            return None
+        return self._gate_up
+
+    def _activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.activation == "swiglu":
+            return F.silu(gate) * up
+        # gpt-oss clamped variant
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * 1.702))
+
+    def mix_one_token(self, x: torch.Tensor, experts: list[int], weights: list[float]) -> torch.Tensor:
+        """Σ weights[j] · expert(experts[j], x) for one token x (1, C), on the packed weights when the
+        model was packed for decode and gradients are off."""
+        packed = None if torch.is_grad_enabled() else self._packed_gate_up()
+        down_w, down_b = self.down_proj, self.down_bias
+        y = None
+        for e, w in zip(experts, weights):
+            if packed is None:
+                out = self.expert(e, x)
+            else:
+                buf, bias = packed
+                gate_up = torch.mm(x, buf[e]) if bias is None else torch.addmm(bias[e], x, buf[e])  # (1, 2I)
+                gate, up = gate_up.chunk(2, dim=-1)
+                out = F.linear(self._activate(gate, up), down_w[e], None if down_b is None else down_b[e])
+            # NOTE: multiplying by the weight as a Python float is exact: it is the fp32/bf16 value
+            # itself, and the product is computed in fp32 as with a tensor operand.
+            out = out * w
+            y = out if y is None else y + out
+        return y
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Apply expert e to x (N, C) -> (N, C), down-projection bias included."""
         gate = F.linear(x, self.gate_proj[e], None if self.gate_bias is None else self.gate_bias[e])  # (N, I)
         up = F.linear(x, self.up_proj[e], None if self.up_bias is None else self.up_bias[e])  # (N, I)
-        if self.activation == "swiglu":
-            h = F.silu(gate) * up
-        else:  # gpt-oss clamped variant
-            gate = gate.clamp(max=self.limit)
-            up = up.clamp(-self.limit, self.limit)
-            h = (up + 1) * (gate * torch.sigmoid(gate * 1.702))
-        return F.linear(h, self.down_proj[e], None if self.down_bias is None else self.down_bias[e])
+        return F.linear(self._activate(gate, up), self.down_proj[e],
+                        None if self.down_bias is None else self.down_bias[e])
 
 
 class MoE(nn.Module):
@@ -66,10 +124,7 @@ class MoE(nn.Module):
         weights = torch.softmax(top_logits.float(), dim=-1).to(x.dtype)  # (N, A)
         if flat.shape[0] == 1 and not need_aux:
             # Single-token decode: each selected expert is its own group; skip the sort/scatter.
-            y = None
-            for j, e in enumerate(top_idx[0].tolist()):
-                out = self.experts.expert(e, flat) * weights[0, j]
-                y = out if y is None else y + out
+            y = self.experts.mix_one_token(flat, top_idx.view(-1).tolist(), weights.view(-1).tolist())
             return self._add_shared(flat, y).view(B, T, C), None
 
         # Group the N·A (token, expert) assignments by expert: one matmul per expert that has tokens.

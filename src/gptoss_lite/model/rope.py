@@ -75,8 +75,30 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (..., T, D) by half-split pairs: (x1 cos - x2 sin, x2 cos + x1 sin); cos/sin (T, D/2)."""
+    """Rotate x (..., T, D) by half-split pairs: (x1 cos - x2 sin, x2 cos + x1 sin); cos/sin (T, D/2).
+
+    The readable form; the model runs `apply_rotary_tables`, which is bit-identical.
+    """
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.to(x.dtype)
+
+
+def rotary_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of shape (T, D/2) -> full-width (cos | cos, -sin | sin), each (T, D).
+
+    Built once per forward and shared by every layer of a kind, so that rotating a tensor is four
+    ops (`apply_rotary_tables`) instead of a dozen slices, casts and a concatenation per call.
+    """
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+
+def apply_rotary_tables(x: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary` with tables from `rotary_tables`: x·(cos|cos) + swap_halves(x)·(-sin|sin).
+
+    Bit-identical to `apply_rotary` (x1·cos + x2·(-sin) is x1·cos - x2·sin exactly in IEEE arithmetic).
+    """
+    xf = x if x.dtype == torch.float32 else x.float()
+    out = xf * cos_full + xf.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+    return out if out.dtype == x.dtype else out.to(x.dtype)

@@ -12,8 +12,8 @@ from torch.utils.checkpoint import checkpoint
 
 from gptoss_lite.config import ModelConfig
 from gptoss_lite.model.attention import Attention
-from gptoss_lite.model.moe import MoE
-from gptoss_lite.model.rope import RotaryEmbedding
+from gptoss_lite.model.moe import Experts, MoE
+from gptoss_lite.model.rope import RotaryEmbedding, rotary_tables
 
 if TYPE_CHECKING:
     from gptoss_lite.kv.mixed import MixedKVCache
@@ -30,6 +30,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # F.rms_norm computes x * rsqrt(mean(x²) + eps) * weight; we feed it fp32 (bit-identical to the
         # spelled-out formula in fp32, and one op instead of six on the decode path).
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # no cast ops on the fp32 path
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
@@ -49,6 +51,12 @@ class Block(nn.Module):
         x = x + (self.drop(h) if self.training else h)
         h, aux = self.moe(self.norm2(x), need_aux)
         return x + (self.drop(h) if self.training else h), aux
+
+
+def _store_input_major(p: nn.Parameter) -> None:
+    """Make the last two dims of p column-major in memory, in place, unless they already are."""
+    if p.dim() >= 2 and p.stride(-2) != 1:
+        p.data = p.data.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
 @dataclass
@@ -91,6 +99,27 @@ class GPTOSS(nn.Module):
             else:
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
 
+    @torch.no_grad()
+    def pack_for_decode(self) -> GPTOSS:
+        """Re-store the weights for one-token decode steps; same shapes, names and values. Returns self.
+
+        A decode step multiplies one (1, in) row by each weight. PyTorch's CPU GEMV streams an
+        input-major weight (stride 1 along `out`) about twice as fast as nn.Linear's row-major one
+        once weights no longer fit in cache (benchmarks/gemv_layout.py); prefill GEMMs are no slower.
+        So every matmul weight is stored input-major, and weights that read the same input are packed
+        side by side (q with kv, each expert's gate with up) so that each pair is one GEMV. Parameters
+        become views of the packed buffers: training and checkpoints see the same tensors (the saved
+        bytes are identical), and a later .to(dtype) just falls back to the unpacked path.
+        Idempotent; stream_generate() calls it.
+        """
+        for module in self.modules():
+            if isinstance(module, (Attention, Experts)):
+                module.pack_for_decode()
+            elif isinstance(module, nn.Linear):
+                _store_input_major(module.weight)  # o_proj, router, lm_head (q/kv are packed above)
+        _store_input_major(self.embed.weight)  # the output head when tied
+        return self
+
     def head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
@@ -106,8 +135,8 @@ class GPTOSS(nn.Module):
         if attn_impl not in ("fast", "reference"):
             raise ValueError(f"attn_impl={attn_impl!r}: must be 'fast' or 'reference'")
         x = self.embed(input_ids)  # (B, T, C)
-        rope_w = self.rope_window(start_pos, T)  # (cos, sin) each (T, D/2)
-        rope_g = self.rope_global(start_pos, T)
+        rope_w = rotary_tables(*self.rope_window(start_pos, T))  # (cos|cos, -sin|sin) each (T, D)
+        rope_g = rotary_tables(*self.rope_global(start_pos, T))
         aux_total = x.new_zeros((), dtype=torch.float32)
         # The load-balancing loss is a training quantity; cached inference skips computing it.
         need_aux = cache is None

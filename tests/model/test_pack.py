@@ -1,0 +1,93 @@
+"""GPTOSS.pack_for_decode: a re-layout for one-token GEMVs that changes no shape, name or value."""
+
+import copy
+
+import pytest
+import torch
+
+from conftest import make_model
+from gptoss_lite.checkpoint import save_model
+from gptoss_lite.kv.mixed import MixedKVCache
+
+PRESETS = ["lite-tiny", "gpt-oss-tiny"]  # without and with attention / expert biases
+
+
+def _state(model):
+    return {k: (tuple(v.shape), v.detach().clone()) for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_pack_keeps_names_shapes_values_and_is_idempotent(preset):
+    model = make_model(preset)
+    before = _state(model)
+    model.pack_for_decode()
+    after = _state(model)
+    assert before.keys() == after.keys()
+    for name, (shape, value) in before.items():
+        assert after[name][0] == shape, name
+        assert torch.equal(after[name][1], value), name
+    attn, experts = model.blocks[0].attn, model.blocks[0].moe.experts
+    assert attn._packed_qkv() is not None and experts._packed_gate_up() is not None
+    assert attn.q_proj.weight.stride(-2) == 1 and experts.down_proj.stride(-2) == 1  # input-major
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    model.pack_for_decode()
+    assert [p.data_ptr() for p in model.parameters()] == ptrs  # second call: nothing moves
+
+
+def _prefill_and_decode(model, ids):
+    with torch.inference_mode():
+        cache = MixedKVCache(model.config)
+        prefill = model(ids, cache=cache, start_pos=0).logits
+        step = model(ids[:, -1:], cache=cache, start_pos=ids.shape[1]).logits
+    return prefill, step
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_packed_prefill_and_decode_match_unpacked(preset):
+    """Packed GEMVs (q|kv, gate|up) give the unpacked model's logits, prefill and decode step."""
+    model = make_model(preset)
+    packed = copy.deepcopy(model).pack_for_decode()
+    ids = torch.randint(0, model.config.vocab_size, (1, 150), generator=torch.Generator().manual_seed(0))
+    for a, b in zip(_prefill_and_decode(model, ids), _prefill_and_decode(packed, ids)):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_checkpoint_bytes_unchanged_by_packing(preset, tmp_path):
+    """Packed (strided, buffer-sharing) parameters save to a byte-identical safetensors file."""
+    model = make_model(preset)
+    save_model(model, tmp_path / "before")
+    save_model(model.pack_for_decode(), tmp_path / "after")
+    assert (tmp_path / "before" / "model.safetensors").read_bytes() == \
+        (tmp_path / "after" / "model.safetensors").read_bytes()
+
+
+def test_training_after_packing_reaches_every_parameter():
+    """With gradients on, the model runs on its parameters (not the packed buffers): every weight
+    gets a gradient, and an optimiser step updates the packed buffers in place."""
+    model = make_model("gpt-oss-tiny").pack_for_decode().train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    model(ids, targets=ids).loss.backward()
+    attn = model.blocks[0].attn
+    for p in (attn.q_proj.weight, attn.kv_proj.weight, attn.q_proj.bias, model.blocks[0].moe.experts.gate_proj,
+              model.blocks[0].moe.experts.up_bias):
+        assert p.grad is not None and p.grad.abs().sum() > 0
+    before = attn._packed_qkv()[0].clone()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert attn._packed_qkv() is not None and not torch.equal(attn._packed_qkv()[0], before)
+    torch.testing.assert_close(attn._packed_qkv()[0][:, :attn.q_proj.weight.shape[0]], attn.q_proj.weight.t())
+
+
+def test_dtype_change_falls_back_then_repacks():
+    """After .to(bf16) the parameters leave the packed buffers: the unpacked path runs, and packing again works."""
+    model = make_model("gpt-oss-tiny").pack_for_decode()
+    model.to(torch.bfloat16)
+    attn = model.blocks[0].attn
+    assert attn._packed_qkv() is None and model.blocks[0].moe.experts._packed_gate_up() is None
+    ids = torch.randint(0, model.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(2))
+    a, b = _prefill_and_decode(model, ids)
+    model.pack_for_decode()
+    assert attn._packed_qkv()[0].dtype == torch.bfloat16
+    a2, b2 = _prefill_and_decode(model, ids)
+    torch.testing.assert_close(a2.float(), a.float(), atol=0.1, rtol=0.05)
+    torch.testing.assert_close(b2.float(), b.float(), atol=0.1, rtol=0.05)
