@@ -9,8 +9,11 @@ per engine and per length):
   one generation call (our token iterator; transformers' streamer hook, called once per token);
 - peak RSS of the worker process, and its rise above the RSS after loading the model.
 
-Each figure is the median of --repeats runs in one sitting; the ratio column is ours / transformers'.
-transformers runs with eager attention and its default cache (what it supports for gpt-oss on CPU).
+Each figure is the median of --repeats rounds in one sitting. A round runs every length on both
+engines, alternating them, each run in a fresh process after a short warm-up generation, so that a
+slow spell on a shared machine hits both engines. The ratio columns are ours / transformers' medians;
+the decode range is the lowest and highest per-round ratio. transformers runs with eager attention and
+its default cache (what it supports for gpt-oss on CPU).
 
     python benchmarks/bench_vs_hf.py                       # 256, 2048, 8192 tokens, 3 repeats
     python benchmarks/bench_vs_hf.py --lengths 256 --repeats 1 --json
@@ -67,7 +70,7 @@ def worker(engine: str, ckpt: str, length: int, new_tokens: int, repeats: int, t
 
         model = load_model(ckpt)
 
-        def run(n: int) -> tuple[list[float], list[int]]:
+        def run(ids: torch.Tensor, n: int) -> tuple[list[float], list[int]]:
             stamps, tokens = [time.perf_counter()], []
             for token in stream_generate(model, ids, n, temperature=0):
                 stamps.append(time.perf_counter())
@@ -77,7 +80,6 @@ def worker(engine: str, ckpt: str, length: int, new_tokens: int, repeats: int, t
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(ckpt, attn_implementation="eager", dtype=torch.float32).eval()
-        mask = torch.ones_like(ids)  # explicit: without it transformers masks every pad-id token
 
         class Stamps:  # transformers calls put() with the prompt first, then once per new token
             def __init__(self):
@@ -91,17 +93,19 @@ def worker(engine: str, ckpt: str, length: int, new_tokens: int, repeats: int, t
             def end(self):
                 pass
 
-        def run(n: int) -> tuple[list[float], list[int]]:
+        def run(ids: torch.Tensor, n: int) -> tuple[list[float], list[int]]:
+            mask = torch.ones_like(ids)  # explicit: without it transformers masks every pad-id token
             streamer = Stamps()
             t0 = time.perf_counter()
             with torch.inference_mode():
                 model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                pad_token_id=0, streamer=streamer)
             return [t0] + streamer.stamps[1:], streamer.tokens
+    run(ids[:, :16], 2)  # warm-up (one-time costs of either engine), on a short prompt
     base_rss = rss_mib()
     prefill, decode, tokens = [], [], None
     for _ in range(repeats):
-        stamps, tokens = run(1 + new_tokens)
+        stamps, tokens = run(ids, 1 + new_tokens)
         prefill.append(stamps[1] - stamps[0])
         decode.append(stamps[-1] - stamps[1])
     return {
@@ -128,21 +132,29 @@ def main(argv: list[str] | None = None) -> int:
                                 args.threads)))
         return 0
 
-    rows = []
+    # Rounds interleave the engines (ours, transformers, ours, …), each run in a fresh process, so a
+    # slow spell on this shared machine hits both engines rather than one engine's whole sample.
+    runs: dict[tuple[str, int], list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         build_checkpoint(Path(tmp), args.seed)
-        for length in args.lengths:
-            for engine in ("ours", "transformers"):
-                cmd = [sys.executable, __file__, "--worker", engine, tmp, "--length", str(length),
-                       "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
-                       "--threads", str(args.threads)]
-                print(f"[bench] {engine} @ {length} tokens …", file=sys.stderr, flush=True)
-                out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-                rows.append(json.loads(out.strip().splitlines()[-1]))
-    by = {(r["engine"], r["length"]): r for r in rows}
+        for r in range(args.repeats):
+            for length in args.lengths:
+                for engine in ("ours", "transformers"):
+                    cmd = [sys.executable, __file__, "--worker", engine, tmp, "--length", str(length),
+                           "--new-tokens", str(args.new_tokens), "--repeats", "1", "--threads", str(args.threads)]
+                    print(f"[bench] round {r + 1}/{args.repeats}: {engine} @ {length} tokens …",
+                          file=sys.stderr, flush=True)
+                    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+                    runs.setdefault((engine, length), []).append(json.loads(out.strip().splitlines()[-1]))
+
+    def median_of(engine: str, length: int, key: str) -> float:
+        return statistics.median(run[key] for run in runs[(engine, length)])
+
     table = []
     for length in args.lengths:
-        o, h = by[("ours", length)], by[("transformers", length)]
+        o = {k: median_of("ours", length, k) for k in ("prefill_tokens_per_s", "decode_tokens_per_s", "peak_rss_mib")}
+        h = {k: median_of("transformers", length, k) for k in o}
+        o["tokens"], h["tokens"] = runs[("ours", length)][0]["tokens"], runs[("transformers", length)][0]["tokens"]
         table.append({
             "length": length,
             "prefill_ours": o["prefill_tokens_per_s"], "prefill_hf": h["prefill_tokens_per_s"],
@@ -150,7 +162,9 @@ def main(argv: list[str] | None = None) -> int:
             "decode_ours": o["decode_tokens_per_s"], "decode_hf": h["decode_tokens_per_s"],
             "decode_ratio": o["decode_tokens_per_s"] / h["decode_tokens_per_s"],
             "peak_rss_mib_ours": o["peak_rss_mib"], "peak_rss_mib_hf": h["peak_rss_mib"],
-            "same_greedy_tokens": o["tokens"] == h["tokens"],
+            "same_greedy_tokens": all(run["tokens"] == h["tokens"] for run in runs[("ours", length)]),
+            "decode_ratio_per_round": [a["decode_tokens_per_s"] / b["decode_tokens_per_s"] for a, b in
+                                       zip(runs[("ours", length)], runs[("transformers", length)])],
         })
     if args.json:
         print(json.dumps({"threads": args.threads, "repeats": args.repeats, "new_tokens": args.new_tokens,
@@ -159,10 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpt-oss ~20M (HF layout, fp32, CPU, {args.threads} threads); median of {args.repeats} runs; "
           f"decode = {args.new_tokens} tokens after the prompt")
     print(f"{'prompt':>7} | {'prefill tok/s ours':>18} {'HF':>9} {'ratio':>6} | {'decode tok/s ours':>17} "
-          f"{'HF':>7} {'ratio':>6} | {'peak RSS MiB ours':>17} {'HF':>7} | same tokens")
+          f"{'HF':>7} {'ratio':>6} {'range':>11} | {'peak RSS MiB ours':>17} {'HF':>7} | same tokens")
     for r in table:
         print(f"{r['length']:>7} | {r['prefill_ours']:>18,.0f} {r['prefill_hf']:>9,.0f} {r['prefill_ratio']:>5.2f}x | "
-              f"{r['decode_ours']:>17,.1f} {r['decode_hf']:>7,.1f} {r['decode_ratio']:>5.2f}x | "
+              f"{r['decode_ours']:>17,.1f} {r['decode_hf']:>7,.1f} {r['decode_ratio']:>5.2f}x "
+              f"{min(r['decode_ratio_per_round']):>5.2f}-{max(r['decode_ratio_per_round']):.2f}x | "
               f"{r['peak_rss_mib_ours']:>17,.0f} {r['peak_rss_mib_hf']:>7,.0f} | {r['same_greedy_tokens']}")
     return 0
 
