@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"threads": args.threads, "repeats": args.repeats, "new_tokens": args.new_tokens,
                           "rows": table}, indent=2))
         return 0
-    print(f"gpt-oss ~20M (HF layout, fp32, CPU, {args.threads} threads); median of {args.repeats} runs; "
+    print(f"gpt-oss ~20M (HF layout, fp32, CPU, {args.threads} threads); median of {args.repeats} rounds; "
           f"decode = {args.new_tokens} tokens after the prompt")
     print(f"{'prompt':>7} | {'prefill tok/s ours':>18} {'HF':>9} {'ratio':>6} | {'decode tok/s ours':>17} "
           f"{'HF':>7} {'ratio':>6} {'range':>11} | {'peak RSS MiB ours':>17} {'HF':>7} | same tokens")
