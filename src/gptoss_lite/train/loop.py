@@ -10,8 +10,18 @@ metrics.jsonl               one JSON line per logged step
 ```
 
 NOTE: nothing is pickled: optimiser tensors (and the torch RNG state) go to safetensors, scalars to
-JSON. Under `torchrun` (WORLD_SIZE > 1) the model is wrapped in DistributedDataParallel (gloo on
-CPU, NCCL on GPU), every rank draws its own rows of the data stream, and only rank 0 writes.
+JSON. Under `torchrun` (WORLD_SIZE > 1) training is data-parallel (gloo on CPU, NCCL on GPU): rank
+0's weights are broadcast at the start, every rank draws its own rows of the data stream, gradients
+are averaged across ranks after each step's backward passes (`_average_gradients`), and only rank 0
+writes.
+
+NOTE: not torch's DistributedDataParallel wrapper. With torch 2.13 that wrapper keeps the process
+group alive after destroy_process_group (so does an optimiser built after init_process_group, hence
+the order in `train`), and gloo's threads then survive into interpreter shutdown, where CI once saw
+rank 1 abort ("terminate called without an active exception") after a finished run. A test checks
+that no gloo thread outlives `train`. One all-reduce per step also needs no find_unused_parameters
+traversal for experts that get no token. The price is no overlap of communication with backward,
+which a CPU demo does not miss.
 """
 
 from __future__ import annotations
@@ -70,6 +80,37 @@ def _resolve_device(config: TrainConfig, local_rank: int) -> torch.device:
             raise ValueError("device='cuda' but CUDA is not available; use device: cpu or auto")
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+def _broadcast_parameters(model: torch.nn.Module) -> None:
+    """Every rank starts from rank 0's parameters and buffers."""
+    import torch.distributed as dist
+
+    for t in list(model.parameters()) + list(model.buffers()):
+        dist.broadcast(t.data, src=0)
+
+
+def _average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
+    """Replace each gradient by its mean over the ranks, in one all-reduce.
+
+    A parameter with no gradient on this rank (a routed expert that got no token) contributes zeros;
+    it ends with a gradient if any rank had one, and with none (skipped by the optimiser) if no rank did.
+    """
+    import torch.distributed as dist
+
+    device = params[0].device
+    has_grad = torch.tensor([float(p.grad is not None) for p in params], device=device)
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                      for p in params] + [has_grad])
+    dist.all_reduce(flat)
+    n_values = flat.numel() - len(params)
+    flat[:n_values] /= world
+    present = (flat[n_values:] > 0).tolist()  # one device sync, not one per parameter
+    offset = 0
+    for p, keep in zip(params, present):
+        n = p.numel()
+        p.grad = flat[offset:offset + n].view(p.shape).to(p.dtype) if keep else None
+        offset += n
 
 
 # ---- optimiser -------------------------------------------------------------------------------------
@@ -196,18 +237,14 @@ def train(config: TrainConfig, resume: bool = False, max_steps: int | None = Non
     rank, world, local_rank = _dist_env()
     distributed = world > 1
     device = _resolve_device(config, local_rank)
-    if distributed:
-        import torch.distributed as dist
-
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        owns_group = not dist.is_initialized()
-        if owns_group:
-            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     is_main = rank == 0
+    if distributed and device.type == "cuda":
+        torch.cuda.set_device(device)
 
     torch.manual_seed(config.seed)  # same initial weights on every rank
     model = GPTOSS(config.model).to(device)
+    # NOTE: built before the process group: an optimiser constructed after init_process_group keeps
+    # the group alive past destroy_process_group (torch 2.13; tests/train: no gloo thread survives).
     optimizer = _build_optimizer(model, config)
     start_step = 0
     if config.init_from is not None and resume_dir is None:
@@ -221,14 +258,14 @@ def train(config: TrainConfig, resume: bool = False, max_steps: int | None = Non
             _truncate_metrics(out_dir / METRICS_FILE, start_step)
     model.train()
     model.gradient_checkpointing = config.gradient_checkpointing
-    net = model
+    params = [p for p in model.parameters() if p.requires_grad]
     if distributed:
-        from torch.nn.parallel import DistributedDataParallel
+        import torch.distributed as dist
 
-        # NOTE: find_unused_parameters: a routed expert that receives no token in a micro-batch has
-        # no gradient, which plain DDP would wait for forever.
-        net = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                      find_unused_parameters=True)
+        owns_group = not dist.is_initialized()
+        if owns_group:
+            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        _broadcast_parameters(model)
 
     accum = config.optimizer.grad_accum_steps
     data = SyntheticRetrievalData(config.data, rank=rank, world_size=world, grad_accum_steps=accum)
@@ -262,15 +299,15 @@ def train(config: TrainConfig, resume: bool = False, max_steps: int | None = Non
             for micro in range(accum):
                 inputs, targets = data.batch(step, micro)  # (B, T), (B, T)
                 inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-                sync = nullcontext() if (not distributed or micro == accum - 1) else net.no_sync()
-                with sync:
-                    with autocast:
-                        out = net(inputs, targets=targets)
-                    lm_loss, aux_loss = out.loss.float(), out.aux_loss.float()
-                    total = (lm_loss + config.aux_loss_coef * aux_loss) / accum
-                    total.backward()
+                with autocast:
+                    out = model(inputs, targets=targets)
+                lm_loss, aux_loss = out.loss.float(), out.aux_loss.float()
+                total = (lm_loss + config.aux_loss_coef * aux_loss) / accum
+                total.backward()
                 loss_sum += lm_loss.detach() / accum
                 aux_sum += aux_loss.detach() / accum
+            if distributed:
+                _average_gradients(params, world)
             if config.optimizer.grad_clip is not None:
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.grad_clip)
             else:
@@ -322,15 +359,8 @@ def train(config: TrainConfig, resume: bool = False, max_steps: int | None = Non
         if metrics is not None:
             metrics.close()
         if distributed:
-            import gc
-
             import torch.distributed as dist
 
-            # NOTE: the DDP wrapper's reducer holds the process group; drop it first so the group (and
-            # gloo's worker threads) is torn down here, not at interpreter exit, where a CI run saw
-            # rank 1 abort with "terminate called without an active exception".
-            net = None
-            gc.collect()
             dist.barrier()
             if owns_group:
                 dist.destroy_process_group()
