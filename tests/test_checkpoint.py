@@ -339,12 +339,23 @@ def test_hf_state_dict_mapping_is_exact():
 
 
 def test_save_hf_then_load_model(tmp_path):
-    """save_hf writes an HF gpt-oss directory that load_model reads back to identical logits."""
+    """save_hf writes an HF gpt-oss directory that load_model reads back to identical weights, held
+    in the decode layout so that packing copies nothing, and the same logits (up to GEMM rounding,
+    which depends on the layout)."""
     model = _hf_model()
     save_hf(model, tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "gpt_oss"
+    loaded = load_model(tmp_path)
+    want = model.state_dict()
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, want[name]), name
+    packed_on_load = ("q_proj", "kv_proj", "experts.")  # o_proj, router and head are re-stored by packing
+    ptrs = {n: p.data_ptr() for n, p in loaded.named_parameters() if any(k in n for k in packed_on_load)}
+    loaded.pack_for_decode()
+    assert loaded.blocks[0].attn._packed_qkv() is not None
+    assert {n: p.data_ptr() for n, p in loaded.named_parameters() if n in ptrs} == ptrs  # adopted, not copied
     ids = _ids()
-    assert torch.equal(model(ids).logits, load_model(tmp_path)(ids).logits)
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
 
 
 def test_hf_load_names_hf_tensors(tmp_path):

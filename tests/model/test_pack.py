@@ -91,3 +91,18 @@ def test_dtype_change_falls_back_then_repacks():
     a2, b2 = _prefill_and_decode(model, ids)
     torch.testing.assert_close(a2.float(), a.float(), atol=0.1, rtol=0.05)
     torch.testing.assert_close(b2.float(), b.float(), atol=0.1, rtol=0.05)
+
+
+def test_joined_view_only_for_adjacent_blocks_of_one_buffer():
+    """A buffer's two column blocks are re-joined as a view; anything else is not (so it gets copied)."""
+    from gptoss_lite.model.layout import join, joined_view
+
+    buf = torch.arange(24.0).view(2, 12)
+    a, b = buf[:, :5], buf[:, 5:]
+    view = joined_view(a, b)
+    assert view is not None and view.data_ptr() == buf.data_ptr() and torch.equal(view, buf)
+    assert joined_view(b, a) is None  # wrong order
+    assert joined_view(buf[:, :5], buf[:, 6:]) is None  # a gap
+    assert joined_view(a, b.clone()) is None  # another buffer
+    joined = join(a, b.clone())
+    assert torch.equal(joined, buf) and joined.data_ptr() != buf.data_ptr()

@@ -209,35 +209,49 @@ def load_hf_state_dict(directory: str | Path, cfg: ModelConfig | None = None) ->
         if emb is not None and not (head.shape == emb.shape and torch.equal(head, emb)):
             raise ValueError("tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight")
     check_state_dict(hf_shapes(cfg), state, str(directory))
-    return hf_to_native(state, cfg)
+    return hf_to_native(state, cfg, consume=True)
 
 
-def hf_to_native(hf: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Map a complete, shape-checked HF state dict to native names and layouts."""
-    out = {"embed.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"]}
+def hf_to_native(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, consume: bool = False) -> dict[str, torch.Tensor]:
+    """Map a complete, shape-checked HF state dict to native names and layouts.
+
+    The native tensors come out in the decode layout of `GPTOSS.pack_for_decode` wherever a
+    conversion copies anyway, so that packing the loaded model copies nothing more: q and kv are
+    views of one input-major (C, Nq + Nkv) buffer, each expert's gate and up views of one (E, C, 2I)
+    buffer (gate block, then up block), and down_proj is a view of the HF tensor, which is already
+    input-major. `consume=True` (for a dict the caller hands over) pops each HF tensor once
+    converted, so peak memory stays near one copy of the model instead of two.
+    """
+    take = hf.pop if consume else hf.__getitem__
+    out = {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
     if not cfg.tie_embeddings:
-        out["lm_head.weight"] = hf["lm_head.weight"]
+        out["lm_head.weight"] = take("lm_head.weight")
+    nq = cfg.n_heads * cfg.head_dim
     for i in range(cfg.n_layers):
         p, n = f"model.layers.{i}.", f"blocks.{i}."
-        out[n + "norm1.weight"] = hf[p + "input_layernorm.weight"]
-        out[n + "norm2.weight"] = hf[p + "post_attention_layernorm.weight"]
-        out[n + "attn.sinks"] = hf[p + "self_attn.sinks"]
-        kinds = ("weight", "bias") if cfg.attention_bias else ("weight",)
-        for kind in kinds:
-            out[n + f"attn.q_proj.{kind}"] = hf[p + f"self_attn.q_proj.{kind}"]
-            out[n + f"attn.o_proj.{kind}"] = hf[p + f"self_attn.o_proj.{kind}"]
-            out[n + f"attn.kv_proj.{kind}"] = torch.cat(  # K rows first, then V (our fused layout)
-                (hf[p + f"self_attn.k_proj.{kind}"], hf[p + f"self_attn.v_proj.{kind}"]), dim=0)
-        out[n + "moe.router.weight"] = hf[p + "mlp.router.weight"]
-        out[n + "moe.router.bias"] = hf[p + "mlp.router.bias"]
-        gate_up = hf[p + "mlp.experts.gate_up_proj"]  # (E, C, 2I), interleaved columns
-        out[n + "moe.experts.gate_proj"] = gate_up[..., 0::2].transpose(1, 2).contiguous()  # (E, I, C)
-        out[n + "moe.experts.up_proj"] = gate_up[..., 1::2].transpose(1, 2).contiguous()  # (E, I, C)
-        gate_up_bias = hf[p + "mlp.experts.gate_up_proj_bias"]  # (E, 2I)
-        out[n + "moe.experts.gate_bias"] = gate_up_bias[:, 0::2].contiguous()  # (E, I)
-        out[n + "moe.experts.up_bias"] = gate_up_bias[:, 1::2].contiguous()  # (E, I)
-        out[n + "moe.experts.down_proj"] = hf[p + "mlp.experts.down_proj"].transpose(1, 2).contiguous()  # (E, C, I)
-        out[n + "moe.experts.down_bias"] = hf[p + "mlp.experts.down_proj_bias"]  # (E, C)
+        out[n + "norm1.weight"] = take(p + "input_layernorm.weight")
+        out[n + "norm2.weight"] = take(p + "post_attention_layernorm.weight")
+        out[n + "attn.sinks"] = take(p + "self_attn.sinks")
+        q, k, v = (take(p + f"self_attn.{x}_proj.weight") for x in "qkv")  # each (out, in)
+        qkv = torch.cat((q.t(), k.t(), v.t()), dim=1)  # (C, Nq + 2·K·D), input-major; kv = K rows then V
+        out[n + "attn.q_proj.weight"], out[n + "attn.kv_proj.weight"] = qkv[:, :nq].t(), qkv[:, nq:].t()
+        out[n + "attn.o_proj.weight"] = take(p + "self_attn.o_proj.weight")
+        if cfg.attention_bias:
+            qkv_b = torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"])
+            out[n + "attn.q_proj.bias"], out[n + "attn.kv_proj.bias"] = qkv_b[:nq], qkv_b[nq:]
+            out[n + "attn.o_proj.bias"] = take(p + "self_attn.o_proj.bias")
+        out[n + "moe.router.weight"] = take(p + "mlp.router.weight")
+        out[n + "moe.router.bias"] = take(p + "mlp.router.bias")
+        gate_up = take(p + "mlp.experts.gate_up_proj")  # (E, C, 2I), interleaved columns
+        hidden = gate_up.shape[-1] // 2
+        packed = torch.cat((gate_up[..., 0::2], gate_up[..., 1::2]), dim=-1)  # (E, C, 2I): gate | up
+        out[n + "moe.experts.gate_proj"] = packed[..., :hidden].transpose(1, 2)  # (E, I, C) view
+        out[n + "moe.experts.up_proj"] = packed[..., hidden:].transpose(1, 2)  # (E, I, C) view
+        gate_up_bias = take(p + "mlp.experts.gate_up_proj_bias")  # (E, 2I), interleaved
+        packed_b = torch.cat((gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]), dim=-1)
+        out[n + "moe.experts.gate_bias"], out[n + "moe.experts.up_bias"] = packed_b[:, :hidden], packed_b[:, hidden:]
+        out[n + "moe.experts.down_proj"] = take(p + "mlp.experts.down_proj").transpose(1, 2)  # (E, C, I) view
+        out[n + "moe.experts.down_bias"] = take(p + "mlp.experts.down_proj_bias")  # (E, C)
     return out
 
 

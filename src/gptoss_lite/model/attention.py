@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from gptoss_lite.config import ModelConfig
+from gptoss_lite.model.layout import join
 from gptoss_lite.model.rope import apply_rotary_tables
 
 if TYPE_CHECKING:
@@ -162,11 +163,11 @@ class Attention(nn.Module):
             return
         wq, wkv = self.q_proj.weight, self.kv_proj.weight  # (Nq, C), (Nkv, C)
         nq = wq.shape[0]
-        buf = torch.cat((wq.t(), wkv.t()), dim=1)  # (C, Nq + Nkv), contiguous: input-major
+        buf = join(wq.t(), wkv.t())  # (C, Nq + Nkv), contiguous: input-major (no copy if loaded so)
         wq.data, wkv.data = buf[:, :nq].t(), buf[:, nq:].t()
         bias = None
         if self.q_proj.bias is not None:
-            bias = torch.cat((self.q_proj.bias, self.kv_proj.bias))
+            bias = join(self.q_proj.bias, self.kv_proj.bias)
             self.q_proj.bias.data, self.kv_proj.bias.data = bias[:nq], bias[nq:]
         self._qkv = (buf, bias)
 

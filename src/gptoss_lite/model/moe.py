@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptoss_lite.config import ModelConfig
+from gptoss_lite.model.layout import join, store_input_major
 
 
 class Experts(nn.Module):
@@ -41,17 +42,15 @@ class Experts(nn.Module):
         """
         if self._packed_gate_up() is None:
             hidden = self.gate_proj.shape[1]
-            buf = torch.cat((self.gate_proj.transpose(1, 2), self.up_proj.transpose(1, 2)), dim=2)  # (E, C, 2I)
+            buf = join(self.gate_proj.transpose(1, 2), self.up_proj.transpose(1, 2))  # (E, C, 2I)
             self.gate_proj.data = buf[:, :, :hidden].transpose(1, 2)
             self.up_proj.data = buf[:, :, hidden:].transpose(1, 2)
             bias = None
             if self.gate_bias is not None:
-                bias = torch.cat((self.gate_bias, self.up_bias), dim=1)  # (E, 2I)
+                bias = join(self.gate_bias, self.up_bias)  # (E, 2I)
                 self.gate_bias.data, self.up_bias.data = bias[:, :hidden], bias[:, hidden:]
             self._gate_up = (buf, bias)
-        down = self.down_proj
-        if not down.transpose(1, 2).is_contiguous():
-            down.data = down.data.transpose(1, 2).contiguous().transpose(1, 2)
+        store_input_major(self.down_proj)
 
     def _packed_gate_up(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The packed (weight, bias) while the parameters still live in it (e.g. not after .to(dtype))."""

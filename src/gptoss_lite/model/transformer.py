@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gptoss_lite.config import ModelConfig
 from gptoss_lite.model.attention import Attention
+from gptoss_lite.model.layout import store_input_major
 from gptoss_lite.model.moe import Experts, MoE
 from gptoss_lite.model.rope import RotaryEmbedding, rotary_tables
 
@@ -51,12 +52,6 @@ class Block(nn.Module):
         x = x + (self.drop(h) if self.training else h)
         h, aux = self.moe(self.norm2(x), need_aux)
         return x + (self.drop(h) if self.training else h), aux
-
-
-def _store_input_major(p: nn.Parameter) -> None:
-    """Make the last two dims of p column-major in memory, in place, unless they already are."""
-    if p.dim() >= 2 and p.stride(-2) != 1:
-        p.data = p.data.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
 @dataclass
@@ -116,8 +111,8 @@ class GPTOSS(nn.Module):
             if isinstance(module, (Attention, Experts)):
                 module.pack_for_decode()
             elif isinstance(module, nn.Linear):
-                _store_input_major(module.weight)  # o_proj, router, lm_head (q/kv are packed above)
-        _store_input_major(self.embed.weight)  # the output head when tied
+                store_input_major(module.weight)  # o_proj, router, lm_head (q/kv are packed above)
+        store_input_major(self.embed.weight)  # the output head when tied
         return self
 
     def head_weight(self) -> torch.Tensor:

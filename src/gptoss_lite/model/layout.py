@@ -1,0 +1,37 @@
+"""Memory layouts for one-token decode (GPTOSS.pack_for_decode): input-major and packed weights.
+
+Nothing here changes a tensor's shape or values, only where its elements live.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def store_input_major(p: nn.Parameter) -> None:
+    """Make the last two dims of p column-major in memory (p.transpose(-1, -2) contiguous), in place,
+    unless they already are."""
+    if p.dim() >= 2 and p.stride(-2) != 1:
+        p.data = p.data.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def joined_view(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """The contiguous tensor whose last dim is a's then b's, if a and b already are those two blocks
+    of one buffer (as a loader that packed them leaves them); else None. A view, never a copy."""
+    if a.shape[:-1] != b.shape[:-1] or a.dtype != b.dtype or a.device != b.device:
+        return None
+    shape = (*a.shape[:-1], a.shape[-1] + b.shape[-1])
+    strides = torch.empty(shape, device="meta").stride()
+    if a.stride() != strides or b.stride() != strides:
+        return None
+    if (a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+            or b.storage_offset() != a.storage_offset() + a.shape[-1]):
+        return None
+    return a.as_strided(shape, strides, a.storage_offset())
+
+
+def join(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`joined_view(a, b)` when a and b already share one buffer, else a new concatenated buffer."""
+    view = joined_view(a, b)
+    return torch.cat((a, b), dim=-1) if view is None else view
