@@ -106,3 +106,20 @@ def test_joined_view_only_for_adjacent_blocks_of_one_buffer():
     assert joined_view(a, b.clone()) is None  # another buffer
     joined = join(a, b.clone())
     assert torch.equal(joined, buf) and joined.data_ptr() != buf.data_ptr()
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("top_k", [2, 3])
+def test_one_token_expert_mix_matches_per_expert_reference(preset, top_k):
+    """The packed decode mix (one gate|up GEMV per expert) equals Σ w·expert(e, x) for every expert
+    pair in either order, and for three experts."""
+    model = make_model(preset).pack_for_decode()
+    experts = model.blocks[0].moe.experts
+    n = experts.gate_proj.shape[0]
+    x = torch.randn(1, model.config.d_model, generator=torch.Generator().manual_seed(3))
+    picks = [[a, b] for a in range(n) for b in range(n) if a != b] if top_k == 2 else [[2, 0, 3], [1, 3, 0]]
+    with torch.inference_mode():
+        for pick in picks:
+            w = torch.softmax(torch.randn(top_k), dim=0)
+            want = sum(wj * experts.expert(e, x) for e, wj in zip(pick, w.tolist()))
+            torch.testing.assert_close(experts.mix_one_token(x, pick, w.tolist()), want, atol=1e-6, rtol=1e-5)
