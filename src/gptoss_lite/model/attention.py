@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from gptoss_lite.config import ModelConfig
-from gptoss_lite.model.layout import join
+from gptoss_lite.model.layout import pack_pair, still_packed
 from gptoss_lite.model.rope import apply_rotary_tables
 
 if TYPE_CHECKING:
@@ -159,30 +159,21 @@ class Attention(nn.Module):
         views of one vector), so the projections of a token are a single GEMV. Same shapes and values;
         the parameters stay separate for training and checkpoints. Idempotent.
         """
-        if self._packed_qkv() is not None:
-            return
-        wq, wkv = self.q_proj.weight, self.kv_proj.weight  # (Nq, C), (Nkv, C)
-        nq = wq.shape[0]
-        buf = join(wq.t(), wkv.t())  # (C, Nq + Nkv), contiguous: input-major (no copy if loaded so)
-        wq.data, wkv.data = buf[:, :nq].t(), buf[:, nq:].t()
-        bias = None
-        if self.q_proj.bias is not None:
-            bias = join(self.q_proj.bias, self.kv_proj.bias)
-            self.q_proj.bias.data, self.kv_proj.bias.data = bias[:nq], bias[nq:]
-        self._qkv = (buf, bias)
+        if self._packed_qkv() is None:
+            q, kv = self.q_proj, self.kv_proj
+            bias = None if q.bias is None else pack_pair(q.bias, kv.bias, transposed=False)
+            self._qkv = (pack_pair(q.weight, kv.weight, transposed=True), bias)  # (C, Nq + Nkv), (Nq + Nkv,)
 
     def _packed_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The packed (weight, bias) while the parameters still live in it (e.g. not after .to(dtype))."""
-        if self._qkv is None:
-            return None
-        buf, bias = self._qkv
-        step = self.q_proj.weight.shape[0] * buf.element_size()
-        if (self.q_proj.weight.data_ptr() != buf.data_ptr() or self.kv_proj.weight.data_ptr() != buf.data_ptr() + step
-                or (bias is not None and (self.q_proj.bias.data_ptr() != bias.data_ptr()
-                                          or self.kv_proj.bias.data_ptr() != bias.data_ptr() + step))):
+        if self._qkv is not None:
+            buf, bias = self._qkv
+            q, kv, split = self.q_proj, self.kv_proj, self.q_proj.weight.shape[0]
+            if still_packed(buf, q.weight, kv.weight, split) and (
+                    bias is None or still_packed(bias, q.bias, kv.bias, split)):
+                return self._qkv
             self._qkv = None
-            return None
-        return self._qkv
+        return None
 
     def sink_logits(self) -> torch.Tensor:
         """The sink logits as used in the softmax (clamped where configured), shape (H,)."""

@@ -35,3 +35,22 @@ def join(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """`joined_view(a, b)` when a and b already share one buffer, else a new concatenated buffer."""
     view = joined_view(a, b)
     return torch.cat((a, b), dim=-1) if view is None else view
+
+
+def pack_pair(first: nn.Parameter, second: nn.Parameter, transposed: bool) -> torch.Tensor:
+    """Make `first` and `second` views of one contiguous buffer, their concatenation along the last
+    dim (of their transposes when `transposed`, i.e. input-major weights), re-using a buffer they
+    already share. Shapes and values are unchanged. Returns the buffer."""
+    flip = (lambda t: t.transpose(-1, -2)) if transposed else (lambda t: t)  # noqa: E731
+    a, b = flip(first.data), flip(second.data)
+    buf = join(a, b)
+    split = a.shape[-1]
+    first.data, second.data = flip(buf[..., :split]), flip(buf[..., split:])
+    return buf
+
+
+def still_packed(buf: torch.Tensor, first: torch.Tensor, second: torch.Tensor, split: int) -> bool:
+    """Whether `first` and `second` still start at buf's element 0 and element `split`, as
+    `pack_pair` left them (a later .to(dtype) or .data assignment moves them out)."""
+    base = buf.data_ptr()
+    return first.data_ptr() == base and second.data_ptr() == base + split * buf.element_size()

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptoss_lite.config import ModelConfig
-from gptoss_lite.model.layout import join, store_input_major
+from gptoss_lite.model.layout import pack_pair, still_packed, store_input_major
 
 
 class Experts(nn.Module):
@@ -41,29 +41,20 @@ class Experts(nn.Module):
         the parameters stay separate for training and checkpoints. Idempotent.
         """
         if self._packed_gate_up() is None:
-            hidden = self.gate_proj.shape[1]
-            buf = join(self.gate_proj.transpose(1, 2), self.up_proj.transpose(1, 2))  # (E, C, 2I)
-            self.gate_proj.data = buf[:, :, :hidden].transpose(1, 2)
-            self.up_proj.data = buf[:, :, hidden:].transpose(1, 2)
-            bias = None
-            if self.gate_bias is not None:
-                bias = join(self.gate_bias, self.up_bias)  # (E, 2I)
-                self.gate_bias.data, self.up_bias.data = bias[:, :hidden], bias[:, hidden:]
-            self._gate_up = (buf, bias)
+            bias = None if self.gate_bias is None else pack_pair(self.gate_bias, self.up_bias, transposed=False)
+            self._gate_up = (pack_pair(self.gate_proj, self.up_proj, transposed=True), bias)  # (E, C, 2I), (E, 2I)
         store_input_major(self.down_proj)
 
     def _packed_gate_up(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The packed (weight, bias) while the parameters still live in it (e.g. not after .to(dtype))."""
-        if self._gate_up is None:
-            return None
-        buf, bias = self._gate_up
-        step = self.gate_proj.shape[1] * buf.element_size()
-        if (self.gate_proj.data_ptr() != buf.data_ptr() or self.up_proj.data_ptr() != buf.data_ptr() + step
-                or (bias is not None and (self.gate_bias.data_ptr() != bias.data_ptr()
-                                          or self.up_bias.data_ptr() != bias.data_ptr() + step))):
+        if self._gate_up is not None:
+            buf, bias = self._gate_up
+            split = self.gate_proj.shape[1]
+            if still_packed(buf, self.gate_proj, self.up_proj, split) and (
+                    bias is None or still_packed(bias, self.gate_bias, self.up_bias, split)):
+                return self._gate_up
             self._gate_up = None
-            return None
-        return self._gate_up
+        return None
 
     def _activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.activation == "swiglu":
