@@ -13,8 +13,8 @@ def _qkv(B=2, H=4, K=2, T=7, S=19, D=16, seed=0):
     return q, k, v, sinks
 
 
-CASES = [  # (T, S) : full prefill, single-token decode, chunk into a cached prefix
-    (23, 23), (1, 23), (7, 23), (5, 300), (64, 64),
+CASES = [  # (T, S) : full prefill, single-token decode (past the window and inside it), chunk into a cached prefix
+    (23, 23), (1, 23), (1, 6), (7, 23), (5, 300), (64, 64),
 ]
 
 
