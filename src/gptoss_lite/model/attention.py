@@ -113,8 +113,8 @@ def _attend_one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: 
                       scale: float) -> torch.Tensor:
     """The decode step: one query per head that sees every key (the caller checked). q (B,H,1,D).
 
-    One score row per head, so no blocking and no mask: ten tensor ops instead of the blocked
-    kernel's ~25, which matters when a decode step is a few milliseconds.
+    One score row per head, so no blocking and no mask: about ten tensor ops instead of the
+    blocked kernel's ~25. Checked against `attention_reference` like the blocked path.
     """
     B, H, _, D = q.shape
     K = k.shape[1]
