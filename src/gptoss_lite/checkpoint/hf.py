@@ -26,7 +26,6 @@ import torch
 from gptoss_lite.config import FULL, SLIDING, ModelConfig
 from gptoss_lite.checkpoint.io import CONFIG_NAME, DEFAULT_MAX_SHARD_BYTES, read_json, read_tensors, write_checkpoint_dir
 from gptoss_lite.checkpoint.mxfp4 import dequantize_mxfp4
-from gptoss_lite.model.rope import yarn_inv_freq
 
 SWIGLU_ALPHA = 1.702  # sigmoid gain of the gpt-oss activation, fixed in our model code (SPEC §1.2)
 # HF GptOssConfig defaults (transformers 5.23 configuration_gpt_oss.py), used for absent keys.
