@@ -66,7 +66,7 @@ def worker(engine: str, ckpt: str, length: int, new_tokens: int, repeats: int, t
     ids = torch.randint(1, HF_CONFIG["vocab_size"], (1, length), generator=g)
     if engine == "ours":
         from gptoss_lite.checkpoint import load_model
-        from gptoss_lite.generate import stream_generate
+        from gptoss_lite.generation import stream_generate
 
         model = load_model(ckpt)
 

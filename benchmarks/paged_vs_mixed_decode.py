@@ -19,9 +19,9 @@ import warnings
 import torch
 
 from gptoss_lite.checkpoint import load_model
-from gptoss_lite.generate import stream_generate
+from gptoss_lite.generation import stream_generate
 from gptoss_lite.kv.mixed import MixedKVCache
-from gptoss_lite.kv.paged_store import PagedKVCache, PagedKVStore
+from gptoss_lite.kv.paged_cache import PagedKVCache, PagedKVStore
 
 BLOCK = 16
 CHUNK = 2048

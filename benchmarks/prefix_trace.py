@@ -24,7 +24,7 @@ import random
 import sys
 from dataclasses import dataclass, field
 
-from gptoss_lite.kv.paged import PagedKVPool, PoolExhaustedError
+from gptoss_lite.kv.block_pool import PagedKVPool, PoolExhaustedError
 from gptoss_lite.kv.prefix import PrefixCache
 
 REVISION = "trace-rev"  # model revision in the prefix-cache key; constant for the whole trace

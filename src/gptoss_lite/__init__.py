@@ -14,8 +14,8 @@ _LAZY = {
     "GPTOSS": "gptoss_lite.model",
     "load_model": "gptoss_lite.checkpoint",
     "save_model": "gptoss_lite.checkpoint",
-    "generate": "gptoss_lite.generate",
-    "stream_generate": "gptoss_lite.generate",
+    "generate": "gptoss_lite.generation",
+    "stream_generate": "gptoss_lite.generation",
     "MixedKVCache": "gptoss_lite.kv.mixed",
 }
 

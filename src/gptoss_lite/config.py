@@ -126,7 +126,7 @@ class ModelConfig:
         return tuple(i for i, t in enumerate(self.layer_types) if t == SLIDING)
 
     @property
-    def global_layers(self) -> tuple[int, ...]:
+    def full_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
 
     def replace(self, **changes: Any) -> "ModelConfig":

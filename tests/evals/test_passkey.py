@@ -147,9 +147,9 @@ def _fake_generate(answer_for):
 ])
 def test_scoring_reads_only_the_new_tokens(model, monkeypatch, answer_for, accuracy):
     """Accuracy counts new-token answers equal to the key, per (length, depth) and per length."""
-    import gptoss_lite.generate
+    import gptoss_lite.generation
 
-    monkeypatch.setattr(gptoss_lite.generate, "generate", _fake_generate(answer_for))
+    monkeypatch.setattr(gptoss_lite.generation, "generate", _fake_generate(answer_for))
     result = PasskeyEvaluator(model, lengths=[400, 600], depths=[0.0, 1.0], n_trials=3,
                               prefill_chunk=64, batch_size=2).run()
     assert result.accuracy == {400: accuracy, 600: accuracy}

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from gptoss_lite.kv.paged import AppendPlan, PagedKVPool, PoolExhaustedError
+from gptoss_lite.kv.block_pool import AppendPlan, PagedKVPool, PoolExhaustedError
 from gptoss_lite.kv.prefix import PrefixCache, PrefixCacheStats, chained_block_hashes
 
 A = list(range(100, 104))  # one 4-token block

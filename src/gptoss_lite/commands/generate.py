@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from gptoss_lite.commands.common import fmt_bytes, load_model_and_tokenizer
-    from gptoss_lite.generate import stream_generate
+    from gptoss_lite.generation import stream_generate
     from gptoss_lite.kv.mixed import MixedKVCache
 
     prompt = args.prompt

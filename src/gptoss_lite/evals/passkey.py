@@ -304,7 +304,7 @@ class PasskeyEvaluator:
     def answers(self, ids: "torch.Tensor") -> tuple[list[str | None], "MixedKVCache"]:
         """Score-ready answers of a (B, T) batch of equal-length prompts: greedy NEW_TOKENS tokens
         through the cached path, the first 5-digit number of each (None if none); and the cache used."""
-        from gptoss_lite.generate import generate
+        from gptoss_lite.generation import generate
         from gptoss_lite.kv.mixed import MixedKVCache
 
         eos = self.tokenizer.eos_id

@@ -12,7 +12,7 @@ import torch
 
 from gptoss_lite.config import ModelConfig
 
-DEFAULT_GLOBAL_CAP_TOKENS = 4_000_000  # per global layer (SPEC §3.1)
+DEFAULT_FULL_CAP_TOKENS = 4_000_000  # per global layer (SPEC §3.1)
 
 
 class _LayerStore:
@@ -124,7 +124,7 @@ class GrowingBuffer(_LayerStore):
         needed = self.length + T
         if needed > self.cap_tokens:
             raise MemoryError(f"global-layer KV cache cap exceeded: {self.length} + {T} tokens > cap "
-                              f"{self.cap_tokens}; raise max_tokens_per_global_layer or shorten the sequence")
+                              f"{self.cap_tokens}; raise max_tokens_per_full_layer or shorten the sequence")
         if self.k is None or needed > self.capacity:
             new_cap = needed if self.k is None else min(self.cap_tokens, max(needed, int(self.capacity * 1.5) + 1))
             shape = (self.batch_size, self.kv_heads, new_cap, self.head_dim)
@@ -167,7 +167,7 @@ class MixedKVCache(SinkMemo):
     """One cache per generation, indexed by layer: `cache[layer]` is a RingBuffer or GrowingBuffer."""
 
     def __init__(self, config: ModelConfig, batch_size: int = 1,
-                 max_tokens_per_global_layer: int = DEFAULT_GLOBAL_CAP_TOKENS):
+                 max_tokens_per_full_layer: int = DEFAULT_FULL_CAP_TOKENS):
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r}: must be an int >= 1")
         self.config = config
@@ -175,7 +175,7 @@ class MixedKVCache(SinkMemo):
         K, D = config.n_kv_heads, config.head_dim
         self.layers: list[RingBuffer | GrowingBuffer] = [
             RingBuffer(batch_size, K, D, config.sliding_window) if config.is_sliding(i)
-            else GrowingBuffer(batch_size, K, D, max_tokens_per_global_layer)
+            else GrowingBuffer(batch_size, K, D, max_tokens_per_full_layer)
             for i in range(config.n_layers)
         ]
         super().__init__()

@@ -35,7 +35,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gptoss_lite.kv.paged import DEFAULT_BLOCK_SIZE, PagedKVPool, _check_count
+from gptoss_lite.kv.block_pool import DEFAULT_BLOCK_SIZE, PagedKVPool, _check_count
 
 _DOMAIN = b"gptoss-lite/prefix-cache/v1"  # versions the encoding; change it if the encoding changes
 _MAX_TOKEN = 2**63  # tokens are encoded as signed 64-bit little-endian integers

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from gptoss_lite.config import ModelConfig
-from gptoss_lite.model.layout import pack_pair, still_packed
+from gptoss_lite.model.decode_pack import pack_pair, still_packed
 from gptoss_lite.model.rope import apply_rotary_tables
 
 if TYPE_CHECKING:

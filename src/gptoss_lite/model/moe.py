@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptoss_lite.config import ModelConfig
-from gptoss_lite.model.layout import pack_pair, still_packed, store_input_major
+from gptoss_lite.model.decode_pack import pack_pair, still_packed, store_input_major
 
 
 class Experts(nn.Module):

@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gptoss_lite.config import ModelConfig
 from gptoss_lite.model.attention import Attention
-from gptoss_lite.model.layout import store_input_major
+from gptoss_lite.model.decode_pack import store_input_major
 from gptoss_lite.model.moe import Experts, MoE
 from gptoss_lite.model.rope import RotaryEmbedding, rotary_tables
 

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from gptoss_lite.kv.paged import AppendPlan, PagedKVPool, PoolExhaustedError
+from gptoss_lite.kv.block_pool import AppendPlan, PagedKVPool, PoolExhaustedError
 
 
 def dump(pool: PagedKVPool) -> str:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import make_model
-from gptoss_lite.generate import generate, stream_generate
+from gptoss_lite.generation import generate, stream_generate
 from gptoss_lite.kv.mixed import MixedKVCache
 from gptoss_lite.sampling import SamplingConfig, sample
 

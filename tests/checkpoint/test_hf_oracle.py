@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from gptoss_lite.checkpoint import WEIGHTS_NAME, dequantize_mxfp4, load_model, quantize_mxfp4, save_hf  # noqa: E402
 from gptoss_lite.checkpoint.hf import config_from_hf  # noqa: E402
 from gptoss_lite.model.rope import yarn_inv_freq  # noqa: E402
-from gptoss_lite.generate import generate  # noqa: E402
+from gptoss_lite.generation import generate  # noqa: E402
 from gptoss_lite.config import get_preset  # noqa: E402
 from gptoss_lite.kv.mixed import MixedKVCache  # noqa: E402
 from gptoss_lite.model import GPTOSS  # noqa: E402
@@ -114,7 +114,7 @@ def test_greedy_tokens_match_hf_generate(original, tmp_path):
 
 @pytest.mark.parametrize("batch", [1, 2])
 def test_generate_equals_hf_generate_64_tokens(batch, tmp_path):
-    """gptoss_lite.generate (greedy, chunked prefill) equals transformers' greedy generate for 64 tokens."""
+    """gptoss_lite.generation (greedy, chunked prefill) equals transformers' greedy generate for 64 tokens."""
     hf, _ = _hf_model(256, tmp_path)
     ours = load_model(tmp_path)
     prompt = torch.randint(0, 264, (batch, 30), generator=torch.Generator().manual_seed(batch))

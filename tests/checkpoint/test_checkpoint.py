@@ -469,7 +469,7 @@ def test_mxfp4_checkpoint_loads_dequantised(tmp_path):
 
 def test_shipped_demo_model_is_the_default_and_runs():
     """The committed demo model loads strictly, records its training context, and generates."""
-    from gptoss_lite.generate import generate
+    from gptoss_lite.generation import generate
 
     assert default_model_source() == DEFAULT_MODEL
     model = load_model(DEFAULT_MODEL)

@@ -10,10 +10,10 @@ import torch
 
 from conftest import make_model
 from gptoss_lite.config import get_preset
-from gptoss_lite.generate import generate
+from gptoss_lite.generation import generate
 from gptoss_lite.kv.mixed import MixedKVCache
-from gptoss_lite.kv.paged import PoolExhaustedError
-from gptoss_lite.kv.paged_store import GLOBAL, WINDOW, PagedKVCache, PagedKVStore
+from gptoss_lite.kv.block_pool import PoolExhaustedError
+from gptoss_lite.kv.paged_cache import GLOBAL, WINDOW, PagedKVCache, PagedKVStore
 
 BS = 4  # small blocks so a window of 8 spans several blocks
 
@@ -191,7 +191,7 @@ def test_pool_exhausted_leaves_store_and_pool_unchanged():
     with torch.inference_mode():
         model(_prompt(2, 6), cache=cache, start_pos=0)  # 2 blocks per row and pool
         before = _state(store)
-        with pytest.raises(PoolExhaustedError, match="needs 2 free blocks in the global pool but 1 are free"):
+        with pytest.raises(PoolExhaustedError, match="needs 2 free blocks in the full-layer pool but 1 are free"):
             model(_prompt(2, 3), cache=cache, start_pos=6)
     _assert_same_state(store, before)
     assert cache.position == 6

@@ -95,7 +95,7 @@ def test_dtype_change_falls_back_then_repacks():
 
 def test_joined_view_only_for_adjacent_blocks_of_one_buffer():
     """A buffer's two column blocks are re-joined as a view; anything else is not (so it gets copied)."""
-    from gptoss_lite.model.layout import join, joined_view
+    from gptoss_lite.model.decode_pack import join, joined_view
 
     buf = torch.arange(24.0).view(2, 12)
     a, b = buf[:, :5], buf[:, 5:]

@@ -46,12 +46,17 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from gptoss_lite.config import ModelConfig
+from gptoss_lite.config import FULL, SLIDING, ModelConfig
 from gptoss_lite.kv.mixed import SinkMemo
-from gptoss_lite.kv.paged import DEFAULT_BLOCK_SIZE, PagedKVPool, PoolExhaustedError, _check_count
+from gptoss_lite.kv.block_pool import DEFAULT_BLOCK_SIZE, PagedKVPool, PoolExhaustedError, _check_count
 from gptoss_lite.kv.prefix import PrefixCache
 
-GLOBAL, WINDOW = "global", "window"  # layer kinds; one pool each
+GLOBAL, WINDOW = FULL, SLIDING  # layer kinds (the config's words); one pool each
+
+
+def _word(kind: str) -> str:
+    """'sliding-layer' or 'full-layer', for messages."""
+    return "sliding-layer" if kind == SLIDING else "full-layer"
 
 
 class PagedKVStore:
@@ -73,8 +78,8 @@ class PagedKVStore:
         self.dtype, self.device = dtype, torch.device(device)
         self.layers_of: dict[str, tuple[int, ...]] = {}
         self.pools: dict[str, PagedKVPool] = {}
-        if config.global_layers:
-            self.layers_of[GLOBAL] = config.global_layers
+        if config.full_layers:
+            self.layers_of[GLOBAL] = config.full_layers
             self.pools[GLOBAL] = PagedKVPool(total_blocks, block_size)
         if config.sliding_layers:
             self.layers_of[WINDOW] = config.sliding_layers
@@ -175,7 +180,7 @@ class PagedKVCache(SinkMemo):
             for kind, pool in store.pools.items():
                 taken = [s for s in seq_ids if s in pool]
                 if taken:
-                    raise ValueError(f"seq_ids {taken}: already live in the {kind} pool; "
+                    raise ValueError(f"seq_ids {taken}: already live in the {_word(kind)} pool; "
                                      "release them or pick new ids")
             for pool in store.pools.values():
                 for s in seq_ids:
@@ -216,7 +221,7 @@ class PagedKVCache(SinkMemo):
             raise ValueError(f"seq_ids={seq_ids}: duplicate ids; one distinct id per batch row")
         for kind, pool in store.pools.items():
             if any(s in pool for s in seq_ids):
-                raise ValueError(f"seq_ids {seq_ids}: some are already live in the {kind} pool")
+                raise ValueError(f"seq_ids {seq_ids}: some are already live in the {_word(kind)} pool")
         hits = [store.prefix[kind].attach(s, p, scope, revision)
                 for kind in store.pools for s, p in zip(seq_ids, prompts)]
         n = min(hits)
@@ -256,7 +261,7 @@ class PagedKVCache(SinkMemo):
         for kind, pool in self.store.pools.items():
             if len(set(new_seq_ids)) != len(new_seq_ids) or any(s in pool for s in new_seq_ids):
                 raise ValueError(f"new_seq_ids={new_seq_ids}: duplicate or already live in the "
-                                 f"{kind} pool")
+                                 f"{_word(kind)} pool")
         for pool in self.store.pools.values():
             for src, dst in zip(self.seq_ids, new_seq_ids):
                 pool.share_prefix(src, dst, self._length)
@@ -331,7 +336,7 @@ class PagedKVCache(SinkMemo):
             if needed > pool.free_blocks + freed:
                 raise PoolExhaustedError(
                     f"step at position {p0} (+{T} tokens x {self.batch_size} rows) needs {needed} "
-                    f"free blocks in the {kind} pool but {pool.free_blocks} are free (+{freed} the "
+                    f"free blocks in the {_word(kind)} pool but {pool.free_blocks} are free (+{freed} the "
                     "window would release); release or truncate sequences, evict prefix-cache "
                     "blocks, or use a larger store. The cache is unchanged")
         step = _Step(p0, T)
