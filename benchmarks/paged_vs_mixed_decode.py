@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             times["mixed"].append(ms_per_token(model, ids, MixedKVCache(cfg), args.new_tokens))
             total = (length + args.new_tokens + 1) // BLOCK + 2
             store = PagedKVStore(cfg, total_blocks=total, block_size=BLOCK,
-                                 window_blocks=min(total, (CHUNK + cfg.sliding_window) // BLOCK + 2))
+                                 sliding_blocks=min(total, (CHUNK + cfg.sliding_window) // BLOCK + 2))
             times["paged"].append(ms_per_token(model, ids, PagedKVCache(cfg, store, ["seq"]), args.new_tokens))
         mixed, paged = statistics.median(times["mixed"]), statistics.median(times["paged"])
         print(f"{length:>7} | {mixed:>6.2f} | {paged:>6.2f} | {paged / mixed:.2f}x")

@@ -26,7 +26,7 @@ def make_model(preset: str = "lite-tiny", seed: int = 0, **changes) -> GPTOSS:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
             elif "norm" in name:
                 p.copy_(1 + torch.randn(p.shape, generator=gen) * 0.1)
-    return model.eval()
+    return model.prepare_for_inference()
 
 
 @pytest.fixture

@@ -109,7 +109,8 @@ def _resolve_dtype(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None)
 
 def model_from_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor], source: str,
                           device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> GPTOSS:
-    """A fresh GPTOSS in eval mode holding `state` (native names), validated strictly before use.
+    """A fresh GPTOSS holding `state` (native names), validated strictly before use, and prepared for
+    inference (`GPTOSS.prepare_for_inference`: eval mode, decode-packed weights).
 
     dtype None keeps the stored dtype when all tensors share one, else float32.
     """
@@ -126,12 +127,13 @@ def model_from_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor], s
             module.inv_freq = RotaryEmbedding(cfg, pruned_pairs=module.pruned_pairs).inv_freq.to(device)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     assert not left, f"tensors left unmaterialised after loading: {left}"
-    return model.eval()
+    return model.prepare_for_inference()
 
 
 def load_model(source: str | Path, device: str | torch.device | None = None,
                dtype: torch.dtype | None = None, seed: int = 0) -> GPTOSS:
-    """Load a GPTOSS in eval mode from a directory or a preset name.
+    """Load a GPTOSS from a directory or a preset name, prepared for inference (eval mode, on
+    `device`, in `dtype`, decode-packed weights: `GPTOSS.prepare_for_inference`).
 
     - a directory with our config.json ("format_version") -> native layout;
     - a directory with an HF gpt-oss config.json (model_type "gpt_oss") -> HF layout (MXFP4 experts
@@ -148,7 +150,7 @@ def load_model(source: str | Path, device: str | torch.device | None = None,
                       stacklevel=2)
         model = GPTOSS(cfg)
         model.reset_parameters(seed)
-        return model.to(device=device, dtype=dtype).eval()
+        return model.prepare_for_inference(device, dtype)
     if path.exists():
         raise ValueError(f"load_model: {path} is a file; pass the model directory that holds {CONFIG_NAME}")
     raise ValueError(f"load_model: {str(source)!r} is neither a model directory nor a preset; "

@@ -82,7 +82,7 @@ def measure_mixed_cache(contexts: tuple[int, ...], chunk: int = 2048) -> dict[in
         for start in range(0, t, chunk):
             piece = block[:, :, : min(chunk, t - start)]
             for layer in range(cfg.n_layers):
-                cache.append(layer, piece, piece)
+                cache[layer].append(piece, piece)
         out[t] = (cache.payload_bytes, cache.nbytes)
         cache.reset()
     return out

@@ -310,7 +310,7 @@ class PasskeyEvaluator:
         eos = self.tokenizer.eos_id
         cache = MixedKVCache(self.model.config, batch_size=ids.shape[0])
         out = generate(self.model, ids, max_new_tokens=NEW_TOKENS, temperature=0.0, top_p=1.0,
-                       use_cache=True, stop_tokens=None if eos is None else [eos],
+                       stop_tokens=None if eos is None else [eos],
                        prefill_chunk=self.prefill_chunk, cache=cache)  # (B, T + n)
         return [extract_passkey(self.tokenizer.decode(row)) for row in out[:, ids.shape[1]:].tolist()], cache
 

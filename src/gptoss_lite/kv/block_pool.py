@@ -25,7 +25,7 @@ Accounting (all in tokens = slots):
   internal_waste_tokens    = capacity - payload - cache_only (slots no holder has filled)
   logical_tokens           = sum over sequences of their *resident* tokens
                              (length - first_block_index * block_size); dropped tokens hold no
-                             memory, so they count in `sequence_length` but not here
+                             memory, so they count in `num_tokens` but not here
   sharing_savings_tokens   = logical - payload
 Without pins and dropped blocks these are exactly the SPEC §5.4 figures.
 """
@@ -372,7 +372,7 @@ class PagedKVPool:
         """Resident blocks of a sequence in token order (dropped leading blocks excluded)."""
         return tuple(self._seq(seq_id).table)
 
-    def sequence_length(self, seq_id: Hashable) -> int:
+    def num_tokens(self, seq_id: Hashable) -> int:
         """Logical length in tokens, dropped leading blocks included."""
         return self._seq(seq_id).length
 

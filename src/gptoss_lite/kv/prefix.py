@@ -207,7 +207,7 @@ class PrefixCache:
             if seq_id is None:
                 raise ValueError("seq_id: required for a pool-backed cache, naming the pool "
                                  "sequence that holds these tokens")
-            length = self.pool.sequence_length(seq_id)
+            length = self.pool.num_tokens(seq_id)
             if len(tokens) > length:
                 raise ValueError(f"tokens: {len(tokens)} tokens but sequence {seq_id!r} holds "
                                  f"{length}; insert at most the sequence's tokens")
