@@ -24,6 +24,15 @@ One freedom: when T == 1 and the returned keys are exactly the last S <= W posit
 holding one window), the cache may return them in storage order rather than by position. The single
 query sees every one of them, and attention is a sum over keys that carry their own rotation, so the
 order cannot change the result. `first` is then `start_pos - S + 1`, as if they were in order.
+
+Rollback (`RollbackKVCache`, a caller-side protocol; the model never calls it): `truncate(position)`
+forgets every token at or after `position`. It is allowed back to any position whose K/V every layer
+still holds: on a sliding layer, the next query at `position` needs the keys from
+`position - W + 1`, so the lowest allowed position is `first_retained + W - 1` once the layer has
+forgotten tokens (`first_retained > 0`), and 0 before. The allowed positions form the *retained
+interval* `[lowest, num_tokens]`; anything outside raises ValueError naming the position and the
+interval, and leaves the cache unchanged (`check_rollback`). A cache built with rollback slack R
+keeps R tokens more than one window on sliding layers, so a rollback of R tokens is always allowed.
 """
 
 from __future__ import annotations
@@ -57,3 +66,38 @@ class KVCache(Protocol):
         dtype or device do not match the cache.
         """
         ...
+
+
+@runtime_checkable
+class RollbackKVCache(KVCache, Protocol):
+    """A KV cache that can take tokens back (speculative decoding): see "Rollback" above."""
+
+    def truncate(self, position: int) -> None:
+        """Keep the first `position` tokens of every row and forget the rest.
+
+        Raises ValueError (cache unchanged) when `position` lies outside the retained interval:
+        past `num_tokens`, or so early that a sliding layer already forgot keys the next query needs.
+        """
+        ...
+
+
+def rollback_floor(first_retained: int, window: int) -> int:
+    """Lowest position a sliding layer (window W) whose first held token is `first_retained` can be
+    truncated to: 0 while it has forgotten nothing, else `first_retained + W - 1` (the next query at
+    that position needs the keys from `position - W + 1`)."""
+    return 0 if first_retained <= 0 else first_retained + window - 1
+
+
+def check_rollback(position: int, num_tokens: int, lowest: int, window: int | None = None) -> None:
+    """Raise ValueError unless lowest <= position <= num_tokens (the retained interval), saying which
+    limit was crossed and how to fix it. The caller has checked that position is an int >= 0."""
+    if position > num_tokens:
+        raise ValueError(f"truncate(position={position}): outside the retained interval [{lowest}, "
+                         f"{num_tokens}]: the cache holds {num_tokens} tokens and truncate can only shorten")
+    if position < lowest:
+        needs = "" if window is None else (f"; the next query at {position} needs sliding-layer keys "
+                                           f"from {max(0, position - window + 1)}")
+        raise ValueError(f"truncate(position={position}): before the retained interval [{lowest}, "
+                         f"{num_tokens}] (outside it): sliding layers no longer hold the keys before "
+                         f"{lowest - (window or 1) + 1}{needs}; truncate to >= {lowest}, or build the "
+                         "cache with a larger rollback_tokens")

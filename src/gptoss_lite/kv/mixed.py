@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from gptoss_lite.config import ModelConfig
-from gptoss_lite.kv.base import KVCache
+from gptoss_lite.kv.base import RollbackKVCache, check_rollback, rollback_floor
 from gptoss_lite.validation import check_int
 
 DEFAULT_FULL_CAP_TOKENS = 4_000_000  # per full layer (SPEC §3.1)
@@ -55,51 +55,85 @@ class _LayerStore:
 
 
 class RingBuffer(_LayerStore):
-    """Capacity-W ring: `head` is the next slot to write, `num_resident` the valid slots (<= W)."""
+    """Ring of W + slack slots: `head` is the next slot to write, `num_resident` the valid slots.
 
-    def __init__(self, batch_size: int, kv_heads: int, head_dim: int, window: int):
+    `slack` (rollback slack R) keeps R tokens more than one window, so `truncate` can take back R
+    tokens; with slack 0 the ring is exactly one window (W slots).
+    """
+
+    def __init__(self, batch_size: int, kv_heads: int, head_dim: int, window: int, slack: int = 0):
         super().__init__(batch_size, kv_heads, head_dim)
         self.window = window
+        self.slack = slack
+        self.capacity = window + slack
         self.head = 0
         self.num_resident = 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write T new slots in place; a write of T >= W keeps only the last W (chronological from 0)."""
+        """Write T new slots in place; a write of T >= capacity keeps only the last `capacity`
+        (chronological from slot 0)."""
         T = self._check(k, v)
-        W = self.window
+        cap = self.capacity
         if self.k is None:
-            shape = (self.batch_size, self.kv_heads, W, self.head_dim)
+            shape = (self.batch_size, self.kv_heads, cap, self.head_dim)
             self.k = torch.empty(shape, dtype=k.dtype, device=k.device)
             self.v = torch.empty(shape, dtype=v.dtype, device=v.device)
-        if T >= W:
-            self.k.copy_(k[:, :, T - W:])
-            self.v.copy_(v[:, :, T - W:])
-            self.head, self.num_resident = 0, W
+        if T >= cap:
+            self.k.copy_(k[:, :, T - cap:])
+            self.v.copy_(v[:, :, T - cap:])
+            self.head, self.num_resident = 0, cap
         else:
-            first = min(T, W - self.head)  # slots before the wrap point
+            first = min(T, cap - self.head)  # slots before the wrap point
             self.k[:, :, self.head:self.head + first] = k[:, :, :first]
             self.v[:, :, self.head:self.head + first] = v[:, :, :first]
             if first < T:
                 self.k[:, :, :T - first] = k[:, :, first:]
                 self.v[:, :, :T - first] = v[:, :, first:]
-            self.head = (self.head + T) % W
-            self.num_resident = min(W, self.num_resident + T)
+            self.head = (self.head + T) % cap
+            self.num_resident = min(cap, self.num_resident + T)
         self.num_tokens += T
+
+    def last(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last n <= num_resident tokens' keys and values in chronological order, each
+        (B, K, n, D): a view when they sit in contiguous slots, else a copy of the two pieces."""
+        if self.k is None or n == 0:
+            return self._empty()
+        start = (self.head - n) % self.capacity
+        if start + n <= self.capacity:
+            return self.k[:, :, start:start + n], self.v[:, :, start:start + n]
+        order = lambda t: torch.cat((t[:, :, start:], t[:, :, :self.head]), dim=2)  # noqa: E731
+        return order(self.k), order(self.v)
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Valid keys and values in chronological order, each (B, K, num_resident, D)."""
-        if self.k is None or self.num_resident == 0:
-            return self._empty()
-        if self.num_resident < self.window:  # not yet wrapped: slots 0 … num_resident-1 are in order
-            return self.k[:, :, :self.num_resident], self.v[:, :, :self.num_resident]
-        order = lambda t: torch.cat((t[:, :, self.head:], t[:, :, :self.head]), dim=2)  # noqa: E731
-        return order(self.k), order(self.v)
+        return self.last(self.num_resident)
 
     def slots(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Valid slots in storage order (no copy); fine for attention once keys carry their rotation."""
+        """The last min(W, num_resident) tokens for a one-token query, whose window they are: the
+        whole ring in storage order (no copy) when it is exactly one full window (fine for attention
+        once keys carry their rotation, the protocol's one freedom), else chronological (`last`)."""
         if self.k is None:
             return self._empty()
-        return self.k[:, :, :self.num_resident], self.v[:, :, :self.num_resident]
+        if self.num_resident == self.capacity == self.window:
+            return self.k, self.v
+        return self.last(min(self.window, self.num_resident))
+
+    @property
+    def first_retained(self) -> int:
+        """Absolute position of the oldest token the ring still holds."""
+        return self.num_tokens - self.num_resident
+
+    def rollback_floor(self) -> int:
+        """Lowest position `truncate` accepts (see `gptoss_lite.kv.base.rollback_floor`)."""
+        return rollback_floor(self.first_retained, self.window)
+
+    def truncate(self, position: int) -> None:
+        """Forget the tokens at positions >= `position`; the caller checked it is in
+        [rollback_floor(), num_tokens]."""
+        drop = self.num_tokens - position
+        self.head = (self.head - drop) % self.capacity
+        self.num_resident -= drop
+        self.num_tokens = position
 
     def reset(self) -> None:
         super().reset()
@@ -141,22 +175,36 @@ class GrowingBuffer(_LayerStore):
             return self._empty()
         return self.k[:, :, :self.num_resident], self.v[:, :, :self.num_resident]
 
+    def rollback_floor(self) -> int:
+        """A full layer forgets nothing: it can go back to 0."""
+        return 0
+
+    def truncate(self, position: int) -> None:
+        """Forget the tokens at positions >= `position` (the caller checked 0 <= position <= num_tokens);
+        the storage is kept for the next append."""
+        self.num_resident = self.num_tokens = position
+
     def reset(self) -> None:
         super().reset()
         self.num_resident = self.capacity = 0
 
 
-class MixedKVCache(KVCache):
-    """One cache per generation, indexed by layer: `cache[layer]` is a RingBuffer or GrowingBuffer."""
+class MixedKVCache(RollbackKVCache):
+    """One cache per generation, indexed by layer: `cache[layer]` is a RingBuffer or GrowingBuffer.
+
+    `rollback_tokens` (R) is the rollback slack: sliding layers keep W + R slots, so `truncate` can
+    always take back R tokens (speculative decoding drafts k tokens and needs R >= k - 1).
+    """
 
     def __init__(self, config: ModelConfig, batch_size: int = 1,
-                 max_tokens_per_full_layer: int = DEFAULT_FULL_CAP_TOKENS):
+                 max_tokens_per_full_layer: int = DEFAULT_FULL_CAP_TOKENS, *, rollback_tokens: int = 0):
         self.config = config
         self._batch_size = check_int("batch_size", batch_size, minimum=1)
         check_int("max_tokens_per_full_layer", max_tokens_per_full_layer, minimum=1)
+        self.rollback_tokens = check_int("rollback_tokens", rollback_tokens, minimum=0)
         K, D = config.n_kv_heads, config.head_dim
         self.layers: list[RingBuffer | GrowingBuffer] = [
-            RingBuffer(batch_size, K, D, config.sliding_window) if config.is_sliding(i)
+            RingBuffer(batch_size, K, D, config.sliding_window, rollback_tokens) if config.is_sliding(i)
             else GrowingBuffer(batch_size, K, D, max_tokens_per_full_layer)
             for i in range(config.n_layers)
         ]
@@ -184,6 +232,22 @@ class MixedKVCache(KVCache):
         """Chronological (K, V) of the valid part of `layer`, each (B, K, n, D)."""
         return self.layers[layer].get()
 
+    def rollback_floor(self) -> int:
+        """Lowest position `truncate` accepts now: the retained interval is [this, num_tokens]."""
+        return max(store.rollback_floor() for store in self.layers)
+
+    def truncate(self, position: int) -> None:
+        """Keep the first `position` tokens of every row and forget the rest (speculative decoding's
+        rejected drafts). Allowed for rollback_floor() <= position <= num_tokens, i.e. while every
+        sliding layer still holds the keys the next query at `position` needs; otherwise ValueError
+        naming the retained interval, cache unchanged. Also brings back in step a cache whose last
+        forward pass raised half way (layers holding different numbers of tokens)."""
+        position = check_int("position", position, minimum=0)
+        held = min(store.num_tokens for store in self.layers)
+        check_rollback(position, held, self.rollback_floor(), self.config.sliding_window)
+        for store in self.layers:
+            store.truncate(position)
+
     def reset(self) -> None:
         """Empty every layer (between independent requests); frees the storage."""
         for store in self.layers:
@@ -195,9 +259,10 @@ class MixedKVCache(KVCache):
         `KVCache` protocol says.
 
         Full layers append and return a view of the whole buffer. Sliding layers: a single decode
-        token is written first and the ring's slots come back in storage order (the protocol's one
-        freedom: all of them are inside the token's window); a chunk gets the chronological ring past
-        followed by itself, and is written afterwards.
+        token is written first and the last min(W, held) keys come back (`RingBuffer.slots`: in
+        storage order when the ring is exactly one full window, the protocol's one freedom, else
+        chronological); a chunk gets the chronological ring past (up to W keys, never the rollback
+        slack, which no new query can see) followed by itself, and is written afterwards.
         """
         store = self.layers[layer]
         if start_pos != store.num_tokens:
@@ -212,7 +277,7 @@ class MixedKVCache(KVCache):
             store.append(k, v)
             keys, values = store.slots()
             return keys, values, start_pos + 1 - keys.shape[2]
-        past_k, past_v = store.get()
+        past_k, past_v = store.last(min(store.window, store.num_resident))
         keys = torch.cat((past_k.to(k), k), dim=2)  # (B, K, past + T, D), past <= W
         values = torch.cat((past_v.to(v), v), dim=2)
         store.append(k, v)
@@ -221,7 +286,7 @@ class MixedKVCache(KVCache):
     # ---- byte accounting -------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        """Bytes allocated for K and V across layers (ring capacity W, global capacity)."""
+        """Bytes allocated for K and V across layers (ring capacity W + R, global capacity)."""
         return sum(store.nbytes for store in self.layers)
 
     @property

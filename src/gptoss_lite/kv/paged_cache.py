@@ -48,7 +48,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from gptoss_lite.config import FULL, SLIDING, ModelConfig
-from gptoss_lite.kv.base import KVCache
+from gptoss_lite.kv.base import RollbackKVCache, check_rollback, rollback_floor
 from gptoss_lite.kv.block_pool import DEFAULT_BLOCK_SIZE, PagedKVPool, PoolExhaustedError, _check_count
 from gptoss_lite.kv.prefix import PrefixCache
 from gptoss_lite.validation import check_int
@@ -149,7 +149,7 @@ class _Step:
         self.read: dict[str, tuple[torch.Tensor, int]] = {}  # kind -> (table (B, nb), first token)
 
 
-class PagedKVCache(KVCache):
+class PagedKVCache(RollbackKVCache):
     """A batch of pool sequences behind the `KVCache` protocol, like MixedKVCache.
 
     Row b of the batch is sequence `seq_ids[b]` in every pool of `store`. `rollback_tokens` keeps
@@ -364,27 +364,24 @@ class PagedKVCache(KVCache):
 
     # ------------------------------------------------------------------ rollback and lifetime
 
+    def rollback_floor(self) -> int:
+        """Lowest position `truncate` accepts now: the retained interval is [this, num_tokens]."""
+        if SLIDING not in self.store.pools:
+            return 0
+        pool = self.store.pools[SLIDING]
+        start = max(pool.first_block_index(s) for s in self.seq_ids) * self.store.block_size
+        return rollback_floor(start, self.config.sliding_window)
+
     def truncate(self, position: int) -> None:
         """Roll every row back to `position` tokens (speculative-decoding rejection, SPEC §5.7).
 
-        Allowed when 0 <= position <= self.num_tokens and every key the next query at `position`
-        needs is still resident (its window start not before a sliding layer's released blocks).
+        Allowed when rollback_floor() <= position <= self.num_tokens: every key the next query at
+        `position` needs is still resident (its window start not before a sliding layer's released
+        blocks); the same rule as MixedKVCache (`gptoss_lite.kv.base.check_rollback`).
         Also recovers from a forward pass that raised half way.
         """
         position = check_int("position", position, minimum=0)
-        if not 0 <= position <= self._num_tokens:
-            raise ValueError(f"position={position}: outside [0, {self._num_tokens}]; truncate can only "
-                             "shorten")
-        if SLIDING in self.store.pools:
-            pool = self.store.pools[SLIDING]
-            start = max(pool.first_block_index(s) for s in self.seq_ids) * self.store.block_size
-            need = max(0, position - self.config.sliding_window + 1)
-            if need < start:
-                raise ValueError(
-                    f"position={position}: before the retained interval; sliding layers released "
-                    f"tokens before {start} but the next query at {position} needs keys from "
-                    f"{need}, so truncate to >= {start + self.config.sliding_window - 1} or build "
-                    "the cache with a larger rollback_tokens")
+        check_rollback(position, self._num_tokens, self.rollback_floor(), self.config.sliding_window)
         for pool in self.store.pools.values():
             for s in self.seq_ids:
                 pool.truncate(s, position)
