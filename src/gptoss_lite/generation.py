@@ -5,6 +5,11 @@
 - `generate_reference`: no cache at all. Every step runs the whole sequence so far through the model
   (O(T²)) with the dense reference attention; slow and obviously correct, the oracle for the tests.
 
+`generate(..., speculate=PromptLookup(...) | DraftModel(...))` decodes speculatively
+(`gptoss_lite.speculative`): k drafted tokens are verified in one target forward and the rejected ones
+are truncated from the cache. Greedy output is identical to plain greedy; sampled output has the same
+distribution (not the same tokens for a seed: the draws differ).
+
 Neither changes the model. Getting a model ready (eval mode, device, dtype, decode packing) happens in
 one place, `GPTOSS.prepare_for_inference()`, which `load_model` calls; these functions check it and
 say so when it was not done.
@@ -16,10 +21,12 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from gptoss_lite.kv.base import KVCache
+from gptoss_lite.kv.base import KVCache, RollbackKVCache
 from gptoss_lite.kv.mixed import MixedKVCache
 from gptoss_lite.model.transformer import GPTOSS
 from gptoss_lite.sampling import SamplingConfig, sample
+from gptoss_lite.speculative import (DraftModel, PromptLookup, Speculation, SpeculationStats, accept,
+                                     make_drafter)
 from gptoss_lite.validation import check_int
 
 DEFAULT_PREFILL_CHUNK = 2048  # tokens per prefill piece; bounds activation and score memory
@@ -66,7 +73,9 @@ def _validate(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int, attn_
 def stream_generate(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int = 64,
                     temperature: float = 0.7, top_p: float = 0.9, seed: int | None = None,
                     stop_tokens: Sequence[int] | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                    cache: KVCache | None = None, attn_impl: str = "fast") -> Iterator[torch.Tensor]:
+                    cache: KVCache | None = None, attn_impl: str = "fast",
+                    speculate: Speculation | None = None, stats: SpeculationStats | None = None
+                    ) -> Iterator[torch.Tensor]:
     """An iterator of the next token ids (B,) step by step; stops after max_new_tokens or when every
     row has produced a stop token (rows that stopped earlier keep repeating their stop token).
 
@@ -74,14 +83,20 @@ def stream_generate(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int 
     once) is taken to hold the K/V of `input_ids[:, :P]`; only the rest of the prompt is prefilled.
     The caller vouches for that content: positions are checked, tokens cannot be.
 
+    `speculate` (a `PromptLookup` or `DraftModel`) turns on speculative decoding; the cache must then
+    be a `RollbackKVCache` (the default one is built with rollback slack k). `stats`, a
+    `SpeculationStats`, is filled in as tokens are produced (with or without speculation).
+
     Arguments are validated here, eagerly, before any work starts.
     """
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)
     _validate(model, input_ids, max_new_tokens, attn_impl, need_packed=True)
     check_int("prefill_chunk", prefill_chunk, minimum=1)
     B, T = input_ids.shape
+    _validate_speculation(model, input_ids, max_new_tokens, speculate, cache, stats)
     if cache is None:
-        cache = MixedKVCache(model.config, batch_size=B)
+        cache = MixedKVCache(model.config, batch_size=B,
+                             rollback_tokens=0 if speculate is None else speculate.k)
     elif not isinstance(cache, KVCache):
         raise TypeError(f"cache: expected a KV cache (gptoss_lite.kv.base.KVCache), got {type(cache).__name__}")
     elif cache.batch_size != B or not 0 <= cache.num_tokens < T:
@@ -89,28 +104,70 @@ def stream_generate(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int 
                          f"have batch_size={B} and hold fewer tokens than the {T}-token prompt (empty, or "
                          "the K/V of a prompt prefix such as a prefix-cache hit; call cache.reset() to "
                          "start over)")
+    if speculate is not None:
+        return _speculative_steps(model, input_ids.long(), max_new_tokens, sampling, stop_tokens,
+                                  prefill_chunk, cache, attn_impl, speculate, stats)
     return _cached_steps(model, input_ids.long(), max_new_tokens, sampling, stop_tokens, prefill_chunk,
-                         cache, attn_impl)
+                         cache, attn_impl, stats)
+
+
+def _validate_speculation(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int,
+                          speculate: Speculation | None, cache: KVCache | None,
+                          stats: SpeculationStats | None) -> None:
+    if stats is not None and not isinstance(stats, SpeculationStats):
+        raise TypeError(f"stats: expected a SpeculationStats, got {type(stats).__name__}")
+    if speculate is None:
+        return
+    if not isinstance(speculate, (PromptLookup, DraftModel)):
+        raise TypeError(f"speculate: expected None, a PromptLookup or a DraftModel, got "
+                        f"{type(speculate).__name__}")
+    if cache is not None and not isinstance(cache, RollbackKVCache):
+        raise TypeError(f"speculate needs a cache that can roll back (gptoss_lite.kv.base.RollbackKVCache); "
+                        f"got {type(cache).__name__}; pass cache=None or a MixedKVCache/PagedKVCache")
+    if isinstance(speculate, DraftModel):
+        draft, B_T = speculate.model, input_ids.shape
+        if draft.config.vocab_size != model.config.vocab_size:
+            raise ValueError(f"draft model vocab_size={draft.config.vocab_size} differs from the target's "
+                             f"{model.config.vocab_size}; a draft must share the target's tokenizer")
+        if not draft.inference_ready:
+            raise ValueError("draft model is not prepared for inference; call "
+                             "draft.prepare_for_inference() first (load_model does it)")
+        if next(draft.parameters()).device != input_ids.device:
+            raise ValueError(f"draft model is on {next(draft.parameters()).device} but input_ids are on "
+                             f"{input_ids.device}; move one of them")
+        if B_T[1] + max_new_tokens > draft.config.max_position_embeddings:
+            raise ValueError(f"prompt of {B_T[1]} tokens + max_new_tokens={max_new_tokens} exceeds the draft "
+                             f"model's maximum of {draft.config.max_position_embeddings} positions")
+
+
+def _prefill(model: GPTOSS, input_ids: torch.Tensor, cache: KVCache, prefill_chunk: int,
+             attn_impl: str) -> torch.Tensor:
+    """Run the prompt's uncached part through the model in chunks; the last position's logits (B, 1, V)."""
+    logits = None
+    for start in range(cache.num_tokens, input_ids.shape[1], prefill_chunk):  # skip a cached prefix
+        piece = input_ids[:, start:start + prefill_chunk]
+        logits = model(piece, cache=cache, start_pos=start, last_only=True, attn_impl=attn_impl).logits
+    return logits
 
 
 @torch.inference_mode()
 def _cached_steps(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int, sampling: SamplingConfig,
                   stop_tokens: Sequence[int] | None, prefill_chunk: int, cache: KVCache,
-                  attn_impl: str) -> Iterator[torch.Tensor]:
+                  attn_impl: str, stats: SpeculationStats | None = None) -> Iterator[torch.Tensor]:
     B, T = input_ids.shape
     generator = _generator(sampling, input_ids.device)
     stops = _stop_ids(stop_tokens, input_ids.device)
     done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
     if max_new_tokens == 0:
         return
-    logits = None
-    for start in range(cache.num_tokens, T, prefill_chunk):  # skip a prefix the cache already holds
-        piece = input_ids[:, start:start + prefill_chunk]
-        logits = model(piece, cache=cache, start_pos=start, last_only=True, attn_impl=attn_impl).logits
+    logits = _prefill(model, input_ids, cache, prefill_chunk, attn_impl)
     prev = None
     for step in range(max_new_tokens):
         token = sample(logits[:, -1], sampling, generator)
         token, done = _apply_stops(token, done, stops, prev)
+        if stats is not None:
+            stats.new_tokens += 1
+            stats.target_forwards += 1
         yield token
         prev = token
         if step + 1 == max_new_tokens or (stops.numel() and bool(done.all())):
@@ -119,14 +176,66 @@ def _cached_steps(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int, s
                        attn_impl=attn_impl).logits
 
 
+@torch.inference_mode()
+def _speculative_steps(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int,
+                       sampling: SamplingConfig, stop_tokens: Sequence[int] | None, prefill_chunk: int,
+                       cache: RollbackKVCache, attn_impl: str, speculate: Speculation,
+                       stats: SpeculationStats | None) -> Iterator[torch.Tensor]:
+    """Speculative decoding (gptoss_lite.speculative): per step, draft up to k tokens, verify them with
+    one target forward over [pending token, drafts], emit the accepted drafts plus one target token,
+    truncate the rest from the cache. Rows keep the minimum accepted count over the batch."""
+    B, T = input_ids.shape
+    device = input_ids.device
+    generator = _generator(sampling, device)
+    stops = _stop_ids(stop_tokens, device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    stats = SpeculationStats() if stats is None else stats
+    if max_new_tokens == 0:
+        return
+    drafter = make_drafter(speculate, input_ids, prefill_chunk, attn_impl)
+    logits = _prefill(model, input_ids, cache, prefill_chunk, attn_impl)
+    stats.target_forwards += 1
+    pending = sample(logits[:, -1], sampling, generator)  # (B,) chosen, not yet in the cache
+    new, accepted, prev = pending[:, None], 0, None
+    emitted = 0
+    while True:
+        drafter.extend(new, accepted)
+        for j in range(new.shape[1]):
+            token, done = _apply_stops(new[:, j], done, stops, prev)
+            stats.new_tokens += 1
+            emitted += 1
+            yield token
+            prev = token
+            if emitted == max_new_tokens or (stops.numel() and bool(done.all())):
+                return
+        pending = new[:, -1]
+        k = min(speculate.k, max_new_tokens - emitted - 1)  # never draft past max_new_tokens
+        drafts, lengths, q = drafter.propose(k, sampling, generator, device)
+        start = cache.num_tokens
+        stats.target_forwards += 1
+        if drafts.shape[1] == 0:  # nothing drafted: a plain decode step
+            logits = model(pending[:, None], cache=cache, start_pos=start, last_only=True,
+                           attn_impl=attn_impl).logits
+            new, accepted = sample(logits[:, -1], sampling, generator)[:, None], 0
+            continue
+        x = torch.cat((pending[:, None], drafts), dim=1)  # (B, 1 + k)
+        logits = model(x, cache=cache, start_pos=start, attn_impl=attn_impl).logits  # (B, 1 + k, V)
+        new, accepted, _ = accept(logits, drafts, lengths, q, sampling, generator)
+        cache.truncate(start + 1 + accepted)  # keep pending and the accepted drafts
+        stats.drafted += int(lengths.sum())
+        stats.accepted += accepted * B
+
+
 def generate(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int = 64, temperature: float = 0.7,
              top_p: float = 0.9, seed: int | None = None, stop_tokens: Sequence[int] | None = None,
              prefill_chunk: int = DEFAULT_PREFILL_CHUNK, cache: KVCache | None = None,
-             attn_impl: str = "fast") -> torch.Tensor:
+             attn_impl: str = "fast", speculate: Speculation | None = None,
+             stats: SpeculationStats | None = None) -> torch.Tensor:
     """input_ids (B, T_prompt) -> (B, T_prompt + n_new) with n_new <= max_new_tokens (fewer only when
-    every row hit a stop token). Greedy when temperature <= 0; a seed makes sampling reproducible."""
+    every row hit a stop token). Greedy when temperature <= 0; a seed makes sampling reproducible.
+    `speculate` and `stats`: see `stream_generate`."""
     steps = stream_generate(model, input_ids, max_new_tokens, temperature, top_p, seed, stop_tokens,
-                            prefill_chunk, cache, attn_impl)
+                            prefill_chunk, cache, attn_impl, speculate, stats)
     return _collect(input_ids, max_new_tokens, steps)
 
 

@@ -48,3 +48,20 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
         choice = torch.multinomial(sorted_p, 1, generator=generator)  # (B, 1)
         return sorted_idx.gather(-1, choice).squeeze(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """logits (..., V) -> the distribution `sample` draws from, (..., V) fp32: softmax at the
+    temperature, restricted to the top-p nucleus (the same keep rule as `sample`) and renormalised.
+    Greedy configs give the one-hot vector of the argmax. Speculative sampling needs the whole vector.
+    """
+    if cfg.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+    probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)
+    if cfg.top_p < 1.0:
+        sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+        sorted_p = sorted_p.masked_fill(mass_before >= cfg.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, sorted_idx, sorted_p)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
