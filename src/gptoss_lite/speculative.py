@@ -196,49 +196,54 @@ def make_drafter(spec: Speculation, input_ids: torch.Tensor, prefill_chunk: int,
     return _ModelDrafter(spec, input_ids, prefill_chunk, attn_impl)
 
 
-def accept(logits: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor, q: torch.Tensor | None,
-           sampling: SamplingConfig, generator: torch.Generator | None) -> tuple[torch.Tensor, int, torch.Tensor]:
-    """The verification rule (module docstring). logits (B, k+1, V): the target after each prefix;
-    drafts (B, k) with row b's first lengths[b] real (the rest padding, never accepted); q (B, k, V)
-    the draft distributions, or None for one-hot drafts (prompt lookup, or any greedy drafter).
+def verify(logits: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor, q: torch.Tensor | None,
+           sampling: SamplingConfig, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verification rule (module docstring) for each row on its own. logits (B, k+1, V): the
+    target after each prefix; drafts (B, k) with row b's first lengths[b] real (the rest padding, never
+    accepted); q (B, k, V) the draft distributions, or None for one-hot drafts (prompt lookup, or any
+    greedy drafter).
 
-    Returns (tokens (B, a+1), a, per_row_accepted (B,)): a = min over rows of the accepted count.
+    Returns (accepted (B,), own (B,)): row b accepts its first accepted[b] drafts and then emits
+    own[b], its target token at that position (argmax when greedy; else the residual sample after a
+    rejection, or a draw from p after its last real draft).
     """
     B, k = drafts.shape
-    steps = torch.arange(k, device=drafts.device)
-    real = steps[None, :] < lengths[:, None]  # (B, k)
+    rows = torch.arange(B, device=drafts.device)
+    real = torch.arange(k, device=drafts.device)[None, :] < lengths[:, None]  # (B, k)
     if sampling.greedy:
         target = logits.argmax(dim=-1)  # (B, k+1)
-        ok = (drafts == target[:, :k]) & real
-    else:
-        p = probabilities(logits, sampling)  # (B, k+1, V)
-        p_d = p[:, :k].gather(-1, drafts[..., None]).squeeze(-1)  # (B, k): p_{i}(d_{i+1})
-        q_d = torch.ones_like(p_d) if q is None else q.gather(-1, drafts[..., None]).squeeze(-1)
-        u = torch.rand(B, k, generator=generator, device=drafts.device)
-        ok = (u * q_d < p_d) & real  # u < p/q, without dividing by a zero q
-    per_row = ok.long().cumprod(dim=1).sum(dim=1)  # (B,) accepted drafts per row
-    a = int(per_row.min())
-    rows = torch.arange(B, device=drafts.device)
-    if sampling.greedy:
-        last = target[:, a]
-    else:
-        # Row b's own token at its first non-accepted position per_row[b]: the residual after a
-        # rejection, or p itself after the last real draft (lengths[b] accepted).
-        pos = per_row
-        dist = p[rows, pos]  # (B, V)
-        rejected = pos < lengths
-        if rejected.any():
-            if q is None:
-                qd = torch.zeros_like(dist)
-                qd[rows, drafts[rows, pos.clamp(max=k - 1)]] = 1.0
-            else:
-                qd = q[rows, pos.clamp(max=k - 1)]
-            resid = (dist - qd).clamp(min=0)
-            mass = resid.sum(dim=-1, keepdim=True)
-            use = rejected[:, None] & (mass > 0)
-            dist = torch.where(use, resid / mass.clamp(min=1e-30), dist)
-        own = torch.multinomial(dist, 1, generator=generator).squeeze(-1)  # (B,)
-        # Rows that accepted more than a emit their accepted draft at position a.
-        last = torch.where(per_row > a, drafts[:, min(a, k - 1)], own) if k else own
-    tokens = torch.cat((drafts[:, :a], last[:, None]), dim=1)
-    return tokens, a, per_row
+        accepted = ((drafts == target[:, :k]) & real).long().cumprod(dim=1).sum(dim=1)
+        return accepted, target[rows, accepted]
+    p = probabilities(logits, sampling)  # (B, k+1, V)
+    p_d = p[:, :k].gather(-1, drafts[..., None]).squeeze(-1)  # (B, k): p_i(d_{i+1})
+    q_d = torch.ones_like(p_d) if q is None else q.gather(-1, drafts[..., None]).squeeze(-1)
+    u = torch.rand(B, k, generator=generator, device=drafts.device)
+    ok = (u * q_d < p_d) & real  # u < p/q, without dividing by a zero q
+    accepted = ok.long().cumprod(dim=1).sum(dim=1)  # (B,)
+    dist = p[rows, accepted]  # (B, V)
+    rejected = accepted < lengths
+    if rejected.any():
+        at = accepted.clamp(max=k - 1)
+        if q is None:
+            qd = torch.zeros_like(dist)
+            qd[rows, drafts[rows, at]] = 1.0
+        else:
+            qd = q[rows, at]
+        resid = (dist - qd).clamp(min=0)
+        mass = resid.sum(dim=-1, keepdim=True)
+        use = rejected[:, None] & (mass > 0)  # mass 0 means p == q: a rejection had probability 0
+        dist = torch.where(use, resid / mass.clamp(min=1e-30), dist)
+    return accepted, torch.multinomial(dist, 1, generator=generator).squeeze(-1)
+
+
+def accept(logits: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor, q: torch.Tensor | None,
+           sampling: SamplingConfig, generator: torch.Generator | None) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """`verify`, then the batch keeps a = min over rows of the accepted counts (module docstring).
+
+    Returns (tokens (B, a+1), a, accepted (B,)): every row's first a drafts, then its token at
+    position a (its own target token, or its accepted draft d_{a+1} when it accepted more).
+    """
+    accepted, own = verify(logits, drafts, lengths, q, sampling, generator)
+    a = int(accepted.min())
+    last = own if a == drafts.shape[1] else torch.where(accepted > a, drafts[:, a], own)
+    return torch.cat((drafts[:, :a], last[:, None]), dim=1), a, accepted
