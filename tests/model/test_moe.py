@@ -85,3 +85,25 @@ def test_only_selected_experts_run(monkeypatch):
     monkeypatch.setattr(moe.experts, "expert", lambda e, x: calls.append(e) or original(e, x))
     moe(torch.ones(1, 3, 64))
     assert sorted(calls) == [0, 1]
+
+
+@pytest.mark.parametrize("preset", ["lite-tiny", "gpt-oss-tiny"])
+@pytest.mark.parametrize("N", [2, 9, 16])
+def test_few_token_path_matches_grouped_dispatch(preset, N):
+    """At inference, 2..FEW_TOKENS tokens take the all-experts batched path; it equals the grouped one."""
+    from gptoss_lite.model.moe import FEW_TOKENS
+    torch.manual_seed(1)
+    moe = MoE(get_preset(preset))
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(1, N, 64)
+    grouped, _ = moe(x)  # need_aux: the grouped path
+    moe.experts.pack_for_decode()
+    with torch.no_grad():
+        few, aux = moe(x, need_aux=False)
+        vals, idx = moe.router(x[0]).topk(moe.top_k)
+        assert moe.experts.mix_few_tokens(x[0], idx, torch.softmax(vals, -1)) is not None
+    assert aux is None and N <= FEW_TOKENS
+    torch.testing.assert_close(few, grouped, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(few, _naive_moe(moe, x), atol=1e-4, rtol=1e-5)
