@@ -8,8 +8,8 @@ one token for token. Prompts:
   training context; one trial per key (depths cycle 0 / 0.5 / 1). The evaluator reads only 16 new
   tokens, so each trial decodes --new-tokens (default 64) tokens: the 16-token answer and what the
   model writes after it; both the 16-token and the full figures are reported.
-- copy: a copy-heavy prompt: ~1,000 tokens of the passkey filler text, then the same text again up to
-  its middle, so the continuation is a copy.
+- copy: a copy-heavy prompt: a ~250-token passage of the passkey filler text four times, then its
+  first 100 tokens again (~1,100 tokens).
 - random: 1,024 uniformly random byte tokens (nothing to look up); speculation must cost <= 10%.
 
 Decode time is from the first new token (the end of the prefill, identical in both modes) to the
@@ -63,10 +63,9 @@ def prompts(kind: str, trials: int, tok: ByteTokenizer, model) -> list[torch.Ten
                 for i, key in enumerate(keys)]
     if kind == "copy":
         out = []
-        for t in range(trials):
-            text = "".join(filler_sentences(1000 + 97 * t, tok))
-            ids = tok.encode(text + "\n\n" + text[: len(text) // 2])
-            out.append(torch.tensor([ids]))
+        for t in range(trials):  # a ~250-token passage, four times, then its first ~100 tokens again
+            text = "".join(filler_sentences(1000 + 97 * t, tok))[:250]
+            out.append(torch.tensor([tok.encode(text * 4 + text[:100])]))
         return out
     g = torch.Generator().manual_seed(0)
     return [torch.randint(0, 256, (1, 1024), generator=g) for _ in range(trials)]

@@ -40,9 +40,10 @@ from gptoss_lite.validation import check_int
 
 @dataclass(frozen=True)
 class PromptLookup:
-    """Draft up to k tokens by n-gram lookup in the sequence so far (prompt and generated text):
-    find the most recent earlier occurrence of its last `ngram` tokens (then ngram - 1, … down to
-    `min_ngram`) and propose the tokens that followed it. Costs no model call."""
+    """Draft k tokens by n-gram lookup in the sequence so far (prompt and generated text): find the
+    most recent earlier occurrence of its last `ngram` tokens (then ngram - 1, … down to `min_ngram`)
+    and propose the k tokens that followed it (continued periodically when the copy reaches the end:
+    a repeating pattern is drafted as repeating). Costs no model call."""
 
     k: int = 8
     ngram: int = 8
@@ -111,18 +112,28 @@ class _NgramIndex:
         self.sizes = sorted(self.ends, reverse=True)
         self.indexed = 0  # n-grams ending before this index are in `ends`
 
-    def draft(self, k: int) -> list[int]:
+    def index(self) -> None:
+        """Register the n-grams ending at every e < len(tokens) (so that tokens[e] follows them)."""
         tokens, L = self.tokens, len(self.tokens)
-        for e in range(self.indexed, L):  # register n-grams ending at e (continuation tokens[e] exists)
+        for e in range(self.indexed, L):
             for n, table in self.ends.items():
                 if e >= n:
                     table[tuple(tokens[e - n:e])] = e
         self.indexed = L
+
+    def draft(self, k: int) -> list[int]:
+        self.index()
+        tokens, L = self.tokens, len(self.tokens)
         for n in self.sizes:
             if L >= n:
                 e = self.ends[n].get(tuple(tokens[L - n:]))
                 if e is not None:
-                    return tokens[e:e + k]
+                    # Copy what followed the match; a copy that reaches the end of the sequence goes
+                    # on with its own drafts (period L - e), so a loop like "ababab" keeps going.
+                    draft = tokens[e:e + k]
+                    while len(draft) < k:
+                        draft.append(draft[len(draft) - (L - e)])
+                    return draft
         return []
 
 
@@ -132,6 +143,7 @@ class _LookupDrafter:
         self.rows = [_NgramIndex(spec.ngram, spec.min_ngram) for _ in range(input_ids.shape[0])]
         for row, ids in zip(self.rows, input_ids.tolist()):
             row.tokens.extend(ids)
+            row.index()  # the prompt's n-grams, once, with the prompt's processing (before prefill)
 
     def extend(self, tokens: torch.Tensor, accepted: int) -> None:
         for row, ids in zip(self.rows, tokens.tolist()):
