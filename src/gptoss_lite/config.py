@@ -69,11 +69,12 @@ class ModelConfig:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                      "sliding_window", "n_experts", "top_k", "expert_hidden",
                      "rope_original_context", "max_position_embeddings"):
-            _check_int(name, getattr(self, name), minimum=1)
-        _check_int("n_shared_experts", self.n_shared_experts, minimum=0)
-        _check_int("rope_pruned_pairs", self.rope_pruned_pairs, minimum=0)
+            object.__setattr__(self, name, _check_int(name, getattr(self, name), minimum=1))
+        for name in ("n_shared_experts", "rope_pruned_pairs"):
+            object.__setattr__(self, name, _check_int(name, getattr(self, name), minimum=0))
         if self.train_context_length is not None:
-            _check_int("train_context_length", self.train_context_length, minimum=1)
+            object.__setattr__(self, "train_context_length",
+                               _check_int("train_context_length", self.train_context_length, minimum=1))
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
