@@ -15,8 +15,10 @@ from typing import Any, Mapping
 import torch
 
 from gptoss_lite.config import CONFIG_FORMAT_VERSION, PRESETS, ModelConfig, get_preset
+from gptoss_lite.checkpoint.hf import config_from_hf, load_hf_state_dict
 from gptoss_lite.checkpoint.io import (CONFIG_NAME, DEFAULT_MAX_SHARD_BYTES, read_json, read_tensors,
                                        write_checkpoint_dir)
+from gptoss_lite.checkpoint.state_dict import check_state_dict
 from gptoss_lite.model import GPTOSS, RotaryEmbedding
 
 # Where the trained demo model lives once it has been trained and copied in (package data).
@@ -70,32 +72,6 @@ def read_native_config(directory: str | Path) -> tuple[ModelConfig, dict[str, An
     except (TypeError, ValueError) as e:
         raise type(e)(f"{path}: bad model config: {e}") from e
     return cfg, data
-
-
-def check_state_dict(expected: Mapping[str, tuple[int, ...]], state: Mapping[str, torch.Tensor],
-                     source: str) -> None:
-    """Raise ValueError unless `state` has exactly the expected names and shapes, all finite.
-
-    Every problem is listed (missing, unexpected, mis-shaped with both shapes, non-finite), so one
-    error message shows everything that is wrong with a checkpoint.
-    """
-    problems = []
-    for name in sorted(set(expected) - set(state)):
-        problems.append(f"missing tensor {name} (expected shape {list(expected[name])})")
-    for name in sorted(set(state) - set(expected)):
-        problems.append(f"unexpected tensor {name} (shape {list(state[name].shape)})")
-    for name in sorted(set(expected) & set(state)):
-        got = tuple(state[name].shape)
-        if got != tuple(expected[name]):
-            problems.append(f"tensor {name}: shape {list(got)} in checkpoint, model expects {list(expected[name])}")
-        elif not state[name].is_floating_point():
-            problems.append(f"tensor {name}: dtype {state[name].dtype} is not floating point")
-        elif not bool(torch.isfinite(state[name]).all()):
-            n_bad = int((~torch.isfinite(state[name])).sum())
-            problems.append(f"tensor {name}: {n_bad} non-finite value(s) (nan/inf)")
-    if problems:
-        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
-        raise ValueError(f"{source}: checkpoint does not match the model config:\n  " + "\n  ".join(shown))
 
 
 def _resolve_dtype(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> torch.dtype:
@@ -163,7 +139,6 @@ def _load_dir(directory: Path, device, dtype) -> GPTOSS:
         raise ValueError(f"{directory}: no {CONFIG_NAME}; not a model directory")
     data = read_json(config_path)
     if data.get("model_type") == "gpt_oss":
-        from gptoss_lite.checkpoint.hf import config_from_hf, load_hf_state_dict
         cfg = config_from_hf(data)
         state = load_hf_state_dict(directory, cfg)
     elif "format_version" in data:
