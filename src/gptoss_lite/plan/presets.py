@@ -24,9 +24,9 @@ GEOMETRY_PRESETS: dict[str, KVGeometry] = {
         AttentionKVGeometry("llama-3-8b", 32, 8, 128),
         MLAKVGeometry("deepseek-v3", 61, 512, 64),
         # gpt-oss: alternating sliding (W=128) and full layers (HF config layer_types).
-        AttentionKVGeometry("gpt-oss-20b", 24, 8, 64, sliding_window_layers=12, window=128),
-        AttentionKVGeometry("gpt-oss-120b", 36, 8, 64, sliding_window_layers=18, window=128),
-        AttentionKVGeometry("gptoss-lite-502m", 12, 4, 96, sliding_window_layers=6, window=128),  # SPEC §1.1
+        AttentionKVGeometry("gpt-oss-20b", 24, 8, 64, sliding_layers=12, sliding_window=128),
+        AttentionKVGeometry("gpt-oss-120b", 36, 8, 64, sliding_layers=18, sliding_window=128),
+        AttentionKVGeometry("gptoss-lite-502m", 12, 4, 96, sliding_layers=6, sliding_window=128),  # SPEC §1.1
     )
 }
 
@@ -201,7 +201,8 @@ def geometry_from_hf_config(config: dict[str, Any], bytes_per_element: int = 2, 
     head_dim comes from `head_dim`, else hidden_size / num_attention_heads; missing
     `num_key_value_heads` means MHA (the transformers convention). Sliding layers are the
     `layer_types` entries equal to "sliding_attention". NOTE: a config without `layer_types` is read as
-    all full attention (Mistral-style global `sliding_window` is not interpreted), which overstates KV.
+    all full attention (a Mistral-style `sliding_window` applied to every layer is not interpreted), which
+    overstates KV.
     """
     if not isinstance(config, dict):
         raise TypeError(f"config={type(config).__name__}: must be a dict parsed from config.json")
