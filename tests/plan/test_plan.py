@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gptoss_lite import plan as P
-from gptoss_lite.config import PRESETS
+from gptoss_lite.config import PRESETS, count_active_parameters, count_parameters
 from gptoss_lite.kv import evict
 
 LITE = P.GEOMETRY_PRESETS["gptoss-lite-502m"]
@@ -93,11 +93,29 @@ def test_zero_context_is_zero_payload():
     assert P.kv_payload_bytes(LITE, 0) == 0
 
 
-def test_geometry_from_model_config_matches_presets():
-    """ModelConfig presets map to the same window-aware geometry as the hand-written presets."""
-    for name in ("gptoss-lite-502m", "gpt-oss-20b", "gpt-oss-120b"):
-        g = P.geometry_from_model_config(PRESETS[name], name=name)
-        assert g == P.GEOMETRY_PRESETS[name]
+def test_model_presets_geometry_is_derived_from_config():
+    """Our presets' geometries come from config.PRESETS: layers, KV heads, D, sliding count and window as specified."""
+    expected = {"gptoss-lite-502m": (12, 4, 96, 6, 128), "gpt-oss-20b": (24, 8, 64, 12, 128),
+                "gpt-oss-120b": (36, 8, 64, 18, 128)}
+    for name, (layers, kv_heads, head_dim, sliding, window) in expected.items():
+        g = P.GEOMETRY_PRESETS[name]
+        assert (g.attention_layers, g.kv_heads, g.head_dim, g.sliding_layers, g.sliding_window) == \
+            (layers, kv_heads, head_dim, sliding, window)
+        assert g == P.geometry_from_model_config(PRESETS[name], name=name)
+        assert g.full_layers == layers - sliding == len(PRESETS[name].full_layers)
+
+
+def test_model_presets_weights_are_derived_from_parameter_counts():
+    """Parameter counts come from count_parameters; active leaves out an untied embedding, near the published figures."""
+    lite = P.MODEL_WEIGHTS["gptoss-lite-502m"]
+    assert (lite.total_parameters, lite.active_parameters) == (501_836_640, 247_032_672)  # tied: head counts
+    for name, total, active, published in (("gpt-oss-20b", 20_914_757_184, 3_608_307_264, (20.9e9, 3.6e9)),
+                                           ("gpt-oss-120b", 116_829_156_672, 5_132_849_472, (116.8e9, 5.1e9))):
+        w, cfg = P.MODEL_WEIGHTS[name], PRESETS[name]
+        assert w.total_parameters == count_parameters(cfg) == total
+        assert w.active_parameters == count_active_parameters(cfg) - cfg.vocab_size * cfg.d_model == active
+        assert (w.query_heads, w.attention_head_dim) == (64, 64)
+        assert abs(total / published[0] - 1) < 0.005 and abs(active / published[1] - 1) < 0.01
 
 
 def test_geometry_from_hf_config():

@@ -14,28 +14,29 @@ from typing import Any, Mapping
 
 import torch
 
-from gptoss_lite.config import CONFIG_FORMAT_VERSION, PRESETS, ModelConfig, get_preset
+from gptoss_lite.config import CONFIG_FORMAT_VERSION, PRESETS, ModelConfig
 from gptoss_lite.checkpoint.hf import config_from_hf, load_hf_state_dict
 from gptoss_lite.checkpoint.io import (CONFIG_NAME, DEFAULT_MAX_SHARD_BYTES, read_json, read_tensors,
                                        write_checkpoint_dir)
 from gptoss_lite.checkpoint.state_dict import check_state_dict
+from gptoss_lite.fixtures import FIXTURES, resolve_config, valid_names
 from gptoss_lite.model import GPTOSS, RotaryEmbedding
 
 # Where the trained demo model lives once it has been trained and copied in (package data).
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo"
-# Preset used when the demo model is not there (random weights, announced on stderr).
+# Config used when the demo model is not there (a test fixture; random weights, announced on stderr).
 FALLBACK_PRESET = "lite-tiny"
 _RESERVED_KEYS = ("format_version", "model")
 
 
 def default_model_source() -> Path | str:
-    """The demo model directory if it holds a config.json, else the preset name "lite-tiny".
+    """The demo model directory if it holds a config.json, else the test fixture name "lite-tiny".
 
     In the second case a one-line notice goes to stderr: the model will have random weights.
     """
     if (DEFAULT_MODEL / CONFIG_NAME).is_file():
         return DEFAULT_MODEL
-    print(f"gptoss-lite: no trained demo model at {DEFAULT_MODEL}; using preset {FALLBACK_PRESET!r} "
+    print(f"gptoss-lite: no trained demo model at {DEFAULT_MODEL}; using test config {FALLBACK_PRESET!r} "
           "with RANDOM weights", file=sys.stderr)
     return FALLBACK_PRESET
 
@@ -114,14 +115,15 @@ def load_model(source: str | Path, device: str | torch.device | None = None,
     - a directory with our config.json ("format_version") -> native layout;
     - a directory with an HF gpt-oss config.json (model_type "gpt_oss") -> HF layout (MXFP4 experts
       are dequantised);
-    - a preset name -> RANDOM weights seeded by `seed` (announced with a warning).
+    - a preset or test-fixture name (`fixtures.resolve_config`) -> RANDOM weights seeded by `seed`
+      (announced with a warning).
     Loading is strict (see check_state_dict) and never unpickles.
     """
     path = Path(source)
     if path.is_dir():
         return _load_dir(path, device, dtype)
-    if isinstance(source, str) and source in PRESETS:
-        cfg = get_preset(source)
+    if isinstance(source, str) and (source in PRESETS or source in FIXTURES):
+        cfg = resolve_config(source)
         warnings.warn(f"load_model({source!r}): preset with RANDOM weights (seed={seed}), not a trained model",
                       stacklevel=2)
         model = GPTOSS(cfg)
@@ -130,7 +132,7 @@ def load_model(source: str | Path, device: str | torch.device | None = None,
     if path.exists():
         raise ValueError(f"load_model: {path} is a file; pass the model directory that holds {CONFIG_NAME}")
     raise ValueError(f"load_model: {str(source)!r} is neither a model directory nor a preset; "
-                     f"valid presets: {', '.join(sorted(PRESETS))}")
+                     f"{valid_names()}")
 
 
 def _load_dir(directory: Path, device, dtype) -> GPTOSS:

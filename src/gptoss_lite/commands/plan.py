@@ -27,8 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Serving arithmetic for one model on one chip. Payloads are exact; ceilings and "
                     "capacities are upper bounds from spec sheets; only --hardware this-machine is measured.")
     p.add_argument("--model", default="gptoss-lite-502m",
-                   help=f"geometry preset ({', '.join(P.GEOMETRY_PRESETS)}) or a ModelConfig preset name "
-                        "(default: gptoss-lite-502m)")
+                   help=f"model preset ({', '.join(P.GEOMETRY_PRESETS)}; default: gptoss-lite-502m)")
     p.add_argument("--hardware", default="a100-80gb",
                    help=f"{', '.join(P.HARDWARE_PRESETS)} or {P.THIS_MACHINE} (measured now); default a100-80gb")
     p.add_argument("--devices", type=int, default=1,
@@ -52,18 +51,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 # ---- model resolution ---------------------------------------------------------------------------------
 
 def resolve_model(name: str) -> tuple[P.KVGeometry, P.ModelWeights]:
-    """A geometry preset (with its published weights) or any ModelConfig preset, by exact name."""
+    """A geometry preset (our model presets included) or a test fixture config, by exact name."""
     if name in P.GEOMETRY_PRESETS:
         return P.GEOMETRY_PRESETS[name], P.MODEL_WEIGHTS[name]
-    from gptoss_lite.config import PRESETS, count_active_parameters, count_parameters  # pure Python
+    from gptoss_lite.fixtures import FIXTURES  # pure Python
 
-    if name in PRESETS:
-        cfg = PRESETS[name]
-        weights = P.ModelWeights(name, count_parameters(cfg), count_active_parameters(cfg), 2.0,
-                                 cfg.n_heads, cfg.head_dim)
-        return P.geometry_from_model_config(cfg, name=name), weights
-    valid = sorted(set(P.GEOMETRY_PRESETS) | set(PRESETS))
-    raise ValueError(f"unknown model {name!r}; valid: {', '.join(valid)}")
+    if name in FIXTURES:
+        cfg = FIXTURES[name]
+        return P.geometry_from_model_config(cfg, name=name), P.weights_from_model_config(cfg, name=name)
+    raise ValueError(f"unknown model {name!r}; valid: {', '.join(sorted(P.GEOMETRY_PRESETS))}")
 
 
 def _attention_split(geometry: P.KVGeometry) -> tuple[int, int, int | None]:
