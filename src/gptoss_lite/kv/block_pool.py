@@ -72,11 +72,6 @@ class _Sequence:
     table: list[int] = field(default_factory=list)  # resident blocks, absolute index first+j
 
 
-def _check_count(name: str, value: Any) -> int:
-    """NOTE: kept only for kv/paged_cache.py until it switches to validation.check_int; remove then."""
-    return check_int(name, value, 0)
-
-
 def _check_hashable(seq_id: Any) -> None:
     """Raise TypeError if `seq_id` cannot be a dict key."""
     try:
