@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from gptoss_lite.config import get_preset
+from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.evals import passkey as pk
 from gptoss_lite.evals.passkey import (CLASSIC_NEEDLE, NEEDLE_TEMPLATE, QUESTION, PasskeyEvaluator,
                                        build_passkey_prompt, extract_passkey, filler_sentences,
@@ -23,7 +23,7 @@ def model():
     from gptoss_lite.model import GPTOSS
 
     torch.manual_seed(0)
-    return GPTOSS(get_preset("lite-tiny").replace(train_context_length=128)).prepare_for_inference()
+    return GPTOSS(resolve_config("lite-tiny").replace(train_context_length=128)).prepare_for_inference()
 
 
 # ---- keys ---------------------------------------------------------------------------------------------

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from conftest import make_model
-from gptoss_lite.config import get_preset
+from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.generation import generate
 from gptoss_lite.kv.base import KVCache
 from gptoss_lite.kv.mixed import MixedKVCache
 from gptoss_lite.kv.paged_cache import PagedKVCache, PagedKVStore
 
-CFG = get_preset("lite-tiny")  # window 8; layers 0 and 2 sliding, 1 and 3 full
+CFG = resolve_config("lite-tiny")  # window 8; layers 0 and 2 sliding, 1 and 3 full
 
 
 def _mixed(batch: int) -> MixedKVCache:

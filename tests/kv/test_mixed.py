@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import make_model
-from gptoss_lite.config import get_preset
+from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.kv.mixed import GrowingBuffer, MixedKVCache, RingBuffer
 
 
@@ -48,7 +48,7 @@ def test_ring_matches_list_model(chunks, window):
 
 def test_num_resident_caps_and_reset():
     """num_resident caps at W on sliding layers, grows on full layers, is 0 unwritten and after reset."""
-    cfg = get_preset("lite-tiny")  # window 8, layers 0/2 windowed
+    cfg = resolve_config("lite-tiny")  # window 8, layers 0/2 windowed
     cache = MixedKVCache(cfg)
     assert cache.num_resident(0) == 0 and cache.num_resident(1) == 0 and len(cache) == 4
     k = torch.randn(1, cfg.n_kv_heads, 20, cfg.head_dim)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import make_model
-from gptoss_lite.config import get_preset
+from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.generation import generate
 from gptoss_lite.kv.mixed import MixedKVCache
 from gptoss_lite.kv.block_pool import PoolExhaustedError
@@ -84,7 +84,7 @@ def test_chunked_prefill_logits_match_one_shot(chunk):
 
 def test_sliding_blocks_bounded_over_long_decode():
     """Over a 2,000-token decode a sliding layer holds <= ceil(W/bs)+1 blocks; full ones grow."""
-    cfg = get_preset("lite-tiny")
+    cfg = resolve_config("lite-tiny")
     W, K, D, n = cfg.sliding_window, cfg.n_kv_heads, cfg.head_dim, 2000
     bound = math.ceil(W / BS) + 1
     store = PagedKVStore(cfg, total_blocks=n // BS + 1, block_size=BS, sliding_blocks=bound)
@@ -229,7 +229,7 @@ def test_truncate_rollback_and_rejections():
 
 def test_bad_inputs_rejected():
     """Wrong shapes, dtypes, positions and ids raise clear errors before anything changes."""
-    cfg = get_preset("lite-tiny")
+    cfg = resolve_config("lite-tiny")
     store = PagedKVStore(cfg, total_blocks=8, block_size=BS)
     cache = PagedKVCache(cfg, store, ["a"])
     k = torch.zeros(1, cfg.n_kv_heads, 2, cfg.head_dim)
@@ -245,7 +245,7 @@ def test_bad_inputs_rejected():
     with pytest.raises(ValueError, match="duplicate"):
         PagedKVCache(cfg, store, ["x", "x"])
     with pytest.raises(ValueError, match="config differs"):
-        PagedKVCache(get_preset("gpt-oss-tiny"), store, ["y"])
+        PagedKVCache(resolve_config("gpt-oss-tiny"), store, ["y"])
     _assert_same_state(store, before)
     cache.update(0, k, k, 0)
     with pytest.raises(ValueError, match="appends 2"):

@@ -49,7 +49,7 @@ import torch
 
 from gptoss_lite.config import FULL, SLIDING, ModelConfig
 from gptoss_lite.kv.base import RollbackKVCache, check_rollback, rollback_floor
-from gptoss_lite.kv.block_pool import DEFAULT_BLOCK_SIZE, PagedKVPool, PoolExhaustedError, _check_count
+from gptoss_lite.kv.block_pool import DEFAULT_BLOCK_SIZE, PagedKVPool, PoolExhaustedError
 from gptoss_lite.kv.prefix import PrefixCache
 from gptoss_lite.validation import check_int
 
@@ -70,9 +70,10 @@ class PagedKVStore:
                  device: str | torch.device = "cpu") -> None:
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config: expected a ModelConfig, got {type(config).__name__}")
-        total_blocks = _check_count("total_blocks", total_blocks)
-        sliding_blocks = total_blocks if sliding_blocks is None else _check_count("sliding_blocks",
-                                                                                sliding_blocks)
+        total_blocks = check_int("total_blocks", total_blocks, minimum=0)
+        if sliding_blocks is None:
+            sliding_blocks = total_blocks
+        sliding_blocks = check_int("sliding_blocks", sliding_blocks, minimum=0)
         self.config = config
         self.block_size = block_size
         self.dtype, self.device = dtype, torch.device(device)
@@ -180,7 +181,7 @@ class PagedKVCache(RollbackKVCache):
                 for s in seq_ids:
                     pool.create(s)
         self.config, self.store, self.seq_ids = config, store, seq_ids
-        self.rollback_tokens = _check_count("rollback_tokens", rollback_tokens)
+        self.rollback_tokens = check_int("rollback_tokens", rollback_tokens, minimum=0)
         self._batch_size = len(seq_ids)
         self._num_tokens = self._pool_num_tokens()
         self._layer_tokens = [self._num_tokens] * config.n_layers  # per layer: tokens written so far
