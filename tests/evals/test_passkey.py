@@ -169,6 +169,23 @@ def test_run_with_a_real_model_reports_kv_bytes_and_extrapolation(model):
     json.dumps(result.to_dict())
 
 
+def test_speculative_run_gives_the_same_answers_and_reports_acceptance(model):
+    """With prompt lookup the greedy answers are the plain run's; the result carries the speculation
+    counters (in to_dict too)."""
+    from gptoss_lite.speculative import PromptLookup
+
+    kw = dict(lengths=[150], depths=[0.0, 1.0], n_trials=2, prefill_chunk=64, batch_size=2)
+    plain = PasskeyEvaluator(model, **kw).run()
+    spec = PasskeyEvaluator(model, speculate=PromptLookup(k=4, min_ngram=2), **kw).run()
+    assert [t["answer"] for t in spec.trials] == [t["answer"] for t in plain.trials]
+    assert plain.speculation is None
+    s = spec.speculation
+    assert s["new_tokens"] == 4 * 16 // 2 and s["target_forwards"] <= s["new_tokens"]  # per row, 2 batches
+    assert 0.0 <= s["acceptance_rate"] <= 1.0 and json.loads(json.dumps(spec.to_dict()))["speculation"] == s
+    with pytest.raises(TypeError, match="speculate: expected None, a PromptLookup or a DraftModel"):
+        PasskeyEvaluator(model, speculate="lookup", **kw)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"lengths": [20]}, r"context length 20: below the prompt overhead of \d+ tokens"),
     ({"n_trials": 0}, r"n_trials=0: must be an int in \[1, 100000\]"),

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from gptoss_lite.prompts import CLASSIC_NEEDLE, CLASSIC_QUESTION, NEEDLE_TEMPLATE, QUESTION
 
 if TYPE_CHECKING:
+    from gptoss_lite.speculative import Speculation
     import torch
 
     from gptoss_lite.kv.mixed import MixedKVCache
@@ -207,6 +208,7 @@ class PasskeyResult:
     kv_allocated_bytes: dict[int, int]  # allocated K/V bytes per sequence
     train_context_length: int | None = None
     trials: list[dict[str, Any]] = field(default_factory=list)  # (length, depth, key, answer, correct)
+    speculation: dict[str, Any] | None = None  # SpeculationStats.to_dict() over all trials, when on
 
     @property
     def extrapolation(self) -> dict[int, float] | None:
@@ -243,7 +245,8 @@ class PasskeyResult:
                 "train_context_length": self.train_context_length,
                 "extrapolation": None if self.extrapolation is None
                 else {str(k): v for k, v in self.extrapolation.items()},
-                "target_accuracy": TARGET_ACCURACY, "passed": self.passed, "verdict": self.verdict()}
+                "target_accuracy": TARGET_ACCURACY, "passed": self.passed, "verdict": self.verdict(),
+                "speculation": self.speculation}
 
 
 class PasskeyEvaluator:
@@ -252,7 +255,10 @@ class PasskeyEvaluator:
     def __init__(self, model, tokenizer: "Tokenizer | None" = None, lengths: Sequence[int] = DEFAULT_LENGTHS,
                  depths: Sequence[float] = DEFAULT_DEPTHS, n_trials: int = DEFAULT_TRIALS,
                  base_seed: int = BASE_SEED, template: str = "default", prefill_chunk: int = 2048,
-                 batch_size: int = 1):
+                 batch_size: int = 1, speculate: "Speculation | None" = None):
+        """`speculate` (a `gptoss_lite.speculative.PromptLookup` or `DraftModel`) decodes the answers
+        speculatively; greedy, so the answers are the same, only faster (or not)."""
+        from gptoss_lite.speculative import DraftModel, PromptLookup
         from gptoss_lite.tokenizer import ByteTokenizer
 
         self.model = model
@@ -289,6 +295,11 @@ class PasskeyEvaluator:
         self.base_seed = base_seed
         self.prefill_chunk = prefill_chunk
         self.batch_size = batch_size
+        if speculate is not None and not isinstance(speculate, (PromptLookup, DraftModel)):
+            raise TypeError(f"speculate: expected None, a PromptLookup or a DraftModel, got "
+                            f"{type(speculate).__name__}")
+        self.speculate = speculate
+        self.speculation_stats = None  # a SpeculationStats summed over the answers() calls
 
     def keys(self, length: int) -> list[str]:
         """The trial keys of one length."""
@@ -304,12 +315,20 @@ class PasskeyEvaluator:
         through the cached path, the first 5-digit number of each (None if none); and the cache used."""
         from gptoss_lite.generation import generate
         from gptoss_lite.kv.mixed import MixedKVCache
+        from gptoss_lite.speculative import SpeculationStats
 
         eos = self.tokenizer.eos_id
-        cache = MixedKVCache(self.model.config, batch_size=ids.shape[0])
+        slack = 0 if self.speculate is None else self.speculate.k
+        cache = MixedKVCache(self.model.config, batch_size=ids.shape[0], rollback_tokens=slack)
+        stats = None
+        if self.speculate is not None:
+            if self.speculation_stats is None:
+                self.speculation_stats = SpeculationStats()
+            stats = self.speculation_stats
         out = generate(self.model, ids, max_new_tokens=NEW_TOKENS, temperature=0.0, top_p=1.0,
                        stop_tokens=None if eos is None else [eos],
-                       prefill_chunk=self.prefill_chunk, cache=cache)  # (B, T + n)
+                       prefill_chunk=self.prefill_chunk, cache=cache, speculate=self.speculate,
+                       stats=stats)  # (B, T + n)
         return [extract_passkey(self.tokenizer.decode(row)) for row in out[:, ids.shape[1]:].tolist()], cache
 
     def run(self, progress: bool = False) -> PasskeyResult:
@@ -319,6 +338,7 @@ class PasskeyEvaluator:
         import torch
 
         device = next(self.model.parameters()).device
+        self.speculation_stats = None
         bar = None
         if progress:
             from tqdm import tqdm
@@ -355,7 +375,9 @@ class PasskeyEvaluator:
         return PasskeyResult(lengths=self.lengths, depths=self.depths, n_trials=self.n_trials,
                              template=self.template, accuracy=acc, accuracy_by_depth=by_depth,
                              prompt_tokens=tokens, kv_payload_bytes=payload, kv_allocated_bytes=allocated,
-                             train_context_length=self.model.config.train_context_length, trials=records)
+                             train_context_length=self.model.config.train_context_length, trials=records,
+                             speculation=None if self.speculation_stats is None
+                             else self.speculation_stats.to_dict())
 
 
 def _batches(prompts: list[list[int]], batch_size: int) -> list[list[int]]:
