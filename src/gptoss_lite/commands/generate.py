@@ -9,7 +9,7 @@ import time
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from gptoss_lite.commands.common import add_model_arg
+    from gptoss_lite.commands.common import add_model_arg, add_speculate_args
 
     p = sub.add_parser("generate", help="generate text from a prompt",
                        description="Generate a continuation of PROMPT (or of standard input).")
@@ -26,15 +26,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stats", action="store_true",
                    help="print prefill/decode tokens/s and KV-cache bytes to standard error")
     p.add_argument("--json", action="store_true", help="print one JSON object (text and stats) instead of text")
+    add_speculate_args(p)
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from gptoss_lite.commands.common import fmt_bytes, load_model_and_tokenizer
+    from gptoss_lite.commands.common import (build_speculation, fmt_bytes, load_model_and_tokenizer,
+                                             speculation_line)
     from gptoss_lite.generation import stream_generate
     from gptoss_lite.kv.mixed import MixedKVCache
+    from gptoss_lite.speculative import SpeculationStats
 
     prompt = args.prompt
     if prompt is None or prompt == "-":
@@ -45,11 +48,15 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("empty prompt: give some text as an argument or on standard input")
     input_ids = torch.tensor([ids], dtype=torch.long, device=args.device)
     stops = args.stop if args.stop is not None else [tokenizer.eos_id] if tokenizer.eos_id is not None else []
-    cache = MixedKVCache(model.config, batch_size=1)
+    speculate = build_speculation(args, model)
+    spec_stats = SpeculationStats()
+    cache = MixedKVCache(model.config, batch_size=1,
+                         rollback_tokens=0 if speculate is None else speculate.k)  # slack for rejected drafts
 
     t0 = time.perf_counter()
     steps = stream_generate(model, input_ids, args.max_new_tokens, args.temperature, args.top_p,
-                            seed=args.seed, stop_tokens=stops, prefill_chunk=args.prefill_chunk, cache=cache)
+                            seed=args.seed, stop_tokens=stops, prefill_chunk=args.prefill_chunk, cache=cache,
+                            speculate=speculate, stats=spec_stats)
     new: list[int] = []
     t_first = None
     printed = ""
@@ -80,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         "kv_allocated_bytes": cache.nbytes,
         "kv_payload_bytes": cache.payload_bytes,
         "kv_all_global_payload_bytes": cfg.n_layers * total_tokens * per_token_layer,
+        "speculation": None if speculate is None else {"mode": args.speculate, "draft_tokens": speculate.k,
+                                                       **spec_stats.to_dict()},
     }
     if args.json:
         print(json.dumps({"text": text, **stats}, indent=2, sort_keys=True))
@@ -97,4 +106,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"KV cache: {fmt_bytes(cache.nbytes)} allocated, {fmt_bytes(cache.payload_bytes)} payload, "
               f"vs {fmt_bytes(stats['kv_all_global_payload_bytes'])} for an all-global cache of "
               f"{total_tokens} tokens", file=sys.stderr)
+        if speculate is not None:
+            print(f"{speculation_line(spec_stats)}; --speculate {args.speculate}, "
+                  f"--draft-tokens {speculate.k}", file=sys.stderr)
     return 0

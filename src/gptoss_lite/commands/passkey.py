@@ -18,7 +18,7 @@ def _depth(text: str) -> float:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from gptoss_lite.commands.common import add_model_arg
+    from gptoss_lite.commands.common import add_model_arg, add_speculate_args
     from gptoss_lite.evals.passkey import BASE_SEED, DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_TRIALS, TEMPLATES
 
     p = subparsers.add_parser(
@@ -44,18 +44,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--plot", default=None, metavar="PNG", help="write a length x depth accuracy heatmap")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    add_speculate_args(p)
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from gptoss_lite.commands.common import load_model_and_tokenizer
+    from gptoss_lite.commands.common import build_speculation, load_model_and_tokenizer, speculation_line
     from gptoss_lite.evals.passkey import PasskeyEvaluator
 
     model, tokenizer, source = load_model_and_tokenizer(args)
+    speculate = build_speculation(args, model)
     evaluator = PasskeyEvaluator(model, tokenizer=tokenizer, lengths=args.lengths,
                                  depths=args.depths, n_trials=args.trials, base_seed=args.seed,
                                  template=args.template, prefill_chunk=args.prefill_chunk,
-                                 batch_size=args.batch_size)
+                                 batch_size=args.batch_size, speculate=speculate)
     result = evaluator.run(progress=not args.no_progress)
     if args.plot:
         plot_heatmap(result, args.plot)
@@ -67,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
         print(format_table(result, str(source)))
         if args.plot:
             print(f"heatmap: {args.plot}")
+        if speculate is not None:
+            print(f"{speculation_line(evaluator.speculation_stats)}; --speculate {args.speculate}, "
+                  f"--draft-tokens {speculate.k}")
         print(result.verdict())
     return 0
 

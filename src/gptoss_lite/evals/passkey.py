@@ -320,15 +320,14 @@ class PasskeyEvaluator:
         eos = self.tokenizer.eos_id
         slack = 0 if self.speculate is None else self.speculate.k
         cache = MixedKVCache(self.model.config, batch_size=ids.shape[0], rollback_tokens=slack)
-        stats = None
+        spec = {}  # only when on, so the plain call is unchanged
         if self.speculate is not None:
             if self.speculation_stats is None:
                 self.speculation_stats = SpeculationStats()
-            stats = self.speculation_stats
+            spec = {"speculate": self.speculate, "stats": self.speculation_stats}
         out = generate(self.model, ids, max_new_tokens=NEW_TOKENS, temperature=0.0, top_p=1.0,
                        stop_tokens=None if eos is None else [eos],
-                       prefill_chunk=self.prefill_chunk, cache=cache, speculate=self.speculate,
-                       stats=stats)  # (B, T + n)
+                       prefill_chunk=self.prefill_chunk, cache=cache, **spec)  # (B, T + n)
         return [extract_passkey(self.tokenizer.decode(row)) for row in out[:, ids.shape[1]:].tolist()], cache
 
     def run(self, progress: bool = False) -> PasskeyResult:
