@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from conftest import make_model
-from gptoss_lite.config import get_preset
+from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.kv.base import RollbackKVCache
 from gptoss_lite.kv.mixed import MixedKVCache, RingBuffer
 from gptoss_lite.kv.paged_cache import PagedKVCache, PagedKVStore
 from gptoss_lite.model.attention import attention_reference
 
-CFG = get_preset("lite-tiny")  # window 8; layers 0, 2 sliding, 1, 3 full
+CFG = resolve_config("lite-tiny")  # window 8; layers 0, 2 sliding, 1, 3 full
 B, K, D, H = 2, CFG.n_kv_heads, CFG.head_dim, CFG.n_heads
 
 

@@ -93,7 +93,7 @@ def test_few_token_path_matches_grouped_dispatch(preset, N):
     """At inference, 2..FEW_TOKENS tokens take the all-experts batched path; it equals the grouped one."""
     from gptoss_lite.model.moe import FEW_TOKENS
     torch.manual_seed(1)
-    moe = MoE(get_preset(preset))
+    moe = MoE(resolve_config(preset))
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0, 0.3)
