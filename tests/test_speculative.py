@@ -12,6 +12,7 @@ from scipy.stats import chisquare
 from conftest import make_model
 from gptoss_lite.checkpoint import DEFAULT_MODEL, load_model
 from gptoss_lite.generation import generate, generate_reference, stream_generate
+from gptoss_lite.kv.mixed import MixedKVCache
 from gptoss_lite.kv.paged_cache import PagedKVCache, PagedKVStore
 from gptoss_lite.sampling import SamplingConfig, probabilities
 from gptoss_lite.speculative import DraftModel, PromptLookup, SpeculationStats, accept, verify
@@ -102,7 +103,8 @@ def test_speculation_on_a_paged_cache_and_with_stop_tokens(tiny_model):
 
 
 def test_bad_speculation_arguments_are_rejected(tiny_model):
-    """Wrong drafter types, k < 1, a draft of another vocabulary and a non-rollback cache raise."""
+    """Wrong drafter types, k < 1, a draft of another vocabulary, a cache without enough rollback
+    slack and a non-rollback cache raise before anything runs."""
     ids = _copy_prompt(1, seed=0)
     with pytest.raises(TypeError, match="speculate: expected None, a PromptLookup or a DraftModel"):
         generate(tiny_model, ids, 4, speculate="lookup")
@@ -113,6 +115,9 @@ def test_bad_speculation_arguments_are_rejected(tiny_model):
     other = make_model("lite-tiny", vocab_size=300)
     with pytest.raises(ValueError, match="vocab_size=300 differs"):
         generate(tiny_model, ids, 4, speculate=DraftModel(other))
+
+    with pytest.raises(ValueError, match="rollback_tokens=0 but speculating 4 tokens may take back 3"):
+        generate(tiny_model, ids, 4, cache=MixedKVCache(tiny_model.config), speculate=PromptLookup(k=4))
 
     class NoRollback:
         batch_size, num_tokens = 1, 0

@@ -124,6 +124,10 @@ def _validate_speculation(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens
     if cache is not None and not isinstance(cache, RollbackKVCache):
         raise TypeError(f"speculate needs a cache that can roll back (gptoss_lite.kv.base.RollbackKVCache); "
                         f"got {type(cache).__name__}; pass cache=None or a MixedKVCache/PagedKVCache")
+    if isinstance(cache, MixedKVCache) and cache.rollback_tokens < speculate.k - 1:
+        raise ValueError(f"cache has rollback_tokens={cache.rollback_tokens} but speculating {speculate.k} "
+                         f"tokens may take back {speculate.k - 1}; build it with "
+                         f"MixedKVCache(..., rollback_tokens={speculate.k}) or pass cache=None")
     if isinstance(speculate, DraftModel):
         draft, B_T = speculate.model, input_ids.shape
         if draft.config.vocab_size != model.config.vocab_size:
