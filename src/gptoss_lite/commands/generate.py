@@ -52,18 +52,17 @@ def run(args: argparse.Namespace) -> int:
                             seed=args.seed, stop_tokens=stops, prefill_chunk=args.prefill_chunk, cache=cache)
     new: list[int] = []
     t_first = None
-    printed = ""
+    streamer = StreamPrinter(tokenizer, stops) if args.stream and not args.json else None
     for token in steps:
         if t_first is None:
             t_first = time.perf_counter()  # prefill done and the first token sampled
         new.append(int(token[0]))
-        if args.stream and not args.json:
-            text = tokenizer.decode(new)
-            sys.stdout.write(text[len(printed):])
-            sys.stdout.flush()
-            printed = text
+        if streamer is not None:
+            streamer.push(new[-1])
     t_end = time.perf_counter()
     text = tokenizer.decode([t for t in new if t not in stops])
+    if streamer is not None:
+        streamer.finish()
 
     prefill_s = (t_first or t_end) - t0
     decode_steps = max(0, len(new) - 1)  # the first token comes out of the prefill pass
@@ -98,3 +97,37 @@ def run(args: argparse.Namespace) -> int:
               f"vs {fmt_bytes(stats['kv_all_global_payload_bytes'])} for an all-global cache of "
               f"{total_tokens} tokens", file=sys.stderr)
     return 0
+
+
+class StreamPrinter:
+    """Writes generated text to stdout as it grows, never a half-decoded character.
+
+    The text is decoded from all ids so far; a trailing U+FFFD may be an incomplete multi-byte
+    character, so it is held back until a later token completes it (or the stream ends). What is
+    printed in total equals the non-streamed text, stop tokens excluded.
+    """
+
+    def __init__(self, tokenizer, stops, out=None) -> None:
+        self.tokenizer = tokenizer
+        self.stops = set(stops)
+        self.out = out if out is not None else sys.stdout
+        self.ids: list[int] = []
+        self.printed = ""
+
+    def _emit(self, text: str) -> None:
+        chunk = text[len(self.printed):]
+        if chunk:
+            self.out.write(chunk)
+            self.out.flush()
+            self.printed = text
+
+    def push(self, token: int) -> None:
+        """Add one generated id and print whatever text it completed."""
+        if token in self.stops:
+            return
+        self.ids.append(token)
+        self._emit(self.tokenizer.decode(self.ids).rstrip("\ufffd"))
+
+    def finish(self) -> None:
+        """Print what is left (a genuinely invalid byte sequence prints as U+FFFD, as without --stream)."""
+        self._emit(self.tokenizer.decode(self.ids))
