@@ -19,7 +19,7 @@ def test_generate_prints_text_and_stats(capsys):
 def test_generate_json_is_reproducible(capsys):
     """--json gives text and figures; a seed makes sampled text reproducible."""
     args = ["generate", "abc", "--model", "lite-tiny", "--max-new-tokens", "12", "--temperature", "1.0",
-            "--seed", "3", "--json", "--stop", "999"]
+            "--seed", "3", "--json", "--no-stop"]
     texts = []
     for _ in range(2):
         assert main(args) == 0
@@ -40,7 +40,7 @@ def test_generate_reads_stdin(monkeypatch, capsys):
 @pytest.mark.parametrize("argv,match", [
     (["generate", "", "--model", "lite-tiny"], "empty prompt"),
     (["generate", "x", "--model", "lite-tiny", "--top-p", "0"], "top_p"),
-    (["generate", "x", "--model", "lite-tiny", "--max-new-tokens", "-1"], "max_new_tokens=-1"),
+    (["generate", "x", "--model", "lite-tiny", "--max-new-tokens", "-1"], "--max-new-tokens=-1: must be >= 0"),
     (["generate", "x", "--model", "no-such-preset"], "unknown preset|not a directory|no-such-preset"),
 ])
 def test_generate_bad_input_exit_2(argv, match, capsys):

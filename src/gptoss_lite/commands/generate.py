@@ -21,6 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling (default: none)")
     p.add_argument("--stop", type=int, action="append", default=None,
                    help="stop token id (repeatable; default: the tokenizer's end-of-sequence id)")
+    p.add_argument("--no-stop", action="store_true",
+                   help="no stop token: always generate --max-new-tokens tokens")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill piece (default: 2048)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     p.add_argument("--stats", action="store_true",
@@ -35,16 +37,34 @@ def run(args: argparse.Namespace) -> int:
     from gptoss_lite.commands.common import fmt_bytes, load_model_and_tokenizer
     from gptoss_lite.generation import stream_generate
     from gptoss_lite.kv.mixed import MixedKVCache
+    from gptoss_lite.sampling import SamplingConfig
+    from gptoss_lite.validation import check_int
 
-    prompt = args.prompt
-    if prompt is None or prompt == "-":
-        prompt = sys.stdin.read()
+    # Everything checkable without the model is checked before it is loaded.
+    try:
+        SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    except (ValueError, TypeError) as exc:
+        flag = next((f for k, f in (("temperature", "--temperature"), ("top_p", "--top-p"), ("seed", "--seed"))
+                     if str(exc).startswith(k + "=")), None)
+        if flag is None:
+            raise
+        raise type(exc)(f"{flag}: {exc}") from None
+    check_int("--max-new-tokens", args.max_new_tokens, 0)
+    check_int("--prefill-chunk", args.prefill_chunk, 1)
+    prompt = read_prompt(args.prompt)
     model, tokenizer, source = load_model_and_tokenizer(args)
     ids = tokenizer.encode(prompt)
     if not ids:
         raise ValueError("empty prompt: give some text as an argument or on standard input")
+    vocab = model.config.vocab_size
+    bad_stops = [s for s in args.stop or () if not 0 <= s < vocab]
+    if bad_stops:
+        raise ValueError(f"--stop {bad_stops[0]}: not a token id of this model; ids are 0..{vocab - 1}")
     input_ids = torch.tensor([ids], dtype=torch.long, device=args.device)
-    stops = args.stop if args.stop is not None else [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    if args.no_stop and args.stop:
+        raise ValueError(f"--no-stop and --stop {args.stop[0]} contradict each other; give one of them")
+    stops = ([] if args.no_stop else args.stop if args.stop is not None
+             else [tokenizer.eos_id] if tokenizer.eos_id is not None else [])
     cache = MixedKVCache(model.config, batch_size=1)
 
     t0 = time.perf_counter()
@@ -72,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
     per_token_layer = 2 * cfg.n_kv_heads * cfg.head_dim * next(model.parameters()).element_size()
     stats = {
         "model": str(source),
+        "threads": args.threads,
         "prompt_tokens": len(ids),
         "new_tokens": len(new),
         "prefill_tokens_per_s": len(ids) / prefill_s if prefill_s > 0 else None,
@@ -96,7 +117,36 @@ def run(args: argparse.Namespace) -> int:
         print(f"KV cache: {fmt_bytes(cache.nbytes)} allocated, {fmt_bytes(cache.payload_bytes)} payload, "
               f"vs {fmt_bytes(stats['kv_all_global_payload_bytes'])} for an all-global cache of "
               f"{total_tokens} tokens", file=sys.stderr)
+        print(f"threads: {args.threads}", file=sys.stderr)
     return 0
+
+
+def read_prompt(arg: str | None) -> str:
+    """The prompt argument, or standard input for None / '-'; non-UTF-8 bytes are a ValueError."""
+    import os
+
+    if arg is not None and arg != "-":
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            raw = os.fsencode(arg)  # the argument's own bytes (undecodable ones were kept as surrogates)
+            _utf8_or_error(raw, "the prompt argument")
+        return arg
+    stream = sys.stdin
+    if stream is None:
+        raise ValueError("no prompt: give it as an argument or on standard input")
+    buffer = getattr(stream, "buffer", None)
+    if buffer is None:  # a text stream without bytes underneath (e.g. io.StringIO)
+        return stream.read()
+    return _utf8_or_error(buffer.read(), "standard input")
+
+
+def _utf8_or_error(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{where}: not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start}); "
+                         "give UTF-8 text, e.g. convert it with iconv -t UTF-8") from None
 
 
 class StreamPrinter:
