@@ -190,3 +190,47 @@ def test_generate_json_into_a_closed_pipe_exits_quietly(tmp_path):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141
     assert "Traceback" not in err and "BrokenPipeError" not in err and "Exception ignored" not in err, err
+
+
+# ---- passkey ------------------------------------------------------------------------------------------
+
+def test_passkey_bad_plot_path_fails_before_the_evaluation(monkeypatch, tmp_path, capsys):
+    """--plot into a missing directory is refused before any model is loaded or trial is run."""
+    import gptoss_lite.commands.common as common
+
+    monkeypatch.setattr(common, "load_model_and_tokenizer",
+                        lambda args: (_ for _ in ()).throw(AssertionError("evaluation started")))
+    assert main(["passkey", "--plot", str(tmp_path / "missing" / "x.png")]) == 2
+    _one_error_line(capsys, "--plot", "missing does not exist")
+    assert main(["passkey", "--plot", str(tmp_path)]) == 2
+    _one_error_line(capsys, "is a directory")
+    assert not (tmp_path / "missing").exists()
+
+
+def test_passkey_default_lengths_fit_the_model():
+    """The default lengths are those of the SPEC ladder that fit max_position_embeddings (16,384: 4096 8192)."""
+    from gptoss_lite.commands.passkey import default_lengths
+
+    assert default_lengths(16_384) == [4096, 8192]
+    assert default_lengths(131_072 + 16) == [4096, 8192, 32768, 65536, 131072]
+    assert default_lengths(1000) == [512]
+
+
+def test_passkey_with_default_lengths_runs_on_a_16k_model(monkeypatch, capsys):
+    """`passkey` without --lengths no longer fails at once on a 16,384-position model: it caps and says so."""
+    from gptoss_lite.evals import passkey as evals
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_run(self, progress=True):
+        seen["lengths"] = self.lengths
+        raise Stop
+
+    monkeypatch.setattr(evals.PasskeyEvaluator, "run", fake_run)
+    with pytest.raises(Stop):
+        main(["passkey", "--model", "lite-tiny", "--trials", "1"])  # lite-tiny: 65,536 positions
+    assert seen["lengths"] == [4096, 8192, 32768]
+    assert "default lengths capped at the model's 65,536 positions" in capsys.readouterr().err
