@@ -343,8 +343,9 @@ def train(config: TrainConfig, resume: bool = False, max_steps: int | None = Non
     if resume_dir is not None:
         # load_state_dict copies into the device parameters; the optimiser casts its state to them.
         resume_dir, start_step = _resume_from_newest_intact(model, optimizer, out_dir, is_main)
-        if is_main:
-            _truncate_metrics(out_dir / METRICS_FILE, start_step)
+    if is_main:
+        # Lines past the starting step belong to work that is redone now (all of them on a fresh start).
+        _truncate_metrics(out_dir / METRICS_FILE, start_step)
     model.train()
     model.gradient_checkpointing = config.gradient_checkpointing
     params = [p for p in model.parameters() if p.requires_grad]
