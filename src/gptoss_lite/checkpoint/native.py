@@ -162,7 +162,10 @@ def _load_dir(directory: Path, device, dtype) -> GPTOSS:
     data = read_json(config_path)
     if data.get("model_type") == "gpt_oss":
         from gptoss_lite.checkpoint.hf import config_from_hf, load_hf_state_dict
-        cfg = config_from_hf(data)
+        try:
+            cfg = config_from_hf(data)
+        except ValueError as e:
+            raise ValueError(f"{config_path}: {e}") from None
         state = load_hf_state_dict(directory, cfg)
     elif "format_version" in data:
         cfg, _ = read_native_config(directory)
