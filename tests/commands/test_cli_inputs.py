@@ -234,3 +234,18 @@ def test_passkey_with_default_lengths_runs_on_a_16k_model(monkeypatch, capsys):
         main(["passkey", "--model", "lite-tiny", "--trials", "1"])  # lite-tiny: 65,536 positions
     assert seen["lengths"] == [4096, 8192, 32768]
     assert "default lengths capped at the model's 65,536 positions" in capsys.readouterr().err
+
+
+# ---- files ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("content", [b'{"garbage": ', b"\xff\xfe not utf-8"])
+def test_corrupt_tokenizer_json_is_one_line(tmp_path, capsys, content):
+    """A model directory whose tokenizer.json is corrupt: one line naming the file (tokenizers raises bare Exception)."""
+    from gptoss_lite.checkpoint import save_model
+    from gptoss_lite.config import get_preset
+    from gptoss_lite.model import GPTOSS
+
+    save_model(GPTOSS(get_preset("lite-tiny")), tmp_path / "m")
+    (tmp_path / "m" / "tokenizer.json").write_bytes(content)
+    assert main(["generate", "x", "--model", str(tmp_path / "m")]) == 2
+    _one_error_line(capsys, "tokenizer.json: not a readable tokenizer.json")

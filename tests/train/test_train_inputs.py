@@ -189,3 +189,20 @@ def test_ctrl_c_during_training_is_one_line_with_a_resume_hint(tmp_path):
     err = err.decode()
     assert proc.returncode == 130, err
     assert "interrupted; the newest checkpoint is" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("text, match", [
+    ("1: 2\nmodel: {preset: lite-tiny}\n", r"train config: key 1 is not a name"),
+    ("model: {preset: lite-tiny}\ndata: {7: 1}\n", r"section 'data': key 7 is not a name"),
+    ("model: {preset: lite-tiny, 3: 4}\n", r"section 'model': key 3 is not a name"),
+])
+def test_non_string_yaml_keys_are_named(tmp_path, text, match):
+    """A YAML key that parses as a number is named, not a '<' not supported TypeError from sorting."""
+    with pytest.raises(ValueError, match=match):
+        load_train_config(_write(tmp_path / "k.yaml", text))
+
+
+def test_config_path_that_is_a_directory_says_so(tmp_path):
+    """--config DIR says it is a directory instead of claiming it does not exist."""
+    with pytest.raises(ValueError, match="is a directory; pass --config PATH to a YAML or JSON file"):
+        load_train_config(tmp_path)

@@ -200,6 +200,7 @@ class TrainConfig:
         """Build from a parsed YAML/JSON mapping, rejecting unknown keys by name at every level."""
         if not isinstance(data, dict):
             raise ValueError(f"a train config must be a mapping of sections, got {type(data).__name__}")
+        _check_keys("train config", data)
         sections = {"data": DataConfig, "optimizer": OptimizerConfig, "schedule": ScheduleConfig,
                     "checkpoint": CheckpointConfig, "logging": LoggingConfig}
         scalars = {"precision", "gradient_checkpointing", "aux_loss_coef", "seed", "device", "init_from"}
@@ -215,6 +216,7 @@ class TrainConfig:
                              f"every size field {list(_MODEL_SIZE_FIELDS)} (nothing falls back to the 502M preset)")
         if not isinstance(data["model"], dict):
             raise ValueError(f"train config section 'model' must be a mapping, got {data['model']!r}")
+        _check_keys("section 'model'", data["model"])
         model_fields = dict(data["model"])
         preset = model_fields.pop("preset", None)
         if preset is not None:
@@ -255,9 +257,17 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
 
+def _check_keys(where: str, mapping: dict) -> None:
+    bad = [k for k in mapping if not isinstance(k, str)]
+    if bad:
+        raise ValueError(f"{where}: key {bad[0]!r} is not a name; keys are words such as 'seq_len' "
+                         "(in YAML, quote a key that looks like a number)")
+
+
 def _section(key: str, klass: type, values: Any) -> Any:
     if not isinstance(values, dict):
         raise ValueError(f"train config section {key!r} must be a mapping, got {values!r}")
+    _check_keys(f"section {key!r}", values)
     known = {f.name for f in dataclasses.fields(klass)}
     unknown = sorted(set(values) - known)
     if unknown:
@@ -271,6 +281,9 @@ def _section(key: str, klass: type, values: Any) -> Any:
 def load_train_config(path: str | Path) -> TrainConfig:
     """Read a TrainConfig from a .yaml/.yml or .json file."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"train config {str(path)!r} is a directory; pass --config PATH to a YAML or JSON file "
+                         "(e.g. configs/demo_cpu.yaml)")
     if not path.is_file():
         raise FileNotFoundError(f"train config {str(path)!r} does not exist; pass --config PATH to a YAML or JSON file "
                                 f"(e.g. configs/demo_cpu.yaml)")
