@@ -153,7 +153,7 @@ def _read_optimizer(optimizer: torch.optim.Optimizer, directory: Path, saved) ->
     current = optimizer.state_dict()["param_groups"]
     groups = saved["param_groups"]
     if len(groups) != len(current) or any(not isinstance(g, dict) or g.get("params") != c["params"]
-                                          for g, c in zip(groups, current)):
+                                          or set(g) != set(c) for g, c in zip(groups, current)):
         raise ValueError(f"{directory / STATE_FILE}: optimizer param_groups do not match this model's parameters")
     params = [p for group in optimizer.param_groups for p in group["params"]]
     per_param: dict[int, dict] = {}
