@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-HF_CONFIG = dict(  # the ~20M gpt-oss config of the inference-path issue (= preset gpt-oss-bench-20m)
+HF_CONFIG = dict(  # the ~20M gpt-oss config of the inference-path issue (= fixture gpt-oss-bench-20m)
     vocab_size=12_288, hidden_size=256, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
     head_dim=32, num_local_experts=8, num_experts_per_tok=2, intermediate_size=256, sliding_window=128,
     max_position_embeddings=131_072, rope_parameters={

@@ -104,7 +104,7 @@ def replay(trace: list[Request], policy: str, concurrency: int, total_blocks: in
         res.prefill_skipped += hit
         res.hit_requests += hit > 0
         held = len({b for s in live for b in pool.page_table(s)})
-        logical = sum(-(-pool.sequence_length(s) // block_size) for s in live)
+        logical = sum(-(-pool.num_tokens(s) // block_size) for s in live)
         if held > res.peak_live_blocks:
             res.peak_live_blocks, res.peak_logical_blocks = held, logical
     pool.validate()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from gptoss_lite.config import get_preset
+from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.model import GPTOSS
 
 # One intra-op thread: tiny models gain nothing from two, and on a shared 2-core machine (CI, or a
@@ -13,7 +13,7 @@ torch.set_num_threads(1)
 
 def make_model(preset: str = "lite-tiny", seed: int = 0, **changes) -> GPTOSS:
     """A tiny model with non-trivial sinks and biases (so sink/bias bugs cannot hide behind zeros)."""
-    cfg = get_preset(preset).replace(**changes) if changes else get_preset(preset)
+    cfg = resolve_config(preset).replace(**changes) if changes else resolve_config(preset)
     torch.manual_seed(seed)
     model = GPTOSS(cfg)
     model.reset_parameters(seed)
@@ -26,7 +26,7 @@ def make_model(preset: str = "lite-tiny", seed: int = 0, **changes) -> GPTOSS:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
             elif "norm" in name:
                 p.copy_(1 + torch.randn(p.shape, generator=gen) * 0.1)
-    return model.eval()
+    return model.prepare_for_inference()
 
 
 @pytest.fixture

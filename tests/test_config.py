@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from gptoss_lite.config import ModelConfig, count_active_parameters, count_parameters, get_preset
+from gptoss_lite.config import PRESETS, ModelConfig, count_active_parameters, count_parameters, get_preset
+from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.model import GPTOSS
 
 
@@ -20,7 +21,7 @@ def test_502m_parameter_count_on_meta():
 @pytest.mark.parametrize("preset", ["lite-tiny", "gpt-oss-tiny", "gpt-oss-20b"])
 def test_count_parameters_matches_model(preset):
     """count_parameters agrees with the built model for every kind of knob."""
-    cfg = get_preset(preset)
+    cfg = resolve_config(preset)
     with torch.device("meta"):
         model = GPTOSS(cfg)
     assert count_parameters(cfg) == sum(p.numel() for p in model.parameters())
@@ -30,6 +31,13 @@ def test_unknown_preset_lists_valid_names():
     """An unknown preset name is an error listing the valid ones."""
     with pytest.raises(ValueError, match=r"unknown preset 'gpt-oss-7b'; valid presets: .*gptoss-lite-502m"):
         get_preset("gpt-oss-7b")
+
+
+def test_product_presets_hold_no_test_fixtures():
+    """config.PRESETS is the product table; a fixture name is not a preset and the error says where fixtures are."""
+    assert set(PRESETS) == {"gptoss-lite-502m", "gpt-oss-20b", "gpt-oss-120b"}
+    with pytest.raises(ValueError, match=r"unknown preset 'lite-tiny'.*gptoss_lite\.fixtures\.resolve_config"):
+        get_preset("lite-tiny")
 
 
 @pytest.mark.parametrize("change, exc, match", [
@@ -52,7 +60,7 @@ def test_bad_field_values(change, exc, match):
 
 def test_from_dict_rejects_unknown_keys_and_round_trips():
     """from_dict(to_dict()) is the identity; an unknown key is named."""
-    cfg = get_preset("gpt-oss-tiny")
+    cfg = resolve_config("gpt-oss-tiny")
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match=r"unknown ModelConfig field\(s\) \['n_layer'\]"):
         ModelConfig.from_dict({**cfg.to_dict(), "n_layer": 3})

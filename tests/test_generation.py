@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from conftest import make_model
-from gptoss_lite.generation import generate, stream_generate
+from gptoss_lite.generation import generate, generate_reference, stream_generate
 from gptoss_lite.kv.mixed import MixedKVCache
+from gptoss_lite.model import GPTOSS
 from gptoss_lite.sampling import SamplingConfig, sample
 
 
@@ -16,7 +17,7 @@ def test_cached_equals_uncached_64_tokens(preset, B, T):
     model = make_model(preset)
     ids = torch.randint(0, 256, (B, T), generator=torch.Generator().manual_seed(T + B))
     cached = generate(model, ids, 64, temperature=0)
-    reference = generate(model, ids, 64, temperature=0, use_cache=False, attn_impl="reference")
+    reference = generate_reference(model, ids, 64, temperature=0)
     assert cached.shape == (B, T + 64)
     assert torch.equal(cached, reference)
 
@@ -77,14 +78,51 @@ def test_stream_equals_generate_and_stop_tokens(tiny_model):
     assert stopped.shape[1] == 12 + first + 1 and int(stopped[0, -1]) == stop
 
 
-def test_sinks_memoised_once_per_generate(tiny_model, monkeypatch):
-    """The clamped sink values are computed once per layer per generate call, not per step."""
-    calls = []
-    for block in tiny_model.blocks:
-        original = block.attn.sink_logits
-        monkeypatch.setattr(block.attn, "sink_logits", lambda o=original: calls.append(1) or o())
-    generate(tiny_model, torch.randint(0, 256, (1, 10)), 12, temperature=0)
-    assert len(calls) == tiny_model.config.n_layers
+def test_clamped_sinks_reused_until_the_weights_change(tiny_model):
+    """Without autograd the clamped sinks are one tensor reused step after step; a weight update
+    (in place or re-assigned) gives fresh values; with autograd they carry the gradient."""
+    attn = tiny_model.blocks[0].attn
+    with torch.inference_mode():
+        first = attn.sink_logits()
+        assert attn.sink_logits() is first
+    with torch.no_grad():
+        attn.sinks.add_(20.0)  # pushes some logits past the clamp's upper end
+    with torch.inference_mode():
+        updated = attn.sink_logits()
+    assert updated is not first and torch.equal(updated, attn.sinks.detach().clamp(*attn.sink_clamp))
+    attn.sinks.data = attn.sinks.data * 0.5
+    with torch.inference_mode():
+        assert torch.equal(attn.sink_logits(), attn.sinks.detach().clamp(*attn.sink_clamp))
+    assert attn.sink_logits().requires_grad
+
+
+def test_generate_leaves_the_model_alone(tiny_model):
+    """generate() changes nothing on the model: mode, weights, their storage and packing."""
+    before = {k: (v.data_ptr(), v.clone()) for k, v in tiny_model.state_dict().items()}
+    generate(tiny_model, torch.randint(0, 256, (1, 10)), 8, temperature=0)
+    after = tiny_model.state_dict()
+    assert not tiny_model.training and tiny_model.inference_ready
+    assert all(after[k].data_ptr() == ptr and torch.equal(after[k], v) for k, (ptr, v) in before.items())
+
+
+def test_unprepared_model_is_rejected_with_the_fix():
+    """A model in training mode or not packed for decode gets an error naming prepare_for_inference."""
+    model = make_model("lite-tiny")
+    ids = torch.tensor([[1, 2, 3]])
+    model.train()
+    with pytest.raises(ValueError, match=r"training mode.*prepare_for_inference"):
+        generate(model, ids, 2)
+    with pytest.raises(ValueError, match=r"training mode.*prepare_for_inference"):
+        generate_reference(model, ids, 2)
+    fresh = GPTOSS(model.config).eval()
+    with pytest.raises(ValueError, match=r"not packed for decode.*prepare_for_inference"):
+        generate(fresh, ids, 2)
+    assert not fresh.inference_ready
+    generate_reference(fresh, ids, 2, temperature=0)  # the reference needs no packing
+    assert fresh.prepare_for_inference() is fresh and fresh.inference_ready
+    generate(fresh, ids, 2)
+    fresh.to(torch.float64)  # moving the weights undoes the packing
+    assert not fresh.inference_ready
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -111,9 +149,9 @@ def test_cache_holding_the_whole_prompt_or_wrong_batch_is_rejected(tiny_model):
     """A cache must hold fewer tokens than the prompt (there must be a token to prefill) and match B."""
     cache = MixedKVCache(tiny_model.config)
     generate(tiny_model, torch.tensor([[1, 2, 3]]), 2, temperature=0, cache=cache)  # now holds 4 tokens
-    with pytest.raises(ValueError, match=r"position=4; .*fewer tokens than the 3-token prompt.*reset"):
+    with pytest.raises(ValueError, match=r"num_tokens=4; .*fewer tokens than the 3-token prompt.*reset"):
         generate(tiny_model, torch.tensor([[1, 2, 3]]), 2, temperature=0, cache=cache)
-    with pytest.raises(ValueError, match="batch_size=1, position=0; it must have batch_size=2"):
+    with pytest.raises(ValueError, match="batch_size=1, num_tokens=0; it must have batch_size=2"):
         generate(tiny_model, torch.tensor([[1, 2, 3]] * 2), 2, cache=MixedKVCache(tiny_model.config))
 
 

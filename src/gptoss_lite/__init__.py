@@ -16,6 +16,8 @@ _LAZY = {
     "save_model": "gptoss_lite.checkpoint",
     "generate": "gptoss_lite.generation",
     "stream_generate": "gptoss_lite.generation",
+    "generate_reference": "gptoss_lite.generation",
+    "KVCache": "gptoss_lite.kv.base",
     "MixedKVCache": "gptoss_lite.kv.mixed",
 }
 

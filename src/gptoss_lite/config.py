@@ -69,11 +69,12 @@ class ModelConfig:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                      "sliding_window", "n_experts", "top_k", "expert_hidden",
                      "rope_original_context", "max_position_embeddings"):
-            _check_int(name, getattr(self, name), minimum=1)
-        _check_int("n_shared_experts", self.n_shared_experts, minimum=0)
-        _check_int("rope_pruned_pairs", self.rope_pruned_pairs, minimum=0)
+            object.__setattr__(self, name, _check_int(name, getattr(self, name), minimum=1))
+        for name in ("n_shared_experts", "rope_pruned_pairs"):
+            object.__setattr__(self, name, _check_int(name, getattr(self, name), minimum=0))
         if self.train_context_length is not None:
-            _check_int("train_context_length", self.train_context_length, minimum=1)
+            object.__setattr__(self, "train_context_length",
+                               _check_int("train_context_length", self.train_context_length, minimum=1))
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
@@ -169,8 +170,11 @@ class ModelConfig:
 
 
 # ---- presets ------------------------------------------------------------------------------------
+# Product presets only: the models this stack is for. Tiny test and benchmark configs live in
+# `gptoss_lite.fixtures`, whose `resolve_config` looks a name up in both tables.
 
-_GPT_OSS_KNOBS = dict(
+# The released gpt-oss knobs (biases, clamped activation, no shared expert, untied head, ...).
+GPT_OSS_KNOBS: dict[str, Any] = dict(
     attention_bias=True, router_bias=True, expert_bias=True, n_shared_experts=0,
     activation="gptoss", sink_clamp=None, rope_pruned_pairs=0, rope_theta=150_000.0,
     tie_embeddings=False, rope_factor=32.0, rope_original_context=4096,
@@ -180,34 +184,18 @@ PRESETS: dict[str, ModelConfig] = {
     "gptoss-lite-502m": ModelConfig(),
     "gpt-oss-20b": ModelConfig(
         vocab_size=201_088, d_model=2880, n_layers=24, n_heads=64, n_kv_heads=8, head_dim=64,
-        n_experts=32, top_k=4, expert_hidden=2880, **_GPT_OSS_KNOBS),
+        n_experts=32, top_k=4, expert_hidden=2880, **GPT_OSS_KNOBS),
     "gpt-oss-120b": ModelConfig(
         vocab_size=201_088, d_model=2880, n_layers=36, n_heads=64, n_kv_heads=8, head_dim=64,
-        n_experts=128, top_k=4, expert_hidden=2880, **_GPT_OSS_KNOBS),
-    # Tiny GPT-OSS-Lite for unit tests: every knob of the family, byte vocabulary.
-    "lite-tiny": ModelConfig(
-        vocab_size=264, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16,
-        sliding_window=8, n_experts=4, top_k=2, n_shared_experts=1, expert_hidden=64,
-        rope_original_context=64, rope_pruned_pairs=4, max_position_embeddings=65_536),
-    # Tiny gpt-oss-knob model for unit tests (biases, clamped activation, untied head).
-    "gpt-oss-tiny": ModelConfig(
-        vocab_size=264, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16,
-        sliding_window=8, n_experts=4, top_k=2, expert_hidden=64,
-        max_position_embeddings=65_536,
-        **{**_GPT_OSS_KNOBS, "rope_original_context": 64}),
-    # ~20M-parameter gpt-oss config used by the benchmarks (issue: inference path).
-    "gpt-oss-bench-20m": ModelConfig(
-        vocab_size=12_288, d_model=256, n_layers=8, n_heads=8, n_kv_heads=2, head_dim=32,
-        sliding_window=128, n_experts=8, top_k=2, expert_hidden=256,
-        max_position_embeddings=131_072,
-        **{**_GPT_OSS_KNOBS, "rope_original_context": 4096}),
+        n_experts=128, top_k=4, expert_hidden=2880, **GPT_OSS_KNOBS),
 }
 
 
 def get_preset(name: str) -> ModelConfig:
-    """Look up a preset by exact name; an unknown name lists the valid ones."""
+    """Look up a product preset by exact name; an unknown name lists the valid ones."""
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(sorted(PRESETS))}")
+        raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(sorted(PRESETS))} "
+                         "(tiny test/benchmark configs: gptoss_lite.fixtures.resolve_config)")
     return PRESETS[name]
 
 

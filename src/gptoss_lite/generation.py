@@ -1,7 +1,13 @@
-"""Generation: prefill in bounded chunks into a MixedKVCache, then one-token decode steps (SPEC §3.2).
+"""Generation (SPEC §3.2), two functions that must agree token for token:
 
-`use_cache=False` re-runs the whole prefix every step (O(T²)); it is the correctness reference that
-cached generation must match token for token.
+- `generate` / `stream_generate`: the cached path. The prompt is prefilled in bounded chunks into a
+  KV cache (a `MixedKVCache` unless one is given), then each new token is one decode step.
+- `generate_reference`: no cache at all. Every step runs the whole sequence so far through the model
+  (O(T²)) with the dense reference attention; slow and obviously correct, the oracle for the tests.
+
+Neither changes the model. Getting a model ready (eval mode, device, dtype, decode packing) happens in
+one place, `GPTOSS.prepare_for_inference()`, which `load_model` calls; these functions check it and
+say so when it was not done.
 """
 
 from __future__ import annotations
@@ -10,14 +16,21 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from gptoss_lite.kv.base import KVCache
 from gptoss_lite.kv.mixed import MixedKVCache
 from gptoss_lite.model.transformer import GPTOSS
 from gptoss_lite.sampling import SamplingConfig, sample
+from gptoss_lite.validation import check_int
 
 DEFAULT_PREFILL_CHUNK = 2048  # tokens per prefill piece; bounds activation and score memory
+ATTN_IMPLS = ("fast", "reference")
 
 
-def _validate(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int, prefill_chunk: int) -> None:
+def _validate(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int, attn_impl: str,
+              need_packed: bool) -> None:
+    """Eager checks of every argument the two paths share; nothing has run yet when they raise."""
+    if not isinstance(model, GPTOSS):
+        raise TypeError(f"model: expected a GPTOSS, got {type(model).__name__}")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError(f"input_ids must be a (B, T) tensor of token ids; got "
                          f"{type(input_ids).__name__} {tuple(getattr(input_ids, 'shape', ()))}")
@@ -26,10 +39,9 @@ def _validate(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int, prefi
     B, T = input_ids.shape
     if B < 1 or T < 1:
         raise ValueError(f"empty prompt: input_ids has shape {(B, T)}; need at least one token per row")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be an int >= 0")
-    if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-        raise ValueError(f"prefill_chunk={prefill_chunk!r}: must be an int >= 1")
+    check_int("max_new_tokens", max_new_tokens, minimum=0)
+    if attn_impl not in ATTN_IMPLS:
+        raise ValueError(f"attn_impl={attn_impl!r}: must be one of {ATTN_IMPLS}")
     V = model.config.vocab_size
     lo, hi = int(input_ids.min()), int(input_ids.max())
     if lo < 0 or hi >= V:
@@ -38,13 +50,23 @@ def _validate(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int, prefi
     if T + max_new_tokens > limit:
         raise ValueError(f"prompt of {T} tokens + max_new_tokens={max_new_tokens} exceeds the configured "
                          f"maximum of {limit} positions (max_position_embeddings); shorten the prompt")
+    device = next(model.parameters()).device
+    if input_ids.device != device:
+        raise ValueError(f"input_ids are on {input_ids.device} but the model is on {device}; move the "
+                         f"ids, or the model with model.prepare_for_inference(device=...)")
+    if model.training:
+        raise ValueError("model is in training mode (dropout on); call model.prepare_for_inference() "
+                         "first (load_model does it)")
+    if need_packed and not model.inference_ready:
+        raise ValueError("model weights are not packed for decode (a model built by hand, or moved with "
+                         ".to(dtype) afterwards); call model.prepare_for_inference() first "
+                         "(load_model does it)")
 
 
 def stream_generate(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int = 64,
-                    temperature: float = 0.7, top_p: float = 0.9, use_cache: bool = True,
-                    seed: int | None = None, stop_tokens: Sequence[int] | None = None,
-                    prefill_chunk: int = DEFAULT_PREFILL_CHUNK, cache: MixedKVCache | None = None,
-                    attn_impl: str = "fast") -> Iterator[torch.Tensor]:
+                    temperature: float = 0.7, top_p: float = 0.9, seed: int | None = None,
+                    stop_tokens: Sequence[int] | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                    cache: KVCache | None = None, attn_impl: str = "fast") -> Iterator[torch.Tensor]:
     """An iterator of the next token ids (B,) step by step; stops after max_new_tokens or when every
     row has produced a stop token (rows that stopped earlier keep repeating their stop token).
 
@@ -55,52 +77,34 @@ def stream_generate(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int 
     Arguments are validated here, eagerly, before any work starts.
     """
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)
-    _validate(model, input_ids, max_new_tokens, prefill_chunk)
-    if attn_impl not in ("fast", "reference"):
-        raise ValueError(f"attn_impl={attn_impl!r}: must be 'fast' or 'reference'")
-    B = input_ids.shape[0]
-    if use_cache:
-        if cache is None:
-            cache = MixedKVCache(model.config, batch_size=B)
-        elif cache.batch_size != B or not 0 <= cache.position < input_ids.shape[1]:
-            raise ValueError(f"cache has batch_size={cache.batch_size}, position={cache.position}; it must have "
-                             f"batch_size={B} and hold fewer tokens than the {input_ids.shape[1]}-token prompt "
-                             "(empty, or the K/V of a prompt prefix such as a prefix-cache hit; "
-                             "call cache.reset() to start over)")
-    model.eval()
-    model.to(input_ids.device)
-    model.pack_for_decode()  # one-time re-layout: decode GEMVs ~2x faster (no-op once done)
-    return _steps(model, input_ids.long(), max_new_tokens, sampling, use_cache, stop_tokens,
-                  prefill_chunk, cache, attn_impl)
+    _validate(model, input_ids, max_new_tokens, attn_impl, need_packed=True)
+    check_int("prefill_chunk", prefill_chunk, minimum=1)
+    B, T = input_ids.shape
+    if cache is None:
+        cache = MixedKVCache(model.config, batch_size=B)
+    elif not isinstance(cache, KVCache):
+        raise TypeError(f"cache: expected a KV cache (gptoss_lite.kv.base.KVCache), got {type(cache).__name__}")
+    elif cache.batch_size != B or not 0 <= cache.num_tokens < T:
+        raise ValueError(f"cache has batch_size={cache.batch_size}, num_tokens={cache.num_tokens}; it must "
+                         f"have batch_size={B} and hold fewer tokens than the {T}-token prompt (empty, or "
+                         "the K/V of a prompt prefix such as a prefix-cache hit; call cache.reset() to "
+                         "start over)")
+    return _cached_steps(model, input_ids.long(), max_new_tokens, sampling, stop_tokens, prefill_chunk,
+                         cache, attn_impl)
 
 
 @torch.inference_mode()
-def _steps(model, input_ids, max_new_tokens, sampling, use_cache, stop_tokens, prefill_chunk, cache,
-           attn_impl) -> Iterator[torch.Tensor]:
+def _cached_steps(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int, sampling: SamplingConfig,
+                  stop_tokens: Sequence[int] | None, prefill_chunk: int, cache: KVCache,
+                  attn_impl: str) -> Iterator[torch.Tensor]:
     B, T = input_ids.shape
-    generator = None
-    if not sampling.greedy and sampling.seed is not None:
-        generator = torch.Generator(device=input_ids.device).manual_seed(sampling.seed)
-    stops = torch.tensor(sorted(set(stop_tokens or ())), dtype=torch.long, device=input_ids.device)
+    generator = _generator(sampling, input_ids.device)
+    stops = _stop_ids(stop_tokens, input_ids.device)
     done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
-
-    if not use_cache:
-        out = torch.empty(B, T + max_new_tokens, dtype=torch.long, device=input_ids.device)
-        out[:, :T] = input_ids
-        for step in range(max_new_tokens):
-            logits = model(out[:, :T + step], last_only=True, attn_impl=attn_impl).logits[:, -1]  # (B, V)
-            token = sample(logits, sampling, generator)
-            token, done = _apply_stops(token, done, stops, out[:, T + step - 1] if step else None)
-            out[:, T + step] = token
-            yield token
-            if stops.numel() and bool(done.all()):
-                return
-        return
-
     if max_new_tokens == 0:
         return
     logits = None
-    for start in range(cache.position, T, prefill_chunk):  # skip a prefix the cache already holds
+    for start in range(cache.num_tokens, T, prefill_chunk):  # skip a prefix the cache already holds
         piece = input_ids[:, start:start + prefill_chunk]
         logits = model(piece, cache=cache, start_pos=start, last_only=True, attn_impl=attn_impl).logits
     prev = None
@@ -115,7 +119,61 @@ def _steps(model, input_ids, max_new_tokens, sampling, use_cache, stop_tokens, p
                        attn_impl=attn_impl).logits
 
 
-def _apply_stops(token, done, stops, prev):
+def generate(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int = 64, temperature: float = 0.7,
+             top_p: float = 0.9, seed: int | None = None, stop_tokens: Sequence[int] | None = None,
+             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, cache: KVCache | None = None,
+             attn_impl: str = "fast") -> torch.Tensor:
+    """input_ids (B, T_prompt) -> (B, T_prompt + n_new) with n_new <= max_new_tokens (fewer only when
+    every row hit a stop token). Greedy when temperature <= 0; a seed makes sampling reproducible."""
+    steps = stream_generate(model, input_ids, max_new_tokens, temperature, top_p, seed, stop_tokens,
+                            prefill_chunk, cache, attn_impl)
+    return _collect(input_ids, max_new_tokens, steps)
+
+
+def generate_reference(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int = 64,
+                       temperature: float = 0.7, top_p: float = 0.9, seed: int | None = None,
+                       stop_tokens: Sequence[int] | None = None, attn_impl: str = "reference"
+                       ) -> torch.Tensor:
+    """`generate` without a KV cache: each step runs the model on the whole sequence so far and takes
+    the last position's logits. Same arguments, sampling and stop rule; the model needs eval mode and
+    the ids' device, not decode packing. input_ids (B, T) -> (B, T + n_new)."""
+    sampling = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)
+    _validate(model, input_ids, max_new_tokens, attn_impl, need_packed=False)
+    return _collect(input_ids, max_new_tokens,
+                    _uncached_steps(model, input_ids.long(), max_new_tokens, sampling, stop_tokens, attn_impl))
+
+
+@torch.inference_mode()
+def _uncached_steps(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int, sampling: SamplingConfig,
+                    stop_tokens: Sequence[int] | None, attn_impl: str) -> Iterator[torch.Tensor]:
+    B, T = input_ids.shape
+    generator = _generator(sampling, input_ids.device)
+    stops = _stop_ids(stop_tokens, input_ids.device)
+    done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+    seq = input_ids
+    prev = None
+    for _ in range(max_new_tokens):
+        logits = model(seq, attn_impl=attn_impl).logits[:, -1]  # (B, V)
+        token, done = _apply_stops(sample(logits, sampling, generator), done, stops, prev)
+        yield token
+        if stops.numel() and bool(done.all()):
+            return
+        seq = torch.cat((seq, token[:, None]), dim=1)  # (B, T + step + 1)
+        prev = token
+
+
+def _generator(sampling: SamplingConfig, device: torch.device) -> torch.Generator | None:
+    if sampling.greedy or sampling.seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(sampling.seed)
+
+
+def _stop_ids(stop_tokens: Sequence[int] | None, device: torch.device) -> torch.Tensor:
+    return torch.tensor(sorted(set(stop_tokens or ())), dtype=torch.long, device=device)
+
+
+def _apply_stops(token: torch.Tensor, done: torch.Tensor, stops: torch.Tensor, prev: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows already done repeat their previous (stop) token; mark rows that just hit a stop."""
     if not stops.numel():
         return token, done
@@ -124,14 +182,8 @@ def _apply_stops(token, done, stops, prev):
     return token, done | torch.isin(token, stops)
 
 
-def generate(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int = 64, temperature: float = 0.7,
-             top_p: float = 0.9, use_cache: bool = True, seed: int | None = None,
-             stop_tokens: Sequence[int] | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-             cache: MixedKVCache | None = None, attn_impl: str = "fast") -> torch.Tensor:
-    """input_ids (B, T_prompt) -> (B, T_prompt + n_new) with n_new <= max_new_tokens (fewer only when
-    every row hit a stop token). Greedy when temperature <= 0; a seed makes sampling reproducible."""
-    steps = stream_generate(model, input_ids, max_new_tokens, temperature, top_p, use_cache, seed,
-                            stop_tokens, prefill_chunk, cache, attn_impl)
+def _collect(input_ids: torch.Tensor, max_new_tokens: int, steps: Iterator[torch.Tensor]) -> torch.Tensor:
+    """The prompt followed by every token the iterator yields, (B, T + n)."""
     B, T = input_ids.shape
     out = torch.empty(B, T + max_new_tokens, dtype=torch.long, device=input_ids.device)  # preallocated
     out[:, :T] = input_ids

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 
-def check_int(name: str, value: Any, minimum: int) -> int:
-    """An int >= minimum; booleans are rejected (True is not a size)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r}: must be an int (not bool or float)")
-    if value < minimum:
+def check_int(name: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
+    """`value` as a plain int, if it is an integer in [minimum, maximum] (either bound optional).
+
+    Any `numbers.Integral` is accepted (numpy integers included); booleans are rejected (True is not
+    a size), and so are floats, even whole ones. Errors name the argument, its value and the limit:
+    TypeError for the wrong type, ValueError for a value out of range.
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}={value!r}: must be an int (not {type(value).__name__})")
+    value = int(value)
+    if minimum is not None and value < minimum:
         raise ValueError(f"{name}={value}: must be >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name}={value}: must be <= {maximum}")
     return value

@@ -10,20 +10,20 @@ from safetensors.torch import load_file, save_file
 
 from gptoss_lite.checkpoint import (DEFAULT_MODEL, INDEX_NAME, WEIGHTS_NAME, default_model_source,
                                     load_model, load_weights_into, save_model)
-from gptoss_lite.config import get_preset
+from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.model import GPTOSS
 
 
 def _model(preset: str = "lite-tiny", seed: int = 0) -> GPTOSS:
     """A tiny model with non-trivial biases, norms and sinks (reset_parameters leaves them 0/1)."""
-    model = GPTOSS(get_preset(preset))
+    model = GPTOSS(resolve_config(preset))
     model.reset_parameters(seed)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "bias" in name.rsplit(".", 1)[-1] or name.endswith("sinks") or "norm" in name:
                 p.add_(torch.randn(p.shape, generator=gen) * 0.3)
-    return model.eval()
+    return model.prepare_for_inference()  # as load_model leaves a model: same layout, same rounding
 
 
 def _ids(T: int = 24, B: int = 2, seed: int = 0) -> torch.Tensor:
@@ -266,7 +266,7 @@ def test_shard_missing_from_index(tmp_path):
 
 def test_unknown_source_lists_presets(tmp_path):
     """Neither a directory nor a preset: the error lists the valid preset names."""
-    with pytest.raises(ValueError, match=r"neither a model directory nor a preset; valid presets: .*lite-tiny"):
+    with pytest.raises(ValueError, match=r"neither a model directory nor a preset; valid presets: .*gptoss-lite-502m; test fixtures: .*lite-tiny"):
         load_model("no-such-model")
     (tmp_path / "f.txt").write_text("x")
     with pytest.raises(ValueError, match="is a file"):
@@ -306,7 +306,7 @@ from gptoss_lite.checkpoint import (config_from_hf, config_to_hf, dequantize_mxf
 from gptoss_lite.checkpoint.hf import hf_shapes  # noqa: E402
 
 # gpt-oss-tiny with an original context whose YaRN ramp bounds transformers does not clamp.
-HF_TINY = get_preset("gpt-oss-tiny").replace(rope_original_context=256)
+HF_TINY = resolve_config("gpt-oss-tiny").replace(rope_original_context=256)
 
 
 def _hf_model(seed: int = 0) -> GPTOSS:

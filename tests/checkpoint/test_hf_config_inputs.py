@@ -7,9 +7,9 @@ import json
 import pytest
 
 from gptoss_lite.checkpoint import config_from_hf, config_to_hf, load_model
-from gptoss_lite.config import get_preset
+from gptoss_lite.fixtures import resolve_config
 
-HF_TINY = get_preset("gpt-oss-tiny")
+HF_TINY = resolve_config("gpt-oss-tiny")
 
 
 def _hf(**changes):

@@ -18,7 +18,7 @@ from gptoss_lite.checkpoint import WEIGHTS_NAME, dequantize_mxfp4, load_model, q
 from gptoss_lite.checkpoint.hf import config_from_hf  # noqa: E402
 from gptoss_lite.model.rope import yarn_inv_freq  # noqa: E402
 from gptoss_lite.generation import generate  # noqa: E402
-from gptoss_lite.config import get_preset  # noqa: E402
+from gptoss_lite.fixtures import resolve_config  # noqa: E402
 from gptoss_lite.kv.mixed import MixedKVCache  # noqa: E402
 from gptoss_lite.model import GPTOSS  # noqa: E402
 
@@ -69,7 +69,7 @@ def _greedy(model: GPTOSS, prompt: torch.Tensor, n: int) -> list[int]:
 def test_our_reading_of_hf_yarn(original, tmp_path):
     """Our YaRN frequencies (bounds clamped to [0, D-1], truncate=false) equal transformers' inv_freq."""
     hf, config = _hf_model(original, tmp_path)
-    cfg = get_preset("gpt-oss-tiny").replace(rope_original_context=original)
+    cfg = resolve_config("gpt-oss-tiny").replace(rope_original_context=original)
     ours = yarn_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_factor, original)
     assert torch.allclose(hf.model.rotary_emb.inv_freq, ours, rtol=1e-6, atol=0)
     assert json.loads((tmp_path / "config.json").read_text())["rope_parameters"]["truncate"] is False
@@ -153,7 +153,7 @@ def test_mxfp4_copy_loads_to_dequantised(tmp_path):
 @pytest.mark.parametrize("original", ORIGINALS)
 def test_save_hf_loads_in_transformers(original, tmp_path):
     """A gpt-oss-knob model of ours -> save_hf -> AutoModelForCausalLM gives the same logits (1e-4)."""
-    cfg = get_preset("gpt-oss-tiny").replace(rope_original_context=original)
+    cfg = resolve_config("gpt-oss-tiny").replace(rope_original_context=original)
     model = GPTOSS(cfg)
     model.reset_parameters(3)
     gen = torch.Generator().manual_seed(4)

@@ -68,7 +68,7 @@ def test_device_cuda_without_a_visible_gpu_is_one_line(monkeypatch, capsys):
     (["--top-p", "1.5"], "--top-p: top_p=1.5"),
     (["--prefill-chunk", "0"], "--prefill-chunk=0: must be >= 1"),
     (["--threads", "0"], "--threads=0: must be >= 1"),
-    (["--threads", str(10**6)], "--threads 1000000: at most 1024"),
+    (["--threads", str(10**6)], "--threads=1000000: must be <= 1024"),
     (["--max-new-tokens", str(10**12)], "exceeds the configured maximum"),
 ])
 def test_generate_bad_values_are_one_line(flags, needle, capsys):
@@ -129,10 +129,10 @@ def test_big_vocab_preset_fails_before_building_the_model(monkeypatch, capsys):
 def test_hf_directory_without_tokenizer_json_fails_before_loading(tmp_path, capsys):
     """An HF gpt-oss directory with a non-byte vocabulary and no tokenizer.json is refused up front."""
     from gptoss_lite.checkpoint import save_hf
-    from gptoss_lite.config import get_preset
+    from gptoss_lite.fixtures import resolve_config
     from gptoss_lite.model import GPTOSS
 
-    model = GPTOSS(get_preset("gpt-oss-tiny").replace(vocab_size=512))
+    model = GPTOSS(resolve_config("gpt-oss-tiny").replace(vocab_size=512))
     save_hf(model, tmp_path / "hf")
     assert main(["generate", "x", "--model", str(tmp_path / "hf")]) == 2
     _one_error_line(capsys, "vocab_size=512", "has no tokenizer.json")
@@ -242,10 +242,10 @@ def test_passkey_with_default_lengths_runs_on_a_16k_model(monkeypatch, capsys):
 def test_corrupt_tokenizer_json_is_one_line(tmp_path, capsys, content):
     """A model directory whose tokenizer.json is corrupt: one line naming the file (tokenizers raises bare Exception)."""
     from gptoss_lite.checkpoint import save_model
-    from gptoss_lite.config import get_preset
+    from gptoss_lite.fixtures import resolve_config
     from gptoss_lite.model import GPTOSS
 
-    save_model(GPTOSS(get_preset("lite-tiny")), tmp_path / "m")
+    save_model(GPTOSS(resolve_config("lite-tiny")), tmp_path / "m")
     (tmp_path / "m" / "tokenizer.json").write_bytes(content)
     assert main(["generate", "x", "--model", str(tmp_path / "m")]) == 2
     _one_error_line(capsys, "tokenizer.json: not a readable tokenizer.json")

@@ -20,14 +20,14 @@ def test_plan_text_labels_and_units(capsys):
 
 
 def test_plan_json_is_stable_and_parses(capsys):
-    """`plan --json` emits sorted-key JSON whose figures match the library (schema_version 1)."""
+    """`plan --json` emits sorted-key JSON whose figures match the library (schema_version 2)."""
     assert main(["plan", "--json", "--model", "llama-3.3-70b", "--hardware", "h200", "--devices", "2",
                  "--context", "131072",
                  "--batch", "1", "--kv-bits", "16", "8"]) == 0
     text = capsys.readouterr().out
     report = json.loads(text)
     assert text.strip() == json.dumps(report, sort_keys=True, indent=2)
-    assert report["schema_version"] == 1
+    assert report["schema_version"] == 2
     assert report["kv_ladder"][0]["payload_bytes"] == 40 * 2**30
     assert [row["kv_bits"] for row in report["capacity"]] == [16, 8]
     assert report["capacity"][1]["payload_bytes"] == 20 * 2**30
@@ -38,8 +38,11 @@ def test_plan_accepts_model_config_preset(capsys):
     """A ModelConfig preset name (not a geometry preset) also works as --model."""
     assert main(["plan", "--json", "--model", "lite-tiny", "--context", "16", "--batch", "2"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["model"]["geometry"]["sliding_window_layers"] == 2
-    assert report["model"]["geometry"]["window"] == 8
+    geometry = report["model"]["geometry"]
+    assert geometry["sliding_layers"] == 2 and geometry["sliding_window"] == 8
+    assert not {"sliding_window_layers", "window"} & set(geometry)  # schema 2 uses the house words
+    ladder = report["kv_ladder"][0]
+    assert ladder["all_full_payload_bytes"] >= ladder["payload_bytes"] and "all_global_payload_bytes" not in ladder
 
 
 def test_plan_unknown_model_is_a_clear_error(capsys):
@@ -69,8 +72,10 @@ def test_kv_bench_passes(capsys):
     assert "2,415,919,104" in out and "1,209,139,200" in out
     assert "1.94x" in out and "1.97x" in out and "1.99x" in out
     assert "PASS: mixed cache payload is 2.00x" in out
+    assert "6 sliding layers (ring, W=128) + 6 full vs all 12 full" in out and "global" not in out
     assert main(["kv-bench", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["passed"] is True
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] is True and report["rows"][-1]["all_full_bytes"] == 2_415_919_104
 
 
 def test_plan_weight_bits_fit_gpt_oss_120b_on_one_h100(capsys):

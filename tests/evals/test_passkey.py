@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from gptoss_lite.config import get_preset
+from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.evals import passkey as pk
 from gptoss_lite.evals.passkey import (CLASSIC_NEEDLE, NEEDLE_TEMPLATE, QUESTION, PasskeyEvaluator,
                                        build_passkey_prompt, extract_passkey, filler_sentences,
@@ -23,7 +23,7 @@ def model():
     from gptoss_lite.model import GPTOSS
 
     torch.manual_seed(0)
-    return GPTOSS(get_preset("lite-tiny").replace(train_context_length=128)).eval()
+    return GPTOSS(resolve_config("lite-tiny").replace(train_context_length=128)).prepare_for_inference()
 
 
 # ---- keys ---------------------------------------------------------------------------------------------
@@ -128,9 +128,8 @@ def test_extract_takes_the_first_standalone_five_digit_number(text, expected):
 
 def _fake_generate(answer_for):
     """A stand-in for generate() that answers from the prompt text, to pin the scoring path."""
-    def generate(model, input_ids, max_new_tokens, temperature, top_p, use_cache, stop_tokens,
-                 prefill_chunk, cache):
-        assert temperature == 0.0 and use_cache and max_new_tokens == 16 and prefill_chunk == 64
+    def generate(model, input_ids, max_new_tokens, temperature, top_p, stop_tokens, prefill_chunk, cache):
+        assert temperature == 0.0 and cache is not None and max_new_tokens == 16 and prefill_chunk == 64
         rows = []
         for row in input_ids.tolist():
             text = TOK.decode(row)

@@ -36,7 +36,7 @@ class Mirror:
         bs, first = pool.block_size, pool.first_block_index(seq_id)
         table = pool.page_table(seq_id)
         return [self.slots[(table[p // bs - first], p % bs)]
-                for p in range(first * bs, pool.sequence_length(seq_id))]
+                for p in range(first * bs, pool.num_tokens(seq_id))]
 
 
 def expect_unchanged(pool: PagedKVPool, exc: type[BaseException], match: str, fn, *args) -> None:
@@ -157,7 +157,7 @@ def test_truncate_frees_exactly_the_blocks_past_the_new_end():
     assert pool.refcount(3) == 1 and pool.refcount(2) == 2
     assert pool.truncate("a", 9) == ()
     assert pool.truncate("a", 0) == ()  # every block still held by b
-    assert pool.page_table("a") == () and pool.sequence_length("a") == 0
+    assert pool.page_table("a") == () and pool.num_tokens("a") == 0
     assert pool.truncate("b", 4) == (1, 2, 3)
     assert pool.free_blocks == 9
     pool.validate()
@@ -242,12 +242,12 @@ def test_window_release_before_bounds_resident_blocks():
     peak = 0
     for t in range(2000):
         mirror.apply(pool.append("w", 1), [t])
-        pool.release_before("w", max(0, pool.sequence_length("w") - window))
+        pool.release_before("w", max(0, pool.num_tokens("w") - window))
         peak = max(peak, len(pool.page_table("w")))
         resident = mirror.read(pool, "w")
         assert resident[-min(window, t + 1):] == list(range(max(0, t + 1 - window), t + 1))
     assert peak <= bound
-    assert pool.sequence_length("w") == 2000
+    assert pool.num_tokens("w") == 2000
     assert pool.first_block_index("w") == (2000 - window) // bs
     assert pool.logical_tokens == 2000 - pool.first_block_index("w") * bs
     pool.validate()
@@ -263,7 +263,7 @@ def test_window_rollback_cannot_resurrect_released_tokens():
     expect_unchanged(pool, ValueError, r"new_length=7: .*cannot be resurrected", pool.truncate,
                      "w", 7)
     assert pool.truncate("w", 8) == (2, 3)
-    assert pool.page_table("w") == () and pool.sequence_length("w") == 8
+    assert pool.page_table("w") == () and pool.num_tokens("w") == 8
     plan = pool.append("w", 1)  # the next token lands at absolute block 2 in a fresh block
     assert plan.slots == ((3, 0),) and pool.first_block_index("w") == 2
     pool.validate()
@@ -295,7 +295,7 @@ def test_retain_keeps_a_block_alive_after_its_sequence_is_released():
     assert pool.cache_only_tokens == 4 and pool.logical_tokens == 0
     assert pool.physical_payload_tokens == 0 and pool.internal_waste_tokens == 0
     pool.create("b", blocks=[0])
-    assert pool.sequence_length("b") == 4 and pool.refcount(0) == 2
+    assert pool.num_tokens("b") == 4 and pool.refcount(0) == 2
     assert pool.blocks_needed("b", 1) == 1  # block 0 is full: a new block, no copy
     pool.release("b")
     assert pool.release_block(0) is True
@@ -395,7 +395,7 @@ def test_constructor_rejects_bad_geometry(kwargs, exc, match):
 def test_query_methods_reject_unknown_ids():
     """Read-only queries raise KeyError for an unknown sequence and ValueError for a bad block."""
     pool = make_pool()
-    for method in ("page_table", "sequence_length", "first_block_index"):
+    for method in ("page_table", "num_tokens", "first_block_index"):
         with pytest.raises(KeyError, match=r"seq_id='nope': unknown sequence"):
             getattr(pool, method)("nope")
     with pytest.raises(ValueError, match=r"block_id=6: must be < total_blocks=6"):
@@ -548,7 +548,7 @@ class PoolMachine(RuleBasedStateMachine):
             payload += max(views, default=0)
         assert pool.physical_payload_tokens == payload
         for sid, tokens in self.model.items():
-            assert pool.sequence_length(sid) == len(tokens)
+            assert pool.num_tokens(sid) == len(tokens)
             assert pool.first_block_index(sid) * bs == self.start[sid]
             assert self.mirror.read(pool, sid) == tokens[self.start[sid]:]
         assert pool.logical_tokens == sum(len(t) - self.start[s] for s, t in self.model.items())

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import make_model
-from gptoss_lite.config import get_preset
+from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.kv.mixed import GrowingBuffer, MixedKVCache, RingBuffer
 
 
@@ -21,7 +21,7 @@ def test_ring_window3_tokens_1_to_7():
         ring.append(_tok([t]), _tok([t]))
     k, v = ring.get()
     assert k[0, 0, :, 0].tolist() == [5, 6, 7] and v[0, 0, :, 0].tolist() == [5, 6, 7]
-    assert ring.length == 3 and ring.seen == 7
+    assert ring.num_resident == 3 and ring.num_tokens == 7
 
 
 def test_ring_long_prefill_keeps_last_w():
@@ -29,7 +29,7 @@ def test_ring_long_prefill_keeps_last_w():
     ring = RingBuffer(1, 1, 2, window=3)
     ring.append(_tok([1, 2, 3, 4, 5]), _tok([1, 2, 3, 4, 5]))
     assert ring.get()[0][0, 0, :, 0].tolist() == [3, 4, 5]
-    assert ring.head == 0 and ring.count == 3
+    assert ring.head == 0 and ring.num_resident == 3
 
 
 @given(st.lists(st.integers(1, 9), min_size=1, max_size=12), st.integers(1, 6))
@@ -46,17 +46,17 @@ def test_ring_matches_list_model(chunks, window):
         assert ring.k.shape[2] == window
 
 
-def test_seq_len_caps_and_reset():
-    """seq_len caps at W on windowed layers, grows on global layers, is 0 unwritten and after reset."""
-    cfg = get_preset("lite-tiny")  # window 8, layers 0/2 windowed
+def test_num_resident_caps_and_reset():
+    """num_resident caps at W on sliding layers, grows on full layers, is 0 unwritten and after reset."""
+    cfg = resolve_config("lite-tiny")  # window 8, layers 0/2 windowed
     cache = MixedKVCache(cfg)
-    assert cache.seq_len(0) == 0 and cache.seq_len(1) == 0 and len(cache) == 4
+    assert cache.num_resident(0) == 0 and cache.num_resident(1) == 0 and len(cache) == 4
     k = torch.randn(1, cfg.n_kv_heads, 20, cfg.head_dim)
     for layer in range(cfg.n_layers):
-        cache.append(layer, k, k)
-    assert cache.seq_len(0) == 8 and cache.seq_len(1) == 20
+        cache[layer].append(k, k)
+    assert cache.num_resident(0) == 8 and cache.num_resident(1) == 20
     cache.reset()
-    assert [cache.seq_len(i) for i in range(4)] == [0, 0, 0, 0] and cache.nbytes == 0
+    assert [cache.num_resident(i) for i in range(4)] == [0, 0, 0, 0] and cache.nbytes == 0
 
 
 def test_growing_buffer_policy_and_cap():
@@ -71,7 +71,7 @@ def test_growing_buffer_policy_and_cap():
     assert buf.get()[0][0, 0, :, 0].tolist() == list(range(1, 15))
     with pytest.raises(MemoryError, match="cap exceeded"):
         buf.append(_tok(list(range(7))), _tok(list(range(7))))
-    assert buf.length == 14  # unchanged
+    assert buf.num_resident == 14  # unchanged
 
 
 def test_append_rejects_wrong_geometry_and_dtype():
@@ -82,7 +82,7 @@ def test_append_rejects_wrong_geometry_and_dtype():
     ring.append(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
     with pytest.raises(ValueError, match="dtype"):
         ring.append(torch.zeros(1, 2, 1, 4, dtype=torch.float64), torch.zeros(1, 2, 1, 4, dtype=torch.float64))
-    assert ring.count == 1
+    assert ring.num_resident == 1
 
 
 def test_positions_must_continue(tiny_model):

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from conftest import make_model
-from gptoss_lite.config import get_preset
+from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.generation import generate
 from gptoss_lite.kv.mixed import MixedKVCache
 from gptoss_lite.kv.block_pool import PoolExhaustedError
-from gptoss_lite.kv.paged_cache import GLOBAL, WINDOW, PagedKVCache, PagedKVStore
+from gptoss_lite.config import FULL, SLIDING
+from gptoss_lite.kv.paged_cache import PagedKVCache, PagedKVStore
 
 BS = 4  # small blocks so a window of 8 spans several blocks
 
@@ -55,12 +56,12 @@ def test_generation_matches_mixed_cache(preset, B, T):
     ids = _prompt(B, T, seed=T + B)
     expected = generate(model, ids, max_new_tokens=64, temperature=0, cache=MixedKVCache(model.config, B))
     # A prefill chunk of 7 reads W - 1 + 7 keys: ceil(14 / bs) + 1 blocks per row at most.
-    store = PagedKVStore(model.config, total_blocks=B * 30, block_size=BS, window_blocks=B * 5)
+    store = PagedKVStore(model.config, total_blocks=B * 30, block_size=BS, sliding_blocks=B * 5)
     cache = PagedKVCache(model.config, store, [f"r{b}" for b in range(B)])
     got = generate(model, ids, max_new_tokens=64, temperature=0, cache=cache, prefill_chunk=7)
     assert torch.equal(got, expected)
-    assert cache.position == T + 63
-    assert all(len(store.pools[WINDOW].page_table(f"r{b}")) <= math.ceil(8 / BS) + 1 for b in range(B))
+    assert cache.num_tokens == T + 63
+    assert all(len(store.pools[SLIDING].page_table(f"r{b}")) <= math.ceil(8 / BS) + 1 for b in range(B))
     for pool in store.pools.values():
         pool.validate()
 
@@ -81,29 +82,28 @@ def test_chunked_prefill_logits_match_one_shot(chunk):
     assert (got - ref).abs().max().item() <= 1e-5
 
 
-def test_window_blocks_bounded_over_long_decode():
-    """Over a 2,000-token decode a windowed layer holds <= ceil(W/bs)+1 blocks; global ones grow."""
-    cfg = get_preset("lite-tiny")
+def test_sliding_blocks_bounded_over_long_decode():
+    """Over a 2,000-token decode a sliding layer holds <= ceil(W/bs)+1 blocks; full ones grow."""
+    cfg = resolve_config("lite-tiny")
     W, K, D, n = cfg.sliding_window, cfg.n_kv_heads, cfg.head_dim, 2000
     bound = math.ceil(W / BS) + 1
-    store = PagedKVStore(cfg, total_blocks=n // BS + 1, block_size=BS, window_blocks=bound)
+    store = PagedKVStore(cfg, total_blocks=n // BS + 1, block_size=BS, sliding_blocks=bound)
     cache = PagedKVCache(cfg, store, ["s"])
     gen = torch.Generator().manual_seed(0)
     history = torch.randn(n, K, D, generator=gen)
-    wpool, gpool = store.pools[WINDOW], store.pools[GLOBAL]
+    wpool, gpool = store.pools[SLIDING], store.pools[FULL]
     for p in range(n):
         k = history[p].view(1, K, 1, D)  # (B, K, T, D)
         for layer in range(cfg.n_layers):
-            keys, values, q_off, window = cache.attend_inputs(layer, k, -k, p)
-            if layer == 0 and p in (0, 7, 8, 13, 1999):  # windowed reads are exactly the window's blocks
-                first = p + 1 - keys.shape[2]
-                assert window == W and q_off == p - first and first % BS == 0
+            keys, values, first = cache.update(layer, k, -k, p)
+            if layer == 0 and p in (0, 7, 8, 13, 1999):  # sliding reads are exactly the window's blocks
+                assert first == p + 1 - keys.shape[2] and first % BS == 0
                 assert first <= max(0, p - W + 1) < first + BS
                 assert torch.equal(keys[0].transpose(0, 1), history[first:p + 1])
         assert len(wpool.page_table("s")) <= bound
         assert len(gpool.page_table("s")) == p // BS + 1
-    keys, _, q_off, window = cache.attend_inputs(1, history[:1].view(1, K, 1, D), history[:1].view(1, K, 1, D), n)
-    assert window is None and q_off == n and keys.shape == (1, K, n + 1, D)
+    keys, _, first = cache.update(1, history[:1].view(1, K, 1, D), history[:1].view(1, K, 1, D), n)
+    assert first == 0 and keys.shape == (1, K, n + 1, D)
     assert torch.equal(keys[0, :, :n].transpose(0, 1), history)
 
 
@@ -116,7 +116,7 @@ def test_cow_shared_partial_block_on_real_tensors():
     with torch.inference_mode():
         model(ids, cache=parent, start_pos=0)
     child = parent.fork(["c"])
-    gpool = store.pools[GLOBAL]
+    gpool = store.pools[FULL]
     shared = gpool.page_table("p")[1]
     assert gpool.page_table("c") == gpool.page_table("p") and gpool.refcount(shared) == 2
     views = {layer: [t.clone() for t in store.gather("p", layer)] for layer in range(4)}
@@ -151,7 +151,7 @@ def test_prefix_hit_shares_blocks_and_generation_matches():
     donor.close()
     free = {kind: pool.free_blocks for kind, pool in store.pools.items()}
     cache, n = PagedKVCache.from_prefix(model.config, store, ["hit"], [prompt], "tenant", "rev")
-    assert n == 16 and cache.position == 16
+    assert n == 16 and cache.num_tokens == 16
     for kind, pool in store.pools.items():
         table = pool.page_table("hit")
         assert len(table) == 4 and pool.free_blocks == free[kind]  # no new blocks for the hit
@@ -160,9 +160,9 @@ def test_prefix_hit_shares_blocks_and_generation_matches():
     again, n = PagedKVCache.from_prefix(model.config, store, ["hit2"], [prompt], "tenant", "rev")
     out = generate(model, torch.tensor([prompt]), 20, temperature=0, cache=again)  # prefills the rest only
     assert out[:, len(prompt):].tolist() == cold
-    assert store.prefix[GLOBAL].stats().hit_requests == 2
+    assert store.prefix[FULL].stats().hit_requests == 2
     other, m = PagedKVCache.from_prefix(model.config, store, ["miss"], [prompt], "other-tenant", "rev")
-    assert m == 0 and other.position == 0  # scope isolates tenants
+    assert m == 0 and other.num_tokens == 0  # scope isolates tenants
 
 
 def test_a_whole_prompt_hit_leaves_the_last_block_to_run():
@@ -177,7 +177,7 @@ def test_a_whole_prompt_hit_leaves_the_last_block_to_run():
     assert donor.insert_prefix([prompt], "t", "r") == 2 * 4
     donor.close()
     cache, n = PagedKVCache.from_prefix(model.config, store, ["hit"], [prompt], "t", "r")
-    assert n == len(prompt) - BS and cache.position == n
+    assert n == len(prompt) - BS and cache.num_tokens == n
     assert torch.equal(generate(model, torch.tensor([prompt]), 12, temperature=0, cache=cache), cold)
     for pool in store.pools.values():
         pool.validate()
@@ -194,10 +194,10 @@ def test_pool_exhausted_leaves_store_and_pool_unchanged():
         with pytest.raises(PoolExhaustedError, match="needs 2 free blocks in the full-layer pool but 1 are free"):
             model(_prompt(2, 3), cache=cache, start_pos=6)
     _assert_same_state(store, before)
-    assert cache.position == 6
+    assert cache.num_tokens == 6
     with torch.inference_mode():
         model(_prompt(2, 2), cache=cache, start_pos=6)  # still usable: fills the last blocks
-    assert cache.position == 8
+    assert cache.num_tokens == 8
 
 
 def test_truncate_rollback_and_rejections():
@@ -209,7 +209,7 @@ def test_truncate_rollback_and_rejections():
     with torch.inference_mode():
         for p in range(30):  # token-by-token: windowed blocks get released
             model(ids[:, p:p + 1], cache=cache, start_pos=p)
-    start = store.pools[WINDOW].first_block_index("s") * BS
+    start = store.pools[SLIDING].first_block_index("s") * BS
     assert start > 0
     before = _state(store)
     lowest = start + model.config.sliding_window - 1
@@ -229,29 +229,29 @@ def test_truncate_rollback_and_rejections():
 
 def test_bad_inputs_rejected():
     """Wrong shapes, dtypes, positions and ids raise clear errors before anything changes."""
-    cfg = get_preset("lite-tiny")
+    cfg = resolve_config("lite-tiny")
     store = PagedKVStore(cfg, total_blocks=8, block_size=BS)
     cache = PagedKVCache(cfg, store, ["a"])
     k = torch.zeros(1, cfg.n_kv_heads, 2, cfg.head_dim)
     before = _state(store)
     with pytest.raises(ValueError, match="expected \\(B, K, T, D\\)"):
-        cache.attend_inputs(0, k[:, :1], k[:, :1], 0)
+        cache.update(0, k[:, :1], k[:, :1], 0)
     with pytest.raises(ValueError, match="dtype/device"):
-        cache.attend_inputs(0, k.double(), k.double(), 0)
+        cache.update(0, k.double(), k.double(), 0)
     with pytest.raises(ValueError, match="positions must continue"):
-        cache.attend_inputs(0, k, k, 3)
+        cache.update(0, k, k, 3)
     with pytest.raises(ValueError, match="already live"):
         PagedKVCache(cfg, store, ["a"])
     with pytest.raises(ValueError, match="duplicate"):
         PagedKVCache(cfg, store, ["x", "x"])
     with pytest.raises(ValueError, match="config differs"):
-        PagedKVCache(get_preset("gpt-oss-tiny"), store, ["y"])
+        PagedKVCache(resolve_config("gpt-oss-tiny"), store, ["y"])
     _assert_same_state(store, before)
-    cache.attend_inputs(0, k, k, 0)
+    cache.update(0, k, k, 0)
     with pytest.raises(ValueError, match="appends 2"):
-        cache.attend_inputs(2, k[:, :, :1], k[:, :, :1], 0)
+        cache.update(2, k[:, :, :1], k[:, :, :1], 0)
     with pytest.raises(ValueError, match="unfinished"):
-        cache.attend_inputs(0, k, k, 2)
+        cache.update(0, k, k, 2)
 
 
 def test_reset_releases_and_accounting():
@@ -265,7 +265,7 @@ def test_reset_releases_and_accounting():
     assert cache.nbytes == 2 * 2 * per_block  # 2 blocks in each of 2 pools
     assert cache.payload_bytes == 2 * 6 * per_block // BS
     cache.reset()
-    assert cache.position == 0 and cache.nbytes == 0
+    assert cache.num_tokens == 0 and cache.nbytes == 0
     assert all(pool.free_blocks == 10 for pool in store.pools.values())
     out = generate(model, _prompt(1, 3), max_new_tokens=2, temperature=0, cache=cache)
     assert out.shape == (1, 5)

@@ -446,7 +446,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.validate()
         bs = self.BS
         for sid, (tokens, _, rev) in self.seqs.items():
-            assert self.pool.sequence_length(sid) == len(tokens)
+            assert self.pool.num_tokens(sid) == len(tokens)
             table = self.pool.page_table(sid)
             for p in range(len(tokens)):
                 assert self.slots[(table[p // bs], p % bs)] == (rev, tuple(tokens[:p + 1]))

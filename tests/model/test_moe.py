@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gptoss_lite.config import get_preset
+from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.model.moe import MoE
 
 
@@ -26,7 +26,7 @@ def _naive_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 def test_grouped_moe_matches_token_loop(preset):
     """Grouped-by-expert dispatch equals a per-token loop (both activations, with/without biases)."""
     torch.manual_seed(0)
-    moe = MoE(get_preset(preset))
+    moe = MoE(resolve_config(preset))
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0, 0.3)
@@ -39,7 +39,7 @@ def test_grouped_moe_matches_token_loop(preset):
 
 def test_gptoss_activation_formula():
     """gpt-oss activation: gate<=7, up in [-7,7], (up+1)·gate·sigmoid(1.702·gate), bias before weighting."""
-    cfg = get_preset("gpt-oss-tiny")
+    cfg = resolve_config("gpt-oss-tiny")
     moe = MoE(cfg)
     with torch.no_grad():
         for p in moe.parameters():
@@ -54,7 +54,7 @@ def test_gptoss_activation_formula():
 
 def test_swiglu_activation_formula():
     """GPT-OSS-Lite experts are silu(gate) * up, no biases."""
-    moe = MoE(get_preset("lite-tiny"))
+    moe = MoE(resolve_config("lite-tiny"))
     torch.nn.init.normal_(moe.experts.gate_proj)
     x = torch.randn(4, 64)
     e = moe.experts
@@ -64,7 +64,7 @@ def test_swiglu_activation_formula():
 
 def test_aux_loss_balanced_is_one():
     """Switch aux loss E·Σ f_e·P_e is exactly 1 when routing and probabilities are uniform."""
-    moe = MoE(get_preset("lite-tiny"))
+    moe = MoE(resolve_config("lite-tiny"))
     with torch.no_grad():
         moe.router.weight.zero_()  # uniform probabilities; topk ties resolve deterministically
     x = torch.randn(1, 8, 64)
@@ -75,7 +75,7 @@ def test_aux_loss_balanced_is_one():
 
 def test_only_selected_experts_run(monkeypatch):
     """Experts that no token selects are never evaluated."""
-    moe = MoE(get_preset("lite-tiny"))
+    moe = MoE(resolve_config("lite-tiny"))
     with torch.no_grad():
         moe.router.weight.zero_()
         moe.router.weight[0] = 1.0

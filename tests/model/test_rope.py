@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from gptoss_lite.config import get_preset
+from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.model.rope import (RotaryEmbedding, apply_rotary, apply_rotary_tables, rotary_tables,
                                    yarn_concentration, yarn_inv_freq)
 
@@ -32,7 +32,7 @@ def test_concentration_value():
 
 def test_pruned_pairs_are_identity():
     """On global layers the first pruned pairs have cos = 1, sin = 0 at every position."""
-    cfg = get_preset("gptoss-lite-502m")
+    cfg = resolve_config("gptoss-lite-502m")
     rope = RotaryEmbedding(cfg, pruned_pairs=cfg.rope_pruned_pairs)
     cos, sin = rope(1000, 5)
     assert cos.shape == (5, 48)
@@ -42,7 +42,7 @@ def test_pruned_pairs_are_identity():
 
 def test_single_position_matches_table():
     """The scalar decode path equals the row of the (T, D/2) table."""
-    rope = RotaryEmbedding(get_preset("gptoss-lite-502m"), pruned_pairs=24)
+    rope = RotaryEmbedding(resolve_config("gptoss-lite-502m"), pruned_pairs=24)
     cos_t, sin_t = rope(100, 40)
     cos_1, sin_1 = rope(117, 1)
     torch.testing.assert_close(cos_1[0], cos_t[17])
@@ -61,7 +61,7 @@ def test_half_split_rotation():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_table_rotation_is_bit_identical(dtype):
     """The model's four-op rotation (full-width tables) equals the readable form exactly."""
-    rope = RotaryEmbedding(get_preset("gptoss-lite-502m"), pruned_pairs=24)
+    rope = RotaryEmbedding(resolve_config("gptoss-lite-502m"), pruned_pairs=24)
     cos, sin = rope(300, 9)
     x = torch.randn(2, 3, 9, 2 * cos.shape[-1]).to(dtype)
     out = apply_rotary_tables(x, *rotary_tables(cos, sin))
@@ -71,7 +71,7 @@ def test_table_rotation_is_bit_identical(dtype):
 
 def test_relative_positions():
     """Without YaRN scaling, q·k after rotation depends only on the position difference."""
-    cfg = get_preset("lite-tiny").replace(rope_factor=1.0)
+    cfg = resolve_config("lite-tiny").replace(rope_factor=1.0)
     rope = RotaryEmbedding(cfg)
     q, k = torch.randn(16), torch.randn(16)
 

@@ -2,14 +2,15 @@ import pytest
 import torch
 
 from conftest import make_model
-from gptoss_lite.config import count_active_parameters, count_parameters, get_preset
+from gptoss_lite.config import count_active_parameters, count_parameters
+from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.model import GPTOSS
 
 
 @pytest.mark.parametrize("preset", ["lite-tiny", "gpt-oss-tiny", "gpt-oss-bench-20m"])
 def test_param_count_matches_built_model(preset):
     """count_parameters(cfg) equals sum(p.numel()) of the built model (meta device, no memory)."""
-    cfg = get_preset(preset)
+    cfg = resolve_config(preset)
     with torch.device("meta"):
         model = GPTOSS(cfg)
     assert sum(p.numel() for p in model.parameters()) == count_parameters(cfg)

@@ -12,11 +12,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gptoss_lite import plan as P
-from gptoss_lite.config import PRESETS
+from gptoss_lite.config import PRESETS, count_active_parameters, count_parameters
 from gptoss_lite.kv import evict
 
 LITE = P.GEOMETRY_PRESETS["gptoss-lite-502m"]
-LITE_ALL_GLOBAL = P.AttentionKVGeometry("lite-global", 12, 4, 96)
+LITE_ALL_FULL = P.AttentionKVGeometry("lite-all-full", 12, 4, 96)
 
 
 def _hw(**overrides):
@@ -53,23 +53,23 @@ def test_deepseek_v3_mla_bytes_per_token():
 
 
 def test_lite_mixed_payload_at_128k():
-    """502M preset at 131,072 tokens: 2.25 GiB all-global vs 1.13 GiB mixed, exact bytes from SPEC §3.1."""
-    assert P.kv_payload_bytes(LITE_ALL_GLOBAL, 131_072) == 2_415_919_104
+    """502M preset at 131,072 tokens: 2.25 GiB all-full vs 1.13 GiB mixed, exact bytes from SPEC §3.1."""
+    assert P.kv_payload_bytes(LITE_ALL_FULL, 131_072) == 2_415_919_104
     assert P.kv_payload_bytes(LITE, 131_072) == 1_209_139_200
     assert round(2_415_919_104 / P.GIB, 2) == 2.25 and round(1_209_139_200 / P.GIB, 2) == 1.13
 
 
 @pytest.mark.parametrize("tokens, ratio", [(4096, 1.94), (8192, 1.97), (32768, 1.99), (131072, 2.00)])
 def test_lite_mixed_ratio(tokens, ratio):
-    """Mixed/all-global reduction of the 502M preset matches SPEC §3.1 to two decimals."""
-    got = P.kv_payload_bytes(LITE_ALL_GLOBAL, tokens) / P.kv_payload_bytes(LITE, tokens)
+    """Mixed/all-full reduction of the 502M preset matches SPEC §3.1 to two decimals."""
+    got = P.kv_payload_bytes(LITE_ALL_FULL, tokens) / P.kv_payload_bytes(LITE, tokens)
     assert round(got, 2) == ratio
 
 
 @given(st.integers(1, 128))
 def test_mixed_ratio_is_one_inside_window(tokens):
-    """At T <= W a sliding layer stores every token, so mixed and all-global payloads agree."""
-    assert P.kv_payload_bytes(LITE, tokens) == P.kv_payload_bytes(LITE_ALL_GLOBAL, tokens)
+    """At T <= W a sliding layer stores every token, so mixed and all-full payloads agree."""
+    assert P.kv_payload_bytes(LITE, tokens) == P.kv_payload_bytes(LITE_ALL_FULL, tokens)
 
 
 def test_gpt_oss_window_aware_presets():
@@ -93,11 +93,29 @@ def test_zero_context_is_zero_payload():
     assert P.kv_payload_bytes(LITE, 0) == 0
 
 
-def test_geometry_from_model_config_matches_presets():
-    """ModelConfig presets map to the same window-aware geometry as the hand-written presets."""
-    for name in ("gptoss-lite-502m", "gpt-oss-20b", "gpt-oss-120b"):
-        g = P.geometry_from_model_config(PRESETS[name], name=name)
-        assert g == P.GEOMETRY_PRESETS[name]
+def test_model_presets_geometry_is_derived_from_config():
+    """Our presets' geometries come from config.PRESETS: layers, KV heads, D, sliding count and window as specified."""
+    expected = {"gptoss-lite-502m": (12, 4, 96, 6, 128), "gpt-oss-20b": (24, 8, 64, 12, 128),
+                "gpt-oss-120b": (36, 8, 64, 18, 128)}
+    for name, (layers, kv_heads, head_dim, sliding, window) in expected.items():
+        g = P.GEOMETRY_PRESETS[name]
+        assert (g.attention_layers, g.kv_heads, g.head_dim, g.sliding_layers, g.sliding_window) == \
+            (layers, kv_heads, head_dim, sliding, window)
+        assert g == P.geometry_from_model_config(PRESETS[name], name=name)
+        assert g.full_layers == layers - sliding == len(PRESETS[name].full_layers)
+
+
+def test_model_presets_weights_are_derived_from_parameter_counts():
+    """Parameter counts come from count_parameters; active leaves out an untied embedding, near the published figures."""
+    lite = P.MODEL_WEIGHTS["gptoss-lite-502m"]
+    assert (lite.total_parameters, lite.active_parameters) == (501_836_640, 247_032_672)  # tied: head counts
+    for name, total, active, published in (("gpt-oss-20b", 20_914_757_184, 3_608_307_264, (20.9e9, 3.6e9)),
+                                           ("gpt-oss-120b", 116_829_156_672, 5_132_849_472, (116.8e9, 5.1e9))):
+        w, cfg = P.MODEL_WEIGHTS[name], PRESETS[name]
+        assert w.total_parameters == count_parameters(cfg) == total
+        assert w.active_parameters == count_active_parameters(cfg) - cfg.vocab_size * cfg.d_model == active
+        assert (w.query_heads, w.attention_head_dim) == (64, 64)
+        assert abs(total / published[0] - 1) < 0.005 and abs(active / published[1] - 1) < 0.01
 
 
 def test_geometry_from_hf_config():
@@ -193,7 +211,7 @@ def test_attention_flops_pairs():
 def test_windowed_attention_pairs_match_brute_force(queries, prefix, window):
     """With a window W each query at absolute position i sees min(W, i + 1) keys."""
     expected = 4 * sum(min(window, i + 1) for i in range(prefix, prefix + queries))
-    assert P.attention_flops(1, 1, 1, queries, prefix, window=window) == expected
+    assert P.attention_flops(1, 1, 1, queries, prefix, sliding_window=window) == expected
 
 
 def test_decode_flops():
@@ -212,8 +230,23 @@ def test_cached_input_cost():
     c = P.cached_input_cost(prefix=1000, suffix=100, requests=10)
     assert c.baseline == 11_000
     assert c.cached == pytest.approx(1000 * (1.25 + 9 * 0.1) + 1000)
-    assert c.amortized_cost_factor == pytest.approx(c.cached / 11_000)
+    assert c.amortized_cost_factor == pytest.approx(11_000 / c.cached)
     assert c.warm_request_cost_ratio == pytest.approx((100 + 100) / 1100)
+
+
+def test_amortized_cost_factor_course_example():
+    """The factor is how many times cheaper cached input is (baseline / cached): > 1 when the prefix cache saves.
+
+    Course example: prefix 7,680, suffix 512, 10 requests, read 0.1, write 1.25: baseline 81,920 tokens,
+    cached 7,680 x (1.25 + 9 x 0.1) + 10 x 512 = 21,632 token-equivalents, factor 81,920 / 21,632 = 3.79.
+    """
+    c = P.cached_input_cost(prefix=7680, suffix=512, requests=10, read_rate=0.1, write_rate=1.25)
+    assert c.baseline == 81_920
+    assert c.cached == pytest.approx(21_632)
+    assert c.amortized_cost_factor > 1
+    assert round(c.amortized_cost_factor, 2) == 3.79
+    once = P.cached_input_cost(prefix=7680, suffix=512, requests=1, read_rate=0.1, write_rate=1.25)
+    assert once.amortized_cost_factor < 1  # one request only pays the write premium
 
 
 def test_waste_formulas():
@@ -231,10 +264,10 @@ def test_waste_formulas():
     (dict(kv_heads=-1), ValueError, "kv_heads=-1"),
     (dict(head_dim=64.0), TypeError, "head_dim=64.0"),
     (dict(bytes_per_element=0), ValueError, "bytes_per_element=0"),
-    (dict(sliding_window_layers=13, window=128), ValueError, "sliding_window_layers=13: must be <= attention_layers"),
-    (dict(sliding_window_layers=6), ValueError, "needs window"),
-    (dict(window=128), ValueError, "sliding_window_layers=0"),
-    (dict(sliding_window_layers=6, window=0), ValueError, "window=0"),
+    (dict(sliding_layers=13, sliding_window=128), ValueError, "sliding_layers=13: must be <= attention_layers"),
+    (dict(sliding_layers=6), ValueError, "needs sliding_window"),
+    (dict(sliding_window=128), ValueError, "sliding_layers=0"),
+    (dict(sliding_layers=6, sliding_window=0), ValueError, "sliding_window=0"),
     (dict(name=""), TypeError, "name=''"),
 ])
 def test_attention_geometry_validation(kwargs, exc, match):
@@ -313,8 +346,8 @@ def test_flop_and_cost_validation():
         P.attention_flops(1, 1, 1, -1)
     with pytest.raises(TypeError, match="layers=True"):
         P.attention_flops(True, 1, 1, 1)
-    with pytest.raises(ValueError, match="window=0"):
-        P.attention_flops(1, 1, 1, 1, window=0)
+    with pytest.raises(ValueError, match="sliding_window=0"):
+        P.attention_flops(1, 1, 1, 1, sliding_window=0)
     with pytest.raises(ValueError, match="keys=-1"):
         P.decode_flops(1, 1, 1, 1, keys=-1)
     with pytest.raises(ValueError, match="parameters=0"):

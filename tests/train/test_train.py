@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from gptoss_lite.config import count_parameters
-from gptoss_lite.evals.passkey import FILLER_SENTENCES, NEEDLE_TEMPLATE, QUESTION
+from gptoss_lite.evals.passkey import FILLER_SENTENCES
+from gptoss_lite.prompts import NEEDLE_TEMPLATE, QUESTION
 from gptoss_lite.tokenizer import ByteTokenizer
 from gptoss_lite.train.config import DataConfig, ScheduleConfig, TrainConfig, load_train_config
 from gptoss_lite.train.data import IGNORE_INDEX, SyntheticRetrievalData

@@ -27,6 +27,7 @@ import torch
 from gptoss_lite.config import FULL, SLIDING, ModelConfig
 from gptoss_lite.checkpoint.io import CONFIG_NAME, DEFAULT_MAX_SHARD_BYTES, read_json, read_tensors, write_checkpoint_dir
 from gptoss_lite.checkpoint.mxfp4 import dequantize_mxfp4
+from gptoss_lite.checkpoint.state_dict import check_state_dict
 
 SWIGLU_ALPHA = 1.702  # sigmoid gain of the gpt-oss activation, fixed in our model code (SPEC §1.2)
 # HF GptOssConfig defaults (transformers 5.23 configuration_gpt_oss.py), used for absent keys.
@@ -252,8 +253,6 @@ def load_hf_state_dict(directory: str | Path, cfg: ModelConfig | None = None) ->
     The HF tensors are checked by their HF names first (missing / unexpected / both shapes /
     non-finite), so errors name what is actually in the files.
     """
-    from gptoss_lite.checkpoint.native import check_state_dict
-
     directory = Path(directory)
     if cfg is None:
         try:

@@ -14,26 +14,29 @@ from typing import Any, Mapping
 
 import torch
 
-from gptoss_lite.config import CONFIG_FORMAT_VERSION, PRESETS, ModelConfig, get_preset
+from gptoss_lite.config import CONFIG_FORMAT_VERSION, PRESETS, ModelConfig
+from gptoss_lite.checkpoint.hf import config_from_hf, load_hf_state_dict
 from gptoss_lite.checkpoint.io import (CONFIG_NAME, DEFAULT_MAX_SHARD_BYTES, read_json, read_tensors,
                                        write_checkpoint_dir)
+from gptoss_lite.checkpoint.state_dict import check_state_dict
+from gptoss_lite.fixtures import FIXTURES, resolve_config, valid_names
 from gptoss_lite.model import GPTOSS, RotaryEmbedding
 
 # Where the trained demo model lives once it has been trained and copied in (package data).
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo"
-# Preset used when the demo model is not there (random weights, announced on stderr).
+# Config used when the demo model is not there (a test fixture; random weights, announced on stderr).
 FALLBACK_PRESET = "lite-tiny"
 _RESERVED_KEYS = ("format_version", "model")
 
 
 def default_model_source() -> Path | str:
-    """The demo model directory if it holds a config.json, else the preset name "lite-tiny".
+    """The demo model directory if it holds a config.json, else the test fixture name "lite-tiny".
 
     In the second case a one-line notice goes to stderr: the model will have random weights.
     """
     if (DEFAULT_MODEL / CONFIG_NAME).is_file():
         return DEFAULT_MODEL
-    print(f"gptoss-lite: no trained demo model at {DEFAULT_MODEL}; using preset {FALLBACK_PRESET!r} "
+    print(f"gptoss-lite: no trained demo model at {DEFAULT_MODEL}; using test config {FALLBACK_PRESET!r} "
           "with RANDOM weights", file=sys.stderr)
     return FALLBACK_PRESET
 
@@ -72,32 +75,6 @@ def read_native_config(directory: str | Path) -> tuple[ModelConfig, dict[str, An
     return cfg, data
 
 
-def check_state_dict(expected: Mapping[str, tuple[int, ...]], state: Mapping[str, torch.Tensor],
-                     source: str) -> None:
-    """Raise ValueError unless `state` has exactly the expected names and shapes, all finite.
-
-    Every problem is listed (missing, unexpected, mis-shaped with both shapes, non-finite), so one
-    error message shows everything that is wrong with a checkpoint.
-    """
-    problems = []
-    for name in sorted(set(expected) - set(state)):
-        problems.append(f"missing tensor {name} (expected shape {list(expected[name])})")
-    for name in sorted(set(state) - set(expected)):
-        problems.append(f"unexpected tensor {name} (shape {list(state[name].shape)})")
-    for name in sorted(set(expected) & set(state)):
-        got = tuple(state[name].shape)
-        if got != tuple(expected[name]):
-            problems.append(f"tensor {name}: shape {list(got)} in checkpoint, model expects {list(expected[name])}")
-        elif not state[name].is_floating_point():
-            problems.append(f"tensor {name}: dtype {state[name].dtype} is not floating point")
-        elif not bool(torch.isfinite(state[name]).all()):
-            n_bad = int((~torch.isfinite(state[name])).sum())
-            problems.append(f"tensor {name}: {n_bad} non-finite value(s) (nan/inf)")
-    if problems:
-        shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
-        raise ValueError(f"{source}: checkpoint does not match the model config:\n  " + "\n  ".join(shown))
-
-
 def _resolve_dtype(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> torch.dtype:
     if dtype is not None:
         if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -109,7 +86,8 @@ def _resolve_dtype(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None)
 
 def model_from_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor], source: str,
                           device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> GPTOSS:
-    """A fresh GPTOSS in eval mode holding `state` (native names), validated strictly before use.
+    """A fresh GPTOSS holding `state` (native names), validated strictly before use, and prepared for
+    inference (`GPTOSS.prepare_for_inference`: eval mode, decode-packed weights).
 
     dtype None keeps the stored dtype when all tensors share one, else float32.
     """
@@ -126,33 +104,35 @@ def model_from_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor], s
             module.inv_freq = RotaryEmbedding(cfg, pruned_pairs=module.pruned_pairs).inv_freq.to(device)
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     assert not left, f"tensors left unmaterialised after loading: {left}"
-    return model.eval()
+    return model.prepare_for_inference()
 
 
 def load_model(source: str | Path, device: str | torch.device | None = None,
                dtype: torch.dtype | None = None, seed: int = 0) -> GPTOSS:
-    """Load a GPTOSS in eval mode from a directory or a preset name.
+    """Load a GPTOSS from a directory or a preset name, prepared for inference (eval mode, on
+    `device`, in `dtype`, decode-packed weights: `GPTOSS.prepare_for_inference`).
 
     - a directory with our config.json ("format_version") -> native layout;
     - a directory with an HF gpt-oss config.json (model_type "gpt_oss") -> HF layout (MXFP4 experts
       are dequantised);
-    - a preset name -> RANDOM weights seeded by `seed` (announced with a warning).
+    - a preset or test-fixture name (`fixtures.resolve_config`) -> RANDOM weights seeded by `seed`
+      (announced with a warning).
     Loading is strict (see check_state_dict) and never unpickles.
     """
     path = Path(source)
     if path.is_dir():
         return _load_dir(path, device, dtype)
-    if isinstance(source, str) and source in PRESETS:
-        cfg = get_preset(source)
+    if isinstance(source, str) and (source in PRESETS or source in FIXTURES):
+        cfg = resolve_config(source)
         warnings.warn(f"load_model({source!r}): preset with RANDOM weights (seed={seed}), not a trained model",
                       stacklevel=2)
         model = GPTOSS(cfg)
         model.reset_parameters(seed)
-        return model.to(device=device, dtype=dtype).eval()
+        return model.prepare_for_inference(device, dtype)
     if path.exists():
         raise ValueError(f"load_model: {path} is a file; pass the model directory that holds {CONFIG_NAME}")
     raise ValueError(f"load_model: {str(source)!r} is neither a model directory nor a preset; "
-                     f"valid presets: {', '.join(sorted(PRESETS))}")
+                     f"{valid_names()}")
 
 
 def _load_dir(directory: Path, device, dtype) -> GPTOSS:
@@ -161,7 +141,6 @@ def _load_dir(directory: Path, device, dtype) -> GPTOSS:
         raise ValueError(f"{directory}: no {CONFIG_NAME}; not a model directory")
     data = read_json(config_path)
     if data.get("model_type") == "gpt_oss":
-        from gptoss_lite.checkpoint.hf import config_from_hf, load_hf_state_dict
         try:
             cfg = config_from_hf(data)
         except ValueError as e:

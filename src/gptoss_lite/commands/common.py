@@ -77,10 +77,7 @@ def configure_threads(requested: int | None) -> int:
     if requested is None:
         n, _ = default_threads()
     else:
-        check_int("--threads", requested, 1)
-        n = requested
-    if n > MAX_THREADS:
-        raise ValueError(f"--threads {n}: at most {MAX_THREADS}; this process may use {len(available_cpus())} CPUs")
+        n = check_int("--threads", requested, 1, MAX_THREADS)
     torch.set_num_threads(n)
     return n
 
@@ -122,7 +119,8 @@ def model_config_of(source):
     from gptoss_lite.checkpoint.hf import config_from_hf
     from gptoss_lite.checkpoint.io import CONFIG_NAME, read_json
     from gptoss_lite.checkpoint.native import read_native_config
-    from gptoss_lite.config import PRESETS, get_preset
+    from gptoss_lite.config import PRESETS
+    from gptoss_lite.fixtures import FIXTURES, resolve_config
 
     path = Path(str(source))
     if path.is_dir():
@@ -138,8 +136,8 @@ def model_config_of(source):
         if "format_version" in data:
             return read_native_config(path)[0]
         return None
-    if isinstance(source, str) and source in PRESETS:
-        return get_preset(source)
+    if isinstance(source, str) and (source in PRESETS or source in FIXTURES):
+        return resolve_config(source)
     return None
 
 

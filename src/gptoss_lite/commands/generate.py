@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     decode_steps = max(0, len(new) - 1)  # the first token comes out of the prefill pass
     decode_s = t_end - (t_first or t_end)
     cfg = model.config
-    total_tokens = cache.position
+    total_tokens = cache.num_tokens
     per_token_layer = 2 * cfg.n_kv_heads * cfg.head_dim * next(model.parameters()).element_size()
     stats = {
         "model": str(source),

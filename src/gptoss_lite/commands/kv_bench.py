@@ -1,9 +1,9 @@
-"""`gptoss-lite kv-bench`: mixed (ring + growing) vs all-global KV payload for the 502M preset (SPEC §3.1).
+"""`gptoss-lite kv-bench`: mixed (ring + growing) vs all-full KV payload for the 502M preset (SPEC §3.1).
 
 The table is computed payload (exact bytes of K and V). With `--measured`, two more columns come from
 a real MixedKVCache of the preset's geometry filled in 2,048-token prefill chunks (BF16): the payload
 it holds (must equal the computed mixed payload) and the bytes it has allocated (ring = W slots,
-global buffers within their 1.5x growth slack).
+full-layer buffers within their 1.5x growth slack).
 """
 
 from __future__ import annotations
@@ -26,32 +26,32 @@ class KVBenchRow:
     """Payloads of one context length (bytes, exact)."""
 
     context_tokens: int
-    all_global_bytes: int  # every layer keeps every token
+    all_full_bytes: int  # every layer full attention: keeps every token
     mixed_bytes: int  # sliding layers keep min(W, T)
 
     @property
     def ratio(self) -> float:
-        return self.all_global_bytes / self.mixed_bytes
+        return self.all_full_bytes / self.mixed_bytes
 
 
 def bench_rows(geometry: P.AttentionKVGeometry, contexts: tuple[int, ...] = CONTEXTS) -> list[KVBenchRow]:
-    """Mixed vs all-global payload of `geometry` at each context (contexts must be >= 1)."""
-    all_global = P.AttentionKVGeometry(f"{geometry.name}-all-global", geometry.attention_layers,
-                                       geometry.kv_heads, geometry.head_dim, geometry.bytes_per_element)
+    """Mixed vs all-full payload of `geometry` at each context (contexts must be >= 1)."""
+    all_full = P.AttentionKVGeometry(f"{geometry.name}-all-full", geometry.attention_layers,
+                                     geometry.kv_heads, geometry.head_dim, geometry.bytes_per_element)
     rows = []
     for t in contexts:
         if t < 1:
             raise ValueError(f"context={t}: must be >= 1 token")
-        rows.append(KVBenchRow(t, P.kv_payload_bytes(all_global, t), P.kv_payload_bytes(geometry, t)))
+        rows.append(KVBenchRow(t, P.kv_payload_bytes(all_full, t), P.kv_payload_bytes(geometry, t)))
     return rows
 
 
 Column = tuple[str, Callable[[KVBenchRow], str]]
 COLUMNS: list[Column] = [
     ("context", lambda r: f"{r.context_tokens:,}"),
-    ("all-global payload B", lambda r: f"{r.all_global_bytes:,}"),
-    ("GiB", lambda r: f"{r.all_global_bytes / P.GIB:.2f}"),
-    ("GB", lambda r: f"{r.all_global_bytes / P.GB:.2f}"),
+    ("all-full payload B", lambda r: f"{r.all_full_bytes:,}"),
+    ("GiB", lambda r: f"{r.all_full_bytes / P.GIB:.2f}"),
+    ("GB", lambda r: f"{r.all_full_bytes / P.GB:.2f}"),
     ("mixed payload B", lambda r: f"{r.mixed_bytes:,}"),
     ("GiB", lambda r: f"{r.mixed_bytes / P.GIB:.2f}"),
     ("GB", lambda r: f"{r.mixed_bytes / P.GB:.2f}"),
@@ -82,7 +82,7 @@ def measure_mixed_cache(contexts: tuple[int, ...], chunk: int = 2048) -> dict[in
         for start in range(0, t, chunk):
             piece = block[:, :, : min(chunk, t - start)]
             for layer in range(cfg.n_layers):
-                cache.append(layer, piece, piece)
+                cache[layer].append(piece, piece)
         out[t] = (cache.payload_bytes, cache.nbytes)
         cache.reset()
     return out
@@ -90,9 +90,9 @@ def measure_mixed_cache(contexts: tuple[int, ...], chunk: int = 2048) -> dict[in
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "kv-bench", help="mixed vs all-global KV payload of the 502M preset (SPEC §3.1); PASS at >= 1.8x at 128K",
+        "kv-bench", help="mixed vs all-full KV payload of the 502M preset (SPEC §3.1); PASS at >= 1.8x at 128K",
         description="Computed KV payload (bytes of K and V, BF16) of the gptoss-lite-502m preset with "
-                    "ring buffers on its 6 sliding layers vs every layer global.")
+                    "ring buffers on its 6 sliding layers vs every layer full.")
     p.add_argument("--json", action="store_true", help="print rows and verdict as JSON (sorted keys)")
     p.add_argument("--measured", action="store_true",
                    help="also fill a real MixedKVCache (BF16, ~1.2 GB at 128K) and report its payload and "
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         ]
     if args.json:
         print(json.dumps({"preset": PRESET, "quantity": "payload",
-                          "rows": [{"context_tokens": r.context_tokens, "all_global_bytes": r.all_global_bytes,
+                          "rows": [{"context_tokens": r.context_tokens, "all_full_bytes": r.all_full_bytes,
                                     "mixed_bytes": r.mixed_bytes, "ratio": r.ratio,
                                     **({"measured_payload_bytes": measured[r.context_tokens][0],
                                         "measured_allocated_bytes": measured[r.context_tokens][1]}
@@ -126,11 +126,11 @@ def run(args: argparse.Namespace) -> int:
                           "pass_context_tokens": PASS_CONTEXT, "pass_ratio": PASS_RATIO, "passed": passed},
                          sort_keys=True, indent=2))
     else:
-        print(f"KV payload of {PRESET} (BF16, batch 1): {geometry.sliding_window_layers} sliding layers "
-              f"(ring, W={geometry.window}) + {geometry.global_layers} global vs all {geometry.attention_layers} "
-              "global; GiB = 2^30 B, GB = 10^9 B")
+        print(f"KV payload of {PRESET} (BF16, batch 1): {geometry.sliding_layers} sliding layers "
+              f"(ring, W={geometry.sliding_window}) + {geometry.full_layers} full vs all {geometry.attention_layers} "
+              "full; GiB = 2^30 B, GB = 10^9 B")
         print(format_table(rows, columns))
         verdict = "PASS" if passed else "FAIL"
-        print(f"{verdict}: mixed cache payload is {check.ratio:.2f}x smaller than all-global at "
+        print(f"{verdict}: mixed cache payload is {check.ratio:.2f}x smaller than all-full at "
               f"{PASS_CONTEXT:,} tokens (target >= {PASS_RATIO}x)")
     return 0 if passed else 1

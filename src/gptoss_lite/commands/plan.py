@@ -15,7 +15,7 @@ from typing import Any
 
 from gptoss_lite import plan as P
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: layer kinds named sliding/full (was sliding_window_layers/window/all_global)
 DEFAULT_CONTEXTS = (4096, 8192, 32768, 65536, 131072)
 DEFAULT_BATCHES = (1, 8, 32)
 DEFAULT_KV_BITS = (16, 8, 4)
@@ -27,8 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Serving arithmetic for one model on one chip. Payloads are exact; ceilings and "
                     "capacities are upper bounds from spec sheets; only --hardware this-machine is measured.")
     p.add_argument("--model", default="gptoss-lite-502m",
-                   help=f"geometry preset ({', '.join(P.GEOMETRY_PRESETS)}) or a ModelConfig preset name "
-                        "(default: gptoss-lite-502m)")
+                   help=f"model preset ({', '.join(P.GEOMETRY_PRESETS)}; default: gptoss-lite-502m)")
     p.add_argument("--hardware", default="a100-80gb",
                    help=f"{', '.join(P.HARDWARE_PRESETS)} or {P.THIS_MACHINE} (measured now); default a100-80gb")
     p.add_argument("--devices", type=int, default=1,
@@ -52,35 +51,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 # ---- model resolution ---------------------------------------------------------------------------------
 
 def resolve_model(name: str) -> tuple[P.KVGeometry, P.ModelWeights]:
-    """A geometry preset (with its published weights) or any ModelConfig preset, by exact name."""
+    """A geometry preset (our model presets included) or a test fixture config, by exact name."""
     if name in P.GEOMETRY_PRESETS:
         return P.GEOMETRY_PRESETS[name], P.MODEL_WEIGHTS[name]
-    from gptoss_lite.config import PRESETS, count_active_parameters, count_parameters  # pure Python
+    from gptoss_lite.fixtures import FIXTURES  # pure Python
 
-    if name in PRESETS:
-        cfg = PRESETS[name]
-        weights = P.ModelWeights(name, count_parameters(cfg), count_active_parameters(cfg), 2.0,
-                                 cfg.n_heads, cfg.head_dim)
-        return P.geometry_from_model_config(cfg, name=name), weights
-    valid = sorted(set(P.GEOMETRY_PRESETS) | set(PRESETS))
-    raise ValueError(f"unknown model {name!r}; valid: {', '.join(valid)}")
+    if name in FIXTURES:
+        cfg = FIXTURES[name]
+        return P.geometry_from_model_config(cfg, name=name), P.weights_from_model_config(cfg, name=name)
+    raise ValueError(f"unknown model {name!r}; valid: {', '.join(sorted(P.GEOMETRY_PRESETS))}")
 
 
 def _attention_split(geometry: P.KVGeometry) -> tuple[int, int, int | None]:
-    """(global layers, sliding layers, window) for FLOP counting."""
+    """(full layers, sliding layers, sliding window) for FLOP counting."""
     if isinstance(geometry, P.AttentionKVGeometry):
-        return geometry.global_layers, geometry.sliding_window_layers, geometry.window
+        return geometry.full_layers, geometry.sliding_layers, geometry.sliding_window
     return geometry.attention_layers, 0, None
 
 
 def _prefill_chunk_flops(geometry: P.KVGeometry, w: P.ModelWeights, queries: int, prefix: int) -> int:
     """Window-aware FLOPs of prefilling `queries` tokens after `prefix`: projections + attention."""
-    full, sliding, window = _attention_split(geometry)
+    full, sliding, sliding_window = _attention_split(geometry)
     flops = 2 * w.active_parameters * queries
     if full:
         flops += P.attention_flops(full, w.query_heads, w.attention_head_dim, queries, prefix)
     if sliding:
-        flops += P.attention_flops(sliding, w.query_heads, w.attention_head_dim, queries, prefix, window=window)
+        flops += P.attention_flops(sliding, w.query_heads, w.attention_head_dim, queries, prefix,
+                                  sliding_window=sliding_window)
     return flops
 
 
@@ -107,7 +104,7 @@ def _geometry_dict(g: P.KVGeometry) -> dict[str, Any]:
                 "bytes_per_token": g.bytes_per_token}
     return {"kind": "attention", "attention_layers": g.attention_layers, "kv_heads": g.kv_heads,
             "head_dim": g.head_dim, "bytes_per_element": g.bytes_per_element,
-            "sliding_window_layers": g.sliding_window_layers, "window": g.window,
+            "sliding_layers": g.sliding_layers, "sliding_window": g.sliding_window,
             "bytes_per_token": g.bytes_per_token}
 
 
@@ -131,14 +128,14 @@ def build_report(model: str, hardware: str, contexts: list[int], batches: list[i
     spec = P.get_hardware(hardware)
     hw = P.serving_hardware(spec, weights, devices)
     native_bits = 8 * geometry.bytes_per_element
-    all_global = (P.AttentionKVGeometry(geometry.name, geometry.attention_layers, geometry.kv_heads,
-                                        geometry.head_dim, geometry.bytes_per_element)
-                  if isinstance(geometry, P.AttentionKVGeometry) else geometry)
+    all_full = (P.AttentionKVGeometry(geometry.name, geometry.attention_layers, geometry.kv_heads,
+                                      geometry.head_dim, geometry.bytes_per_element)
+                if isinstance(geometry, P.AttentionKVGeometry) else geometry)
 
     ladder = []
     for n in contexts:
-        mixed, full = P.kv_payload_bytes(geometry, n), P.kv_payload_bytes(all_global, n)
-        ladder.append({"context_tokens": n, "payload_bytes": mixed, "all_global_payload_bytes": full,
+        mixed, full = P.kv_payload_bytes(geometry, n), P.kv_payload_bytes(all_full, n)
+        ladder.append({"context_tokens": n, "payload_bytes": mixed, "all_full_payload_bytes": full,
                        "mixed_reduction": full / mixed if mixed else None})
 
     ceilings = []
@@ -217,7 +214,7 @@ def format_text(r: dict[str, Any]) -> str:
     if g["kind"] == "mla":
         shape = f"MLA, {g['attention_layers']} layers, latent {g['latent_dim']} + rope {g['rope_dim']}"
     else:
-        sliding = f" ({g['sliding_window_layers']} sliding, W={g['window']})" if g["sliding_window_layers"] else ""
+        sliding = f" ({g['sliding_layers']} sliding, W={g['sliding_window']})" if g["sliding_layers"] else ""
         shape = f"{g['attention_layers']} attention layers{sliding}, {g['kv_heads']} KV heads, D={g['head_dim']}"
     out = [
         f"gptoss-lite plan: {m['name']} on {h['name']}"
@@ -233,9 +230,9 @@ def format_text(r: dict[str, Any]) -> str:
         "",
         f"KV ladder (payload, {r['native_kv_bits']}-bit): {g['bytes_per_token'] / P.KIB:.2f} KiB/token "
         f"({g['bytes_per_token']:,} B) if every layer kept every token",
-        _table(["context", "payload B", "GB", "GiB", "all-global GiB", "reduction"],
+        _table(["context", "payload B", "GB", "GiB", "all-full GiB", "reduction"],
                [[f"{x['context_tokens']:,}", f"{x['payload_bytes']:,}", f"{x['payload_bytes'] / P.GB:.2f}",
-                 f"{x['payload_bytes'] / P.GIB:.2f}", f"{x['all_global_payload_bytes'] / P.GIB:.2f}",
+                 f"{x['payload_bytes'] / P.GIB:.2f}", f"{x['all_full_payload_bytes'] / P.GIB:.2f}",
                  _opt(x["mixed_reduction"], ".2f") + ("x" if x["mixed_reduction"] else "")]
                 for x in r["kv_ladder"]]),
         "",
@@ -287,8 +284,8 @@ def write_plot(r: dict[str, Any], path: str) -> None:
     for bits in sorted({x["kv_bits"] for x in r["capacity"]}, reverse=True):
         rows = [x for x in r["capacity"] if x["kv_bits"] == bits]
         kv.plot(contexts, [x["payload_bytes"] / P.GIB for x in rows], marker="o", label=f"{bits}-bit KV")
-    kv.plot(contexts, [x["all_global_payload_bytes"] / P.GIB for x in r["kv_ladder"]], "k--",
-            label=f"all-global, {r['native_kv_bits']}-bit")
+    kv.plot(contexts, [x["all_full_payload_bytes"] / P.GIB for x in r["kv_ladder"]], "k--",
+            label=f"all-full, {r['native_kv_bits']}-bit")
     kv.set(xscale="log", xlabel="context (tokens)", ylabel="KV payload per request (GiB)",
            title=f"{r['model']['name']}: KV payload")
     kv.legend()

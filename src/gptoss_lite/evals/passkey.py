@@ -24,6 +24,9 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
+# The phrasing shared with the training data lives in gptoss_lite.prompts; re-exported here.
+from gptoss_lite.prompts import CLASSIC_NEEDLE, CLASSIC_QUESTION, NEEDLE_TEMPLATE, QUESTION
+
 if TYPE_CHECKING:
     import torch
 
@@ -39,9 +42,6 @@ TARGET_ACCURACY = 0.85  # headline target at the longest length (SPEC §4)
 N_KEYS = 100_000  # five-digit keys 00000..99999
 PASSKEY_RE = re.compile(r"\b(\d{5})\b")
 TEMPLATES = ("default", "classic")
-
-NEEDLE_TEMPLATE = " The passkey is {key}."
-QUESTION = "\nWhat is the 5-digit passkey? The passkey is"
 
 # Evaluator filler: digit-free, varied lengths (so the last sentence can land the prompt on target).
 # NOTE: the training data (gptoss_lite.train.data) uses a different, procedural generator; keep
@@ -88,8 +88,6 @@ CLASSIC_INTRO = ("There is an important info hidden inside a lot of irrelevant t
                  "I will quiz you about the important information there.\n")
 CLASSIC_FILLER: tuple[str, ...] = (" The grass is green.", " The sky is blue.", " The sun is yellow.",
                                    " Here we go.", " There and back again.")
-CLASSIC_NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
-CLASSIC_QUESTION = "\nWhat is the pass key? The pass key is"
 
 
 @dataclass(frozen=True)
@@ -310,7 +308,7 @@ class PasskeyEvaluator:
         eos = self.tokenizer.eos_id
         cache = MixedKVCache(self.model.config, batch_size=ids.shape[0])
         out = generate(self.model, ids, max_new_tokens=NEW_TOKENS, temperature=0.0, top_p=1.0,
-                       use_cache=True, stop_tokens=None if eos is None else [eos],
+                       stop_tokens=None if eos is None else [eos],
                        prefill_chunk=self.prefill_chunk, cache=cache)  # (B, T + n)
         return [extract_passkey(self.tokenizer.decode(row)) for row in out[:, ids.shape[1]:].tolist()], cache
 

@@ -28,17 +28,18 @@ Accounting (all in tokens = slots):
   internal_waste_tokens    = capacity - payload - cache_only (slots no holder has filled)
   logical_tokens           = sum over sequences of their *resident* tokens
                              (length - first_block_index * block_size); dropped tokens hold no
-                             memory, so they count in `sequence_length` but not here
+                             memory, so they count in `num_tokens` but not here
   sharing_savings_tokens   = logical - payload
 Without pins and dropped blocks these are exactly the SPEC §5.4 figures.
 """
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+from gptoss_lite.validation import check_int
 
 DEFAULT_BLOCK_SIZE = 16  # token slots per block; SPEC §5.4 default (vLLM's default too)
 
@@ -74,15 +75,6 @@ class _Sequence:
     table: list[int] = field(default_factory=list)  # resident blocks, absolute index first+j
 
 
-def _check_count(name: str, value: Any, *, hint: str = "") -> int:
-    """Return `value` as an int if it is a non-negative integer (bools rejected), else raise."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}={value!r}: must be an int (not {type(value).__name__}){hint}")
-    if value < 0:
-        raise ValueError(f"{name}={value}: must be >= 0{hint}")
-    return int(value)
-
-
 _ALL = object()  # pins(block): every owner's pins
 
 
@@ -115,12 +107,8 @@ class PagedKVPool:
     """
 
     def __init__(self, total_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
-        total_blocks = _check_count("total_blocks", total_blocks)
-        block_size = _check_count("block_size", block_size)
-        if total_blocks < 1:
-            raise ValueError(f"total_blocks={total_blocks}: must be >= 1")
-        if block_size < 1:
-            raise ValueError(f"block_size={block_size}: must be >= 1")
+        total_blocks = check_int("total_blocks", total_blocks, 1)
+        block_size = check_int("block_size", block_size, 1)
         self.total_blocks = total_blocks
         self.block_size = block_size
         # Stack: the top is the end of the list, so block 0 is handed out first.
@@ -153,7 +141,7 @@ class PagedKVPool:
                              "id in snapshot(); pick an id with a distinct str()")
 
     def _check_block(self, block_id: Any) -> int:
-        block_id = _check_count("block_id", block_id)
+        block_id = check_int("block_id", block_id, 0)
         if block_id >= self.total_blocks:
             raise ValueError(f"block_id={block_id}: must be < total_blocks={self.total_blocks}")
         return block_id
@@ -209,7 +197,7 @@ class PagedKVPool:
     def blocks_needed(self, seq_id: Hashable, n_tokens: int) -> int:
         """Free blocks `append(seq_id, n_tokens)` would take, copy-on-write block included."""
         seq = self._seq(seq_id)
-        n_tokens = _check_count("n_tokens", n_tokens)
+        n_tokens = check_int("n_tokens", n_tokens, 0)
         return self._blocks_needed(seq, n_tokens)[0]
 
     def _blocks_needed(self, seq: _Sequence, n_tokens: int) -> tuple[int, bool]:
@@ -228,7 +216,7 @@ class PagedKVPool:
         sequence's filled slots (copy-on-write); full shared blocks are never copied.
         """
         seq = self._seq(seq_id)
-        n_tokens = _check_count("n_tokens", n_tokens)
+        n_tokens = check_int("n_tokens", n_tokens, 0)
         needed, cow = self._blocks_needed(seq, n_tokens)
         if needed > len(self._free):
             raise PoolExhaustedError(
@@ -270,7 +258,7 @@ class PagedKVPool:
         """
         source = self._seq(source_id)
         self._check_new_id(target_id)
-        prefix_tokens = _check_count("prefix_tokens", prefix_tokens)
+        prefix_tokens = check_int("prefix_tokens", prefix_tokens, 0)
         if prefix_tokens > source.length:
             raise ValueError(f"prefix_tokens={prefix_tokens}: longer than source {source_id!r} "
                              f"(length {source.length}); share at most its length")
@@ -304,7 +292,7 @@ class PagedKVPool:
         Returns the blocks that went back to the free list.
         """
         seq = self._seq(seq_id)
-        new_length = _check_count("new_length", new_length)
+        new_length = check_int("new_length", new_length, 0)
         if new_length > seq.length:
             raise ValueError(f"new_length={new_length}: past the end of {seq_id!r} "
                              f"(length {seq.length}); truncate can only shorten")
@@ -326,7 +314,7 @@ class PagedKVPool:
         For sliding-window layers; returns the blocks that went back to the free list.
         """
         seq = self._seq(seq_id)
-        n_blocks = _check_count("n_blocks", n_blocks)
+        n_blocks = check_int("n_blocks", n_blocks, 0)
         full = seq.length // self.block_size - seq.first_block_index
         if n_blocks > full:
             raise ValueError(f"n_blocks={n_blocks}: {seq_id!r} has only {full} full resident "
@@ -341,7 +329,7 @@ class PagedKVPool:
     def release_before(self, seq_id: Hashable, token_index: int) -> tuple[int, ...]:
         """Release every block whose slots all lie before `token_index` (a window's left edge)."""
         seq = self._seq(seq_id)
-        token_index = _check_count("token_index", token_index)
+        token_index = check_int("token_index", token_index, 0)
         if token_index > seq.length:
             raise ValueError(f"token_index={token_index}: past the end of {seq_id!r} "
                              f"(length {seq.length})")
@@ -400,7 +388,7 @@ class PagedKVPool:
         """Resident blocks of a sequence in token order (dropped leading blocks excluded)."""
         return tuple(self._seq(seq_id).table)
 
-    def sequence_length(self, seq_id: Hashable) -> int:
+    def num_tokens(self, seq_id: Hashable) -> int:
         """Logical length in tokens, dropped leading blocks included."""
         return self._seq(seq_id).length
 

@@ -1,28 +1,28 @@
-"""MixedKVCache: ring buffers on sliding-window layers, growing buffers on global layers (SPEC §3.1).
+"""MixedKVCache: ring buffers on sliding layers, growing buffers on full layers (SPEC §3.1).
 
 Storage per layer is (B, K, slots, D) for keys and values. Keys are stored already rotated at their
-absolute positions and are never re-rotated.
+absolute positions and are never re-rotated. The cache implements `gptoss_lite.kv.base.KVCache`.
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 from gptoss_lite.config import ModelConfig
+from gptoss_lite.kv.base import KVCache
+from gptoss_lite.validation import check_int
 
-DEFAULT_FULL_CAP_TOKENS = 4_000_000  # per global layer (SPEC §3.1)
+DEFAULT_FULL_CAP_TOKENS = 4_000_000  # per full layer (SPEC §3.1)
 
 
 class _LayerStore:
-    """Common state: geometry checks and the count of tokens ever appended (`seen`)."""
+    """Common state: geometry checks and the count of tokens appended since the last reset."""
 
     def __init__(self, batch_size: int, kv_heads: int, head_dim: int):
         self.batch_size, self.kv_heads, self.head_dim = batch_size, kv_heads, head_dim
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
-        self.seen = 0  # tokens appended since the last reset (the next absolute position)
+        self.num_tokens = 0  # tokens appended since the last reset (the next absolute position)
 
     def _check(self, k: torch.Tensor, v: torch.Tensor) -> int:
         expected = (self.batch_size, self.kv_heads, k.shape[2], self.head_dim)
@@ -36,7 +36,7 @@ class _LayerStore:
 
     def reset(self) -> None:
         self.k = self.v = None
-        self.seen = 0
+        self.num_tokens = 0
 
     @property
     def nbytes(self) -> int:
@@ -55,13 +55,13 @@ class _LayerStore:
 
 
 class RingBuffer(_LayerStore):
-    """Capacity-W ring: `head` is the next slot to write, `count` the valid slots (<= W)."""
+    """Capacity-W ring: `head` is the next slot to write, `num_resident` the valid slots (<= W)."""
 
     def __init__(self, batch_size: int, kv_heads: int, head_dim: int, window: int):
         super().__init__(batch_size, kv_heads, head_dim)
         self.window = window
         self.head = 0
-        self.count = 0
+        self.num_resident = 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write T new slots in place; a write of T >= W keeps only the last W (chronological from 0)."""
@@ -74,7 +74,7 @@ class RingBuffer(_LayerStore):
         if T >= W:
             self.k.copy_(k[:, :, T - W:])
             self.v.copy_(v[:, :, T - W:])
-            self.head, self.count = 0, W
+            self.head, self.num_resident = 0, W
         else:
             first = min(T, W - self.head)  # slots before the wrap point
             self.k[:, :, self.head:self.head + first] = k[:, :, :first]
@@ -83,15 +83,15 @@ class RingBuffer(_LayerStore):
                 self.k[:, :, :T - first] = k[:, :, first:]
                 self.v[:, :, :T - first] = v[:, :, first:]
             self.head = (self.head + T) % W
-            self.count = min(W, self.count + T)
-        self.seen += T
+            self.num_resident = min(W, self.num_resident + T)
+        self.num_tokens += T
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Valid keys and values in chronological order, each (B, K, count, D)."""
-        if self.k is None or self.count == 0:
+        """Valid keys and values in chronological order, each (B, K, num_resident, D)."""
+        if self.k is None or self.num_resident == 0:
             return self._empty()
-        if self.count < self.window:  # not yet wrapped: slots 0 … count-1 are in order
-            return self.k[:, :, :self.count], self.v[:, :, :self.count]
+        if self.num_resident < self.window:  # not yet wrapped: slots 0 … num_resident-1 are in order
+            return self.k[:, :, :self.num_resident], self.v[:, :, :self.num_resident]
         order = lambda t: torch.cat((t[:, :, self.head:], t[:, :, :self.head]), dim=2)  # noqa: E731
         return order(self.k), order(self.v)
 
@@ -99,15 +99,11 @@ class RingBuffer(_LayerStore):
         """Valid slots in storage order (no copy); fine for attention once keys carry their rotation."""
         if self.k is None:
             return self._empty()
-        return self.k[:, :, :self.count], self.v[:, :, :self.count]
+        return self.k[:, :, :self.num_resident], self.v[:, :, :self.num_resident]
 
     def reset(self) -> None:
         super().reset()
-        self.head = self.count = 0
-
-    @property
-    def length(self) -> int:
-        return self.count
+        self.head = self.num_resident = 0
 
 
 class GrowingBuffer(_LayerStore):
@@ -116,69 +112,54 @@ class GrowingBuffer(_LayerStore):
     def __init__(self, batch_size: int, kv_heads: int, head_dim: int, cap_tokens: int):
         super().__init__(batch_size, kv_heads, head_dim)
         self.cap_tokens = cap_tokens
-        self.length = 0
+        self.num_resident = 0  # == num_tokens: a growing buffer forgets nothing
         self.capacity = 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         T = self._check(k, v)
-        needed = self.length + T
+        needed = self.num_resident + T
         if needed > self.cap_tokens:
-            raise MemoryError(f"global-layer KV cache cap exceeded: {self.length} + {T} tokens > cap "
+            raise MemoryError(f"full-layer KV cache cap exceeded: {self.num_resident} + {T} tokens > cap "
                               f"{self.cap_tokens}; raise max_tokens_per_full_layer or shorten the sequence")
         if self.k is None or needed > self.capacity:
             new_cap = needed if self.k is None else min(self.cap_tokens, max(needed, int(self.capacity * 1.5) + 1))
             shape = (self.batch_size, self.kv_heads, new_cap, self.head_dim)
             new_k = torch.empty(shape, dtype=k.dtype, device=k.device)
             new_v = torch.empty(shape, dtype=v.dtype, device=v.device)
-            if self.length:
-                new_k[:, :, :self.length] = self.k[:, :, :self.length]
-                new_v[:, :, :self.length] = self.v[:, :, :self.length]
+            if self.num_resident:
+                new_k[:, :, :self.num_resident] = self.k[:, :, :self.num_resident]
+                new_v[:, :, :self.num_resident] = self.v[:, :, :self.num_resident]
             self.k, self.v, self.capacity = new_k, new_v, new_cap
-        self.k[:, :, self.length:needed] = k
-        self.v[:, :, self.length:needed] = v
-        self.length = needed
-        self.seen += T
+        self.k[:, :, self.num_resident:needed] = k
+        self.v[:, :, self.num_resident:needed] = v
+        self.num_resident = needed
+        self.num_tokens += T
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views (no copy) of the valid keys and values, each (B, K, length, D)."""
+        """Views (no copy) of the valid keys and values, each (B, K, num_resident, D)."""
         if self.k is None:
             return self._empty()
-        return self.k[:, :, :self.length], self.v[:, :, :self.length]
+        return self.k[:, :, :self.num_resident], self.v[:, :, :self.num_resident]
 
     def reset(self) -> None:
         super().reset()
-        self.length = self.capacity = 0
+        self.num_resident = self.capacity = 0
 
 
-class SinkMemo:
-    """The per-cache memo of clamped sink logits that every cache the model runs on provides."""
-
-    def __init__(self) -> None:
-        self._sinks: dict[int, torch.Tensor] = {}
-
-    def memo_sinks(self, layer: int, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Clamped sink logits, computed once per cache (i.e. per generate call) per layer."""
-        if layer not in self._sinks:
-            self._sinks[layer] = compute().detach()
-        return self._sinks[layer]
-
-
-class MixedKVCache(SinkMemo):
+class MixedKVCache(KVCache):
     """One cache per generation, indexed by layer: `cache[layer]` is a RingBuffer or GrowingBuffer."""
 
     def __init__(self, config: ModelConfig, batch_size: int = 1,
                  max_tokens_per_full_layer: int = DEFAULT_FULL_CAP_TOKENS):
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size={batch_size!r}: must be an int >= 1")
         self.config = config
-        self.batch_size = batch_size
+        self._batch_size = check_int("batch_size", batch_size, minimum=1)
+        check_int("max_tokens_per_full_layer", max_tokens_per_full_layer, minimum=1)
         K, D = config.n_kv_heads, config.head_dim
         self.layers: list[RingBuffer | GrowingBuffer] = [
             RingBuffer(batch_size, K, D, config.sliding_window) if config.is_sliding(i)
             else GrowingBuffer(batch_size, K, D, max_tokens_per_full_layer)
             for i in range(config.n_layers)
         ]
-        super().__init__()
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -186,57 +167,56 @@ class MixedKVCache(SinkMemo):
     def __getitem__(self, layer: int) -> RingBuffer | GrowingBuffer:
         return self.layers[layer]
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append rotated keys and values (B, K, T, D) to `layer`."""
-        self.layers[layer].append(k, v)
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens held per row: the absolute position of the next token."""
+        return self.layers[0].num_tokens
+
+    def num_resident(self, layer: int) -> int:
+        """Tokens whose K/V `layer` holds: the ring's (<= W) or the full layer's; 0 if never written."""
+        return self.layers[layer].num_resident
 
     def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Chronological (K, V) of the valid part of `layer`, each (B, K, n, D)."""
         return self.layers[layer].get()
 
-    def seq_len(self, layer: int) -> int:
-        """Valid tokens held: the ring's count (<= W) or the global length; 0 if never written."""
-        return self.layers[layer].length
-
-    @property
-    def position(self) -> int:
-        """Tokens seen so far: the absolute position of the next token."""
-        return self.layers[0].seen
-
     def reset(self) -> None:
         """Empty every layer (between independent requests); frees the storage."""
         for store in self.layers:
             store.reset()
-        self._sinks.clear()
 
-    def attend_inputs(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int
-                      ) -> tuple[torch.Tensor, torch.Tensor, int, int | None]:
-        """Store new rotated (B, K, T, D) keys/values and return what the new queries attend over.
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int
+               ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Store new rotated (B, K, T, D) keys/values of `layer`; return (keys, values, first) as the
+        `KVCache` protocol says.
 
-        Returns (keys, values, q_offset, window) for the attention kernels. Global layers append
-        and attend over a view of the whole buffer. Windowed layers: a single decode token is
-        written first and attends over all ring slots (all inside its window, order irrelevant);
-        a chunk attends over the chronological ring past plus itself with the window mask, and
-        is written afterwards.
+        Full layers append and return a view of the whole buffer. Sliding layers: a single decode
+        token is written first and the ring's slots come back in storage order (the protocol's one
+        freedom: all of them are inside the token's window); a chunk gets the chronological ring past
+        followed by itself, and is written afterwards.
         """
         store = self.layers[layer]
-        if start_pos != store.seen:
-            raise ValueError(f"layer {layer}: start_pos={start_pos} but the cache holds {store.seen} "
+        if start_pos != store.num_tokens:
+            raise ValueError(f"layer {layer}: start_pos={start_pos} but the cache holds {store.num_tokens} "
                              f"tokens; positions must continue where the cache ends")
         T = k.shape[2]
         if isinstance(store, GrowingBuffer):
             store.append(k, v)
             keys, values = store.get()
-            return keys, values, keys.shape[2] - T, None
+            return keys, values, 0
         if T == 1:
             store.append(k, v)
             keys, values = store.slots()
-            return keys, values, keys.shape[2] - 1, None
+            return keys, values, start_pos + 1 - keys.shape[2]
         past_k, past_v = store.get()
         keys = torch.cat((past_k.to(k), k), dim=2)  # (B, K, past + T, D), past <= W
         values = torch.cat((past_v.to(v), v), dim=2)
         store.append(k, v)
-        return keys, values, past_k.shape[2], store.window
+        return keys, values, start_pos - past_k.shape[2]
 
     # ---- byte accounting -------------------------------------------------------------------------
     @property
@@ -247,4 +227,4 @@ class MixedKVCache(SinkMemo):
     @property
     def payload_bytes(self) -> int:
         """Bytes of valid K and V across layers."""
-        return sum(store.length * store._token_bytes() for store in self.layers)
+        return sum(store.num_resident * store._token_bytes() for store in self.layers)

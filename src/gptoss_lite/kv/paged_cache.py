@@ -5,54 +5,53 @@ slots, token-major so one token's (K, D) slab is contiguous (vLLM's layout). Blo
 per layer: **one pool per layer kind** hands them out, and a block id names the same slots in the
 tensors of every layer of that kind.
 
-- Global layers share one pool (`store.pools["global"]`): they see every token, so their page
-  tables are identical.
-- Sliding-window layers share one pool (`store.pools["window"]`): every windowed layer has the same
-  window W (`config.sliding_window`) and sees the same positions, so their page tables are identical
-  too; the pool releases a sequence's leading blocks once they fall outside the window
-  (`release_before`), which is why it cannot share a table with the global pool.
+- Full layers share one pool (`store.pools[FULL]`): they see every token, so their page tables are
+  identical.
+- Sliding layers share one pool (`store.pools[SLIDING]`): every sliding layer has the same window W
+  (`config.sliding_window`) and sees the same positions, so their page tables are identical too; the
+  pool releases a sequence's leading blocks once they fall outside the window (`release_before`),
+  which is why it cannot share a table with the full-layer pool.
+
+(FULL and SLIDING are the layer kinds of `gptoss_lite.config`.)
 
 So a decode step costs one `append` per kind per sequence, not one per layer, and a prefix hit
 shares a block across all layers of a kind at once.
 
-`PagedKVCache` is the interface the model calls (`memo_sinks`, `attend_inputs`), for a batch of
-pool sequences (one per row). A forward pass is a *step*: the first `attend_inputs` at a new
+`PagedKVCache` is the cache the model calls (the `KVCache` protocol of `gptoss_lite.kv.base`), for a
+batch of pool sequences (one per row). A forward pass is a *step*: the first `update` at a new
 `start_pos` preflights both pools for the whole batch (raising `PoolExhaustedError` with nothing
-changed), releases windowed blocks that fell out of the window, appends the new tokens in both
+changed), releases sliding-layer blocks that fell out of the window, appends the new tokens in both
 pools and applies copy-on-write copies; every layer then writes its K/V into the planned slots and
 gathers what its queries need.
 
-Window release is lazy: at the start of a step at `p0`, windowed blocks whose every slot is before
-`p0 - W + 1 - rollback_tokens` are released. A decode step therefore holds at most
-`ceil(W / bs) + 1` windowed blocks per sequence (with `rollback_tokens=0`), and after a one-chunk
+Window release is lazy: at the start of a step at `start_pos`, sliding-layer blocks whose every slot is before
+`start_pos - W + 1 - rollback_tokens` are released. A decode step therefore holds at most
+`ceil(W / bs) + 1` sliding-layer blocks per sequence (with `rollback_tokens=0`), and after a one-chunk
 prefill nothing has been released yet, which is what lets a prompt be inserted into the prefix
 cache (below).
 
 Prefix caching (SPEC §5.5). The store keeps one `PrefixCache` per pool (`store.prefix[kind]`),
-keyed by the same chained hashes. A windowed layer at position N needs the K/V of the W - 1 tokens
-before N, and those cannot be recomputed without the windowed K/V before *them* (and so on back to
-0), so a windowed hit must come from stored blocks as well: `insert_prefix` pins the prompt's full
-blocks in *both* pools (so cached prompts cost windowed memory too, until evicted), and
+keyed by the same chained hashes. A sliding layer at position N needs the K/V of the W - 1 tokens
+before N, and those cannot be recomputed without the sliding-layer K/V before *them* (and so on back
+to 0), so a sliding-layer hit must come from stored blocks as well: `insert_prefix` pins the prompt's
+full blocks in *both* pools (so cached prompts cost sliding-layer memory too, until evicted), and
 `from_prefix` attaches a sequence to the cached blocks of both pools, the hit being the shorter of
-the two; the window pool then drops the leading shared blocks on its first append. `insert_prefix`
-therefore requires that the windowed sequence has released nothing yet (prefill in one chunk, or
+the two; the sliding-layer pool then drops the leading shared blocks on its first append.
+`insert_prefix` therefore requires that the sliding-layer sequence has released nothing yet (prefill in one chunk, or
 insert before the prompt outgrows the window).
 """
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Hashable, Sequence
 
 import torch
 
 from gptoss_lite.config import FULL, SLIDING, ModelConfig
-from gptoss_lite.kv.mixed import SinkMemo
-from gptoss_lite.kv.block_pool import DEFAULT_BLOCK_SIZE, PagedKVPool, PoolExhaustedError, _check_count
+from gptoss_lite.kv.base import KVCache
+from gptoss_lite.kv.block_pool import DEFAULT_BLOCK_SIZE, PagedKVPool, PoolExhaustedError
 from gptoss_lite.kv.prefix import PrefixCache
-
-GLOBAL, WINDOW = FULL, SLIDING  # layer kinds (the config's words); one pool each
-
+from gptoss_lite.validation import check_int
 
 def _word(kind: str) -> str:
     """'sliding-layer' or 'full-layer', for messages."""
@@ -62,28 +61,30 @@ def _word(kind: str) -> str:
 class PagedKVStore:
     """Per-layer K/V block tensors (N, bs, K, D) plus one `PagedKVPool` per layer kind.
 
-    `total_blocks` sizes the global pool, `window_blocks` the window pool (default: the same).
+    `total_blocks` sizes the full-layer pool, `sliding_blocks` the sliding-layer pool (default: the
+    same).
     """
 
     def __init__(self, config: ModelConfig, total_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE,
-                 *, window_blocks: int | None = None, dtype: torch.dtype = torch.float32,
+                 *, sliding_blocks: int | None = None, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu") -> None:
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config: expected a ModelConfig, got {type(config).__name__}")
-        total_blocks = _check_count("total_blocks", total_blocks)
-        window_blocks = total_blocks if window_blocks is None else _check_count("window_blocks",
-                                                                                window_blocks)
+        total_blocks = check_int("total_blocks", total_blocks, minimum=0)
+        if sliding_blocks is None:
+            sliding_blocks = total_blocks
+        sliding_blocks = check_int("sliding_blocks", sliding_blocks, minimum=0)
         self.config = config
         self.block_size = block_size
         self.dtype, self.device = dtype, torch.device(device)
         self.layers_of: dict[str, tuple[int, ...]] = {}
         self.pools: dict[str, PagedKVPool] = {}
         if config.full_layers:
-            self.layers_of[GLOBAL] = config.full_layers
-            self.pools[GLOBAL] = PagedKVPool(total_blocks, block_size)
+            self.layers_of[FULL] = config.full_layers
+            self.pools[FULL] = PagedKVPool(total_blocks, block_size)
         if config.sliding_layers:
-            self.layers_of[WINDOW] = config.sliding_layers
-            self.pools[WINDOW] = PagedKVPool(window_blocks, block_size)
+            self.layers_of[SLIDING] = config.sliding_layers
+            self.pools[SLIDING] = PagedKVPool(sliding_blocks, block_size)
         self.prefix = {kind: PrefixCache(block_size, pool=pool) for kind, pool in self.pools.items()}
         K, D = config.n_kv_heads, config.head_dim
         self.k: list[torch.Tensor] = []
@@ -94,8 +95,8 @@ class PagedKVStore:
             self.v.append(torch.zeros(shape, dtype=dtype, device=self.device))
 
     def kind(self, layer: int) -> str:
-        """'window' for a sliding-window layer, 'global' otherwise."""
-        return WINDOW if self.config.is_sliding(layer) else GLOBAL
+        """SLIDING for a sliding layer, FULL otherwise."""
+        return SLIDING if self.config.is_sliding(layer) else FULL
 
     def pool(self, layer: int) -> PagedKVPool:
         """The pool whose page tables index `layer`'s tensors."""
@@ -117,12 +118,12 @@ class PagedKVStore:
     def gather(self, seq_id: Hashable, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's resident K and V in `layer`, chronological, each (K, n, D).
 
-        n counts resident tokens: the whole sequence on a global layer; on a windowed layer the
+        n counts resident tokens: the whole sequence on a full layer; on a sliding layer the
         tokens from `first_block_index * block_size` on.
         """
         pool = self.pool(layer)
         table = torch.tensor(pool.page_table(seq_id), dtype=torch.long, device=self.device)
-        n = pool.sequence_length(seq_id) - pool.first_block_index(seq_id) * self.block_size
+        n = pool.num_tokens(seq_id) - pool.first_block_index(seq_id) * self.block_size
         K, D = self.config.n_kv_heads, self.config.head_dim
         keys = self.k[layer][table].reshape(-1, K, D)[:n]  # (n, K, D)
         values = self.v[layer][table].reshape(-1, K, D)[:n]
@@ -143,23 +144,17 @@ class PagedKVStore:
 class _Step:
     """One forward pass's plan: where each layer writes and which blocks each layer reads."""
 
-    def __init__(self, p0: int, T: int) -> None:
-        self.p0, self.T = p0, T
+    def __init__(self, start_pos: int, T: int) -> None:
+        self.start_pos, self.T = start_pos, T
         self.write_at: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # kind -> (blocks, slots)
         self.read: dict[str, tuple[torch.Tensor, int]] = {}  # kind -> (table (B, nb), first token)
 
 
-def _check_position(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}={value!r}: must be an int (not {type(value).__name__})")
-    return int(value)
-
-
-class PagedKVCache(SinkMemo):
-    """A batch of pool sequences behind MixedKVCache's interface (`attend_inputs`, `memo_sinks`).
+class PagedKVCache(KVCache):
+    """A batch of pool sequences behind the `KVCache` protocol, like MixedKVCache.
 
     Row b of the batch is sequence `seq_ids[b]` in every pool of `store`. `rollback_tokens` keeps
-    that many extra tokens before each windowed layer's window, so `truncate` can go back at least
+    that many extra tokens before each sliding layer's window, so `truncate` can go back at least
     that far (plus the last step's tokens).
     """
 
@@ -186,16 +181,15 @@ class PagedKVCache(SinkMemo):
                 for s in seq_ids:
                     pool.create(s)
         self.config, self.store, self.seq_ids = config, store, seq_ids
-        self.rollback_tokens = _check_count("rollback_tokens", rollback_tokens)
-        self.batch_size = len(seq_ids)
-        self._length = self._pool_length()
-        self._written = [self._length] * config.n_layers  # per layer: tokens written so far
+        self.rollback_tokens = check_int("rollback_tokens", rollback_tokens, minimum=0)
+        self._batch_size = len(seq_ids)
+        self._num_tokens = self._pool_num_tokens()
+        self._layer_tokens = [self._num_tokens] * config.n_layers  # per layer: tokens written so far
         self._step: _Step | None = None
-        SinkMemo.__init__(self)
         self._closed = False
 
-    def _pool_length(self) -> int:
-        lengths = {pool.sequence_length(s) for pool in self.store.pools.values() for s in self.seq_ids}
+    def _pool_num_tokens(self) -> int:
+        lengths = {pool.num_tokens(s) for pool in self.store.pools.values() for s in self.seq_ids}
         assert len(lengths) == 1, f"batch rows disagree on length: {lengths}"
         return lengths.pop()
 
@@ -233,19 +227,19 @@ class PagedKVCache(SinkMemo):
     def insert_prefix(self, prompts: Sequence[Sequence[int]], scope: str, revision: str) -> int:
         """Cache each row's prompt (its full blocks, in every pool); return blocks newly cached.
 
-        Call after the prompt's prefill and before the windowed layers release any block (the
+        Call after the prompt's prefill and before the sliding layers release any block (the
         first decode steps past the window); otherwise raises ValueError, nothing cached.
         """
         if len(prompts) != self.batch_size:
             raise ValueError(f"prompts: {len(prompts)} prompts for batch size {self.batch_size}")
-        if self._step is not None and any(w != self._length for w in self._written):
+        if self._step is not None and any(w != self._num_tokens for w in self._layer_tokens):
             raise ValueError("insert_prefix: a forward pass is in progress; finish it first")
         for s, p in zip(self.seq_ids, prompts):
-            if len(p) > self._length:
-                raise ValueError(f"prompt of {len(p)} tokens but the cache holds {self._length}; "
+            if len(p) > self._num_tokens:
+                raise ValueError(f"prompt of {len(p)} tokens but the cache holds {self._num_tokens}; "
                                  "prefill the prompt first")
-            if WINDOW in self.store.pools and self.store.pools[WINDOW].first_block_index(s):
-                raise ValueError(f"seq {s!r}: its windowed layers already released leading blocks, "
+            if SLIDING in self.store.pools and self.store.pools[SLIDING].first_block_index(s):
+                raise ValueError(f"seq {s!r}: its sliding layers already released leading blocks, "
                                  "so the prompt cannot be cached; insert right after prefill "
                                  "(prefill in one chunk)")
         return sum(self.store.prefix[kind].insert(p, scope, revision, seq_id=s)
@@ -256,7 +250,7 @@ class PagedKVCache(SinkMemo):
         new_seq_ids = tuple(new_seq_ids)
         if len(new_seq_ids) != self.batch_size:
             raise ValueError(f"new_seq_ids: {len(new_seq_ids)} ids for batch size {self.batch_size}")
-        if self._step is not None and any(w != self._length for w in self._written):
+        if self._step is not None and any(w != self._num_tokens for w in self._layer_tokens):
             raise ValueError("fork: a forward pass is in progress; finish it first")
         for kind, pool in self.store.pools.items():
             if len(set(new_seq_ids)) != len(new_seq_ids) or any(s in pool for s in new_seq_ids):
@@ -264,25 +258,29 @@ class PagedKVCache(SinkMemo):
                                  f"{_word(kind)} pool")
         for pool in self.store.pools.values():
             for src, dst in zip(self.seq_ids, new_seq_ids):
-                pool.share_prefix(src, dst, self._length)
+                pool.share_prefix(src, dst, self._num_tokens)
         child = PagedKVCache(self.config, self.store, new_seq_ids,
                              rollback_tokens=self.rollback_tokens, _attached=True)
-        child._sinks = dict(self._sinks)
         return child
 
     # ------------------------------------------------------------------ the model's interface
 
     @property
-    def position(self) -> int:
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def num_tokens(self) -> int:
         """Tokens held per row: the absolute position of the next token."""
-        return self._length
+        return self._num_tokens
 
-    def attend_inputs(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int
-                      ) -> tuple[torch.Tensor, torch.Tensor, int, int | None]:
-        """Store new rotated K/V (B, K, T, D) of `layer`; return (keys, values, q_offset, window).
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int
+               ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Store new rotated K/V (B, K, T, D) of `layer`; return (keys, values, first) as the
+        `KVCache` protocol says, chronological.
 
-        Global layers: every key, window None. Windowed layers: the resident blocks covering
-        [start_pos - W + 1, start_pos + T - 1], chronological, with window W.
+        Full layers: every key (first = 0). Sliding layers: the resident blocks from the one that
+        holds position start_pos - W + 1, so first is that block's first position.
         """
         if self._closed:
             raise ValueError("cache is closed; build a new PagedKVCache")
@@ -294,15 +292,15 @@ class PagedKVCache(SinkMemo):
         if k.dtype != self.store.dtype or k.device != self.store.device:
             raise ValueError(f"KV append: dtype/device {k.dtype}/{k.device} differs from the "
                              f"store's {self.store.dtype}/{self.store.device}")
-        if start_pos != self._written[layer]:
+        if start_pos != self._layer_tokens[layer]:
             raise ValueError(f"layer {layer}: start_pos={start_pos} but the cache holds "
-                             f"{self._written[layer]} tokens for it; positions must continue "
+                             f"{self._layer_tokens[layer]} tokens for it; positions must continue "
                              "where the cache ends")
         step = self._step
-        if step is None or step.p0 != start_pos:
-            if start_pos != self._length or any(w != self._length for w in self._written):
+        if step is None or step.start_pos != start_pos:
+            if start_pos != self._num_tokens or any(w != self._num_tokens for w in self._layer_tokens):
                 raise ValueError(f"layer {layer}: start_pos={start_pos} starts a new step but the "
-                                 f"previous one is unfinished (written per layer: {self._written})")
+                                 f"previous one is unfinished (written per layer: {self._layer_tokens})")
             step = self._begin_step(start_pos, T)
         elif step.T != T:
             raise ValueError(f"layer {layer}: {T} new tokens but this step appends {step.T}")
@@ -310,43 +308,42 @@ class PagedKVCache(SinkMemo):
         blocks, slots = step.write_at[kind]
         self.store.write(layer, blocks, slots, k.transpose(1, 2).reshape(B * T, K, D),
                          v.transpose(1, 2).reshape(B * T, K, D))
-        self._written[layer] = start_pos + T
+        self._layer_tokens[layer] = start_pos + T
         table, first = step.read[kind]
         S = start_pos + T - first
         keys = self.store.k[layer][table].view(B, -1, K, D)[:, :S].transpose(1, 2)  # (B, K, S, D)
         values = self.store.v[layer][table].view(B, -1, K, D)[:, :S].transpose(1, 2)
-        window = self.config.sliding_window if kind == WINDOW else None
-        return keys, values, start_pos - first, window
+        return keys, values, first
 
-    def _release_target(self, p0: int) -> int:
-        """Windowed tokens before this index are outside every future window (minus slack)."""
-        return max(0, p0 - self.config.sliding_window + 1 - self.rollback_tokens)
+    def _release_target(self, start_pos: int) -> int:
+        """Sliding-layer tokens before this index are outside every future window (minus slack)."""
+        return max(0, start_pos - self.config.sliding_window + 1 - self.rollback_tokens)
 
-    def _begin_step(self, p0: int, T: int) -> _Step:
+    def _begin_step(self, start_pos: int, T: int) -> _Step:
         """Preflight every pool for the batch, then release, append, copy; plan writes and reads."""
         bs = self.store.block_size
         for kind, pool in self.store.pools.items():
             needed = sum(pool.blocks_needed(s, T) for s in self.seq_ids)
             freed = 0  # blocks the window release is sure to free (held by this row alone)
-            if kind == WINDOW:
-                target = self._release_target(p0)
+            if kind == SLIDING:
+                target = self._release_target(start_pos)
                 for s in self.seq_ids:
                     n_drop = max(0, target // bs - pool.first_block_index(s))
                     freed += sum(pool.refcount(b) == 1 for b in pool.page_table(s)[:n_drop])
             if needed > pool.free_blocks + freed:
                 raise PoolExhaustedError(
-                    f"step at position {p0} (+{T} tokens x {self.batch_size} rows) needs {needed} "
+                    f"step at position {start_pos} (+{T} tokens x {self.batch_size} rows) needs {needed} "
                     f"free blocks in the {_word(kind)} pool but {pool.free_blocks} are free (+{freed} the "
                     "window would release); release or truncate sequences, evict prefix-cache "
                     "blocks, or use a larger store. The cache is unchanged")
-        step = _Step(p0, T)
+        step = _Step(start_pos, T)
         dev = self.store.device
         for kind, pool in self.store.pools.items():
             blocks: list[int] = []
             slots: list[int] = []
             for s in self.seq_ids:
-                if kind == WINDOW:
-                    pool.release_before(s, self._release_target(p0))
+                if kind == SLIDING:
+                    pool.release_before(s, self._release_target(start_pos))
                 plan = pool.append(s, T)
                 self.store.apply_copies(kind, plan.copies)
                 for b, slot in plan.slots:
@@ -354,8 +351,8 @@ class PagedKVCache(SinkMemo):
                     slots.append(slot)
             step.write_at[kind] = (torch.tensor(blocks, dtype=torch.long, device=dev),
                                    torch.tensor(slots, dtype=torch.long, device=dev))
-            # Reads: all blocks (global), or from the block holding the window's first key.
-            first_block = 0 if kind == GLOBAL else max(0, p0 - self.config.sliding_window + 1) // bs
+            # Reads: all blocks (full), or from the block holding the window's first key.
+            first_block = 0 if kind == FULL else max(0, start_pos - self.config.sliding_window + 1) // bs
             rows = []
             for s in self.seq_ids:
                 skip = first_block - pool.first_block_index(s)
@@ -363,7 +360,7 @@ class PagedKVCache(SinkMemo):
                 rows.append(pool.page_table(s)[skip:])
             step.read[kind] = (torch.tensor(rows, dtype=torch.long, device=dev), first_block * bs)
         self._step = step
-        self._length = p0 + T
+        self._num_tokens = start_pos + T
         return step
 
     # ------------------------------------------------------------------ rollback and lifetime
@@ -371,29 +368,29 @@ class PagedKVCache(SinkMemo):
     def truncate(self, position: int) -> None:
         """Roll every row back to `position` tokens (speculative-decoding rejection, SPEC §5.7).
 
-        Allowed when 0 <= position <= self.position and every key the next query at `position`
-        needs is still resident (its window start not before a windowed layer's released blocks).
+        Allowed when 0 <= position <= self.num_tokens and every key the next query at `position`
+        needs is still resident (its window start not before a sliding layer's released blocks).
         Also recovers from a forward pass that raised half way.
         """
-        position = _check_position("position", position)
-        if not 0 <= position <= self._length:
-            raise ValueError(f"position={position}: outside [0, {self._length}]; truncate can only "
+        position = check_int("position", position, minimum=0)
+        if not 0 <= position <= self._num_tokens:
+            raise ValueError(f"position={position}: outside [0, {self._num_tokens}]; truncate can only "
                              "shorten")
-        if WINDOW in self.store.pools:
-            pool = self.store.pools[WINDOW]
+        if SLIDING in self.store.pools:
+            pool = self.store.pools[SLIDING]
             start = max(pool.first_block_index(s) for s in self.seq_ids) * self.store.block_size
             need = max(0, position - self.config.sliding_window + 1)
             if need < start:
                 raise ValueError(
-                    f"position={position}: before the retained interval; windowed layers released "
+                    f"position={position}: before the retained interval; sliding layers released "
                     f"tokens before {start} but the next query at {position} needs keys from "
                     f"{need}, so truncate to >= {start + self.config.sliding_window - 1} or build "
                     "the cache with a larger rollback_tokens")
         for pool in self.store.pools.values():
             for s in self.seq_ids:
                 pool.truncate(s, position)
-        self._length = position
-        self._written = [position] * self.config.n_layers
+        self._num_tokens = position
+        self._layer_tokens = [position] * self.config.n_layers
         self._step = None
 
     def reset(self) -> None:
@@ -414,10 +411,9 @@ class PagedKVCache(SinkMemo):
             for pool in self.store.pools.values():
                 for s in self.seq_ids:
                     pool.release(s)
-        self._length = 0
-        self._written = [0] * self.config.n_layers
+        self._num_tokens = 0
+        self._layer_tokens = [0] * self.config.n_layers
         self._step = None
-        self._sinks.clear()
 
     # ------------------------------------------------------------------ byte accounting
 
@@ -440,7 +436,7 @@ class PagedKVCache(SinkMemo):
         bs = self.store.block_size
         total = 0
         for kind, pool in self.store.pools.items():
-            tokens = sum(pool.sequence_length(s) - pool.first_block_index(s) * bs
+            tokens = sum(pool.num_tokens(s) - pool.first_block_index(s) * bs
                          for s in self.seq_ids)
             total += tokens * self.store.block_bytes(kind) // bs
         return total

@@ -35,7 +35,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gptoss_lite.kv.block_pool import DEFAULT_BLOCK_SIZE, PagedKVPool, _check_count
+from gptoss_lite.kv.block_pool import DEFAULT_BLOCK_SIZE, PagedKVPool
+from gptoss_lite.validation import check_int
 
 _DOMAIN = b"gptoss-lite/prefix-cache/v1"  # versions the encoding; change it if the encoding changes
 _MAX_TOKEN = 2**63  # tokens are encoded as signed 64-bit little-endian integers
@@ -70,9 +71,7 @@ def _check_key(name: str, value: Any) -> str:
 def chained_block_hashes(tokens: Sequence[int], scope: str, revision: str,
                          block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[bytes, ...]:
     """SHA-256 chain over the full blocks of `tokens`; a trailing partial block gets no hash."""
-    block_size = _check_count("block_size", block_size)
-    if block_size < 1:
-        raise ValueError(f"block_size={block_size}: must be >= 1")
+    block_size = check_int("block_size", block_size, 1)
     tokens = _check_tokens(tokens)
     extra = _encode_bytes(_check_key("scope", scope).encode()) + \
         _encode_bytes(_check_key("revision", revision).encode())
@@ -116,9 +115,7 @@ class PrefixCache:
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, pool: PagedKVPool | None = None, *,
                  max_blocks: int | None = None) -> None:
-        block_size = _check_count("block_size", block_size)
-        if block_size < 1:
-            raise ValueError(f"block_size={block_size}: must be >= 1")
+        block_size = check_int("block_size", block_size, 1)
         if pool is not None:
             if not isinstance(pool, PagedKVPool):
                 raise TypeError(f"pool: expected a PagedKVPool or None, got {type(pool).__name__}")
@@ -129,7 +126,7 @@ class PrefixCache:
                 raise ValueError("max_blocks: only for the standalone cache (pool=None); a "
                                  "pool-backed cache is bounded by the pool, use evict()")
         if max_blocks is not None:
-            max_blocks = _check_count("max_blocks", max_blocks)
+            max_blocks = check_int("max_blocks", max_blocks, 0)
         self.block_size = block_size
         self.pool = pool
         self.max_blocks = max_blocks  # None means no limit
@@ -207,7 +204,7 @@ class PrefixCache:
             if seq_id is None:
                 raise ValueError("seq_id: required for a pool-backed cache, naming the pool "
                                  "sequence that holds these tokens")
-            length = self.pool.sequence_length(seq_id)
+            length = self.pool.num_tokens(seq_id)
             if len(tokens) > length:
                 raise ValueError(f"tokens: {len(tokens)} tokens but sequence {seq_id!r} holds "
                                  f"{length}; insert at most the sequence's tokens")
@@ -279,7 +276,7 @@ class PrefixCache:
         Returns the number freed (fewer when not enough are unreferenced). Standalone, each
         evicted entry counts as one freed block.
         """
-        n_blocks = _check_count("n_blocks", n_blocks)
+        n_blocks = check_int("n_blocks", n_blocks, 0)
         self._check_own_pins()
         freed = 0
         for h in list(self._entries):

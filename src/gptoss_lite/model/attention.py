@@ -16,17 +16,13 @@ iff j <= i + q_offset and, with a window W, (i + q_offset) - j < W.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
 from gptoss_lite.config import ModelConfig
+from gptoss_lite.kv.base import KVCache
 from gptoss_lite.model.decode_pack import pack_pair, still_packed
 from gptoss_lite.model.rope import apply_rotary_tables
-
-if TYPE_CHECKING:
-    from gptoss_lite.kv.mixed import MixedKVCache
 
 # Budget for one score block (elements of B·H·Tq·Sk); 4M fp32 elements = 16 MiB.
 SCORE_BLOCK_ELEMENTS = 1 << 22
@@ -152,6 +148,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(H * D, C, bias=cfg.attention_bias)
         self.sinks = nn.Parameter(torch.zeros(H))  # learned sink logit per query head
         self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see pack_for_decode
+        self._clamped_sinks: tuple[tuple[int, int], torch.Tensor] | None = None  # see sink_logits
 
     @torch.no_grad()
     def pack_for_decode(self) -> None:
@@ -163,6 +160,10 @@ class Attention(nn.Module):
             q, kv = self.q_proj, self.kv_proj
             bias = None if q.bias is None else pack_pair(q.bias, kv.bias, transposed=False)
             self._qkv = (pack_pair(q.weight, kv.weight, transposed=True), bias)  # (C, Nq + Nkv), (Nq + Nkv,)
+
+    def is_packed(self) -> bool:
+        """Whether q_proj and kv_proj still live in the buffer `pack_for_decode` made."""
+        return self._packed_qkv() is not None
 
     def _packed_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The packed (weight, bias) while the parameters still live in it (e.g. not after .to(dtype))."""
@@ -176,18 +177,30 @@ class Attention(nn.Module):
         return None
 
     def sink_logits(self) -> torch.Tensor:
-        """The sink logits as used in the softmax (clamped where configured), shape (H,)."""
+        """The sink logits as used in the softmax (clamped where configured), shape (H,).
+
+        Without autograd the clamped tensor is kept and reused until the weights change: a decode
+        step then spends no op on it. The key is the parameter's storage and version counter, which
+        every in-place write (optimiser step, load_state_dict, copy_) and every re-assignment
+        (.to(), .data =) changes.
+        """
         if self.sink_clamp is None:
             return self.sinks
-        return self.sinks.clamp(*self.sink_clamp)
+        if torch.is_grad_enabled():
+            return self.sinks.clamp(*self.sink_clamp)
+        key = (self.sinks.data_ptr(), self.sinks._version)
+        if self._clamped_sinks is None or self._clamped_sinks[0] != key:
+            self._clamped_sinks = (key, self.sinks.detach().clamp(*self.sink_clamp))
+        return self._clamped_sinks[1]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: MixedKVCache | None = None, start_pos: int = 0, impl: str = "fast") -> torch.Tensor:
+                cache: KVCache | None = None, start_pos: int = 0, impl: str = "fast") -> torch.Tensor:
         """x (B, T, C) at absolute positions start_pos…start_pos+T-1 -> (B, T, C); cos, sin are the
         (T, D) tables of `rope.rotary_tables` for this layer's kind.
 
-        With a cache, new keys are rotated once at their absolute positions and appended; queries
-        attend over the cached past plus the new keys.
+        With a cache (`gptoss_lite.kv.base.KVCache`), new keys are rotated once at their absolute
+        positions and stored; queries attend over what the cache returns, with this layer's own
+        window and sinks.
         """
         B, T, C = x.shape
         H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
@@ -205,13 +218,11 @@ class Attention(nn.Module):
         v = kv[:, :, 1].transpose(1, 2).contiguous()  # (B, K, T, D)
         q = apply_rotary_tables(q, cos, sin)
         k = apply_rotary_tables(k, cos, sin)
-        window = self.window
         if cache is None:
-            sinks = self.sink_logits()
             keys, values, q_offset = k, v, 0
         else:
-            sinks = cache.memo_sinks(self.layer, self.sink_logits)
-            keys, values, q_offset, window = cache.attend_inputs(self.layer, k, v, start_pos)
+            keys, values, first = cache.update(self.layer, k, v, start_pos)  # (B, K, S, D) each
+            q_offset = start_pos - first  # key index of the first new query
         attend = attention_fast if impl == "fast" else attention_reference
-        y = attend(q, keys, values, sinks, q_offset, window)  # (B, H, T, D)
+        y = attend(q, keys, values, self.sink_logits(), q_offset, self.window)  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))

@@ -45,6 +45,10 @@ class Experts(nn.Module):
             self._gate_up = (pack_pair(self.gate_proj, self.up_proj, transposed=True), bias)  # (E, C, 2I), (E, 2I)
         store_input_major(self.down_proj)
 
+    def is_packed(self) -> bool:
+        """Whether gate_proj and up_proj still live in the buffer `pack_for_decode` made."""
+        return self._packed_gate_up() is not None
+
     def _packed_gate_up(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The packed (weight, bias) while the parameters still live in it (e.g. not after .to(dtype))."""
         if self._gate_up is not None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -11,13 +10,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gptoss_lite.config import ModelConfig
+from gptoss_lite.kv.base import KVCache
 from gptoss_lite.model.attention import Attention
 from gptoss_lite.model.decode_pack import store_input_major
 from gptoss_lite.model.moe import Experts, MoE
 from gptoss_lite.model.rope import RotaryEmbedding, rotary_tables
-
-if TYPE_CHECKING:
-    from gptoss_lite.kv.mixed import MixedKVCache
 
 
 class RMSNorm(nn.Module):
@@ -74,8 +71,8 @@ class GPTOSS(nn.Module):
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.rope_window = RotaryEmbedding(config, pruned_pairs=0)
-        self.rope_global = RotaryEmbedding(config, pruned_pairs=config.rope_pruned_pairs)
+        self.rope_sliding = RotaryEmbedding(config, pruned_pairs=0)
+        self.rope_full = RotaryEmbedding(config, pruned_pairs=config.rope_pruned_pairs)
         self.gradient_checkpointing = False
         self.reset_parameters()
 
@@ -105,7 +102,7 @@ class GPTOSS(nn.Module):
         side by side (q with kv, each expert's gate with up) so that each pair is one GEMV. Parameters
         become views of the packed buffers: training and checkpoints see the same tensors (the saved
         bytes are identical), and a later .to(dtype) just falls back to the unpacked path.
-        Idempotent; stream_generate() calls it.
+        Idempotent; `prepare_for_inference` calls it.
         """
         for module in self.modules():
             if isinstance(module, (Attention, Experts)):
@@ -115,11 +112,29 @@ class GPTOSS(nn.Module):
         store_input_major(self.embed.weight)  # the output head when tied
         return self
 
+    @torch.no_grad()
+    def prepare_for_inference(self, device: str | torch.device | None = None,
+                              dtype: torch.dtype | None = None) -> GPTOSS:
+        """The one place a model is made ready to generate: weights moved to `device` / `dtype` (None
+        keeps them), eval mode (no dropout), then `pack_for_decode`. `load_model` calls it;
+        `generate()` checks `inference_ready` and never changes the model itself. Returns self.
+        """
+        self.to(device=device, dtype=dtype)
+        self.eval()
+        return self.pack_for_decode()
+
+    @property
+    def inference_ready(self) -> bool:
+        """Eval mode with decode-packed weights, as `prepare_for_inference` leaves the model; a later
+        .train() or .to(dtype) undoes it."""
+        return not self.training and all(
+            m.is_packed() for m in self.modules() if isinstance(m, (Attention, Experts)))
+
     def head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
-                cache: MixedKVCache | None = None, start_pos: int = 0, last_only: bool = False,
+                cache: KVCache | None = None, start_pos: int = 0, last_only: bool = False,
                 attn_impl: str = "fast") -> ModelOutput:
         """input_ids (B, T) at absolute positions start_pos… -> ModelOutput.
 
@@ -130,8 +145,8 @@ class GPTOSS(nn.Module):
         if attn_impl not in ("fast", "reference"):
             raise ValueError(f"attn_impl={attn_impl!r}: must be 'fast' or 'reference'")
         x = self.embed(input_ids)  # (B, T, C)
-        rope_w = rotary_tables(*self.rope_window(start_pos, T))  # (cos|cos, -sin|sin) each (T, D)
-        rope_g = rotary_tables(*self.rope_global(start_pos, T))
+        rope_w = rotary_tables(*self.rope_sliding(start_pos, T))  # (cos|cos, -sin|sin) each (T, D)
+        rope_g = rotary_tables(*self.rope_full(start_pos, T))
         aux_total = x.new_zeros((), dtype=torch.float32)
         # The load-balancing loss is a training quantity; cached inference skips computing it.
         need_aux = cache is None

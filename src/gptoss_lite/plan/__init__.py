@@ -6,7 +6,8 @@ Pure Python on purpose (no torch, no numpy at import time): `gptoss-lite plan` m
 - `plan.core`: the formulas (geometry and payload, decode ceilings, batch knee, capacity, FLOP
   models, cached-input cost, allocation waste) and their validation.
 - `plan.presets`: reference geometries, model weights and accelerators, a measurement of this
-  machine, and geometries read from a ModelConfig or a Hugging Face config.
+  machine, and geometries read from a ModelConfig or a Hugging Face config. Our own models'
+  geometries and parameter counts are derived from `config.PRESETS`, not retyped.
 
 Everything is importable from `gptoss_lite.plan` directly.
 """
@@ -18,7 +19,8 @@ from gptoss_lite.plan.core import (GB, GIB, KB, KIB, MB, MIB, AttentionKVGeometr
                                    naive_preallocation_waste, prefill_floor_seconds, prefill_flops)
 from gptoss_lite.plan.presets import (GEOMETRY_PRESETS, HARDWARE_PRESETS, MODEL_WEIGHTS, THIS_MACHINE, HardwareSpec,
                                       ModelWeights, geometry_from_hf_config, geometry_from_model_config,
-                                      get_geometry, get_hardware, measure_this_machine, serving_hardware)
+                                      get_geometry, get_hardware, measure_this_machine, serving_hardware,
+                                      weights_from_model_config)
 
 __all__ = [
     "GB", "GIB", "KB", "KIB", "MB", "MIB", "AttentionKVGeometry", "CachedInputCost", "DecodeCeiling", "KVGeometry",
@@ -27,5 +29,5 @@ __all__ = [
     "max_resident_requests", "naive_preallocation_waste", "prefill_floor_seconds", "prefill_flops",
     "GEOMETRY_PRESETS", "HARDWARE_PRESETS", "MODEL_WEIGHTS", "THIS_MACHINE", "HardwareSpec", "ModelWeights",
     "geometry_from_hf_config", "geometry_from_model_config", "get_geometry", "get_hardware",
-    "measure_this_machine", "serving_hardware",
+    "measure_this_machine", "serving_hardware", "weights_from_model_config",
 ]

@@ -52,10 +52,11 @@ def _exact(value: Any) -> Fraction:
 
 @dataclass(frozen=True)
 class AttentionKVGeometry:
-    """KV layout of ordinary attention (MHA / GQA / MQA), optionally with sliding-window layers.
+    """KV layout of ordinary attention (MHA / GQA / MQA), optionally with sliding layers.
 
-    `attention_layers` counts every attention layer; `sliding_window_layers` of them keep only the
-    last `min(window, T)` tokens, the rest keep all T. A hybrid model passes only its attention layers.
+    `attention_layers` counts every attention layer; `sliding_layers` of them (a count) keep only
+    the last `min(sliding_window, T)` tokens, and the other `full_layers` keep all T. A hybrid model
+    passes only its attention layers. Names follow `ModelConfig` (layer kinds *sliding* / *full*).
     """
 
     name: str
@@ -63,25 +64,25 @@ class AttentionKVGeometry:
     kv_heads: int  # K (H_kv)
     head_dim: int  # D
     bytes_per_element: int = 2  # 2 = BF16/FP16, 1 = FP8
-    sliding_window_layers: int = 0  # how many of attention_layers are sliding-window
-    window: int | None = None  # W tokens per sliding layer; None when there are none
+    sliding_layers: int = 0  # how many of attention_layers are sliding-window layers
+    sliding_window: int | None = None  # W tokens kept per sliding layer; None when there are none
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise TypeError(f"name={self.name!r}: must be a non-empty str")
         for field_name in ("attention_layers", "kv_heads", "head_dim", "bytes_per_element"):
             _int(field_name, getattr(self, field_name), 1)
-        _int("sliding_window_layers", self.sliding_window_layers, 0)
-        if self.sliding_window_layers > self.attention_layers:
-            raise ValueError(f"sliding_window_layers={self.sliding_window_layers}: must be <= "
+        _int("sliding_layers", self.sliding_layers, 0)
+        if self.sliding_layers > self.attention_layers:
+            raise ValueError(f"sliding_layers={self.sliding_layers}: must be <= "
                              f"attention_layers={self.attention_layers} (it counts a subset of them)")
-        if self.sliding_window_layers and self.window is None:
-            raise ValueError(f"sliding_window_layers={self.sliding_window_layers} needs window=W tokens")
-        if self.window is not None:
-            _int("window", self.window, 1)
-            if not self.sliding_window_layers:
-                raise ValueError(f"window={self.window} given but sliding_window_layers=0; "
-                                 "pass window=None for a model without sliding layers")
+        if self.sliding_layers and self.sliding_window is None:
+            raise ValueError(f"sliding_layers={self.sliding_layers} needs sliding_window=W tokens")
+        if self.sliding_window is not None:
+            _int("sliding_window", self.sliding_window, 1)
+            if not self.sliding_layers:
+                raise ValueError(f"sliding_window={self.sliding_window} given but sliding_layers=0; "
+                                 "pass sliding_window=None for a model without sliding layers")
 
     @property
     def bytes_per_token_per_layer(self) -> int:
@@ -94,14 +95,15 @@ class AttentionKVGeometry:
         return self.attention_layers * self.bytes_per_token_per_layer
 
     @property
-    def global_layers(self) -> int:
-        return self.attention_layers - self.sliding_window_layers
+    def full_layers(self) -> int:
+        """How many attention layers are full attention (keep every token)."""
+        return self.attention_layers - self.sliding_layers
 
     def sequence_bytes(self, context_tokens: int) -> int:
         """Window-aware payload of one sequence of `context_tokens` tokens (unscaled, exact)."""
         t = _int("context_tokens", context_tokens, 0)
-        windowed = min(self.window, t) if self.window is not None else 0
-        stored = self.global_layers * t + self.sliding_window_layers * windowed  # token-layers
+        windowed = min(self.sliding_window, t) if self.sliding_window is not None else 0
+        stored = self.full_layers * t + self.sliding_layers * windowed  # token-layers
         return stored * self.bytes_per_token_per_layer
 
 
@@ -281,10 +283,10 @@ def _causal_pairs(queries: int, prefix: int, window: int | None) -> int:
 
 
 def attention_flops(layers: int, query_heads: int, head_dim: int, queries: int, cached_prefix: int = 0,
-                    window: int | None = None) -> int:
+                    sliding_window: int | None = None) -> int:
     """QK + AV FLOPs of `queries` causal queries after `cached_prefix` keys: 4·L·H_q·D per pair.
 
-    Pairs are `q·p + q(q+1)/2`; with `window=W` (sliding-window layers) each query sees at most W keys.
+    Pairs are `q·p + q(q+1)/2`; with `sliding_window=W` (sliding layers) each query sees at most W keys.
     Attention work depends on the query heads H_q; GQA storage depends on H_kv.
     """
     _int("layers", layers, 1)
@@ -292,9 +294,9 @@ def attention_flops(layers: int, query_heads: int, head_dim: int, queries: int, 
     _int("head_dim", head_dim, 1)
     _int("queries", queries, 0)
     _int("cached_prefix", cached_prefix, 0)
-    if window is not None:
-        _int("window", window, 1)
-    return 4 * layers * query_heads * head_dim * _causal_pairs(queries, cached_prefix, window)
+    if sliding_window is not None:
+        _int("sliding_window", sliding_window, 1)
+    return 4 * layers * query_heads * head_dim * _causal_pairs(queries, cached_prefix, sliding_window)
 
 
 def decode_flops(parameters: int, layers: int, query_heads: int, head_dim: int, keys: int, batch: int = 1) -> int:
@@ -328,13 +330,18 @@ class CachedInputCost:
 
     baseline: int  # requests · (prefix + suffix)
     cached: float  # prefix · (write + (requests − 1) · read) + requests · suffix
-    amortized_cost_factor: float  # cached / baseline
+    amortized_cost_factor: float  # baseline / cached: how many times cheaper the cached input is
     warm_request_cost_ratio: float  # (prefix · read + suffix) / (prefix + suffix)
 
 
 def cached_input_cost(prefix: int, suffix: int, requests: int, read_rate: float = 0.1,
                       write_rate: float = 1.25) -> CachedInputCost:
-    """Cost of `requests` requests sharing a `prefix`, with and without a prefix cache."""
+    """Cost of `requests` requests sharing a `prefix`, with and without a prefix cache.
+
+    `amortized_cost_factor` is baseline / cached, so > 1 means the cache saves (3.79 for a 7,680-token
+    prefix, a 512-token suffix and 10 requests at read 0.1, write 1.25); it is inf when the cached
+    input costs nothing (zero rates and no suffix).
+    """
     _int("prefix", prefix, 0)
     _int("suffix", suffix, 0)
     _int("requests", requests, 1)
@@ -345,7 +352,8 @@ def cached_input_cost(prefix: int, suffix: int, requests: int, read_rate: float 
     baseline = requests * (prefix + suffix)
     cached = prefix * (write + (requests - 1) * read) + requests * suffix
     warm = (prefix * read + suffix) / (prefix + suffix)
-    return CachedInputCost(baseline, cached, cached / baseline, warm)
+    factor = baseline / cached if cached else math.inf
+    return CachedInputCost(baseline, cached, factor, warm)
 
 
 # ---- waste (SPEC §5.4) ------------------------------------------------------------------------------

@@ -1,5 +1,8 @@
 """Presets and sources of plan inputs: reference KV geometries, model weights and accelerators, a
 measurement of this machine, and geometries read from our ModelConfig or a Hugging Face config.
+
+Our own models are not retyped here: their geometries and parameter counts are derived from
+`config.PRESETS` (pure Python, like this module).
 """
 
 from __future__ import annotations
@@ -10,25 +13,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from gptoss_lite.config import PRESETS, ModelConfig, count_active_parameters, count_parameters
 from gptoss_lite.plan.core import (GB, MIB, AttentionKVGeometry, KVGeometry, MLAKVGeometry, ServingHardware,
                                    _real)
 from gptoss_lite.validation import check_int as _int
-
-# ---- presets ----------------------------------------------------------------------------------------
-
-GEOMETRY_PRESETS: dict[str, KVGeometry] = {
-    g.name: g for g in (
-        # A 70B model if it kept one KV head per query head (pre-GQA); the GQA savings baseline.
-        AttentionKVGeometry("mha-70b-equivalent", 80, 64, 128),
-        AttentionKVGeometry("llama-3.3-70b", 80, 8, 128),
-        AttentionKVGeometry("llama-3-8b", 32, 8, 128),
-        MLAKVGeometry("deepseek-v3", 61, 512, 64),
-        # gpt-oss: alternating sliding (W=128) and full layers (HF config layer_types).
-        AttentionKVGeometry("gpt-oss-20b", 24, 8, 64, sliding_window_layers=12, window=128),
-        AttentionKVGeometry("gpt-oss-120b", 36, 8, 64, sliding_window_layers=18, window=128),
-        AttentionKVGeometry("gptoss-lite-502m", 12, 4, 96, sliding_window_layers=6, window=128),  # SPEC §1.1
-    )
-}
 
 
 @dataclass(frozen=True)
@@ -62,6 +50,47 @@ class ModelWeights:
         return math.ceil(self.total_parameters * self.bytes_per_parameter)
 
 
+# ---- our model presets: geometry and parameter counts derived from config.PRESETS --------------------
+
+def geometry_from_model_config(cfg: Any, bytes_per_element: int = 2, *, name: str = "model-config") -> AttentionKVGeometry:
+    """KV geometry of a `ModelConfig` (duck-typed: n_layers, n_kv_heads, head_dim, sliding_layers, sliding_window)."""
+    sliding = len(cfg.sliding_layers)
+    return AttentionKVGeometry(name, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, bytes_per_element,
+                               sliding, cfg.sliding_window if sliding else None)
+
+
+def weights_from_model_config(cfg: ModelConfig, bytes_per_parameter: float = 2.0, *,
+                              name: str = "model-config") -> ModelWeights:
+    """Parameter counts of a `ModelConfig`, from `config.count_parameters` / `count_active_parameters`.
+
+    Active (streamed) parameters leave out an untied input embedding: a token looks up one row of it,
+    which is neither a read of the whole table nor a multiply (the gpt-oss model card's active counts
+    exclude it too). A tied embedding is also the output head, read in full every step, so it counts.
+    """
+    embedding = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
+    return ModelWeights(name, count_parameters(cfg), count_active_parameters(cfg) - embedding,
+                        bytes_per_parameter, cfg.n_heads, cfg.head_dim)
+
+
+# ---- presets ----------------------------------------------------------------------------------------
+# Our models (gptoss-lite-502m, gpt-oss-20b, gpt-oss-120b) come from config.PRESETS, so a geometry or a
+# parameter count is written down once. gptoss-lite-502m: 501,836,640 total, 247,032,672 active
+# (SPEC §1.1, pinned by the config tests). gpt-oss-20b: 20,914,757,184 / 3,608,307,264 and
+# gpt-oss-120b: 116,829,156,672 / 5,132,849,472, where this table used to carry the approximate
+# published figures 20.9B / 3.6B and 116.8B / 5.1B (OpenAI model card): the derived counts agree with
+# them to every digit given.
+
+GEOMETRY_PRESETS: dict[str, KVGeometry] = {
+    g.name: g for g in (
+        # A 70B model if it kept one KV head per query head (pre-GQA); the GQA savings baseline.
+        AttentionKVGeometry("mha-70b-equivalent", 80, 64, 128),
+        AttentionKVGeometry("llama-3.3-70b", 80, 8, 128),
+        AttentionKVGeometry("llama-3-8b", 32, 8, 128),
+        MLAKVGeometry("deepseek-v3", 61, 512, 64),
+        *(geometry_from_model_config(cfg, name=name) for name, cfg in PRESETS.items()),
+    )
+}
+
 MODEL_WEIGHTS: dict[str, ModelWeights] = {
     w.name: w for w in (
         # Hypothetical, for the GQA comparison: a dense 70B.
@@ -72,12 +101,8 @@ MODEL_WEIGHTS: dict[str, ModelWeights] = {
         # Approximate published figures (DeepSeek-V3 report): 671B total, 37B active. Attention D is
         # 160 = mean of the QK (192) and V (128) head dims, so 4·H·D counts QK + AV exactly.
         ModelWeights("deepseek-v3", 671_000_000_000, 37_000_000_000, 2.0, 128, 160),
-        # Approximate published figures (OpenAI gpt-oss model card), BF16 here although the release
-        # stores experts in MXFP4; active counts exclude the embedding, as the card does.
-        ModelWeights("gpt-oss-20b", 20_900_000_000, 3_600_000_000, 2.0, 64, 64),
-        ModelWeights("gpt-oss-120b", 116_800_000_000, 5_100_000_000, 2.0, 64, 64),
-        # Exact (SPEC §1.1, pinned by the config tests).
-        ModelWeights("gptoss-lite-502m", 501_836_640, 247_032_672, 2.0, 8, 96),
+        # BF16 here, although the gpt-oss release stores experts in MXFP4 (see --weight-bits).
+        *(weights_from_model_config(cfg, name=name) for name, cfg in PRESETS.items()),
     )
 }
 
@@ -187,13 +212,6 @@ def measure_this_machine(copy_bytes: int = 256 * MIB, repeats: int = 5) -> Hardw
                         source="measured (numpy copy bandwidth, fp32 matmul FLOP/s, physical RAM)")
 
 
-def geometry_from_model_config(cfg: Any, bytes_per_element: int = 2, *, name: str = "model-config") -> AttentionKVGeometry:
-    """KV geometry of a `ModelConfig` (duck-typed: n_layers, n_kv_heads, head_dim, sliding_layers, sliding_window)."""
-    sliding = len(cfg.sliding_layers)
-    return AttentionKVGeometry(name, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, bytes_per_element,
-                               sliding, cfg.sliding_window if sliding else None)
-
-
 def geometry_from_hf_config(config: dict[str, Any], bytes_per_element: int = 2, *,
                             name: str | None = None) -> AttentionKVGeometry:
     """KV geometry of a Hugging Face `config.json` dict.
@@ -201,7 +219,8 @@ def geometry_from_hf_config(config: dict[str, Any], bytes_per_element: int = 2, 
     head_dim comes from `head_dim`, else hidden_size / num_attention_heads; missing
     `num_key_value_heads` means MHA (the transformers convention). Sliding layers are the
     `layer_types` entries equal to "sliding_attention". NOTE: a config without `layer_types` is read as
-    all full attention (Mistral-style global `sliding_window` is not interpreted), which overstates KV.
+    all full attention (a Mistral-style `sliding_window` applied to every layer is not interpreted), which
+    overstates KV.
     """
     if not isinstance(config, dict):
         raise TypeError(f"config={type(config).__name__}: must be a dict parsed from config.json")

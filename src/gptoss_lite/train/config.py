@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gptoss_lite.config import ModelConfig, get_preset
+from gptoss_lite.config import ModelConfig
+from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.train.filler import FILLERS
 from gptoss_lite.validation import check_int as _check_int
 
@@ -158,7 +159,7 @@ class LoggingConfig:
 class TrainConfig:
     """Everything one training run needs."""
 
-    model: ModelConfig = field(default_factory=lambda: get_preset("lite-tiny"))
+    model: ModelConfig = field(default_factory=lambda: resolve_config("lite-tiny"))
     model_preset: str | None = None  # the preset the model fields started from, if any (informational)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -220,7 +221,7 @@ class TrainConfig:
         model_fields = dict(data["model"])
         preset = model_fields.pop("preset", None)
         if preset is not None:
-            base = get_preset(preset).to_dict()
+            base = resolve_config(preset).to_dict()
             unknown_model = sorted(set(model_fields) - set(base))
             if unknown_model:
                 raise ValueError(f"unknown model field(s) {unknown_model}; valid fields: {sorted(base)}")

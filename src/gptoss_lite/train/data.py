@@ -5,7 +5,7 @@ Every document is exactly `seq_len + 1` tokens (inputs are the first `seq_len`, 
 
 - `passkey`: a needle `The passkey is NNNNN.` at a random depth in filler, then the question and the
   answer digits. A share of the documents (`eval_phrasing_prob`) uses exactly the evaluator's
-  wording (imported from `gptoss_lite.evals.passkey`); the rest use other phrasings.
+  wording (`gptoss_lite.prompts`, which the evaluator imports too); the rest use other phrasings.
 - `kv`: several facts `The code for the red lantern is NNNNN.` scattered through the filler, then a
   query about one of them (the other numbers are distractors).
 - `copy`: a sequence of random letter codes, 5-digit numbers and made-up words (up to
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-from gptoss_lite.evals.passkey import NEEDLE_TEMPLATE, QUESTION
+from gptoss_lite.prompts import CLASSIC_NEEDLE, CLASSIC_QUESTION, NEEDLE_TEMPLATE, QUESTION
 from gptoss_lite.tokenizer import ByteTokenizer
 from gptoss_lite.train.filler import ADJ, NOUN, SYLLABLES, sentence_generator
 
@@ -40,9 +40,10 @@ if TYPE_CHECKING:
 
 IGNORE_INDEX = -100  # targets with this value are not scored (torch cross_entropy convention)
 
-# Non-evaluator passkey phrasings: (needle template, question). Leading space / newline as in the eval.
+# Passkey phrasings other than the evaluator's default: (needle template, question). The first is the
+# evaluator's `classic` template. Leading space / newline as in the eval.
 _PASSKEY_VARIANTS = (
-    (" The pass key is {key}. Remember it. {key} is the pass key.", "\nWhat is the pass key? The pass key is"),
+    (CLASSIC_NEEDLE, CLASSIC_QUESTION),
     (" The secret number is {key}.", "\nWhat is the secret number? The secret number is"),
     (" Passkey: {key}. Keep it safe.", "\nWhat was the passkey? The passkey is"),
     (" Remember that the passkey is {key}.", "\nRecall the passkey. The passkey is"),

@@ -1,0 +1,59 @@
+"""The contract between an attention layer and its KV cache: what a layer may call, and nothing more.
+
+A cache holds the keys and values of the first `num_tokens` tokens of each of its `batch_size`
+sequences (every row has the same number of tokens). A forward pass over T new tokens, at absolute
+positions `start_pos … start_pos + T - 1` with `start_pos == num_tokens`, calls `update` exactly once
+per layer; when every layer has been updated, `num_tokens` is `start_pos + T`.
+
+Division of labour:
+- The **layer** owns attention semantics: its window (None on full layers, W on sliding layers), its
+  sink logits, rotary embedding and the kernel. It rotates keys before handing them over.
+- The **cache** stores rotated K/V and returns the keys the new queries may need. It decides what to
+  keep from the layer kind in the model config (a sliding layer's cache may forget keys that fell out
+  of every future window), but it never changes which keys a query sees: the layer masks with its own
+  window.
+
+Shapes (legend of `gptoss_lite.model`): new keys and values are (B, K, T, D); `update` returns keys
+and values of shape (B, K, S, D) with S >= T, the last T being the new tokens, and `first`, the
+position of key 0. Key j is the token at position `first + j`, so new query i (position
+`start_pos + i`) sits at key index `start_pos - first + i`, and on a sliding layer sees keys j with
+`0 <= (start_pos + i) - (first + j) < W`. The returned keys include every key that any new query may
+see: all positions `0 …` on a full layer, at least `start_pos - W + 1 …` on a sliding layer.
+
+One freedom: when T == 1 and the returned keys are exactly the last S <= W positions (a ring buffer
+holding one window), the cache may return them in storage order rather than by position. The single
+query sees every one of them, and attention is a sum over keys that carry their own rotation, so the
+order cannot change the result. `first` is then `start_pos - S + 1`, as if they were in order.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class KVCache(Protocol):
+    """What a model layer may call on any KV cache (see the module docstring for the conventions)."""
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences (rows) the cache holds; the model's batch dimension B."""
+        ...
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens held per row: the absolute position of the next token."""
+        ...
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int
+               ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Store `layer`'s rotated keys and values of T new tokens, k and v (B, K, T, D), at positions
+        start_pos … start_pos + T - 1; return (keys, values, first): (B, K, S, D) each, key j at
+        position first + j, covering every key the new queries may see.
+
+        Raises ValueError (cache unchanged) when start_pos is not where `layer` ends or the shapes,
+        dtype or device do not match the cache.
+        """
+        ...
