@@ -206,3 +206,19 @@ def test_config_path_that_is_a_directory_says_so(tmp_path):
     """--config DIR says it is a directory instead of claiming it does not exist."""
     with pytest.raises(ValueError, match="is a directory; pass --config PATH to a YAML or JSON file"):
         load_train_config(tmp_path)
+
+
+def test_a_second_trainer_on_the_same_directory_is_refused(tmp_path):
+    """While one run holds out_dir, another train() into it fails at once naming the holder; the lock dies with it."""
+    import fcntl
+
+    cfg = tiny(tmp_path / "run")
+    (tmp_path / "run").mkdir()
+    with open(tmp_path / "run" / ".train.lock", "a+") as held:
+        held.write("4242\n")
+        held.flush()
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ValueError, match=r"another train run \(pid 4242\) is writing this directory"):
+            run_train(cfg, max_steps=1)
+        assert not (tmp_path / "run" / "checkpoints").exists()
+    assert run_train(cfg, max_steps=1).end_step == 1  # released: the next run proceeds

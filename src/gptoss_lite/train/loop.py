@@ -45,6 +45,7 @@ CHECKPOINT_DIR = "checkpoints"
 FINAL_DIR = "final"
 METRICS_FILE = "metrics.jsonl"
 STATE_FILE = "trainer_state.json"
+LOCK_FILE = ".train.lock"  # holds the pid of the run writing the directory (flock'd while it runs)
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
 STATE_FORMAT_VERSION = 1
@@ -343,9 +344,15 @@ def train(config: TrainConfig, resume: bool = False, max_steps: int | None = Non
     if resume_dir is not None:
         # load_state_dict copies into the device parameters; the optimiser casts its state to them.
         resume_dir, start_step = _resume_from_newest_intact(model, optimizer, out_dir, is_main)
+    lock = _lock_out_dir(out_dir) if is_main else None
     if is_main:
-        # Lines past the starting step belong to work that is redone now (all of them on a fresh start).
-        _truncate_metrics(out_dir / METRICS_FILE, start_step)
+        try:
+            # Lines past the starting step belong to work that is redone now (all of them on a fresh start).
+            _truncate_metrics(out_dir / METRICS_FILE, start_step)
+        except BaseException:
+            if lock is not None:
+                lock.close()
+            raise
     model.train()
     model.gradient_checkpointing = config.gradient_checkpointing
     params = [p for p in model.parameters() if p.requires_grad]
@@ -444,6 +451,8 @@ def train(config: TrainConfig, resume: bool = False, max_steps: int | None = Non
             print(f"train: done at step {summary.end_step}; final loss {summary.final_loss}; "
                   f"{summary.tokens_per_s:,.0f} tokens/s; model in {final}", file=sys.stderr)
     finally:
+        if lock is not None:
+            lock.close()  # releases the flock
         if bar is not None:
             bar.close()
         if metrics is not None:
@@ -500,6 +509,31 @@ def _truncate_metrics(path: Path, step: int) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, path)
+
+
+def _lock_out_dir(out_dir: Path):
+    """Hold an exclusive lock on `out_dir` for this run: two trainers writing one directory would
+    interleave checkpoints and metrics. The kernel drops the lock when the process ends, SIGKILL included.
+    Returns the open lock file (close it to release), or None where `fcntl` does not exist (Windows)."""
+    try:
+        import fcntl
+    except ImportError:  # no flock on this platform: nothing to lock with
+        return None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lock = open(out_dir / LOCK_FILE, "a+")
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "?"
+        lock.close()
+        raise ValueError(f"{out_dir}: another train run (pid {holder}) is writing this directory; wait for it, "
+                         "stop it, or choose another --out") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
 
 
 def check_out_dir(out_dir: Path) -> None:
