@@ -179,6 +179,17 @@ def test_default_threads_leave_busy_cores_alone(monkeypatch):
     assert common.default_threads()[0] == 4
 
 
+def test_training_threads_do_not_follow_the_load(monkeypatch):
+    """train's default thread count depends on the cores alone (its sums round by thread count)."""
+    import gptoss_lite.commands.common as common
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(common, "available_cpus", lambda: {0, 1, 2, 3})
+    monkeypatch.setattr(common, "physical_cores", lambda cpus: 4)
+    monkeypatch.setattr(common.os, "getloadavg", lambda: (4.2, 0.0, 0.0))
+    assert common.default_threads(load_aware=False)[0] == 4
+
+
 # ---- pipes and signals -------------------------------------------------------------------------------
 
 def test_generate_json_into_a_closed_pipe_exits_quietly(tmp_path):

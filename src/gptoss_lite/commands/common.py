@@ -48,8 +48,10 @@ def physical_cores(cpus: set[int]) -> int:
     return len(cores) or len(cpus)
 
 
-def default_threads() -> tuple[int, str]:
-    """(threads, why): $OMP_NUM_THREADS when set, else idle physical cores available to us (>= 1)."""
+def default_threads(load_aware: bool = True) -> tuple[int, str]:
+    """(threads, why): $OMP_NUM_THREADS when set, else the physical cores available to us, less the
+    busy ones when `load_aware` (>= 1). Training passes load_aware=False: its thread count changes
+    how reductions round, so it must not depend on what else the machine is doing."""
     env = os.environ.get("OMP_NUM_THREADS")
     if env is not None and env.strip():
         try:
@@ -62,20 +64,20 @@ def default_threads() -> tuple[int, str]:
     cpus = available_cpus()
     cores = min(physical_cores(cpus), len(cpus))
     busy = 0
-    if hasattr(os, "getloadavg"):
+    if load_aware and hasattr(os, "getloadavg"):
         # Runnable tasks beyond our own: OpenMP threads that share a core with them spin and stall.
         busy = int(os.getloadavg()[0] + 0.5)
     return max(1, min(cores, len(cpus) - busy)), f"{cores} physical core(s), load {busy}"
 
 
-def configure_threads(requested: int | None) -> int:
+def configure_threads(requested: int | None, load_aware: bool = True) -> int:
     """Set torch's intra-op threads from --threads (or the default above); returns the count."""
     import torch
 
     from gptoss_lite.validation import check_int
 
     if requested is None:
-        n, _ = default_threads()
+        n, _ = default_threads(load_aware)
     else:
         n = check_int("--threads", requested, 1, MAX_THREADS)
     torch.set_num_threads(n)

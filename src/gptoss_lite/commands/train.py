@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from gptoss_lite.train.loop import check_out_dir, latest_checkpoint, train
 
     check_out_dir(Path(config.checkpoint.out_dir))
-    configure_threads(args.threads)
+    configure_threads(args.threads, load_aware=False)  # same machine, same threads, same weights
     try:
         summary = train(config, resume=args.resume, max_steps=args.max_steps, progress=not args.no_progress)
     except KeyboardInterrupt:
