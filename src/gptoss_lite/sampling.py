@@ -8,6 +8,9 @@ from dataclasses import dataclass
 import torch
 
 
+MAX_SEED = 2**64 - 1  # largest seed torch.Generator.manual_seed accepts
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How next tokens are chosen. temperature <= 0 means greedy argmax (consumes no randomness)."""
@@ -25,6 +28,8 @@ class SamplingConfig:
             raise ValueError(f"top_p={self.top_p!r}: must be in (0, 1]")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise TypeError(f"seed={self.seed!r}: must be an int or None")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed={self.seed}: must be in [0, 2**64 - 1] (torch generators take a 64-bit seed)")
 
     @property
     def greedy(self) -> bool:
@@ -39,7 +44,11 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
     """
     if cfg.greedy:
         return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)  # (B, V)
+    # Shift by the row maximum before dividing: a tiny temperature (1e-39) then sends every other
+    # logit to -inf instead of the maximum to +inf, so the softmax stays finite (at worst one-hot).
+    logits = logits.double()
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / cfg.temperature
+    probs = torch.softmax(scaled, dim=-1).float()  # (B, V)
     if cfg.top_p < 1.0:
         sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)  # (B, V)
         mass_before = sorted_p.cumsum(dim=-1) - sorted_p

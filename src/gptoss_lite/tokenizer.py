@@ -59,7 +59,11 @@ class HFTokenizer:
         if not file.is_file():
             raise FileNotFoundError(f"{file}: no {TOKENIZER_FILE} there; pass a directory that holds one")
         self.path = file
-        self._tok = Tokenizer.from_file(str(file))
+        try:
+            self._tok = Tokenizer.from_file(str(file))
+        except Exception as e:  # noqa: BLE001 - `tokenizers` raises plain Exception for every parse error
+            raise ValueError(f"{file}: not a readable {TOKENIZER_FILE} ({e}); replace it with the model's "
+                             "own tokenizer file") from None
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
         self.bos_id = self._first_token_id(("<|startoftext|>", "<|begin_of_text|>", "<s>", "[BOS]", "<bos>"))
         self.eos_id = self._first_token_id(("<|endoftext|>", "<|end_of_text|>", "<|return|>", "</s>", "[EOS]", "<eos>"))

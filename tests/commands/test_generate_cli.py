@@ -19,7 +19,7 @@ def test_generate_prints_text_and_stats(capsys):
 def test_generate_json_is_reproducible(capsys):
     """--json gives text and figures; a seed makes sampled text reproducible."""
     args = ["generate", "abc", "--model", "lite-tiny", "--max-new-tokens", "12", "--temperature", "1.0",
-            "--seed", "3", "--json", "--stop", "999"]
+            "--seed", "3", "--json", "--no-stop"]
     texts = []
     for _ in range(2):
         assert main(args) == 0
@@ -40,7 +40,7 @@ def test_generate_reads_stdin(monkeypatch, capsys):
 @pytest.mark.parametrize("argv,match", [
     (["generate", "", "--model", "lite-tiny"], "empty prompt"),
     (["generate", "x", "--model", "lite-tiny", "--top-p", "0"], "top_p"),
-    (["generate", "x", "--model", "lite-tiny", "--max-new-tokens", "-1"], "max_new_tokens=-1"),
+    (["generate", "x", "--model", "lite-tiny", "--max-new-tokens", "-1"], "--max-new-tokens=-1: must be >= 0"),
     (["generate", "x", "--model", "no-such-preset"], "unknown preset|not a directory|no-such-preset"),
 ])
 def test_generate_bad_input_exit_2(argv, match, capsys):
@@ -48,3 +48,51 @@ def test_generate_bad_input_exit_2(argv, match, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "error:" in err and pytest.importorskip("re").search(match, err)
+
+
+def test_stream_printer_never_splits_a_multibyte_character():
+    """Streaming 'é€😀' byte by byte prints exactly the text, with no U+FFFD and nothing dropped."""
+    from gptoss_lite.commands.generate import StreamPrinter
+    from gptoss_lite.tokenizer import EOS_ID, ByteTokenizer
+
+    out = io.StringIO()
+    printer = StreamPrinter(ByteTokenizer(), stops=[EOS_ID], out=out)
+    for b in "aé€😀b".encode("utf-8"):
+        printer.push(b)
+        assert "\ufffd" not in out.getvalue()
+    printer.push(EOS_ID)
+    printer.finish()
+    assert out.getvalue() == "aé€😀b"
+
+
+def test_stream_printer_ends_an_invalid_tail_like_the_plain_text():
+    """A truncated multi-byte sequence at the end prints as U+FFFD, exactly as without --stream."""
+    from gptoss_lite.commands.generate import StreamPrinter
+    from gptoss_lite.tokenizer import ByteTokenizer
+
+    out = io.StringIO()
+    printer = StreamPrinter(ByteTokenizer(), stops=[], out=out)
+    ids = list("x€".encode("utf-8"))[:-1]
+    for b in ids:
+        printer.push(b)
+    printer.finish()
+    assert out.getvalue() == ByteTokenizer().decode(ids) == "x\ufffd"
+
+
+def test_generate_stream_prints_the_same_text_as_without_stream(monkeypatch, capsys):
+    """`generate --stream` prints the same characters as plain `generate` when tokens split a character."""
+    import torch
+
+    import gptoss_lite.generation as generation
+
+    text = "né€😀"
+
+    def fake_stream_generate(model, input_ids, *args, **kwargs):
+        return iter(torch.tensor([b]) for b in text.encode("utf-8"))
+
+    monkeypatch.setattr(generation, "stream_generate", fake_stream_generate)
+    outs = []
+    for extra in ([], ["--stream"]):
+        assert main(["generate", "hi", "--model", "lite-tiny", "--max-new-tokens", "9", *extra]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] == text + "\n"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from gptoss_lite.cli import main
 
 
@@ -98,3 +100,33 @@ def test_kv_bench_measured_cache_matches_formula():
     for t, (payload, allocated) in measured.items():
         assert payload == P.kv_payload_bytes(geometry, t)
         assert payload <= allocated <= 1.5 * payload + 6 * 128 * 1536
+
+
+def test_plan_huge_context_returns_at_once(capsys):
+    """`plan --context 10**30` finishes (it used to loop over every prefill chunk and never end)."""
+    import time
+
+    t0 = time.perf_counter()
+    assert main(["plan", "--context", str(10**12), str(10**30), "--json"]) == 0
+    assert time.perf_counter() - t0 < 10
+    prefill = json.loads(capsys.readouterr().out)["prefill"]
+    assert [x["context_tokens"] for x in prefill] == [10**12, 10**30]
+
+
+@pytest.mark.parametrize("context, chunk", [(1, 1), (5, 2), (2048, 2048), (2049, 2048), (4095, 1000),
+                                            (300, 7), (129, 128), (1000, 3000)])
+def test_worst_chunk_is_the_brute_force_maximum(context, chunk):
+    """The two-candidate worst prefill chunk equals the maximum over every chunk, windowed layers included."""
+    from gptoss_lite.commands.plan import _prefill_chunk_flops, _worst_chunk_flops, resolve_model
+
+    for model in ("gptoss-lite-502m", "gpt-oss-20b"):
+        geometry, weights = resolve_model(model)
+        brute = max(_prefill_chunk_flops(geometry, weights, min(chunk, context - s), s)
+                    for s in range(0, context, chunk))
+        assert _worst_chunk_flops(geometry, weights, context, chunk) == brute
+
+
+def test_plan_kv_bits_without_the_native_width_prints(capsys):
+    """--kv-bits that omit the native width leave an empty capacity table, not a TypeError."""
+    assert main(["plan", "--kv-bits", "8", "--context", "4096"]) == 0
+    assert "Prefill" in capsys.readouterr().out

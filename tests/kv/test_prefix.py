@@ -308,14 +308,34 @@ def test_standalone_mode_errors():
     assert len(cache) == 0 and cache.stats().requests == 0
 
 
-def test_validate_detects_a_lost_pin():
-    """validate() notices a cached block the pool no longer pins."""
+def test_pool_refuses_to_release_a_cache_pin():
+    """release_block() by anyone but the cache leaves the cache's pin (and everything else) in place."""
     pool = PagedKVPool(4, block_size=4)
     cache = PrefixCache(block_size=4, pool=pool)
     compute(pool, cache, "s", A + [1])
-    pool.release_block(0)
-    with pytest.raises(AssertionError, match=r"block 0 has 0 pool pins < 1 entries"):
+    pool.release("s")
+    before = dump(pool)
+    for owner in (None, "someone"):
+        with pytest.raises(ValueError, match=r"block_id=0: owner .* holds no pin on it .*PrefixCache"):
+            pool.release_block(0, owner=owner)
+    assert dump(pool) == before
+    cache.validate()
+    # The block stays cached and is still what attach() shares.
+    assert cache.attach("t", A + [1], "t", "r") == 4 and pool.page_table("t")[0] == 0
+
+
+def test_validate_detects_a_lost_pin_and_clear_changes_nothing():
+    """A pin dropped by impersonating the cache is caught by validate(); clear() then raises with nothing changed."""
+    pool = PagedKVPool(4, block_size=4)
+    cache = PrefixCache(block_size=4, pool=pool)
+    compute(pool, cache, "s", A + [1])
+    pool.release_block(0, owner=cache)
+    with pytest.raises(AssertionError, match=r"block 0 has 0 pool pins of this cache != 1 entries"):
         cache.validate()
+    before = (dump(pool), len(cache), cache.stats())
+    with pytest.raises(ValueError, match=r"block 0: the pool holds 0 pin\(s\) of this cache"):
+        cache.clear()
+    assert (dump(pool), len(cache), cache.stats()) == before
 
 
 # ---------------------------------------------------------------------------- state machine

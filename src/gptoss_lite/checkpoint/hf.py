@@ -18,6 +18,7 @@ V into one kv_proj (K rows first); the mapping below converts between the two ex
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -40,6 +41,8 @@ _HF_DEFAULT_THETA = 150_000.0
 def _rope_params(hf: Mapping[str, Any]) -> dict[str, Any]:
     """The flat RoPE dict transformers would use: rope_scaling wins over rope_parameters (5.23 order)."""
     params = hf.get("rope_scaling") or hf.get("rope_parameters")
+    if params is not None and not isinstance(params, Mapping):
+        raise ValueError(f"rope_scaling/rope_parameters={params!r}: must be an object of RoPE parameters")
     params = dict(_HF_DEFAULT_ROPE if params is None else params)
     if any(isinstance(v, dict) for v in params.values()):
         raise ValueError(f"per-layer-type RoPE parameters are not supported: {params}")
@@ -48,28 +51,72 @@ def _rope_params(hf: Mapping[str, Any]) -> dict[str, Any]:
     return params
 
 
+# Our ModelConfig field -> the HF config.json key it comes from (for messages in HF terms).
+_HF_KEY_OF = {"vocab_size": "vocab_size", "d_model": "hidden_size", "n_layers": "num_hidden_layers",
+              "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
+              "n_experts": "num_local_experts", "top_k": "num_experts_per_tok", "expert_hidden": "intermediate_size",
+              "max_position_embeddings": "max_position_embeddings", "sliding_window": "sliding_window",
+              "layer_types": "layer_types", "rope_factor": "rope factor",
+              "rope_original_context": "rope original_max_position_embeddings", "rope_theta": "rope_theta",
+              "swiglu_limit": "swiglu_limit", "norm_eps": "rms_norm_eps", "initializer_range": "initializer_range"}
+
+
+def _hf_int(hf: Mapping[str, Any], key: str, minimum: int = 1, optional: bool = False) -> int | None:
+    """hf[key] as an int >= minimum, the message naming the HF key; None when optional and absent/null."""
+    if key not in hf or hf[key] is None:
+        if optional:
+            return None
+        raise ValueError(f"HF gpt-oss config lacks required key {key!r}")
+    value = hf[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key}={value!r}: must be an integer")
+    if value < minimum:
+        raise ValueError(f"{key}={value}: must be >= {minimum}")
+    return value
+
+
+def _hf_float(where: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{where}={value!r}: must be a finite number")
+    return float(value)
+
+
 def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
-    """ModelConfig of an HF gpt-oss config.json dict; anything our model cannot reproduce is a ValueError."""
+    """ModelConfig of an HF gpt-oss config.json dict; anything our model cannot reproduce is a ValueError.
+
+    Messages name the HF keys (hidden_size, num_key_value_heads, ...), not our field names; callers
+    that read a file prefix its path.
+    """
+    if not isinstance(hf, Mapping):
+        raise ValueError(f"an HF config must be a JSON object, got {type(hf).__name__}")
     if hf.get("model_type") != "gpt_oss":
         raise ValueError(f"not an HF gpt-oss config: model_type={hf.get('model_type')!r}, expected 'gpt_oss'")
-    try:
-        C, H = hf["hidden_size"], hf["num_attention_heads"]
-        n_layers = hf["num_hidden_layers"]
-        fields = dict(
-            vocab_size=hf["vocab_size"], d_model=C, n_layers=n_layers, n_heads=H,
-            n_kv_heads=hf.get("num_key_value_heads") or H, head_dim=hf.get("head_dim") or C // H,
-            n_experts=hf.get("num_local_experts", hf.get("num_experts")), top_k=hf["num_experts_per_tok"],
-            expert_hidden=hf["intermediate_size"], max_position_embeddings=hf["max_position_embeddings"])
-    except KeyError as e:
-        raise ValueError(f"HF gpt-oss config lacks required key {e.args[0]!r}") from e
+    C, H = _hf_int(hf, "hidden_size"), _hf_int(hf, "num_attention_heads")
+    n_layers = _hf_int(hf, "num_hidden_layers")
+    # NOTE: an explicit 0 is an error, not "absent": `x or default` once turned 0 heads into H.
+    n_kv = _hf_int(hf, "num_key_value_heads", optional=True)
+    head_dim = _hf_int(hf, "head_dim", optional=True)
+    expert_key = "num_local_experts" if "num_local_experts" in hf else "num_experts"
+    fields = dict(
+        vocab_size=_hf_int(hf, "vocab_size"), d_model=C, n_layers=n_layers, n_heads=H,
+        n_kv_heads=H if n_kv is None else n_kv, head_dim=head_dim if head_dim is not None else C // H,
+        n_experts=_hf_int(hf, expert_key), top_k=_hf_int(hf, "num_experts_per_tok"),
+        expert_hidden=_hf_int(hf, "intermediate_size"), max_position_embeddings=_hf_int(hf, "max_position_embeddings"))
+    if fields["head_dim"] < 1:
+        raise ValueError(f"head_dim is absent and hidden_size={C} // num_attention_heads={H} is 0; give head_dim")
     alpha = hf.get("swiglu_alpha", SWIGLU_ALPHA)
     if alpha != SWIGLU_ALPHA:
         raise ValueError(f"swiglu_alpha={alpha}: this model implements only {SWIGLU_ALPHA}")
     quant = hf.get("quantization_config")
+    if quant is not None and not isinstance(quant, Mapping):
+        raise ValueError(f"quantization_config={quant!r}: must be an object such as {{\"quant_method\": \"mxfp4\"}}")
     if quant is not None and quant.get("quant_method") != "mxfp4":
         raise ValueError(f"quantization_config {quant}: only MXFP4 (dequantised on load) is supported")
-    layer_types = tuple(hf.get("layer_types") or (SLIDING if i % 2 == 0 else FULL for i in range(n_layers)))
-    window = hf.get("sliding_window")
+    layer_types = hf.get("layer_types")
+    if layer_types is not None and (isinstance(layer_types, str) or not isinstance(layer_types, (list, tuple))):
+        raise ValueError(f"layer_types={layer_types!r}: must be a list of 'sliding_attention'/'full_attention'")
+    layer_types = tuple(layer_types or (SLIDING if i % 2 == 0 else FULL for i in range(n_layers)))
+    window = _hf_int(hf, "sliding_window", optional=True)
     if window is None:
         if SLIDING in layer_types:
             raise ValueError("sliding_window is null but layer_types has sliding_attention layers")
@@ -81,28 +128,40 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         if rope.get("truncate", True):
             raise ValueError("rope truncate is true (or absent, which transformers reads as true): gpt-oss YaRN "
                              "uses unrounded ramp bounds; set \"truncate\": false if that is what the model was trained with")
-        factor = float(rope["factor"])
+        for key in ("factor", "original_max_position_embeddings"):
+            if rope.get(key) is None:
+                raise ValueError(f"rope_scaling/rope_parameters of type yarn lacks {key!r}")
+        factor = _hf_float("rope factor", rope["factor"])
         concentration = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
         for key in ("mscale", "mscale_all_dim"):
             if rope.get(key):
                 raise ValueError(f"rope {key}={rope[key]}: not supported (gpt-oss uses 0.1·ln(factor) + 1)")
-        if rope.get("attention_factor") is not None and not math.isclose(rope["attention_factor"], concentration):
+        if rope.get("attention_factor") is not None and not math.isclose(
+                _hf_float("rope attention_factor", rope["attention_factor"]), concentration):
             raise ValueError(f"rope attention_factor={rope['attention_factor']}: this model uses "
                              f"0.1·ln(factor) + 1 = {concentration}")
-        rope_fields = dict(rope_factor=factor, rope_original_context=rope["original_max_position_embeddings"],
-                           rope_beta_fast=float(rope.get("beta_fast") or 32.0),
-                           rope_beta_slow=float(rope.get("beta_slow") or 1.0))
+        rope_fields = dict(rope_factor=factor, rope_original_context=_hf_int(rope, "original_max_position_embeddings"),
+                           rope_beta_fast=_hf_float("rope beta_fast", rope.get("beta_fast") or 32.0),
+                           rope_beta_slow=_hf_float("rope beta_slow", rope.get("beta_slow") or 1.0))
     elif rope["rope_type"] == "default":
         rope_fields = dict(rope_factor=1.0, rope_original_context=fields["max_position_embeddings"])
     else:
         raise ValueError(f"rope_type={rope['rope_type']!r}: only 'yarn' and 'default' are supported")
-    cfg = ModelConfig(
-        **fields, **rope_fields, sliding_window=window, layer_types=layer_types,
-        n_shared_experts=0, activation="gptoss", swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
-        attention_bias=bool(hf.get("attention_bias", True)), router_bias=True, expert_bias=True,
-        sink_clamp=None, rope_theta=float(rope["rope_theta"]), rope_pruned_pairs=0,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-        initializer_range=float(hf.get("initializer_range", 0.02)))
+    try:
+        cfg = ModelConfig(
+            **fields, **rope_fields, sliding_window=window, layer_types=layer_types,
+            n_shared_experts=0, activation="gptoss",
+            swiglu_limit=_hf_float("swiglu_limit", hf.get("swiglu_limit", 7.0)),
+            attention_bias=bool(hf.get("attention_bias", True)), router_bias=True, expert_bias=True,
+            sink_clamp=None, rope_theta=_hf_float("rope_theta", rope["rope_theta"]), rope_pruned_pairs=0,
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            norm_eps=_hf_float("rms_norm_eps", hf.get("rms_norm_eps", 1e-5)),
+            initializer_range=_hf_float("initializer_range", hf.get("initializer_range", 0.02)))
+    except (TypeError, ValueError) as e:
+        # ModelConfig speaks in our field names; say the HF keys the values came from.
+        message = re.sub(r"\b(" + "|".join(sorted(_HF_KEY_OF, key=len, reverse=True)) + r")\b(?==)",
+                         lambda m: _HF_KEY_OF[m.group(1)], str(e))
+        raise ValueError(message) from None
     return cfg
 
 
@@ -196,7 +255,12 @@ def load_hf_state_dict(directory: str | Path, cfg: ModelConfig | None = None) ->
     """
     directory = Path(directory)
     if cfg is None:
-        cfg = config_from_hf(read_json(directory / CONFIG_NAME))
+        try:
+            cfg = config_from_hf(read_json(directory / CONFIG_NAME))
+        except ValueError as e:
+            if str(e).startswith(str(directory)):
+                raise
+            raise ValueError(f"{directory / CONFIG_NAME}: {e}") from None
     state = read_tensors(directory)
     floats = {t.dtype for t in state.values() if t.is_floating_point()}
     _dequantize_experts(state, floats.pop() if len(floats) == 1 else torch.float32)

@@ -141,7 +141,10 @@ def _load_dir(directory: Path, device, dtype) -> GPTOSS:
         raise ValueError(f"{directory}: no {CONFIG_NAME}; not a model directory")
     data = read_json(config_path)
     if data.get("model_type") == "gpt_oss":
-        cfg = config_from_hf(data)
+        try:
+            cfg = config_from_hf(data)
+        except ValueError as e:
+            raise ValueError(f"{config_path}: {e}") from None
         state = load_hf_state_dict(directory, cfg)
     elif "format_version" in data:
         cfg, _ = read_native_config(directory)
@@ -152,11 +155,10 @@ def _load_dir(directory: Path, device, dtype) -> GPTOSS:
     return model_from_state_dict(cfg, state, str(directory), device, dtype)
 
 
-def load_weights_into(model: GPTOSS, directory: str | Path) -> GPTOSS:
-    """Copy a native checkpoint's weights into an existing model (e.g. to resume training).
+def read_weights_for(model: GPTOSS, directory: str | Path) -> dict[str, torch.Tensor]:
+    """A native checkpoint's tensors, checked against `model` (config, names, shapes, finiteness).
 
-    Everything is validated first (config equal to model.config, names, shapes, finiteness); on any
-    error the model is left exactly as it was.
+    Nothing is changed; every problem is a ValueError naming the directory or file.
     """
     directory = Path(directory)
     cfg, _ = read_native_config(directory)
@@ -165,6 +167,16 @@ def load_weights_into(model: GPTOSS, directory: str | Path) -> GPTOSS:
         raise ValueError(f"{directory}: config differs from the model's (field: (model, checkpoint)): {diff}")
     state = read_tensors(directory)
     check_state_dict({k: tuple(v.shape) for k, v in model.state_dict().items()}, state, str(directory))
+    return state
+
+
+def load_weights_into(model: GPTOSS, directory: str | Path) -> GPTOSS:
+    """Copy a native checkpoint's weights into an existing model (e.g. to resume training).
+
+    Everything is validated first (config equal to model.config, names, shapes, finiteness); on any
+    error the model is left exactly as it was.
+    """
+    state = read_weights_for(model, directory)
     with torch.no_grad():
         for name, target in model.state_dict().items():
             target.copy_(state[name])

@@ -1,8 +1,14 @@
-"""Helpers shared by command handlers: model/tokenizer resolution and human-readable units."""
+"""Helpers shared by command handlers: model/tokenizer resolution, devices, threads, units."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+from pathlib import Path
+
+# `--threads` above this is refused: torch accepts it, then runs hundreds of spinning OpenMP threads.
+MAX_THREADS = 1024
 
 
 def add_model_arg(parser: argparse.ArgumentParser) -> None:
@@ -12,25 +18,175 @@ def add_model_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="weight/activation dtype (default: float32)")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
+    add_threads_arg(parser)
+
+
+def add_threads_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="CPU threads for torch (default: $OMP_NUM_THREADS if set, else one per "
+                             "physical core this process may use, minus cores the load average says are busy)")
+
+
+# ---- threads -------------------------------------------------------------------------------------------
+
+def available_cpus() -> set[int]:
+    """Logical CPUs this process may run on (its affinity mask; all CPUs where there is none)."""
+    if hasattr(os, "sched_getaffinity"):
+        return set(os.sched_getaffinity(0))
+    return set(range(os.cpu_count() or 1))
+
+
+def physical_cores(cpus: set[int]) -> int:
+    """Physical cores among `cpus` (hyper-threads of one core count once); len(cpus) if unknown."""
+    cores = set()
+    for cpu in cpus:
+        siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        try:
+            cores.add(siblings.read_text().strip())
+        except OSError:
+            return len(cpus)
+    return len(cores) or len(cpus)
+
+
+def default_threads(load_aware: bool = True) -> tuple[int, str]:
+    """(threads, why): $OMP_NUM_THREADS when set, else the physical cores available to us, less the
+    busy ones when `load_aware` (>= 1). Training passes load_aware=False: its thread count changes
+    how reductions round, so it must not depend on what else the machine is doing."""
+    env = os.environ.get("OMP_NUM_THREADS")
+    if env is not None and env.strip():
+        try:
+            n = int(env)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ValueError(f"OMP_NUM_THREADS={env!r}: must be an int >= 1; unset it or pass --threads N")
+        return n, "OMP_NUM_THREADS"
+    cpus = available_cpus()
+    cores = min(physical_cores(cpus), len(cpus))
+    busy = 0
+    if load_aware and hasattr(os, "getloadavg"):
+        # Runnable tasks beyond our own: OpenMP threads that share a core with them spin and stall.
+        busy = int(os.getloadavg()[0] + 0.5)
+    return max(1, min(cores, len(cpus) - busy)), f"{cores} physical core(s), load {busy}"
+
+
+def configure_threads(requested: int | None, load_aware: bool = True) -> int:
+    """Set torch's intra-op threads from --threads (or the default above); returns the count."""
+    import torch
+
+    from gptoss_lite.validation import check_int
+
+    if requested is None:
+        n, _ = default_threads(load_aware)
+    else:
+        n = check_int("--threads", requested, 1, MAX_THREADS)
+    torch.set_num_threads(n)
+    return n
+
+
+# ---- devices -------------------------------------------------------------------------------------------
+
+def resolve_device(text: str):
+    """--device as a torch.device that this torch build can use now, else a ValueError saying why."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"--device {text!r}: not a torch device; use cpu, cuda, cuda:N or mps") from None
+    if device.type == "cpu":
+        return device
+    if device.type == "cuda":
+        if torch.version.cuda is None:
+            raise ValueError(f"--device {text}: this torch ({torch.__version__}) is a CPU-only build; install a CUDA "
+                             "build of PyTorch (see the README) or use --device cpu")
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {text}: no CUDA device is visible (driver or CUDA_VISIBLE_DEVICES); "
+                             "use --device cpu")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"--device {text}: only {count} CUDA device(s), cuda:0..cuda:{count - 1}")
+        return device
+    if device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ValueError(f"--device {text}: MPS is not available on this machine; use --device cpu")
+        return device
+    raise ValueError(f"--device {text!r}: unsupported device type {device.type!r}; use cpu, cuda, cuda:N or mps")
+
+
+# ---- models --------------------------------------------------------------------------------------------
+
+def model_config_of(source):
+    """The ModelConfig a --model source would load, read without building the model."""
+    from gptoss_lite.checkpoint.hf import config_from_hf
+    from gptoss_lite.checkpoint.io import CONFIG_NAME, read_json
+    from gptoss_lite.checkpoint.native import read_native_config
+    from gptoss_lite.config import PRESETS
+    from gptoss_lite.fixtures import FIXTURES, resolve_config
+
+    path = Path(str(source))
+    if path.is_dir():
+        config_path = path / CONFIG_NAME
+        if not config_path.is_file():
+            return None  # load_model says what is wrong with the directory
+        data = read_json(config_path)
+        if data.get("model_type") == "gpt_oss":
+            try:
+                return config_from_hf(data)
+            except ValueError as exc:
+                raise ValueError(f"{config_path}: {exc}") from None
+        if "format_version" in data:
+            return read_native_config(path)[0]
+        return None
+    if isinstance(source, str) and (source in PRESETS or source in FIXTURES):
+        return resolve_config(source)
+    return None
 
 
 def load_model_and_tokenizer(args: argparse.Namespace):
-    """Resolve --model (default: the shipped demo model) and its tokenizer."""
+    """Resolve --model (default: the shipped demo model), its tokenizer, --device and --threads.
+
+    Everything that can be checked from the config is checked before any weight is built or read,
+    so a model the tokenizer cannot serve fails at once instead of after generating.
+    """
     import torch
 
     from gptoss_lite.checkpoint import default_model_source, load_model
-    from gptoss_lite.tokenizer import load_tokenizer
+    from gptoss_lite.tokenizer import ByteTokenizer, load_tokenizer
 
+    device = resolve_device(args.device)
+    args.threads = configure_threads(getattr(args, "threads", None))
     source = args.model if args.model is not None else default_model_source()
-    model = load_model(source, device=args.device, dtype=getattr(torch, args.dtype))
     model_dir = source if _is_dir(source) else None
-    return model, load_tokenizer(model_dir), source
+    tokenizer = load_tokenizer(model_dir)
+    cfg = model_config_of(source)
+    if cfg is not None and isinstance(tokenizer, ByteTokenizer) and cfg.vocab_size != tokenizer.vocab_size:
+        where = f"{source} has no tokenizer.json" if model_dir is not None else f"preset {source!r} has no tokenizer"
+        raise ValueError(f"--model {source}: vocab_size={cfg.vocab_size:,} but {where}, and the byte tokenizer "
+                         f"reads only ids 0..{tokenizer.vocab_size - 1}; put the model's tokenizer.json in its "
+                         "directory or use a byte-vocabulary model (vocab_size 264, e.g. lite-tiny)")
+    model = load_model(source, device=device, dtype=getattr(torch, args.dtype))
+    return model, tokenizer, source
 
 
 def _is_dir(source) -> bool:
-    from pathlib import Path
-
     return Path(str(source)).is_dir()
+
+
+# ---- output files ---------------------------------------------------------------------------------------
+
+def check_output_file(flag: str, path: str) -> None:
+    """Refuse, before any work, an output file that could not be written afterwards."""
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory; give a file name such as {target / 'out.png'}")
+    parent = target.parent
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path}: directory {parent} does not exist; create it or choose another path")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"{flag} {path}: directory {parent} is not writable; choose another path")
+    if target.exists() and not os.access(target, os.W_OK):
+        raise ValueError(f"{flag} {path}: file exists and is not writable; choose another path")
 
 
 def fmt_bytes(n: int) -> str:
@@ -39,6 +195,10 @@ def fmt_bytes(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n} B"
+
+
+def warn(command: str, message: str) -> None:
+    print(f"gptoss-lite {command}: {message}", file=sys.stderr)
 
 
 def add_speculate_args(parser: argparse.ArgumentParser) -> None:
@@ -60,25 +220,31 @@ def build_speculation(args: argparse.Namespace, model):
 
     from gptoss_lite.speculative import DraftModel, PromptLookup
 
+    check_speculate_args(args)
     mode, k = args.speculate, args.draft_tokens
-    if k is not None and (isinstance(k, bool) or k < 1):
-        raise ValueError(f"--draft-tokens {k}: must be >= 1")
     if mode == "none":
-        if k is not None:
-            raise ValueError("--draft-tokens needs --speculate lookup or --speculate draft:PATH")
         return None
     if mode == "lookup":
         return PromptLookup() if k is None else PromptLookup(k=k)
-    if mode.startswith("draft:") and mode[len("draft:"):]:
-        from gptoss_lite.checkpoint import load_model
+    from gptoss_lite.checkpoint import load_model
 
-        draft = load_model(mode[len("draft:"):], device=args.device, dtype=getattr(torch, args.dtype))
-        if draft.config.vocab_size != model.config.vocab_size:
-            raise ValueError(f"--speculate {mode}: the draft's vocab_size {draft.config.vocab_size} differs "
-                             f"from the model's {model.config.vocab_size}; use a draft with the same tokenizer")
-        return DraftModel(draft) if k is None else DraftModel(draft, k=k)
-    raise ValueError(f"--speculate {mode!r}: use none, lookup or draft:PATH (a checkpoint directory or "
-                     "preset name)")
+    draft = load_model(mode[len("draft:"):], device=args.device, dtype=getattr(torch, args.dtype))
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise ValueError(f"--speculate {mode}: the draft's vocab_size {draft.config.vocab_size} differs "
+                         f"from the model's {model.config.vocab_size}; use a draft with the same tokenizer")
+    return DraftModel(draft) if k is None else DraftModel(draft, k=k)
+
+
+def check_speculate_args(args: argparse.Namespace) -> None:
+    """--speculate / --draft-tokens checks that need no model (run before loading it)."""
+    mode, k = args.speculate, args.draft_tokens
+    if k is not None and (isinstance(k, bool) or k < 1):
+        raise ValueError(f"--draft-tokens {k}: must be >= 1")
+    if mode == "none" and k is not None:
+        raise ValueError("--draft-tokens needs --speculate lookup or --speculate draft:PATH")
+    if mode not in ("none", "lookup") and not (mode.startswith("draft:") and mode[len("draft:"):]):
+        raise ValueError(f"--speculate {mode!r}: use none, lookup or draft:PATH (a checkpoint directory or "
+                         "preset name)")
 
 
 def speculation_line(stats) -> str:

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from gptoss_lite.evals.passkey import DEFAULT_LENGTHS  # pure Python: no torch at import
+
 
 def _depth(text: str) -> float:
     aliases = {"start": 0.0, "middle": 0.5, "end": 1.0}
@@ -27,8 +29,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "per trial; prints accuracy per length and a length x depth grid, then PASS/FAIL at the "
                     "longest length (target >= 85%). Exits 0 either way.")
     add_model_arg(p)
-    p.add_argument("--lengths", type=int, nargs="+", default=list(DEFAULT_LENGTHS), metavar="TOKENS",
-                   help=f"context lengths in tokens (default: {' '.join(map(str, DEFAULT_LENGTHS))})")
+    p.add_argument("--lengths", type=int, nargs="+", default=None, metavar="TOKENS",
+                   help=f"context lengths in tokens (default: those of {' '.join(map(str, DEFAULT_LENGTHS))} "
+                        "that fit the model's max_position_embeddings)")
     p.add_argument("--depths", type=_depth, nargs="+", default=list(DEFAULT_DEPTHS), metavar="FRAC",
                    help="needle depths, fractions in [0, 1] or start/middle/end (default: 0 0.5 1)")
     p.add_argument("--trials", type=int, default=DEFAULT_TRIALS, metavar="N",
@@ -49,10 +52,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gptoss_lite.commands.common import build_speculation, load_model_and_tokenizer, speculation_line
+    from gptoss_lite.commands.common import (build_speculation, check_output_file, check_speculate_args,
+                                             load_model_and_tokenizer, speculation_line, warn)
     from gptoss_lite.evals.passkey import PasskeyEvaluator
 
+    if args.plot:
+        # Checked before the evaluation, which can take hours: a bad path must not throw results away.
+        check_output_file("--plot", args.plot)
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError(f"--plot {args.plot}: needs matplotlib; pip install 'gptoss-lite[plot]' "
+                             "or drop --plot") from None
+    check_speculate_args(args)
     model, tokenizer, source = load_model_and_tokenizer(args)
+    if args.lengths is None:
+        args.lengths = default_lengths(model.config.max_position_embeddings)
+        if len(args.lengths) < len(DEFAULT_LENGTHS):
+            warn("passkey", f"default lengths capped at the model's {model.config.max_position_embeddings:,} "
+                            f"positions: {' '.join(map(str, args.lengths))}")
     speculate = build_speculation(args, model)
     evaluator = PasskeyEvaluator(model, tokenizer=tokenizer, lengths=args.lengths,
                                  depths=args.depths, n_trials=args.trials, base_seed=args.seed,
@@ -74,6 +92,20 @@ def run(args: argparse.Namespace) -> int:
                   f"--draft-tokens {speculate.k}")
         print(result.verdict())
     return 0
+
+
+def default_lengths(max_positions: int) -> list[int]:
+    """The default lengths that fit a model of `max_positions` (the largest power of two that fits if none do)."""
+    from gptoss_lite.evals.passkey import DEFAULT_LENGTHS, NEW_TOKENS
+
+    limit = max_positions - NEW_TOKENS
+    fitting = [n for n in DEFAULT_LENGTHS if n <= limit]
+    if fitting:
+        return fitting
+    n = 1
+    while 2 * n <= limit:
+        n *= 2
+    return [n]
 
 
 def format_table(result, source: str) -> str:

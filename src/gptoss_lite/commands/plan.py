@@ -81,6 +81,22 @@ def _prefill_chunk_flops(geometry: P.KVGeometry, w: P.ModelWeights, queries: int
     return flops
 
 
+def _worst_chunk_flops(geometry: P.KVGeometry, w: P.ModelWeights, context: int, chunk: int) -> int:
+    """FLOPs of the costliest chunk when `context` tokens are prefilled `chunk` at a time.
+
+    A chunk's work never falls as its prefix grows (projections are fixed, attention pairs only
+    rise), so the costliest chunk is the last full one or the final partial one: two evaluations,
+    not one per chunk (a loop over chunks never ended at --context 10**30).
+    """
+    full, rest = divmod(context, chunk)
+    candidates = []
+    if full:
+        candidates.append(_prefill_chunk_flops(geometry, w, chunk, (full - 1) * chunk))
+    if rest:
+        candidates.append(_prefill_chunk_flops(geometry, w, rest, full * chunk))
+    return max(candidates, default=0)
+
+
 def _geometry_dict(g: P.KVGeometry) -> dict[str, Any]:
     if isinstance(g, P.MLAKVGeometry):
         return {"kind": "mla", "attention_layers": g.attention_layers, "latent_dim": g.latent_dim,
@@ -152,9 +168,7 @@ def build_report(model: str, hardware: str, contexts: list[int], batches: list[i
     for n in contexts:
         floor = P.prefill_floor_seconds(weights.active_parameters, n, hw.peak_flops_per_second)
         compute = _prefill_chunk_flops(geometry, weights, n, 0) / hw.peak_flops_per_second
-        size = min(chunk, n) if n else chunk
-        worst_chunk = max((_prefill_chunk_flops(geometry, weights, min(size, n - start), start)
-                           for start in range(0, n, size)), default=0) / hw.peak_flops_per_second
+        worst_chunk = _worst_chunk_flops(geometry, weights, n, chunk) / hw.peak_flops_per_second
         step = P.decode_ceiling(hw, geometry, n, 1).total_bytes_per_step / hw.bandwidth_bytes_per_second
         prefill.append({"context_tokens": n, "floor_seconds": floor, "compute_floor_seconds": compute,
                         "monolithic_stall_seconds": compute, "chunk_tokens": chunk,
@@ -184,7 +198,7 @@ def build_report(model: str, hardware: str, contexts: list[int], batches: list[i
 # ---- text output --------------------------------------------------------------------------------------
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
     lines = ["  " + "  ".join(h.rjust(w) for h, w in zip(headers, widths))]
     lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     return "\n".join(lines)

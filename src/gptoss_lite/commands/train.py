@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,6 +24,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="output directory, overriding checkpoint.out_dir of the config")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.add_argument("--json", action="store_true", help="print the run summary as JSON")
+    from gptoss_lite.commands.common import add_threads_arg
+
+    add_threads_arg(p)
     p.set_defaults(handler=run)
 
 
@@ -32,9 +37,19 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None:
         config = config.replace(checkpoint=config.checkpoint.__class__(
             out_dir=args.out, every_n_steps=config.checkpoint.every_n_steps, keep=config.checkpoint.keep))
-    from gptoss_lite.train.loop import train
+    from gptoss_lite.commands.common import configure_threads
+    from gptoss_lite.train.loop import check_out_dir, latest_checkpoint, train
 
-    summary = train(config, resume=args.resume, max_steps=args.max_steps, progress=not args.no_progress)
+    check_out_dir(Path(config.checkpoint.out_dir))
+    configure_threads(args.threads, load_aware=False)  # same machine, same threads, same weights
+    try:
+        summary = train(config, resume=args.resume, max_steps=args.max_steps, progress=not args.no_progress)
+    except KeyboardInterrupt:
+        newest = latest_checkpoint(config.checkpoint.out_dir)
+        where = (f"the newest checkpoint is {newest}; continue with --resume" if newest is not None
+                 else "no checkpoint was written yet")
+        print(f"gptoss-lite train: interrupted; {where}", file=sys.stderr)
+        return 130
     if summary.final_dir is None:  # not rank 0
         return 0
     report = {"start_step": summary.start_step, "end_step": summary.end_step, "final_loss": summary.final_loss,

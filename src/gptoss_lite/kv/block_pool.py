@@ -8,7 +8,10 @@ which (block, slot) each new token goes to, so a tensor store can mirror the poo
 
 Holders of a block. A block's reference count is the number of page tables holding it plus its
 *pins* (`retain` / `release_block`), which is how a prefix cache keeps finished blocks alive
-(see `gptoss_lite.kv.prefix`). Only full blocks can be pinned.
+(see `gptoss_lite.kv.prefix`). Only full blocks can be pinned. Every pin has an *owner* (any
+hashable; `None` for a caller that passes none): `release_block(b, owner)` drops only a pin that
+`owner` took, so nobody can release a prefix cache's pin behind its back and recycle a block the
+cache still hands out.
 
 Sliding-window layers. `release_before(seq_id, token_index)` (or `drop_leading_blocks`) releases
 leading blocks whose every slot lies before `token_index`; the sequence keeps its logical length
@@ -72,6 +75,21 @@ class _Sequence:
     table: list[int] = field(default_factory=list)  # resident blocks, absolute index first+j
 
 
+_ALL = object()  # pins(block): every owner's pins
+
+
+def _check_owner(owner: Any) -> None:
+    try:
+        hash(owner)
+    except TypeError:
+        raise TypeError(f"owner={owner!r}: unhashable {type(owner).__name__}; use the pinning object "
+                        "itself, an int or a str") from None
+
+
+def _owner_name(owner: Any) -> str:
+    return "None (no owner given)" if owner is None else repr(owner)
+
+
 def _check_hashable(seq_id: Any) -> None:
     """Raise TypeError if `seq_id` cannot be a dict key."""
     try:
@@ -96,7 +114,8 @@ class PagedKVPool:
         # Stack: the top is the end of the list, so block 0 is handed out first.
         self._free: list[int] = list(range(total_blocks - 1, -1, -1))
         self._refs: list[int] = [0] * total_blocks
-        self._pins: list[int] = [0] * total_blocks
+        # block -> {owner: pins that owner holds on it}; an owner with no pins has no entry
+        self._pins: list[dict[Hashable, int]] = [{} for _ in range(total_blocks)]
         # block -> {seq_id: absolute block index in that sequence}
         self._holders: list[dict[Hashable, int]] = [{} for _ in range(total_blocks)]
         self._seqs: dict[Hashable, _Sequence] = {}
@@ -319,24 +338,33 @@ class PagedKVPool:
 
     # ------------------------------------------------------------------ pins
 
-    def retain(self, block_id: int) -> None:
-        """Pin an allocated full block so it outlives every page table holding it."""
+    def retain(self, block_id: int, owner: Hashable = None) -> None:
+        """Pin an allocated full block for `owner` so it outlives every page table holding it."""
         block_id = self._check_block(block_id)
+        _check_owner(owner)
         if self._refs[block_id] == 0:
             raise ValueError(f"block_id={block_id}: free; only allocated blocks can be retained")
         if self._fill(block_id) != self.block_size:
             raise ValueError(f"block_id={block_id}: {self._fill(block_id)}/{self.block_size} "
                              "slots filled; only full blocks can be retained")
-        self._pins[block_id] += 1
+        self._pins[block_id][owner] = self._pins[block_id].get(owner, 0) + 1
         self._refs[block_id] += 1
 
-    def release_block(self, block_id: int) -> bool:
-        """Drop one pin taken by `retain`; return True if the block went back to the free list."""
+    def release_block(self, block_id: int, owner: Hashable = None) -> bool:
+        """Drop one of `owner`'s pins taken by `retain`; True if the block went back to the free list."""
         block_id = self._check_block(block_id)
-        if self._pins[block_id] == 0:
+        _check_owner(owner)
+        pins = self._pins[block_id]
+        if not pins:
             raise ValueError(f"block_id={block_id}: not retained; release_block() undoes "
                              "retain() only")
-        self._pins[block_id] -= 1
+        if owner not in pins:
+            owners = ", ".join(sorted(_owner_name(o) for o in pins))
+            raise ValueError(f"block_id={block_id}: owner {_owner_name(owner)} holds no pin on it (its pins "
+                             f"belong to {owners}); only the owner that retained a block may release it")
+        pins[owner] -= 1
+        if pins[owner] == 0:
+            del pins[owner]
         self._refs[block_id] -= 1
         if self._refs[block_id] == 0:
             self._free.append(block_id)
@@ -372,9 +400,13 @@ class PagedKVPool:
         """Page tables holding the block plus its pins."""
         return self._refs[self._check_block(block_id)]
 
-    def pins(self, block_id: int) -> int:
-        """Pins taken on the block by `retain`."""
-        return self._pins[self._check_block(block_id)]
+    def pins(self, block_id: int, owner: Any = _ALL) -> int:
+        """Pins taken on the block by `retain` (by every owner, or by `owner` only)."""
+        pins = self._pins[self._check_block(block_id)]
+        if owner is _ALL:
+            return sum(pins.values())
+        _check_owner(owner)
+        return pins.get(owner, 0)
 
     def block_fill(self, block_id: int) -> int:
         """Largest fill any holder has in the block (a pin counts as full); 0 for a free block."""
@@ -435,7 +467,10 @@ class PagedKVPool:
             "total_blocks": self.total_blocks,
             "sequences": sequences,
             "free_list": list(self._free),
-            "pinned": {str(b): self._pins[b] for b in range(self.total_blocks) if self._pins[b]},
+            "pinned": {str(b): sum(self._pins[b].values()) for b in range(self.total_blocks)
+                       if self._pins[b]},
+            "pin_owners": {str(b): sorted((_owner_name(o), n) for o, n in self._pins[b].items())
+                           for b in range(self.total_blocks) if self._pins[b]},
             "allocated_blocks": self.allocated_blocks,
             "free_blocks": self.free_blocks,
             "physical_capacity_tokens": self.physical_capacity_tokens,
@@ -473,11 +508,12 @@ class PagedKVPool:
             fail("holder index disagrees with the page tables")
         free = set(self._free)
         for b in range(n):
-            if self._pins[b] < 0:
-                fail(f"block {b} has negative pins {self._pins[b]}")
-            if self._refs[b] != len(holders[b]) + self._pins[b]:
+            if any(not (isinstance(n, int) and n > 0) for n in self._pins[b].values()):
+                fail(f"block {b} has a non-positive pin count {self._pins[b]}")
+            pinned = sum(self._pins[b].values())
+            if self._refs[b] != len(holders[b]) + pinned:
                 fail(f"block {b}: refcount {self._refs[b]} != {len(holders[b])} page tables + "
-                     f"{self._pins[b]} pins")
+                     f"{pinned} pins")
             if self._refs[b] == 0:
                 if b not in free:
                     fail(f"block {b} is unreferenced but not on the free list")

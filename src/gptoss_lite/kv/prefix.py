@@ -12,8 +12,8 @@ Two modes.
 - Standalone (`pool=None`): tracks hashes only, for planners and demos; `max_blocks` optionally
   bounds it with least-recently-used eviction.
 - Pool-backed: each cached hash names a physical block of a `PagedKVPool`, and the cache holds one
-  *pin* on it (`pool.retain` / `pool.release_block`), so a cached block outlives the sequence that
-  computed it. `insert(..., seq_id=)` registers a sequence's full blocks; `attach(seq_id, ...)`
+  *pin* on it (`pool.retain` / `pool.release_block`, with the cache itself as the pin's owner, so no
+  one else can drop it), so a cached block outlives the sequence that computed it. `insert(..., seq_id=)` registers a sequence's full blocks; `attach(seq_id, ...)`
   creates a sequence whose page table starts with the cached blocks (reference counts rise — the
   blocks are shared, never copied). `evict(n)` frees up to `n` blocks held by nobody but the cache,
   least recently used first; a block any sequence references is never freed. A caller that gets
@@ -219,7 +219,7 @@ class PrefixCache:
             block = None
             if self.pool is not None:
                 block = table[i]
-                self.pool.retain(block)
+                self.pool.retain(block, owner=self)
                 self._block_pins[block] = self._block_pins.get(block, 0) + 1
             self._entries[h] = block
             added += 1
@@ -268,7 +268,7 @@ class PrefixCache:
         if self._block_pins[block] == 0:
             del self._block_pins[block]
         assert self.pool is not None
-        return self.pool.release_block(block)
+        return self.pool.release_block(block, owner=self)
 
     def evict(self, n_blocks: int) -> int:
         """Free up to `n_blocks` blocks held only by the cache, least recently used first.
@@ -277,6 +277,7 @@ class PrefixCache:
         evicted entry counts as one freed block.
         """
         n_blocks = check_int("n_blocks", n_blocks, 0)
+        self._check_own_pins()
         freed = 0
         for h in list(self._entries):
             if freed >= n_blocks:
@@ -286,9 +287,26 @@ class PrefixCache:
         return freed
 
     def clear(self) -> None:
-        """Forget every cached block, dropping the cache's pins (sequences keep theirs)."""
+        """Forget every cached block, dropping the cache's pins (sequences keep theirs).
+
+        The pins are checked first, so a cache whose pool lost one raises with nothing changed.
+        """
+        self._check_own_pins()
         for h in list(self._entries):
             self._drop(h)
+
+    def _check_own_pins(self) -> None:
+        if self.pool is None:
+            return
+        for block, count in self._block_pins.items():
+            held = self.pool.pins(block, owner=self)
+            if held != count:
+                raise ValueError(f"block {block}: the pool holds {held} pin(s) of this cache, its entries "
+                                 f"{count}; the pool was changed behind the cache's back (validate() names it)")
+
+    def __repr__(self) -> str:
+        mode = "standalone" if self.pool is None else "pool-backed"
+        return f"<PrefixCache {mode}, block_size={self.block_size}, at {id(self):#x}>"
 
     # ------------------------------------------------------------------ reporting
 
@@ -312,9 +330,10 @@ class PrefixCache:
             raise AssertionError("PrefixCache invariant broken: pin index disagrees with entries")
         if self.pool is not None:
             for block, count in pins.items():
-                if self.pool.pins(block) < count:
+                if self.pool.pins(block, owner=self) != count:
                     raise AssertionError(f"PrefixCache invariant broken: block {block} has "
-                                         f"{self.pool.pins(block)} pool pins < {count} entries")
+                                         f"{self.pool.pins(block, owner=self)} pool pins of this cache "
+                                         f"!= {count} entries")
                 if self.pool.block_fill(block) != self.block_size:
                     raise AssertionError(f"PrefixCache invariant broken: cached block {block} "
                                          "is not full")

@@ -36,6 +36,9 @@ from gptoss_lite.validation import check_int as _check_int
 PRECISIONS = ("fp32", "bf16")
 LOSS_ON = ("all", "answer")
 DEVICES = ("auto", "cpu", "cuda")
+# A model section without a preset must give these: ModelConfig's own defaults are the 502M preset.
+_MODEL_SIZE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                      "n_experts", "expert_hidden")
 
 
 
@@ -90,7 +93,7 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         _check_float("optimizer.lr", self.lr, 0.0, 10.0, low_open=True)
-        if len(self.betas) != 2:
+        if isinstance(self.betas, (str, bytes)) or not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
             raise ValueError(f"optimizer.betas={self.betas!r}: must be two numbers, e.g. [0.9, 0.95]")
         for i, b in enumerate(self.betas):
             _check_float(f"optimizer.betas[{i}]", b, 0.0, 1.0)
@@ -198,6 +201,7 @@ class TrainConfig:
         """Build from a parsed YAML/JSON mapping, rejecting unknown keys by name at every level."""
         if not isinstance(data, dict):
             raise ValueError(f"a train config must be a mapping of sections, got {type(data).__name__}")
+        _check_keys("train config", data)
         sections = {"data": DataConfig, "optimizer": OptimizerConfig, "schedule": ScheduleConfig,
                     "checkpoint": CheckpointConfig, "logging": LoggingConfig}
         scalars = {"precision", "gradient_checkpointing", "aux_loss_coef", "seed", "device", "init_from"}
@@ -208,7 +212,13 @@ class TrainConfig:
         kwargs: dict[str, Any] = {k: data[k] for k in scalars if k in data}
         for key, klass in sections.items():
             kwargs[key] = _section(key, klass, data.get(key) or {})
-        model_fields = dict(data.get("model") or {})
+        if data.get("model") is None:
+            raise ValueError("no 'model' section; name the architecture, e.g. model: {preset: lite-tiny}, or give "
+                             f"every size field {list(_MODEL_SIZE_FIELDS)} (nothing falls back to the 502M preset)")
+        if not isinstance(data["model"], dict):
+            raise ValueError(f"train config section 'model' must be a mapping, got {data['model']!r}")
+        _check_keys("section 'model'", data["model"])
+        model_fields = dict(data["model"])
         preset = model_fields.pop("preset", None)
         if preset is not None:
             base = resolve_config(preset).to_dict()
@@ -218,6 +228,16 @@ class TrainConfig:
             if "n_layers" in model_fields and "layer_types" not in model_fields:
                 base["layer_types"] = []  # re-derive the alternating layout for the new depth
             model_fields = {**base, **model_fields}
+        else:
+            known_model = {f.name for f in dataclasses.fields(ModelConfig)}
+            unknown_model = sorted(set(model_fields) - known_model)
+            if unknown_model:
+                raise ValueError(f"unknown ModelConfig field(s) {unknown_model}; valid fields: {sorted(known_model)}")
+            missing = [k for k in _MODEL_SIZE_FIELDS if k not in model_fields]
+            if missing:
+                raise ValueError(f"model section without a preset lacks {missing}; give every size field "
+                                 f"{list(_MODEL_SIZE_FIELDS)} or start from a preset (model: {{preset: lite-tiny, "
+                                 "...}); missing fields never fall back to the 502M preset")
         kwargs["model"] = ModelConfig.from_dict(model_fields)
         kwargs["model_preset"] = preset
         return cls(**kwargs)
@@ -238,9 +258,17 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
 
+def _check_keys(where: str, mapping: dict) -> None:
+    bad = [k for k in mapping if not isinstance(k, str)]
+    if bad:
+        raise ValueError(f"{where}: key {bad[0]!r} is not a name; keys are words such as 'seq_len' "
+                         "(in YAML, quote a key that looks like a number)")
+
+
 def _section(key: str, klass: type, values: Any) -> Any:
     if not isinstance(values, dict):
         raise ValueError(f"train config section {key!r} must be a mapping, got {values!r}")
+    _check_keys(f"section {key!r}", values)
     known = {f.name for f in dataclasses.fields(klass)}
     unknown = sorted(set(values) - known)
     if unknown:
@@ -254,18 +282,37 @@ def _section(key: str, klass: type, values: Any) -> Any:
 def load_train_config(path: str | Path) -> TrainConfig:
     """Read a TrainConfig from a .yaml/.yml or .json file."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"train config {str(path)!r} is a directory; pass --config PATH to a YAML or JSON file "
+                         "(e.g. configs/demo_cpu.yaml)")
     if not path.is_file():
         raise FileNotFoundError(f"train config {str(path)!r} does not exist; pass --config PATH to a YAML or JSON file "
                                 f"(e.g. configs/demo_cpu.yaml)")
-    text = path.read_text()
-    if path.suffix.lower() == ".json":
-        data = json.loads(text)
-    elif path.suffix.lower() in (".yaml", ".yml"):
+    suffix = path.suffix.lower()
+    if suffix not in (".json", ".yaml", ".yml"):
+        raise ValueError(f"train config {str(path)!r}: unknown extension {path.suffix!r}; use .yaml, .yml or .json")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"train config {str(path)!r}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at "
+                         f"offset {exc.start}); save it as UTF-8") from None
+    except OSError as exc:
+        raise ValueError(f"train config {str(path)!r}: cannot be read ({exc.strerror or exc})") from None
+    if suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"train config {str(path)!r}: not valid JSON: {exc}") from None
+    else:
         import yaml
 
-        data = yaml.safe_load(text)
-    else:
-        raise ValueError(f"train config {str(path)!r}: unknown extension {path.suffix!r}; use .yaml, .yml or .json")
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            where = getattr(exc, "problem_mark", None)
+            at = f" at line {where.line + 1} column {where.column + 1}" if where is not None else ""
+            problem = getattr(exc, "problem", None) or type(exc).__name__
+            raise ValueError(f"train config {str(path)!r}: not valid YAML{at}: {problem}") from None
     if data is None:
         raise ValueError(f"train config {str(path)!r} is empty")
     try:

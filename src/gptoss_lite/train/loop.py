@@ -45,7 +45,9 @@ CHECKPOINT_DIR = "checkpoints"
 FINAL_DIR = "final"
 METRICS_FILE = "metrics.jsonl"
 STATE_FILE = "trainer_state.json"
+LOCK_FILE = ".train.lock"  # holds the pid of the run writing the directory (flock'd while it runs)
 OPTIMIZER_FILE = "optimizer.safetensors"
+RNG_FILE = "rng.safetensors"
 STATE_FORMAT_VERSION = 1
 
 
@@ -142,18 +144,49 @@ def _save_optimizer(optimizer: torch.optim.Optimizer, directory: Path) -> dict:
     return {"param_groups": state["param_groups"], "scalars": scalars}
 
 
-def _load_optimizer(optimizer: torch.optim.Optimizer, directory: Path, saved: dict) -> None:
+def _read_optimizer(optimizer: torch.optim.Optimizer, directory: Path, saved) -> dict:
+    """The optimiser state dict of a checkpoint, checked against `optimizer`; nothing is changed."""
+    path = directory / OPTIMIZER_FILE
+    tensors = _read_safetensors(path)
+    if not (isinstance(saved, dict) and isinstance(saved.get("param_groups"), list)
+            and isinstance(saved.get("scalars"), dict)):
+        raise ValueError(f"{directory / STATE_FILE}: 'optimizer' must hold 'param_groups' and 'scalars'")
+    current = optimizer.state_dict()["param_groups"]
+    groups = saved["param_groups"]
+    if len(groups) != len(current) or any(not isinstance(g, dict) or g.get("params") != c["params"]
+                                          or set(g) != set(c) for g, c in zip(groups, current)):
+        raise ValueError(f"{directory / STATE_FILE}: optimizer param_groups do not match this model's parameters")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    per_param: dict[int, dict] = {}
+    for source, items in ((path, tensors.items()), (directory / STATE_FILE, saved["scalars"].items())):
+        for key, value in items:
+            idx, _, name = key.partition(".")
+            if not idx.isdigit() or not name or int(idx) >= len(params):
+                raise ValueError(f"{source}: entry {key!r} names no parameter of this model "
+                                 f"(expected '<0..{len(params) - 1}>.<name>')")
+            per_param.setdefault(int(idx), {})[name] = value
+    for idx, entries in per_param.items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            value = entries.get(name)
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(params[idx].shape):
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else value
+                raise ValueError(f"{path}: {idx}.{name} is {got}, expected a tensor of shape "
+                                 f"{tuple(params[idx].shape)}")
+        if "step" not in entries:
+            raise ValueError(f"{path}: {idx}.step is missing")
+    return {"state": per_param, "param_groups": groups}
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    tensors = load_file(str(directory / OPTIMIZER_FILE))
-    per_param: dict[int, dict] = {}
-    for key, value in tensors.items():
-        idx, name = key.split(".", 1)
-        per_param.setdefault(int(idx), {})[name] = value
-    for key, value in saved["scalars"].items():
-        idx, name = key.split(".", 1)
-        per_param.setdefault(int(idx), {})[name] = value
-    optimizer.load_state_dict({"state": per_param, "param_groups": saved["param_groups"]})
+    if not path.is_file():
+        raise ValueError(f"{path}: file not found")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
 
 
 # ---- checkpoints -----------------------------------------------------------------------------------
@@ -162,13 +195,20 @@ def _checkpoint_name(step: int) -> str:
     return f"step_{step:07d}"
 
 
-def latest_checkpoint(out_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint under `out_dir/checkpoints`, or None."""
+def checkpoints_newest_first(out_dir: str | Path) -> list[Path]:
+    """Checkpoint directories under `out_dir/checkpoints` holding a trainer state, newest first."""
     root = Path(out_dir) / CHECKPOINT_DIR
     if not root.is_dir():
-        return None
-    done = [d for d in root.iterdir() if d.is_dir() and d.name.startswith("step_") and (d / STATE_FILE).is_file()]
-    return max(done, key=lambda d: int(d.name[len("step_"):]), default=None)
+        return []
+    done = [d for d in root.iterdir() if d.is_dir() and d.name.startswith("step_")
+            and d.name[len("step_"):].isdigit() and (d / STATE_FILE).is_file()]
+    return sorted(done, key=lambda d: int(d.name[len("step_"):]), reverse=True)
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint under `out_dir/checkpoints`, or None."""
+    found = checkpoints_newest_first(out_dir)
+    return found[0] if found else None
 
 
 def _save_checkpoint(model, optimizer, config: TrainConfig, step: int, out_dir: Path) -> Path:
@@ -184,33 +224,82 @@ def _save_checkpoint(model, optimizer, config: TrainConfig, step: int, out_dir: 
     opt_state = _save_optimizer(optimizer, tmp)
     from safetensors.torch import save_file
 
-    save_file({"cpu_rng": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
+    save_file({"cpu_rng": torch.get_rng_state()}, str(tmp / RNG_FILE))
     state = {"format_version": STATE_FORMAT_VERSION, "step": step, "optimizer": opt_state,
              "config": config.to_dict()}
     (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
-    kept = sorted((d for d in root.iterdir() if d.is_dir() and d.name.startswith("step_")),
+    kept = sorted((d for d in root.iterdir() if d.is_dir() and d.name.startswith("step_")
+                   and d.name[len("step_"):].isdigit()),
                   key=lambda d: int(d.name[len("step_"):]))
     for old in kept[: -config.checkpoint.keep]:
-        shutil.rmtree(old)
+        # Renamed out of the step_* namespace first: a kill mid-delete leaves hidden debris, never a
+        # half-deleted directory that still looks like a checkpoint.
+        trash = root / f".old-{old.name}"
+        shutil.rmtree(trash, ignore_errors=True)
+        old.rename(trash)
+        shutil.rmtree(trash)
     return final
 
 
-def _load_checkpoint(model, optimizer, directory: Path) -> int:
-    """Restore model, optimiser and RNG from `directory`; returns the step to continue from."""
-    from safetensors.torch import load_file
+def _read_checkpoint(model, optimizer, directory: Path) -> dict:
+    """Everything a resume from `directory` needs, fully checked; changes nothing (ValueError naming the file)."""
+    from gptoss_lite.checkpoint.native import read_weights_for
 
-    from gptoss_lite.checkpoint import load_weights_into
-
-    state = json.loads((directory / STATE_FILE).read_text())
+    path = directory / STATE_FILE
+    try:
+        state = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: unreadable trainer state ({e})") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(state).__name__}")
     if state.get("format_version") != STATE_FORMAT_VERSION:
-        raise ValueError(f"{directory}: trainer state format {state.get('format_version')!r}, "
+        raise ValueError(f"{path}: trainer state format {state.get('format_version')!r}, "
                          f"expected {STATE_FORMAT_VERSION}; start a new run without --resume")
-    load_weights_into(model, directory)  # validates the config against the train config's model
-    _load_optimizer(optimizer, directory, state["optimizer"])
-    torch.set_rng_state(load_file(str(directory / "rng.safetensors"))["cpu_rng"])
-    return int(state["step"])
+    step = state.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"{path}: 'step' is {step!r}; expected the int step the checkpoint was written at")
+    if directory.name.startswith("step_") and directory.name != _checkpoint_name(step):
+        raise ValueError(f"{path}: 'step' is {step} but the directory is {directory.name}")
+    weights = read_weights_for(model, directory)  # config, names, shapes, finiteness
+    optim = _read_optimizer(optimizer, directory, state.get("optimizer"))
+    rng = _read_safetensors(directory / RNG_FILE).get("cpu_rng")
+    expected = torch.get_rng_state()
+    if not isinstance(rng, torch.Tensor) or rng.dtype != expected.dtype or rng.shape != expected.shape:
+        raise ValueError(f"{directory / RNG_FILE}: 'cpu_rng' must be a {expected.dtype} tensor of shape "
+                         f"{tuple(expected.shape)}")
+    return {"step": step, "weights": weights, "optimizer": optim, "rng": rng}
+
+
+def _load_checkpoint(model, optimizer, directory: Path) -> int:
+    """Restore model, optimiser and RNG from `directory`; returns the step to continue from.
+
+    Everything is read and checked first, so a checkpoint that fails leaves model and optimiser as they were.
+    """
+    ckpt = _read_checkpoint(model, optimizer, directory)
+    with torch.no_grad():
+        for name, target in model.state_dict().items():
+            target.copy_(ckpt["weights"][name])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    torch.set_rng_state(ckpt["rng"])
+    return ckpt["step"]
+
+
+def _resume_from_newest_intact(model, optimizer, out_dir: Path, is_main: bool) -> tuple[Path, int]:
+    """Load the newest checkpoint that reads back whole; a corrupt newer one is skipped with a warning."""
+    problems = []
+    for directory in checkpoints_newest_first(out_dir):
+        try:
+            step = _load_checkpoint(model, optimizer, directory)
+        except ValueError as e:
+            problems.append(f"{directory.name}: {e}")
+            if is_main:
+                print(f"train: warning: checkpoint {directory} is unusable, trying the previous one ({e})",
+                      file=sys.stderr)
+            continue
+        return directory, step
+    raise ValueError(f"--resume: no usable checkpoint under {out_dir / CHECKPOINT_DIR}: " + "; ".join(problems))
 
 
 # ---- the loop --------------------------------------------------------------------------------------
@@ -229,6 +318,7 @@ def train(config: TrainConfig, resume: bool = False, max_steps: int | None = Non
         raise ValueError(f"max_steps={max_steps}: must be >= 1 (or None to run schedule.total_steps)")
     end_step = config.schedule.total_steps if max_steps is None else min(max_steps, config.schedule.total_steps)
     out_dir = Path(config.checkpoint.out_dir)
+    check_out_dir(out_dir)
     resume_dir = latest_checkpoint(out_dir) if resume else None
     if resume and resume_dir is None:
         raise FileNotFoundError(f"--resume: no checkpoint under {out_dir / CHECKPOINT_DIR}; "
@@ -253,9 +343,16 @@ def train(config: TrainConfig, resume: bool = False, max_steps: int | None = Non
         load_weights_into(model, config.init_from)  # strict: every tensor, shapes checked, or nothing
     if resume_dir is not None:
         # load_state_dict copies into the device parameters; the optimiser casts its state to them.
-        start_step = _load_checkpoint(model, optimizer, resume_dir)
-        if is_main:
+        resume_dir, start_step = _resume_from_newest_intact(model, optimizer, out_dir, is_main)
+    lock = _lock_out_dir(out_dir) if is_main else None
+    if is_main:
+        try:
+            # Lines past the starting step belong to work that is redone now (all of them on a fresh start).
             _truncate_metrics(out_dir / METRICS_FILE, start_step)
+        except BaseException:
+            if lock is not None:
+                lock.close()
+            raise
     model.train()
     model.gradient_checkpointing = config.gradient_checkpointing
     params = [p for p in model.parameters() if p.requires_grad]
@@ -354,6 +451,8 @@ def train(config: TrainConfig, resume: bool = False, max_steps: int | None = Non
             print(f"train: done at step {summary.end_step}; final loss {summary.final_loss}; "
                   f"{summary.tokens_per_s:,.0f} tokens/s; model in {final}", file=sys.stderr)
     finally:
+        if lock is not None:
+            lock.close()  # releases the flock
         if bar is not None:
             bar.close()
         if metrics is not None:
@@ -374,7 +473,79 @@ def _extra_config(config: TrainConfig, step: int) -> dict:
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop metrics lines past `step` (left by a run that stopped after its last checkpoint)."""
-    if path.is_file():
-        lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-        path.write_text("".join(ln + "\n" for ln in lines))
+    """Drop metrics lines past `step` (left by a run that stopped after its last checkpoint).
+
+    A partial last line (a crash mid-write) is dropped with a warning; a damaged line elsewhere is a
+    ValueError naming the file and line. The file is replaced atomically.
+    """
+    if not path.is_file():
+        return
+    try:
+        text = path.read_bytes().decode("utf-8", errors="replace")
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be read ({e.strerror or e})") from None
+    raw = text.split("\n")
+    complete, tail = raw[:-1], raw[-1]  # tail: text after the last newline (a partial line, or "")
+    kept = []
+    for number, line in enumerate(complete, start=1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+            line_step = entry["step"]
+            if isinstance(line_step, bool) or not isinstance(line_step, int):
+                raise TypeError
+        except (json.JSONDecodeError, KeyError, TypeError):
+            if number == len(complete) and not tail.strip():
+                tail = line  # the last line, damaged: same as a partial one
+                continue
+            raise ValueError(f"{path}:{number}: not a metrics line ({line[:60]!r}); repair or delete the "
+                             "line, then resume again") from None
+        if line_step <= step:
+            kept.append(line)
+    if tail.strip():
+        print(f"train: warning: {path}: dropped a partial last line ({tail[:60]!r}) left by an interrupted write",
+              file=sys.stderr)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+def _lock_out_dir(out_dir: Path):
+    """Hold an exclusive lock on `out_dir` for this run: two trainers writing one directory would
+    interleave checkpoints and metrics. The kernel drops the lock when the process ends, SIGKILL included.
+    Returns the open lock file (close it to release), or None where `fcntl` does not exist (Windows)."""
+    try:
+        import fcntl
+    except ImportError:  # no flock on this platform: nothing to lock with
+        return None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lock = open(out_dir / LOCK_FILE, "a+")
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "?"
+        lock.close()
+        raise ValueError(f"{out_dir}: another train run (pid {holder}) is writing this directory; wait for it, "
+                         "stop it, or choose another --out") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """Refuse an output directory that cannot be created, before anything is written."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"output directory {out_dir}: exists and is a file; choose another --out "
+                         "(or checkpoint.out_dir)")
+    for parent in (out_dir, *out_dir.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"output directory {out_dir}: {parent} is a file, not a directory; "
+                                 "choose another --out (or checkpoint.out_dir)")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise ValueError(f"output directory {out_dir}: {parent} is not writable; choose another --out")
+            break
