@@ -1,6 +1,6 @@
 """Passkey accuracy of every checkpoint of a training run: when does retrieval appear, and at which lengths?
 
-Runs the SPEC §4 evaluation (few trials, every depth) on each `checkpoints/step_*` of a run
+Runs the docs/passkey.md evaluation (few trials, every depth) on each `checkpoints/step_*` of a run
 directory plus its `final`, prints a step x length table and optionally plots it.
 
     python benchmarks/passkey_by_checkpoint.py runs/demo_cpu_stage2 --lengths 256 1024 4096 --trials 10 \

@@ -3,7 +3,7 @@
 The evaluator's filler and the training filler are both plain English sentences. This probe builds
 the haystack from the Python reference documentation that ships with the interpreter
 (`pydoc_data.topics`: prose mixed with code, brackets and symbols; digits removed so the passkey is
-the only number), puts the needle at start, middle and end, and scores like SPEC §4 (greedy 16
+the only number), puts the needle at start, middle and end, and scores like docs/passkey.md (greedy 16
 tokens through the cached path, first 5-digit number). Offline; the text depends on the Python
 version (the README figures are from Python 3.11).
 

@@ -1,4 +1,4 @@
-"""ModelConfig: the 502M parameter count (SPEC §1.1), presets by exact name, validation."""
+"""ModelConfig: the 502M parameter count (docs/model.md#the-502m-preset), presets by exact name, validation."""
 
 import pytest
 import torch

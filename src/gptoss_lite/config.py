@@ -1,6 +1,6 @@
 """Model configuration: one frozen dataclass, presets by exact name, parameter counting.
 
-Every knob that distinguishes GPT-OSS-Lite from the released gpt-oss models (SPEC §1.2) is a field
+Every knob that distinguishes GPT-OSS-Lite from the released gpt-oss models (docs/model.md#gpt-oss-family-knobs) is a field
 here, so the same model code runs both.
 """
 
@@ -24,13 +24,13 @@ CONFIG_FORMAT_VERSION = 1
 
 
 def _alternating_layer_types(n_layers: int) -> tuple[str, ...]:
-    """Even layers sliding-window, odd layers global (SPEC §1.1)."""
+    """Even layers sliding, odd layers full (docs/model.md#the-502m-preset)."""
     return tuple(SLIDING if i % 2 == 0 else FULL for i in range(n_layers))
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a GPT-OSS-Lite / gpt-oss model. Defaults are the 502M preset (SPEC §1.1)."""
+    """Architecture of a GPT-OSS-Lite / gpt-oss model. Defaults are the 502M preset (docs/model.md#the-502m-preset)."""
 
     vocab_size: int = 128_000  # tokens
     d_model: int = 768  # residual width C
@@ -62,7 +62,7 @@ class ModelConfig:
     dropout: float = 0.0  # training only; model.eval() disables it
     max_position_embeddings: int = 131_072  # longest sequence generate() accepts, in tokens
     initializer_range: float = 0.02
-    # Context length the checkpoint was trained at (SPEC §6); None when unknown/untrained.
+    # Context length the checkpoint was trained at (docs/training.md); None when unknown/untrained.
     train_context_length: int | None = None
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""Generation (SPEC §3.2), two functions that must agree token for token:
+"""Generation (docs/kv-cache.md#generation), two functions that must agree token for token:
 
 - `generate` / `stream_generate`: the cached path. The prompt is prefilled in bounded chunks into a
   KV cache (a `MixedKVCache` unless one is given), then each new token is one decode step.

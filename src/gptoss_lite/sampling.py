@@ -1,4 +1,4 @@
-"""Logits -> token ids: greedy, temperature and nucleus (top-p) sampling (SPEC §3.2)."""
+"""Logits -> token ids: greedy, temperature and nucleus (top-p) sampling (docs/kv-cache.md#generation)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Both expose the same small API: `encode(text, bos=False) -> list[int]`, `decode(ids) -> str`,
 `vocab_size`, and the special ids `bos_id` / `eos_id` / `pad_id` (None where a tokenizer has none).
-Nothing is downloaded at run time (SPEC §2).
+Nothing is downloaded at run time (docs/checkpoints.md).
 """
 
 from __future__ import annotations

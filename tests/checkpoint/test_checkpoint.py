@@ -1,4 +1,4 @@
-"""Checkpoints: native round trips, strict loading, HF layout mapping, MXFP4 (SPEC §2)."""
+"""Checkpoints: native round trips, strict loading, HF layout mapping, MXFP4 (docs/checkpoints.md)."""
 
 from __future__ import annotations
 
@@ -324,7 +324,7 @@ def test_hf_config_round_trip():
 
 
 def test_hf_state_dict_mapping_is_exact():
-    """native -> HF -> native is the identity; gate/up interleave by column, shapes as in SPEC §2."""
+    """native -> HF -> native is the identity; gate/up interleave by column, shapes as in docs/checkpoints.md."""
     model = _hf_model()
     native = model.state_dict()
     hf = native_to_hf(native, HF_TINY)

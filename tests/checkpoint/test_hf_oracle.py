@@ -1,4 +1,4 @@
-"""transformers' GptOssForCausalLM as the oracle for our HF-layout loader and writer (SPEC §2).
+"""transformers' GptOssForCausalLM as the oracle for our HF-layout loader and writer (docs/checkpoints.md).
 
 Peer tests (`-m peer`): transformers is a test-only dependency, never imported by src/.
 """

@@ -219,7 +219,7 @@ def test_passkey_bad_plot_path_fails_before_the_evaluation(monkeypatch, tmp_path
 
 
 def test_passkey_default_lengths_fit_the_model():
-    """The default lengths are those of the SPEC ladder that fit max_position_embeddings (16,384: 4096 8192)."""
+    """The default lengths are those of the default ladder that fit max_position_embeddings (16,384: 4096 8192)."""
     from gptoss_lite.commands.passkey import default_lengths
 
     assert default_lengths(16_384) == [4096, 8192]

@@ -66,7 +66,7 @@ def test_plan_writes_png(tmp_path, capsys):
 
 
 def test_kv_bench_passes(capsys):
-    """`kv-bench` reproduces SPEC §3.1 (2.25 GiB vs 1.13 GiB at 128K) and exits 0 with a PASS line."""
+    """`kv-bench` reproduces docs/kv-cache.md#kv-arithmetic-of-the-502m-preset (2.25 GiB vs 1.13 GiB at 128K) and exits 0 with a PASS line."""
     assert main(["kv-bench"]) == 0
     out = capsys.readouterr().out
     assert "2,415,919,104" in out and "1,209,139,200" in out

@@ -1,4 +1,4 @@
-"""Passkey evaluator: the SPEC §4 protocol (prompts, keys, scoring) and the CLI."""
+"""Passkey evaluator: the docs/passkey.md protocol (prompts, keys, scoring) and the CLI."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tests for the tensor-free paged KV block pool (SPEC §5.4, §5.7)."""
+"""Tests for the tensor-free paged KV block pool (docs/paged.md#block-pool, docs/paged.md#rollback)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def expect_unchanged(pool: PagedKVPool, exc: type[BaseException], match: str, fn
 
 
 def test_free_list_hands_out_in_order_then_lifo():
-    """Blocks come out 0, 1, 2, …; released blocks go on top in page-table order (SPEC §5.4)."""
+    """Blocks come out 0, 1, 2, …; released blocks go on top in page-table order (docs/paged.md#block-pool)."""
     pool = PagedKVPool(8, block_size=4)
     pool.create("a")
     assert pool.append("a", 12).new_blocks == (0, 1, 2)
@@ -254,7 +254,7 @@ def test_window_release_before_bounds_resident_blocks():
 
 
 def test_window_rollback_cannot_resurrect_released_tokens():
-    """Truncating below a sliding window's released point is rejected without change (§5.7)."""
+    """Truncating below a sliding window's released point is rejected without change (docs/paged.md#rollback)."""
     pool = PagedKVPool(8, block_size=4)
     pool.create("w")
     pool.append("w", 14)

@@ -1,4 +1,4 @@
-"""Tests for the paged K/V store and PagedKVCache (SPEC §3.1 interface, §5.4, §5.5, §5.7)."""
+"""Tests for the paged K/V store and PagedKVCache (docs/paged.md; the protocol: docs/kv-cache.md#the-cache-protocol)."""
 
 from __future__ import annotations
 

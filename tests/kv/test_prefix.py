@@ -1,4 +1,4 @@
-"""Tests for the chained-hash prefix cache and its sharing of paged pool blocks (SPEC §5.5)."""
+"""Tests for the chained-hash prefix cache and its sharing of paged pool blocks (docs/paged.md#prefix-caching)."""
 
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def test_lru_order_evicts_tail_of_a_chain_before_its_head():
 
 
 def test_stats_report_request_hits_and_reused_tokens_separately():
-    """Request-hit fraction and reused-token fraction are different numbers (SPEC §5.5)."""
+    """Request-hit fraction and reused-token fraction are different numbers (docs/paged.md#prefix-caching)."""
     cache = PrefixCache(block_size=4)
     assert cache.stats().request_hit_fraction == 0.0
     assert cache.stats().reused_token_fraction == 0.0

@@ -68,7 +68,7 @@ def test_window_sees_exactly_w_keys(impl):
 
 
 def test_sink_closed_form():
-    """out_with_sink = out_without_sink * sigmoid(lse - sink) (SPEC §1.3)."""
+    """out_with_sink = out_without_sink * sigmoid(lse - sink) (docs/model.md#attention-with-sinks)."""
     q, k, v, sinks = _qkv(T=5, S=12)
     with_sink = attention_reference(q, k, v, sinks, 7, None)
     without = attention_reference(q, k, v, None, 7, None)

@@ -9,7 +9,7 @@ from gptoss_lite.model.rope import (RotaryEmbedding, apply_rotary, apply_rotary_
 
 
 def test_yarn_inv_freq_by_hand():
-    """YaRN frequencies follow SPEC §1.4 with unrounded low/high (truncate = false)."""
+    """YaRN frequencies follow docs/model.md#yarn-rope with unrounded low/high (truncate = false)."""
     D, theta, s, L0 = 96, 100_000.0, 32.0, 4096
     inv = yarn_inv_freq(D, theta, s, L0)
     half = D // 2

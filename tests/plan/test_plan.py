@@ -53,7 +53,7 @@ def test_deepseek_v3_mla_bytes_per_token():
 
 
 def test_lite_mixed_payload_at_128k():
-    """502M preset at 131,072 tokens: 2.25 GiB all-full vs 1.13 GiB mixed, exact bytes from SPEC §3.1."""
+    """502M preset at 131,072 tokens: 2.25 GiB all-full vs 1.13 GiB mixed, exact bytes from docs/kv-cache.md#kv-arithmetic-of-the-502m-preset."""
     assert P.kv_payload_bytes(LITE_ALL_FULL, 131_072) == 2_415_919_104
     assert P.kv_payload_bytes(LITE, 131_072) == 1_209_139_200
     assert round(2_415_919_104 / P.GIB, 2) == 2.25 and round(1_209_139_200 / P.GIB, 2) == 1.13
@@ -61,7 +61,7 @@ def test_lite_mixed_payload_at_128k():
 
 @pytest.mark.parametrize("tokens, ratio", [(4096, 1.94), (8192, 1.97), (32768, 1.99), (131072, 2.00)])
 def test_lite_mixed_ratio(tokens, ratio):
-    """Mixed/all-full reduction of the 502M preset matches SPEC §3.1 to two decimals."""
+    """Mixed/all-full reduction of the 502M preset matches docs/kv-cache.md#kv-arithmetic-of-the-502m-preset to two decimals."""
     got = P.kv_payload_bytes(LITE_ALL_FULL, tokens) / P.kv_payload_bytes(LITE, tokens)
     assert round(got, 2) == ratio
 

@@ -1,4 +1,4 @@
-"""Trainer: config loading and validation, synthetic data, one step, resume, DDP, CLI (SPEC §6)."""
+"""Trainer: config loading and validation, synthetic data, one step, resume, DDP, CLI (docs/training.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Checkpoints: safetensors only, native and Hugging Face gpt-oss layouts, MXFP4 (SPEC §2).
+"""Checkpoints: safetensors only, native and Hugging Face gpt-oss layouts, MXFP4 (docs/checkpoints.md).
 
   native.py  save_model / load_model / default_model_source, strict validation
   hf.py      GptOssForCausalLM layout: config mapping, key mapping, save_hf

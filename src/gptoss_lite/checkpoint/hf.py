@@ -1,4 +1,4 @@
-"""The Hugging Face `GptOssForCausalLM` layout: config mapping, tensor mapping, save_hf (SPEC §2).
+"""The Hugging Face `GptOssForCausalLM` layout: config mapping, tensor mapping, save_hf (docs/checkpoints.md).
 
 Expert tensors, per layer, in the HF layout (input-major, `x @ W`):
   mlp.experts.gate_up_proj       (E, C, 2I)  gate and up INTERLEAVED by column: [..., ::2] gate, [..., 1::2] up
@@ -29,7 +29,7 @@ from gptoss_lite.checkpoint.io import CONFIG_NAME, DEFAULT_MAX_SHARD_BYTES, read
 from gptoss_lite.checkpoint.mxfp4 import dequantize_mxfp4
 from gptoss_lite.checkpoint.state_dict import check_state_dict
 
-SWIGLU_ALPHA = 1.702  # sigmoid gain of the gpt-oss activation, fixed in our model code (SPEC §1.2)
+SWIGLU_ALPHA = 1.702  # sigmoid gain of the gpt-oss activation, fixed in our model code (docs/model.md#gpt-oss-family-knobs)
 # HF GptOssConfig defaults (transformers 5.23 configuration_gpt_oss.py), used for absent keys.
 _HF_DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                     "truncate": False, "original_max_position_embeddings": 4096}

@@ -1,4 +1,4 @@
-"""Safetensors directory I/O shared by the native and HF layouts (SPEC §2).
+"""Safetensors directory I/O shared by the native and HF layouts (docs/checkpoints.md).
 
 A model directory holds `config.json` and either `model.safetensors` or, above a size threshold,
 shards `model-0000k-of-0000n.safetensors` listed by `model.safetensors.index.json` (the same index

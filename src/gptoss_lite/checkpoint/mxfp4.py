@@ -1,4 +1,4 @@
-"""MXFP4 expert weights, as stored by the released gpt-oss checkpoints (SPEC §2).
+"""MXFP4 expert weights, as stored by the released gpt-oss checkpoints (docs/checkpoints.md).
 
 `*_blocks` uint8 (E, out, in/32, 16): 32 E2M1 4-bit codes per block, two per byte, the LOW nibble
 holding the even element. `*_scales` uint8 (E, out, in/32): one power-of-two exponent per block,

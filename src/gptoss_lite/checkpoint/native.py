@@ -1,4 +1,4 @@
-"""Native checkpoints: save_model / load_model, strict validation, the default demo model (SPEC §2).
+"""Native checkpoints: save_model / load_model, strict validation, the default demo model (docs/checkpoints.md).
 
 Native layout: `config.json` = {"format_version": 1, "model": ModelConfig.to_dict(), ...extras} and
 safetensors weights named exactly as `GPTOSS.state_dict()` (a tied head is stored once, as

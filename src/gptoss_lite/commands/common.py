@@ -190,7 +190,7 @@ def check_output_file(flag: str, path: str) -> None:
 
 
 def fmt_bytes(n: int) -> str:
-    """Binary units (KiB/MiB/GiB), as SPEC §5.1 requires for memory sizes."""
+    """Binary units (KiB/MiB/GiB), as docs/plan.md#units-and-labels requires for memory sizes."""
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
             return f"{n / scale:.2f} {unit}"

@@ -1,4 +1,4 @@
-"""`gptoss-lite kv-bench`: mixed (ring + growing) vs all-full KV payload for the 502M preset (SPEC §3.1).
+"""`gptoss-lite kv-bench`: mixed (ring + growing) vs all-full KV payload for the 502M preset (docs/kv-cache.md#kv-arithmetic-of-the-502m-preset).
 
 The table is computed payload (exact bytes of K and V). With `--measured`, two more columns come from
 a real MixedKVCache of the preset's geometry filled in 2,048-token prefill chunks (BF16): the payload
@@ -17,7 +17,7 @@ from gptoss_lite import plan as P
 
 PRESET = "gptoss-lite-502m"
 CONTEXTS = (4096, 8192, 32768, 65536, 131072)
-PASS_CONTEXT = 131_072  # SPEC §3.1: the benchmark passes at >= 1.8x here
+PASS_CONTEXT = 131_072  # docs/kv-cache.md#kv-arithmetic-of-the-502m-preset: the benchmark passes at >= 1.8x here
 PASS_RATIO = 1.8
 
 
@@ -90,7 +90,7 @@ def measure_mixed_cache(contexts: tuple[int, ...], chunk: int = 2048) -> dict[in
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "kv-bench", help="mixed vs all-full KV payload of the 502M preset (SPEC §3.1); PASS at >= 1.8x at 128K",
+        "kv-bench", help="mixed vs all-full KV payload of the 502M preset; PASS at >= 1.8x at 128K",
         description="Computed KV payload (bytes of K and V, BF16) of the gptoss-lite-502m preset with "
                     "ring buffers on its 6 sliding layers vs every layer full.")
     p.add_argument("--json", action="store_true", help="print rows and verdict as JSON (sorted keys)")

@@ -1,4 +1,4 @@
-"""`gptoss-lite passkey`: passkey retrieval accuracy by context length and depth (SPEC §4)."""
+"""`gptoss-lite passkey`: passkey retrieval accuracy by context length and depth (docs/passkey.md)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser(
         "passkey", help="passkey retrieval accuracy by context length and depth",
-        description="Needle-in-a-haystack passkey retrieval (SPEC §4): greedy, cached generation of 16 tokens "
+        description="Needle-in-a-haystack passkey retrieval: greedy, cached generation of 16 tokens "
                     "per trial; prints accuracy per length and a length x depth grid, then PASS/FAIL at the "
                     "longest length (target >= 85%). Exits 0 either way.")
     add_model_arg(p)

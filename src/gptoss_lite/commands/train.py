@@ -1,4 +1,4 @@
-"""`gptoss-lite train`: train a model on synthetic long-context data from a YAML/JSON config (SPEC §6)."""
+"""`gptoss-lite train`: train a model on synthetic long-context data from a YAML/JSON config (docs/training.md)."""
 
 from __future__ import annotations
 

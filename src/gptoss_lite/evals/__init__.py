@@ -1,4 +1,4 @@
-"""Long-context evaluations: passkey retrieval by context length and depth (SPEC §4)."""
+"""Long-context evaluations: passkey retrieval by context length and depth (docs/passkey.md)."""
 
 from gptoss_lite.evals.passkey import (
     DEFAULT_DEPTHS, DEFAULT_LENGTHS, PasskeyEvaluator, PasskeyResult, build_passkey_prompt, extract_passkey,

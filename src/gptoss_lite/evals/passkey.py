@@ -1,4 +1,4 @@
-"""Passkey retrieval (needle in a haystack) by context length and depth (SPEC §4).
+"""Passkey retrieval (needle in a haystack) by context length and depth (docs/passkey.md).
 
 Protocol, pinned by tests:
 
@@ -34,12 +34,12 @@ if TYPE_CHECKING:
     from gptoss_lite.kv.mixed import MixedKVCache
     from gptoss_lite.tokenizer import Tokenizer
 
-DEFAULT_LENGTHS: tuple[int, ...] = (4096, 8192, 32768, 65536, 131072)  # tokens (SPEC §4)
+DEFAULT_LENGTHS: tuple[int, ...] = (4096, 8192, 32768, 65536, 131072)  # tokens (docs/passkey.md)
 DEFAULT_DEPTHS: tuple[float, ...] = (0.0, 0.5, 1.0)  # start, middle, end
 DEFAULT_TRIALS = 100
-BASE_SEED = 42  # keys of length L are drawn by random.Random(BASE_SEED + L) (SPEC §4)
-NEW_TOKENS = 16  # generated per trial (SPEC §4)
-TARGET_ACCURACY = 0.85  # headline target at the longest length (SPEC §4)
+BASE_SEED = 42  # keys of length L are drawn by random.Random(BASE_SEED + L) (docs/passkey.md)
+NEW_TOKENS = 16  # generated per trial (docs/passkey.md)
+TARGET_ACCURACY = 0.85  # headline target at the longest length (docs/passkey.md)
 N_KEYS = 100_000  # five-digit keys 00000..99999
 PASSKEY_RE = re.compile(r"\b(\d{5})\b")
 TEMPLATES = ("default", "classic")
@@ -250,7 +250,7 @@ class PasskeyResult:
 
 
 class PasskeyEvaluator:
-    """Runs the SPEC §4 protocol on a model; validate everything in the constructor, work in `run()`."""
+    """Runs the docs/passkey.md protocol on a model; validate everything in the constructor, work in `run()`."""
 
     def __init__(self, model, tokenizer: "Tokenizer | None" = None, lengths: Sequence[int] = DEFAULT_LENGTHS,
                  depths: Sequence[float] = DEFAULT_DEPTHS, n_trials: int = DEFAULT_TRIALS,

@@ -1,4 +1,4 @@
-"""Paged KV block pool: the tensor-free bookkeeping half (SPEC §5.4 paged pool, §5.7 rollback).
+"""Paged KV block pool: the tensor-free bookkeeping half (docs/paged.md: block pool, rollback).
 
 A pool of `total_blocks` physical blocks of `block_size` token slots. Each sequence owns a page
 table (block ids in token order); blocks are reference counted so a forked sequence can share its
@@ -18,19 +18,19 @@ leading blocks whose every slot lies before `token_index`; the sequence keeps it
 and remembers how many leading blocks it dropped (`first_block_index`). `page_table` returns the
 resident blocks only, so position `p` lives in
 `page_table(s)[p // block_size - first_block_index(s)]`.
-Dropped tokens cannot come back: `truncate` below the dropped point is rejected (SPEC §5.7).
+Dropped tokens cannot come back: `truncate` below the dropped point is rejected (docs/paged.md#rollback).
 
 Accounting (all in tokens = slots):
   physical_capacity_tokens = allocated_blocks * block_size
   physical_payload_tokens  = for each block held by >= 1 sequence, the largest fill any sequence
-                             has in it (SPEC §5.4)
+                             has in it (docs/paged.md#block-pool)
   cache_only_tokens        = block_size * blocks held only by pins (full, reusable, read by nobody)
   internal_waste_tokens    = capacity - payload - cache_only (slots no holder has filled)
   logical_tokens           = sum over sequences of their *resident* tokens
                              (length - first_block_index * block_size); dropped tokens hold no
                              memory, so they count in `num_tokens` but not here
   sharing_savings_tokens   = logical - payload
-Without pins and dropped blocks these are exactly the SPEC §5.4 figures.
+Without pins and dropped blocks these are exactly the docs/paged.md#block-pool figures.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Any
 
 from gptoss_lite.validation import check_int
 
-DEFAULT_BLOCK_SIZE = 16  # token slots per block; SPEC §5.4 default (vLLM's default too)
+DEFAULT_BLOCK_SIZE = 16  # token slots per block; docs/paged.md#block-pool default (vLLM's default too)
 
 
 class PoolExhaustedError(MemoryError):
@@ -100,7 +100,7 @@ def _check_hashable(seq_id: Any) -> None:
 
 
 class PagedKVPool:
-    """Reference-counted pool of fixed-size KV blocks with per-sequence page tables (SPEC §5.4).
+    """Reference-counted pool of fixed-size KV blocks with per-sequence page tables (docs/paged.md#block-pool).
 
     Every mutating method validates all of its arguments before changing anything, so a call that
     raises leaves `snapshot()` identical.
@@ -286,7 +286,7 @@ class PagedKVPool:
         return tuple(freed)
 
     def truncate(self, seq_id: Hashable, new_length: int) -> tuple[int, ...]:
-        """Roll back to `new_length` tokens (SPEC §5.7); blocks past the new end are released.
+        """Roll back to `new_length` tokens (docs/paged.md#rollback); blocks past the new end are released.
 
         Allowed only inside the retained interval `[first_block_index * block_size, length]`.
         Returns the blocks that went back to the free list.
@@ -482,7 +482,7 @@ class PagedKVPool:
         }
 
     def validate(self) -> None:
-        """Check every invariant of SPEC §5.4; raise AssertionError naming the first one broken."""
+        """Check every invariant of docs/paged.md#block-pool; raise AssertionError naming the first one broken."""
         bs, n = self.block_size, self.total_blocks
 
         def fail(msg: str) -> None:

@@ -1,11 +1,11 @@
-"""Token eviction under a KV budget (SPEC §5.6): which cached positions to keep.
+"""Token eviction under a KV budget (docs/kv-cache.md#compression-and-eviction): which cached positions to keep.
 
 Both rules return a sorted tuple of kept token indices; applying it to a cache is the caller's job.
 Pure Python: a sequence of floats goes in (a torch tensor or numpy array is converted with
 `.tolist()`), so nothing here imports torch.
 
 NOTE: neither rule can know the future. A later query that needs a token past attention ignored
-loses it under both; measure quality (SPEC §5.6) rather than assuming it.
+loses it under both; measure quality (docs/kv-cache.md#compression-and-eviction) rather than assuming it.
 """
 
 from __future__ import annotations

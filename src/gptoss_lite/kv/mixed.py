@@ -1,4 +1,4 @@
-"""MixedKVCache: ring buffers on sliding layers, growing buffers on full layers (SPEC §3.1).
+"""MixedKVCache: ring buffers on sliding layers, growing buffers on full layers (docs/kv-cache.md#mixed-kv-cache).
 
 Storage per layer is (B, K, slots, D) for keys and values. Keys are stored already rotated at their
 absolute positions and are never re-rotated. The cache implements `gptoss_lite.kv.base.KVCache`.
@@ -12,7 +12,7 @@ from gptoss_lite.config import ModelConfig
 from gptoss_lite.kv.base import RollbackKVCache, check_rollback, rollback_floor
 from gptoss_lite.validation import check_int
 
-DEFAULT_FULL_CAP_TOKENS = 4_000_000  # per full layer (SPEC §3.1)
+DEFAULT_FULL_CAP_TOKENS = 4_000_000  # per full layer (docs/kv-cache.md#mixed-kv-cache)
 
 
 class _LayerStore:

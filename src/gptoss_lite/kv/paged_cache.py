@@ -30,7 +30,7 @@ Window release is lazy: at the start of a step at `start_pos`, sliding-layer blo
 prefill nothing has been released yet, which is what lets a prompt be inserted into the prefix
 cache (below).
 
-Prefix caching (SPEC §5.5). The store keeps one `PrefixCache` per pool (`store.prefix[kind]`),
+Prefix caching (docs/paged.md#prefix-caching). The store keeps one `PrefixCache` per pool (`store.prefix[kind]`),
 keyed by the same chained hashes. A sliding layer at position N needs the K/V of the W - 1 tokens
 before N, and those cannot be recomputed without the sliding-layer K/V before *them* (and so on back
 to 0), so a sliding-layer hit must come from stored blocks as well: `insert_prefix` pins the prompt's
@@ -374,7 +374,7 @@ class PagedKVCache(RollbackKVCache):
         return rollback_floor(start, self.config.sliding_window)
 
     def truncate(self, position: int) -> None:
-        """Roll every row back to `position` tokens (speculative-decoding rejection, SPEC §5.7).
+        """Roll every row back to `position` tokens (speculative-decoding rejection, docs/paged.md#rollback).
 
         Allowed when rollback_floor() <= position <= self.num_tokens: every key the next query at
         `position` needs is still resident (its window start not before a sliding layer's released

@@ -1,4 +1,4 @@
-"""Prefix caching over full KV blocks (SPEC §5.5), tensor-free.
+"""Prefix caching over full KV blocks (docs/paged.md#prefix-caching), tensor-free.
 
 Identity. A cached block is named by a chained hash over *full* blocks only,
 `h_i = H(h_{i-1}, tokens of block i, extra_i)`, so a block's identity is its whole preceding prefix,
@@ -90,7 +90,7 @@ def chained_block_hashes(tokens: Sequence[int], scope: str, revision: str,
 
 @dataclass(frozen=True)
 class PrefixCacheStats:
-    """Hit statistics; request-hit and reused-token fractions are separate (SPEC §5.5)."""
+    """Hit statistics; request-hit and reused-token fractions are separate (docs/paged.md#prefix-caching)."""
 
     requests: int  # lookups recorded (match with record=True, attach)
     hit_requests: int  # lookups with >= 1 cached block

@@ -1,4 +1,4 @@
-"""Grouped-query attention with learned sinks, sliding windows and a KV cache (SPEC §1.3).
+"""Grouped-query attention with learned sinks, sliding windows and a KV cache (docs/model.md#attention-with-sinks).
 
 Two kernels that must agree:
 - `attention_reference`: dense (T, S) scores, repeated KV heads, an explicit sink column. Slow and
@@ -29,7 +29,7 @@ SCORE_BLOCK_ELEMENTS = 1 << 22
 
 
 def visible_mask(T: int, S: int, q_offset: int, window: int | None, device=None) -> torch.Tensor:
-    """Boolean (T, S) mask: True where query i may see key j (SPEC §1.3)."""
+    """Boolean (T, S) mask: True where query i may see key j (docs/model.md#attention-with-sinks)."""
     qi = torch.arange(T, device=device)[:, None] + q_offset
     kj = torch.arange(S, device=device)[None, :]
     mask = kj <= qi

@@ -1,4 +1,4 @@
-"""Mixture of experts: router, top-k routed experts computed per expert group, shared experts (SPEC §1.5)."""
+"""Mixture of experts: router, top-k routed experts computed per expert group, shared experts (docs/model.md#moe-and-the-training-forward)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""YaRN rotary position embeddings with half-split ("NeoX") rotation and pruned pairs (SPEC §1.4)."""
+"""YaRN rotary position embeddings with half-split ("NeoX") rotation and pruned pairs (docs/model.md#yarn-rope)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Serving arithmetic: KV bytes, decode rooflines, capacity, FLOPs and cost (SPEC §5.1-§5.4).
+"""Serving arithmetic: KV bytes, decode rooflines, capacity, FLOPs and cost (docs/plan.md).
 
 Pure Python on purpose (no torch, no numpy at import time): `gptoss-lite plan` must answer
 "how much KV does this model need at 128K on an H100?" on any laptop in milliseconds.

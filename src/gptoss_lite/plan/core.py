@@ -1,8 +1,8 @@
-"""The serving formulas: KV bytes, decode rooflines, capacity, FLOPs and cost (SPEC §5.1-§5.4).
+"""The serving formulas: KV bytes, decode rooflines, capacity, FLOPs and cost (docs/plan.md).
 
 Pure Python (see `gptoss_lite.plan`); presets and machine measurement live in `plan.presets`.
 
-Units (SPEC §5.1): KiB/MiB/GiB are powers of two; KB/MB/GB and every bandwidth are powers of ten.
+Units (docs/plan.md#units-and-labels): KiB/MiB/GiB are powers of two; KB/MB/GB and every bandwidth are powers of ten.
 Three different quantities are kept apart and labelled as such by callers:
 
 - *payload*: the bytes of K and V a cache must hold (this module's `kv_payload_bytes`);
@@ -48,7 +48,7 @@ def _exact(value: Any) -> Fraction:
     return value if isinstance(value, Fraction) else Fraction(repr(value) if isinstance(value, float) else value)
 
 
-# ---- geometry and payload (SPEC §5.2) ---------------------------------------------------------------
+# ---- geometry and payload (docs/plan.md#kv-geometry-and-payload) -------------------------------------------
 
 @dataclass(frozen=True)
 class AttentionKVGeometry:
@@ -112,7 +112,7 @@ class MLAKVGeometry:
     """KV layout of multi-head latent attention: one latent + one RoPE key per token per layer.
 
     Bytes per token `L · (latent_dim + rope_dim) · bytes_per_element` — no factor of two, because
-    K and V are both re-expanded from the same cached latent (SPEC §5.2).
+    K and V are both re-expanded from the same cached latent (docs/plan.md#kv-geometry-and-payload).
     """
 
     name: str
@@ -165,7 +165,7 @@ def kv_payload_bytes(geometry: KVGeometry, context_tokens: int, batch_size: int 
     return int(scaled)
 
 
-# ---- hardware and decode roofline (SPEC §5.3) -------------------------------------------------------
+# ---- hardware and decode roofline (docs/plan.md#decode-roofline-knee-and-capacity) -------------------------
 
 @dataclass(frozen=True)
 class ServingHardware:
@@ -268,7 +268,7 @@ def max_resident_requests(hw: ServingHardware, geometry: KVGeometry, context_tok
     return free // kv
 
 
-# ---- FLOP models (SPEC §5.3; two FLOPs per multiply-add) --------------------------------------------
+# ---- FLOP models (docs/plan.md#flop-models; two FLOPs per multiply-add) --------------
 
 def _causal_pairs(queries: int, prefix: int, window: int | None) -> int:
     """Query-key pairs of `queries` causal queries after `prefix` cached keys, each seeing <= window keys."""
@@ -326,7 +326,7 @@ def prefill_floor_seconds(parameter_count: int, prompt_tokens: int, peak_flops_p
 
 @dataclass(frozen=True)
 class CachedInputCost:
-    """Prefix-reuse billing in input-token equivalents (illustrative, SPEC §5.3)."""
+    """Prefix-reuse billing in input-token equivalents (illustrative, docs/plan.md#prefix-reuse-billing)."""
 
     baseline: int  # requests · (prefix + suffix)
     cached: float  # prefix · (write + (requests − 1) · read) + requests · suffix
@@ -356,7 +356,7 @@ def cached_input_cost(prefix: int, suffix: int, requests: int, read_rate: float 
     return CachedInputCost(baseline, cached, factor, warm)
 
 
-# ---- waste (SPEC §5.4) ------------------------------------------------------------------------------
+# ---- waste (docs/paged.md#block-pool) ----------------------------------------------------------------------
 
 def naive_preallocation_waste(max_tokens: int, used_tokens: int) -> float:
     """Fraction wasted by reserving `max_tokens` slots for a request that uses `used_tokens`."""

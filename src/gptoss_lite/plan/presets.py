@@ -75,7 +75,7 @@ def weights_from_model_config(cfg: ModelConfig, bytes_per_parameter: float = 2.0
 # ---- presets ----------------------------------------------------------------------------------------
 # Our models (gptoss-lite-502m, gpt-oss-20b, gpt-oss-120b) come from config.PRESETS, so a geometry or a
 # parameter count is written down once. gptoss-lite-502m: 501,836,640 total, 247,032,672 active
-# (SPEC §1.1, pinned by the config tests). gpt-oss-20b: 20,914,757,184 / 3,608,307,264 and
+# (docs/model.md#the-502m-preset, pinned by the config tests). gpt-oss-20b: 20,914,757,184 / 3,608,307,264 and
 # gpt-oss-120b: 116,829,156,672 / 5,132,849,472, where this table used to carry the approximate
 # published figures 20.9B / 3.6B and 116.8B / 5.1B (OpenAI model card): the derived counts agree with
 # them to every digit given.

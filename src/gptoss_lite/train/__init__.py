@@ -1,4 +1,4 @@
-"""Training: synthetic long-context data, the trainer config, and the AdamW loop (SPEC §6)."""
+"""Training: synthetic long-context data, the trainer config, and the AdamW loop (docs/training.md)."""
 
 from gptoss_lite.train.config import TrainConfig, load_train_config
 from gptoss_lite.train.data import SyntheticRetrievalData

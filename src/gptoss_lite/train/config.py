@@ -1,4 +1,4 @@
-"""Trainer configuration: one frozen dataclass per concern, read from YAML or JSON (SPEC §6).
+"""Trainer configuration: one frozen dataclass per concern, read from YAML or JSON (docs/training.md).
 
 A config file has these top-level keys (all optional except what a run needs):
 
@@ -168,7 +168,7 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     precision: str = "fp32"  # "fp32", or "bf16" autocast (weights and optimiser state stay fp32)
     gradient_checkpointing: bool = False  # recompute each block in backward to save activation memory
-    aux_loss_coef: float = 0.01  # weight of the MoE load-balancing loss (SPEC §1.5)
+    aux_loss_coef: float = 0.01  # weight of the MoE load-balancing loss (docs/model.md#moe-and-the-training-forward)
     seed: int = 0  # model initialisation seed
     device: str = "auto"  # "auto": cuda when available, else cpu
     # A model directory whose weights start this run (a second training stage); None: seeded init.
@@ -191,7 +191,7 @@ class TrainConfig:
                              f"{self.model.max_position_embeddings}; shorten seq_len or raise the limit")
         if self.model.vocab_size < 264:
             raise ValueError(f"model.vocab_size={self.model.vocab_size}: the byte tokenizer needs >= 264")
-        # The trained context is a property of the run: record it on the model config (SPEC §6).
+        # The trained context is a property of the run: record it on the model config (docs/training.md).
         if self.model.train_context_length != self.data.seq_len:
             object.__setattr__(self, "model", self.model.replace(train_context_length=self.data.seq_len))
 

@@ -1,4 +1,4 @@
-"""The training loop: AdamW, warmup + cosine, grad clipping, BF16 autocast, checkpoints, DDP (SPEC §6).
+"""The training loop: AdamW, warmup + cosine, grad clipping, BF16 autocast, checkpoints, DDP (docs/training.md).
 
 Layout of `checkpoint.out_dir`:
 
