@@ -199,8 +199,8 @@ def test_accounting_counts_shared_prefix_once_physically_and_per_sequence_logica
     pool.append("b", 10)  # CoW block 2 (4 slots) -> 14 slots
     snap = pool.snapshot()
     assert snap["sequences"] == {
-        "a": {"length": 40, "blocks": [0, 1, 2], "first_block_index": 0},
-        "b": {"length": 46, "blocks": [0, 1, 3], "first_block_index": 0},
+        "a": {"num_tokens": 40, "blocks": [0, 1, 2], "first_block_index": 0},
+        "b": {"num_tokens": 46, "blocks": [0, 1, 3], "first_block_index": 0},
     }
     assert snap["allocated_blocks"] == 4 and snap["free_blocks"] == 12
     assert snap["physical_capacity_tokens"] == 64
@@ -260,7 +260,7 @@ def test_window_rollback_cannot_resurrect_released_tokens():
     pool.append("w", 14)
     assert pool.release_before("w", 9) == (0, 1)
     assert pool.first_block_index("w") == 2 and pool.page_table("w") == (2, 3)
-    expect_unchanged(pool, ValueError, r"new_length=7: .*cannot be resurrected", pool.truncate,
+    expect_unchanged(pool, ValueError, r"num_tokens=7: .*cannot be resurrected", pool.truncate,
                      "w", 7)
     assert pool.truncate("w", 8) == (2, 3)
     assert pool.page_table("w") == () and pool.num_tokens("w") == 8
@@ -347,16 +347,16 @@ BAD_CALLS = [
     ("share unknown source", KeyError, r"seq_id='x': unknown", "share_prefix", ("x", "y", 0)),
     ("share duplicate target", ValueError, r"seq_id='b': already exists", "share_prefix",
      ("a", "b", 2)),
-    ("share too long", ValueError, r"prefix_tokens=7: longer than source 'a' \(length 6\)",
+    ("share too long", ValueError, r"prefix_tokens=7: longer than source 'a' \(num_tokens 6\)",
      "share_prefix", ("a", "c", 7)),
     ("share bool", TypeError, r"prefix_tokens=False", "share_prefix", ("a", "c", False)),
     ("share negative", ValueError, r"prefix_tokens=-1", "share_prefix", ("a", "c", -1)),
     ("release unknown", KeyError, r"unknown sequence", "release", ("c",)),
     ("release unhashable", TypeError, r"unhashable", "release", (["a"],)),
-    ("truncate past end", ValueError, r"new_length=7: past the end of 'a' \(length 6\)",
+    ("truncate past end", ValueError, r"num_tokens=7: past the end of 'a' \(num_tokens 6\)",
      "truncate", ("a", 7)),
-    ("truncate negative", ValueError, r"new_length=-1", "truncate", ("a", -1)),
-    ("truncate float", TypeError, r"new_length=2.5", "truncate", ("a", 2.5)),
+    ("truncate negative", ValueError, r"num_tokens=-1", "truncate", ("a", -1)),
+    ("truncate float", TypeError, r"num_tokens=2.5", "truncate", ("a", 2.5)),
     ("drop too many", ValueError, r"n_blocks=2: 'a' has only 1 full resident",
      "drop_leading_blocks", ("a", 2)),
     ("release_before past end", ValueError, r"token_index=7: past the end", "release_before",

@@ -27,7 +27,7 @@ Accounting (all in tokens = slots):
   cache_only_tokens        = block_size * blocks held only by pins (full, reusable, read by nobody)
   internal_waste_tokens    = capacity - payload - cache_only (slots no holder has filled)
   logical_tokens           = sum over sequences of their *resident* tokens
-                             (length - first_block_index * block_size); dropped tokens hold no
+                             (num_tokens - first_block_index * block_size); dropped tokens hold no
                              memory, so they count in `num_tokens` but not here
   sharing_savings_tokens   = logical - payload
 Without pins and dropped blocks these are exactly the docs/paged.md#block-pool figures.
@@ -70,7 +70,7 @@ class AppendPlan:
 
 @dataclass
 class _Sequence:
-    length: int = 0  # logical tokens, including dropped leading blocks
+    num_tokens: int = 0  # logical tokens, including dropped leading blocks
     first_block_index: int = 0  # leading blocks released by a sliding window
     table: list[int] = field(default_factory=list)  # resident blocks, absolute index first+j
 
@@ -150,7 +150,7 @@ class PagedKVPool:
 
     def _view(self, seq_id: Hashable, index: int) -> int:
         """Slots of absolute block `index` that sequence `seq_id` has filled."""
-        return min(self.block_size, self._seqs[seq_id].length - index * self.block_size)
+        return min(self.block_size, self._seqs[seq_id].num_tokens - index * self.block_size)
 
     def _pop_free(self) -> int:
         block = self._free.pop()
@@ -188,7 +188,7 @@ class PagedKVPool:
             if self._fill(b) != self.block_size:
                 raise ValueError(f"block {b} has {self._fill(b)}/{self.block_size} slots filled; "
                                  "only full blocks can start a sequence")
-        seq = _Sequence(length=len(checked) * self.block_size, table=list(checked))
+        seq = _Sequence(num_tokens=len(checked) * self.block_size, table=list(checked))
         self._seqs[seq_id] = seq
         self._names.add(str(seq_id))
         for i, b in enumerate(checked):
@@ -203,7 +203,7 @@ class PagedKVPool:
     def _blocks_needed(self, seq: _Sequence, n_tokens: int) -> tuple[int, bool]:
         if n_tokens == 0:
             return 0, False
-        used = seq.length % self.block_size  # slots of the last block this sequence has filled
+        used = seq.num_tokens % self.block_size  # slots of the last block this sequence has filled
         cow = used != 0 and self._refs[seq.table[-1]] > 1
         room = self.block_size - used if used else 0
         rest = max(0, n_tokens - room)
@@ -234,10 +234,10 @@ class PagedKVPool:
             self._detach(old, seq_id, [])  # still held by someone else, so never freed here
             seq.table[-1] = dst
             self._attach(dst, seq_id, index)
-            copies.append((old, dst, seq.length % bs))
+            copies.append((old, dst, seq.num_tokens % bs))
             new_blocks.append(dst)
         slots: list[tuple[int, int]] = []
-        pos = seq.length
+        pos = seq.num_tokens
         for _ in range(n_tokens):
             if pos % bs == 0:
                 block = self._pop_free()
@@ -246,7 +246,7 @@ class PagedKVPool:
                 new_blocks.append(block)
             slots.append((seq.table[-1], pos % bs))
             pos += 1
-        seq.length = pos
+        seq.num_tokens = pos
         return AppendPlan(copies=tuple(copies), slots=tuple(slots), new_blocks=tuple(new_blocks))
 
     def share_prefix(self, source_id: Hashable, target_id: Hashable, prefix_tokens: int) -> None:
@@ -259,16 +259,16 @@ class PagedKVPool:
         source = self._seq(source_id)
         self._check_new_id(target_id)
         prefix_tokens = check_int("prefix_tokens", prefix_tokens, 0)
-        if prefix_tokens > source.length:
+        if prefix_tokens > source.num_tokens:
             raise ValueError(f"prefix_tokens={prefix_tokens}: longer than source {source_id!r} "
-                             f"(length {source.length}); share at most its length")
+                             f"(num_tokens {source.num_tokens}); share at most that many")
         start = source.first_block_index * self.block_size
         if 0 < prefix_tokens < start:
             raise ValueError(f"prefix_tokens={prefix_tokens}: source {source_id!r} released "
                              f"tokens before {start} (sliding window); share 0 or >= {start}")
         first = source.first_block_index if prefix_tokens else 0
         n_blocks = -(-prefix_tokens // self.block_size) - first
-        target = _Sequence(length=prefix_tokens, first_block_index=first,
+        target = _Sequence(num_tokens=prefix_tokens, first_block_index=first,
                            table=source.table[:n_blocks])
         self._seqs[target_id] = target
         self._names.add(str(target_id))
@@ -285,27 +285,27 @@ class PagedKVPool:
         self._names.discard(str(seq_id))
         return tuple(freed)
 
-    def truncate(self, seq_id: Hashable, new_length: int) -> tuple[int, ...]:
-        """Roll back to `new_length` tokens (docs/paged.md#rollback); blocks past the new end are released.
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> tuple[int, ...]:
+        """Roll back to `num_tokens` tokens (docs/paged.md#rollback); blocks past the new end are released.
 
-        Allowed only inside the retained interval `[first_block_index * block_size, length]`.
+        Allowed only inside the retained interval `[first_block_index * block_size, num_tokens]`.
         Returns the blocks that went back to the free list.
         """
         seq = self._seq(seq_id)
-        new_length = check_int("new_length", new_length, 0)
-        if new_length > seq.length:
-            raise ValueError(f"new_length={new_length}: past the end of {seq_id!r} "
-                             f"(length {seq.length}); truncate can only shorten")
+        num_tokens = check_int("num_tokens", num_tokens, 0)
+        if num_tokens > seq.num_tokens:
+            raise ValueError(f"num_tokens={num_tokens}: past the end of {seq_id!r} "
+                             f"(num_tokens {seq.num_tokens}); truncate can only shorten")
         start = seq.first_block_index * self.block_size
-        if new_length < start:
-            raise ValueError(f"new_length={new_length}: tokens before {start} of {seq_id!r} were "
+        if num_tokens < start:
+            raise ValueError(f"num_tokens={num_tokens}: tokens before {start} of {seq_id!r} were "
                              "released by its sliding window and cannot be resurrected")
-        keep = -(-new_length // self.block_size) - seq.first_block_index
+        keep = -(-num_tokens // self.block_size) - seq.first_block_index
         freed: list[int] = []
         for b in seq.table[keep:]:
             self._detach(b, seq_id, freed)
         del seq.table[keep:]
-        seq.length = new_length
+        seq.num_tokens = num_tokens
         return tuple(freed)
 
     def drop_leading_blocks(self, seq_id: Hashable, n_blocks: int) -> tuple[int, ...]:
@@ -315,7 +315,7 @@ class PagedKVPool:
         """
         seq = self._seq(seq_id)
         n_blocks = check_int("n_blocks", n_blocks, 0)
-        full = seq.length // self.block_size - seq.first_block_index
+        full = seq.num_tokens // self.block_size - seq.first_block_index
         if n_blocks > full:
             raise ValueError(f"n_blocks={n_blocks}: {seq_id!r} has only {full} full resident "
                              "blocks; a partially filled block is still being written")
@@ -330,9 +330,9 @@ class PagedKVPool:
         """Release every block whose slots all lie before `token_index` (a window's left edge)."""
         seq = self._seq(seq_id)
         token_index = check_int("token_index", token_index, 0)
-        if token_index > seq.length:
+        if token_index > seq.num_tokens:
             raise ValueError(f"token_index={token_index}: past the end of {seq_id!r} "
-                             f"(length {seq.length})")
+                             f"(num_tokens {seq.num_tokens})")
         n_blocks = max(0, token_index // self.block_size - seq.first_block_index)
         return self.drop_leading_blocks(seq_id, n_blocks)
 
@@ -390,7 +390,7 @@ class PagedKVPool:
 
     def num_tokens(self, seq_id: Hashable) -> int:
         """Logical length in tokens, dropped leading blocks included."""
-        return self._seq(seq_id).length
+        return self._seq(seq_id).num_tokens
 
     def first_block_index(self, seq_id: Hashable) -> int:
         """Number of leading blocks a sliding window released; page_table()[0] is this block."""
@@ -444,7 +444,7 @@ class PagedKVPool:
 
     @property
     def logical_tokens(self) -> int:
-        return sum(s.length - s.first_block_index * self.block_size for s in self._seqs.values())
+        return sum(s.num_tokens - s.first_block_index * self.block_size for s in self._seqs.values())
 
     @property
     def internal_waste_tokens(self) -> int:
@@ -458,7 +458,7 @@ class PagedKVPool:
     def snapshot(self) -> dict[str, Any]:
         """Deterministic, JSON-serialisable state and accounting figures."""
         sequences = {
-            str(sid): {"length": s.length, "blocks": list(s.table),
+            str(sid): {"num_tokens": s.num_tokens, "blocks": list(s.table),
                        "first_block_index": s.first_block_index}
             for sid, s in sorted(self._seqs.items(), key=lambda kv: str(kv[0]))
         }
@@ -494,12 +494,12 @@ class PagedKVPool:
             fail(f"free list has foreign ids: {self._free}")
         holders: list[dict[Hashable, int]] = [{} for _ in range(n)]
         for sid, s in self._seqs.items():
-            if not 0 <= s.first_block_index * bs <= s.length:
-                fail(f"{sid!r}: first_block_index {s.first_block_index} past length {s.length}")
-            expected = -(-s.length // bs) - s.first_block_index
+            if not 0 <= s.first_block_index * bs <= s.num_tokens:
+                fail(f"{sid!r}: first_block_index {s.first_block_index} past num_tokens {s.num_tokens}")
+            expected = -(-s.num_tokens // bs) - s.first_block_index
             if len(s.table) != expected:
                 fail(f"{sid!r}: page table has {len(s.table)} blocks, expected "
-                     f"ceil({s.length}/{bs}) - {s.first_block_index} = {expected}")
+                     f"ceil({s.num_tokens}/{bs}) - {s.first_block_index} = {expected}")
             if len(set(s.table)) != len(s.table):
                 fail(f"{sid!r}: a block appears twice in its page table {s.table}")
             for j, b in enumerate(s.table):
