@@ -23,12 +23,16 @@ def test_non_integers_are_type_errors(value, kind):
 
 
 def test_bounds_are_inclusive_and_named_in_the_message():
-    """minimum and maximum are inclusive; a value outside raises ValueError stating the broken limit."""
+    """minimum and maximum are inclusive; a value outside raises ValueError stating the allowed range."""
     assert check_int("n", 1, 1, 3) == 1 and check_int("n", 3, 1, 3) == 3
-    with pytest.raises(ValueError, match=r"^n=0: must be >= 1$"):
+    with pytest.raises(ValueError, match=r"^n=0: must be in \[1, 3\]$"):
         check_int("n", 0, 1, 3)
-    with pytest.raises(ValueError, match=r"^n=4: must be <= 3$"):
+    with pytest.raises(ValueError, match=r"^n=4: must be in \[1, 3\]$"):
         check_int("n", np.int64(4), minimum=1, maximum=3)
+    with pytest.raises(ValueError, match=r"^n=0: must be >= 1$"):
+        check_int("n", 0, minimum=1)
+    with pytest.raises(ValueError, match=r"^n=4: must be <= 3$"):
+        check_int("n", 4, maximum=3)
 
 
 def test_model_config_stores_plain_ints():

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gptoss_lite.validation import check_int
+
 
 MAX_SEED = 2**64 - 1  # largest seed torch.Generator.manual_seed accepts
 
@@ -26,10 +28,8 @@ class SamplingConfig:
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
                 or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p={self.top_p!r}: must be in (0, 1]")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise TypeError(f"seed={self.seed!r}: must be an int or None")
-        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
-            raise ValueError(f"seed={self.seed}: must be in [0, 2**64 - 1] (torch generators take a 64-bit seed)")
+        if self.seed is not None:  # torch generators take a 64-bit unsigned seed
+            object.__setattr__(self, "seed", check_int("seed", self.seed, 0, MAX_SEED))
 
     @property
     def greedy(self) -> bool:

@@ -16,8 +16,12 @@ def check_int(name: str, value: Any, minimum: int | None = None, maximum: int | 
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}={value!r}: must be an int (not {type(value).__name__})")
     value = int(value)
-    if minimum is not None and value < minimum:
+    low = minimum is not None and value < minimum
+    high = maximum is not None and value > maximum
+    if (low or high) and minimum is not None and maximum is not None:
+        raise ValueError(f"{name}={value}: must be in [{minimum}, {maximum}]")
+    if low:
         raise ValueError(f"{name}={value}: must be >= {minimum}")
-    if maximum is not None and value > maximum:
+    if high:
         raise ValueError(f"{name}={value}: must be <= {maximum}")
     return value

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from gptoss_lite.validation import check_int
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -111,8 +113,7 @@ def write_checkpoint_dir(directory: str | Path, config: dict[str, Any], tensors:
     not checkpoint files (e.g. tokenizer.json, training state) are carried over; old weight files
     are replaced as a set.
     """
-    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
-        raise ValueError(f"max_shard_bytes={max_shard_bytes!r}: must be an int >= 1")
+    max_shard_bytes = check_int("max_shard_bytes", max_shard_bytes, minimum=1)
     target = Path(directory)
     if target.exists() and not target.is_dir():
         raise ValueError(f"{target}: exists and is not a directory")

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 # The phrasing shared with the training data lives in gptoss_lite.prompts; re-exported here.
 from gptoss_lite.prompts import CLASSIC_NEEDLE, CLASSIC_QUESTION, NEEDLE_TEMPLATE, QUESTION
+from gptoss_lite.validation import check_int
 
 if TYPE_CHECKING:
     from gptoss_lite.speculative import Speculation
@@ -110,8 +111,7 @@ def extract_passkey(text: str) -> str | None:
 
 def passkey_keys(context_length: int, n_trials: int, base_seed: int = BASE_SEED) -> list[str]:
     """`n_trials` distinct keys for one length: random.Random(base_seed + length).sample(range(100000))."""
-    if isinstance(n_trials, bool) or not isinstance(n_trials, int) or not 1 <= n_trials <= N_KEYS:
-        raise ValueError(f"n_trials={n_trials!r}: must be an int in [1, {N_KEYS}] (distinct 5-digit keys)")
+    n_trials = check_int("n_trials", n_trials, 1, N_KEYS)  # distinct 5-digit keys
     rng = random.Random(base_seed + context_length)
     return [f"{k:05d}" for k in rng.sample(range(N_KEYS), n_trials)]
 
@@ -265,8 +265,7 @@ class PasskeyEvaluator:
         self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
         self.template = template
         _template(template)
-        if isinstance(n_trials, bool) or not isinstance(n_trials, int) or not 1 <= n_trials <= N_KEYS:
-            raise ValueError(f"n_trials={n_trials!r}: must be an int in [1, {N_KEYS}] (distinct 5-digit keys)")
+        check_int("n_trials", n_trials, 1, N_KEYS)  # distinct 5-digit keys
         if not depths:
             raise ValueError("depths is empty: give at least one depth in [0, 1], e.g. 0.0 0.5 1.0")
         for d in depths:
@@ -283,9 +282,8 @@ class PasskeyEvaluator:
                 raise ValueError(f"context length {n}: the model accepts {model.config.max_position_embeddings} "
                                  f"positions, i.e. prompts up to {limit} tokens plus {NEW_TOKENS} new; "
                                  f"drop the length or raise max_position_embeddings")
-        for name, value in (("prefill_chunk", prefill_chunk), ("batch_size", batch_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r}: must be an int >= 1")
+        check_int("prefill_chunk", prefill_chunk, minimum=1)
+        check_int("batch_size", batch_size, minimum=1)
         if self.tokenizer.vocab_size > model.config.vocab_size:
             raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} ids but the model's vocab_size is "
                              f"{model.config.vocab_size}; use the tokenizer the model was trained with")
