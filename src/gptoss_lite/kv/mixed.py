@@ -38,6 +38,11 @@ class _LayerStore:
         self.k = self.v = None
         self.num_tokens = 0
 
+    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The allocated K and V storage (both exist once the first append allocated them)."""
+        assert self.k is not None and self.v is not None, "KV storage read before the first append"
+        return self.k, self.v
+
     @property
     def nbytes(self) -> int:
         """Bytes actually allocated for K and V (capacity, not just the valid part)."""
@@ -78,17 +83,18 @@ class RingBuffer(_LayerStore):
             shape = (self.batch_size, self.kv_heads, cap, self.head_dim)
             self.k = torch.empty(shape, dtype=k.dtype, device=k.device)
             self.v = torch.empty(shape, dtype=v.dtype, device=v.device)
+        kb, vb = self._buffers()
         if T >= cap:
-            self.k.copy_(k[:, :, T - cap:])
-            self.v.copy_(v[:, :, T - cap:])
+            kb.copy_(k[:, :, T - cap:])
+            vb.copy_(v[:, :, T - cap:])
             self.head, self.num_resident = 0, cap
         else:
             first = min(T, cap - self.head)  # slots before the wrap point
-            self.k[:, :, self.head:self.head + first] = k[:, :, :first]
-            self.v[:, :, self.head:self.head + first] = v[:, :, :first]
+            kb[:, :, self.head:self.head + first] = k[:, :, :first]
+            vb[:, :, self.head:self.head + first] = v[:, :, :first]
             if first < T:
-                self.k[:, :, :T - first] = k[:, :, first:]
-                self.v[:, :, :T - first] = v[:, :, first:]
+                kb[:, :, :T - first] = k[:, :, first:]
+                vb[:, :, :T - first] = v[:, :, first:]
             self.head = (self.head + T) % cap
             self.num_resident = min(cap, self.num_resident + T)
         self.num_tokens += T
@@ -98,11 +104,12 @@ class RingBuffer(_LayerStore):
         (B, K, n, D): a view when they sit in contiguous slots, else a copy of the two pieces."""
         if self.k is None or n == 0:
             return self._empty()
+        kb, vb = self._buffers()
         start = (self.head - n) % self.capacity
         if start + n <= self.capacity:
-            return self.k[:, :, start:start + n], self.v[:, :, start:start + n]
-        order = lambda t: torch.cat((t[:, :, start:], t[:, :, :self.head]), dim=2)  # noqa: E731
-        return order(self.k), order(self.v)
+            return kb[:, :, start:start + n], vb[:, :, start:start + n]
+        return (torch.cat((kb[:, :, start:], kb[:, :, :self.head]), dim=2),
+                torch.cat((vb[:, :, start:], vb[:, :, :self.head]), dim=2))
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Valid keys and values in chronological order, each (B, K, num_resident, D)."""
@@ -161,11 +168,13 @@ class GrowingBuffer(_LayerStore):
             new_k = torch.empty(shape, dtype=k.dtype, device=k.device)
             new_v = torch.empty(shape, dtype=v.dtype, device=v.device)
             if self.num_resident:
-                new_k[:, :, :self.num_resident] = self.k[:, :, :self.num_resident]
-                new_v[:, :, :self.num_resident] = self.v[:, :, :self.num_resident]
+                old_k, old_v = self._buffers()
+                new_k[:, :, :self.num_resident] = old_k[:, :, :self.num_resident]
+                new_v[:, :, :self.num_resident] = old_v[:, :, :self.num_resident]
             self.k, self.v, self.capacity = new_k, new_v, new_cap
-        self.k[:, :, self.num_resident:needed] = k
-        self.v[:, :, self.num_resident:needed] = v
+        kb, vb = self._buffers()
+        kb[:, :, self.num_resident:needed] = k
+        vb[:, :, self.num_resident:needed] = v
         self.num_resident = needed
         self.num_tokens += T
 
@@ -173,7 +182,8 @@ class GrowingBuffer(_LayerStore):
         """Views (no copy) of the valid keys and values, each (B, K, num_resident, D)."""
         if self.k is None:
             return self._empty()
-        return self.k[:, :, :self.num_resident], self.v[:, :, :self.num_resident]
+        kb, vb = self._buffers()
+        return kb[:, :, :self.num_resident], vb[:, :, :self.num_resident]
 
     def rollback_floor(self) -> int:
         """A full layer forgets nothing: it can go back to 0."""
