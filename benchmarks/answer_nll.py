@@ -40,10 +40,12 @@ def main(argv: list[str] | None = None) -> int:
             logp = torch.log_softmax(model(x[:, :-1]).logits.float(), dim=-1)[0]  # (T, V)
         target = x[0, 1:]
         nll = -logp[torch.arange(len(target)), target]
-        by_kind.setdefault(kind, []).append(nll[answer_start - 1:-1].mean().item())  # answer, not EOS
+        by_kind.setdefault(kind, []).append(nll[answer_start - 1 : -1].mean().item())  # answer, not EOS
     for kind, values in sorted(by_kind.items()):
-        print(f"{args.checkpoint}: {kind:8s} {len(values):3d} documents, answer loss "
-              f"{sum(values) / len(values):.3f} nats/token")
+        print(
+            f"{args.checkpoint}: {kind:8s} {len(values):3d} documents, answer loss "
+            f"{sum(values) / len(values):.3f} nats/token"
+        )
     return 0
 
 

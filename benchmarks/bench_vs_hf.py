@@ -32,12 +32,30 @@ import time
 from pathlib import Path
 
 HF_CONFIG = dict(  # the ~20M gpt-oss config of the inference-path issue (= fixture gpt-oss-bench-20m)
-    vocab_size=12_288, hidden_size=256, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-    head_dim=32, num_local_experts=8, num_experts_per_tok=2, intermediate_size=256, sliding_window=128,
-    max_position_embeddings=131_072, rope_parameters={
-        "rope_type": "yarn", "rope_theta": 150_000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-        "original_max_position_embeddings": 4096, "truncate": False},
-    tie_word_embeddings=False, pad_token_id=0, eos_token_id=None, bos_token_id=None,
+    vocab_size=12_288,
+    hidden_size=256,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    intermediate_size=256,
+    sliding_window=128,
+    max_position_embeddings=131_072,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 150_000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "original_max_position_embeddings": 4096,
+        "truncate": False,
+    },
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    eos_token_id=None,
+    bos_token_id=None,
 )
 
 
@@ -98,9 +116,17 @@ def worker(engine: str, ckpt: str, length: int, new_tokens: int, repeats: int, t
             streamer = Stamps()
             t0 = time.perf_counter()
             with torch.inference_mode():
-                model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                               pad_token_id=0, streamer=streamer)
+                model.generate(
+                    ids,
+                    attention_mask=mask,
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=False,
+                    pad_token_id=0,
+                    streamer=streamer,
+                )
             return [t0] + streamer.stamps[1:], streamer.tokens
+
     run(ids[:, :16], 2)  # warm-up (one-time costs of either engine), on a short prompt
     base_rss = rss_mib()
     prefill, decode, tokens = [], [], None
@@ -109,10 +135,15 @@ def worker(engine: str, ckpt: str, length: int, new_tokens: int, repeats: int, t
         prefill.append(stamps[1] - stamps[0])
         decode.append(stamps[-1] - stamps[1])
     return {
-        "engine": engine, "length": length, "new_tokens": new_tokens, "repeats": repeats,
+        "engine": engine,
+        "length": length,
+        "new_tokens": new_tokens,
+        "repeats": repeats,
         "prefill_tokens_per_s": length / statistics.median(prefill),
         "decode_tokens_per_s": new_tokens / statistics.median(decode),
-        "peak_rss_mib": rss_mib(), "rss_rise_mib": rss_mib() - base_rss, "tokens": tokens,
+        "peak_rss_mib": rss_mib(),
+        "rss_rise_mib": rss_mib() - base_rss,
+        "tokens": tokens,
     }
 
 
@@ -128,8 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--length", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.worker[0], args.worker[1], args.length, args.new_tokens, args.repeats,
-                                args.threads)))
+        print(
+            json.dumps(worker(args.worker[0], args.worker[1], args.length, args.new_tokens, args.repeats, args.threads))
+        )
         return 0
 
     # Rounds interleave the engines (ours, transformers, ours, …), each run in a fresh process, so a
@@ -140,10 +172,26 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.repeats):
             for length in args.lengths:
                 for engine in ("ours", "transformers"):
-                    cmd = [sys.executable, __file__, "--worker", engine, tmp, "--length", str(length),
-                           "--new-tokens", str(args.new_tokens), "--repeats", "1", "--threads", str(args.threads)]
-                    print(f"[bench] round {r + 1}/{args.repeats}: {engine} @ {length} tokens …",
-                          file=sys.stderr, flush=True)
+                    cmd = [
+                        sys.executable,
+                        __file__,
+                        "--worker",
+                        engine,
+                        tmp,
+                        "--length",
+                        str(length),
+                        "--new-tokens",
+                        str(args.new_tokens),
+                        "--repeats",
+                        "1",
+                        "--threads",
+                        str(args.threads),
+                    ]
+                    print(
+                        f"[bench] round {r + 1}/{args.repeats}: {engine} @ {length} tokens …",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
                     runs.setdefault((engine, length), []).append(json.loads(out.strip().splitlines()[-1]))
 
@@ -155,30 +203,47 @@ def main(argv: list[str] | None = None) -> int:
         o = {k: median_of("ours", length, k) for k in ("prefill_tokens_per_s", "decode_tokens_per_s", "peak_rss_mib")}
         h = {k: median_of("transformers", length, k) for k in o}
         o["tokens"], h["tokens"] = runs[("ours", length)][0]["tokens"], runs[("transformers", length)][0]["tokens"]
-        table.append({
-            "length": length,
-            "prefill_ours": o["prefill_tokens_per_s"], "prefill_hf": h["prefill_tokens_per_s"],
-            "prefill_ratio": o["prefill_tokens_per_s"] / h["prefill_tokens_per_s"],
-            "decode_ours": o["decode_tokens_per_s"], "decode_hf": h["decode_tokens_per_s"],
-            "decode_ratio": o["decode_tokens_per_s"] / h["decode_tokens_per_s"],
-            "peak_rss_mib_ours": o["peak_rss_mib"], "peak_rss_mib_hf": h["peak_rss_mib"],
-            "same_greedy_tokens": all(run["tokens"] == h["tokens"] for run in runs[("ours", length)]),
-            "decode_ratio_per_round": [a["decode_tokens_per_s"] / b["decode_tokens_per_s"] for a, b in
-                                       zip(runs[("ours", length)], runs[("transformers", length)])],
-        })
+        table.append(
+            {
+                "length": length,
+                "prefill_ours": o["prefill_tokens_per_s"],
+                "prefill_hf": h["prefill_tokens_per_s"],
+                "prefill_ratio": o["prefill_tokens_per_s"] / h["prefill_tokens_per_s"],
+                "decode_ours": o["decode_tokens_per_s"],
+                "decode_hf": h["decode_tokens_per_s"],
+                "decode_ratio": o["decode_tokens_per_s"] / h["decode_tokens_per_s"],
+                "peak_rss_mib_ours": o["peak_rss_mib"],
+                "peak_rss_mib_hf": h["peak_rss_mib"],
+                "same_greedy_tokens": all(run["tokens"] == h["tokens"] for run in runs[("ours", length)]),
+                "decode_ratio_per_round": [
+                    a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
+                    for a, b in zip(runs[("ours", length)], runs[("transformers", length)])
+                ],
+            }
+        )
     if args.json:
-        print(json.dumps({"threads": args.threads, "repeats": args.repeats, "new_tokens": args.new_tokens,
-                          "rows": table}, indent=2))
+        print(
+            json.dumps(
+                {"threads": args.threads, "repeats": args.repeats, "new_tokens": args.new_tokens, "rows": table},
+                indent=2,
+            )
+        )
         return 0
-    print(f"gpt-oss ~20M (HF layout, fp32, CPU, {args.threads} threads); median of {args.repeats} rounds; "
-          f"decode = {args.new_tokens} tokens after the prompt")
-    print(f"{'prompt':>7} | {'prefill tok/s ours':>18} {'HF':>9} {'ratio':>6} | {'decode tok/s ours':>17} "
-          f"{'HF':>7} {'ratio':>6} {'range':>11} | {'peak RSS MiB ours':>17} {'HF':>7} | same tokens")
+    print(
+        f"gpt-oss ~20M (HF layout, fp32, CPU, {args.threads} threads); median of {args.repeats} rounds; "
+        f"decode = {args.new_tokens} tokens after the prompt"
+    )
+    print(
+        f"{'prompt':>7} | {'prefill tok/s ours':>18} {'HF':>9} {'ratio':>6} | {'decode tok/s ours':>17} "
+        f"{'HF':>7} {'ratio':>6} {'range':>11} | {'peak RSS MiB ours':>17} {'HF':>7} | same tokens"
+    )
     for r in table:
-        print(f"{r['length']:>7} | {r['prefill_ours']:>18,.0f} {r['prefill_hf']:>9,.0f} {r['prefill_ratio']:>5.2f}x | "
-              f"{r['decode_ours']:>17,.1f} {r['decode_hf']:>7,.1f} {r['decode_ratio']:>5.2f}x "
-              f"{min(r['decode_ratio_per_round']):>5.2f}-{max(r['decode_ratio_per_round']):.2f}x | "
-              f"{r['peak_rss_mib_ours']:>17,.0f} {r['peak_rss_mib_hf']:>7,.0f} | {r['same_greedy_tokens']}")
+        print(
+            f"{r['length']:>7} | {r['prefill_ours']:>18,.0f} {r['prefill_hf']:>9,.0f} {r['prefill_ratio']:>5.2f}x | "
+            f"{r['decode_ours']:>17,.1f} {r['decode_hf']:>7,.1f} {r['decode_ratio']:>5.2f}x "
+            f"{min(r['decode_ratio_per_round']):>5.2f}-{max(r['decode_ratio_per_round']):.2f}x | "
+            f"{r['peak_rss_mib_ours']:>17,.0f} {r['peak_rss_mib_hf']:>7,.0f} | {r['same_greedy_tokens']}"
+        )
     return 0
 
 

@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         def fn():
             for w in ws:
                 F.linear(x, w)
+
         return fn
 
     def run_packed():
@@ -69,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
         (f"{args.experts} matrices {C}x{C}", cold(run_all(mats)), cold(run_all(mats_in)), cold(run_packed)),
     ]
     print(f"one-token GEMV, fp32, 1 thread, cold cache; median of {args.repeats} runs (microseconds)")
-    print(f"{'weights':>24} | {'row-major':>9} | {'input-major':>11} {'ratio':>6} | {'gate|up packed':>14} {'ratio':>6}")
+    print(
+        f"{'weights':>24} | {'row-major':>9} | {'input-major':>11} {'ratio':>6} | {'gate|up packed':>14} {'ratio':>6}"
+    )
     for name, row, inm, packed in rows:
         tail = f"{packed:>14.0f} {row / packed:>5.2f}x" if packed is not None else f"{'-':>14} {'':>6}"
         print(f"{name:>24} | {row:>9.0f} | {inm:>11.0f} {row / inm:>5.2f}x | {tail}")

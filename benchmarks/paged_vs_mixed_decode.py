@@ -3,8 +3,8 @@
 The paged cache reads K/V through page tables (a gather per layer per step, plus pool bookkeeping
 in Python); the mixed cache reads ring buffers and growing buffers in place. This measures what
 that costs a single sequence: ms per decoded token on the random ~20M benchmark config (fixture
-gpt-oss-bench-20m), fp32, one thread, after prefilling the prompt in 2,048-token chunks. Rounds alternate the two caches; figures
-are medians over rounds, and the ratio is paged / mixed (> 1: paged is slower).
+gpt-oss-bench-20m), fp32, one thread, after prefilling the prompt in 2,048-token chunks. Rounds
+alternate the two caches; figures are medians over rounds, and the ratio is paged / mixed (> 1: paged is slower).
 
     python benchmarks/paged_vs_mixed_decode.py                    # 2048 and 8192 tokens, 3 rounds
 """
@@ -28,8 +28,10 @@ CHUNK = 2048
 
 
 def ms_per_token(model, ids: torch.Tensor, cache, new_tokens: int) -> float:
-    stamps = [time.perf_counter() for _ in stream_generate(model, ids, new_tokens + 1, temperature=0,
-                                                           cache=cache, prefill_chunk=CHUNK)]
+    stamps = [
+        time.perf_counter()
+        for _ in stream_generate(model, ids, new_tokens + 1, temperature=0, cache=cache, prefill_chunk=CHUNK)
+    ]
     return (stamps[-1] - stamps[0]) / new_tokens * 1e3  # first token = end of prefill
 
 
@@ -52,8 +54,12 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.rounds):
             times["mixed"].append(ms_per_token(model, ids, MixedKVCache(cfg), args.new_tokens))
             total = (length + args.new_tokens + 1) // BLOCK + 2
-            store = PagedKVStore(cfg, total_blocks=total, block_size=BLOCK,
-                                 sliding_blocks=min(total, (CHUNK + cfg.sliding_window) // BLOCK + 2))
+            store = PagedKVStore(
+                cfg,
+                total_blocks=total,
+                block_size=BLOCK,
+                sliding_blocks=min(total, (CHUNK + cfg.sliding_window) // BLOCK + 2),
+            )
             times["paged"].append(ms_per_token(model, ids, PagedKVCache(cfg, store, ["seq"]), args.new_tokens))
         mixed, paged = statistics.median(times["mixed"]), statistics.median(times["paged"])
         print(f"{length:>7} | {mixed:>6.2f} | {paged:>6.2f} | {paged / mixed:.2f}x")

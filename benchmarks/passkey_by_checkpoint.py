@@ -21,8 +21,9 @@ from gptoss_lite.evals.passkey import PasskeyEvaluator
 
 def checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     """(step, directory) of every saved checkpoint, in step order; `final` last at its recorded step."""
-    found = sorted((int(d.name.removeprefix("step_")), d) for d in (run_dir / "checkpoints").glob("step_*")
-                   if d.is_dir())
+    found = sorted(
+        (int(d.name.removeprefix("step_")), d) for d in (run_dir / "checkpoints").glob("step_*") if d.is_dir()
+    )
     final = run_dir / "final"
     if (final / "config.json").is_file():
         step = json.loads((final / "config.json").read_text()).get("training", {}).get("step")

@@ -64,8 +64,10 @@ def main(argv: list[str] | None = None) -> int:
             by_depth[depth] = hits
         total = sum(by_depth.values())
         cells = "  ".join(f"depth {d:g}: {h}/{args.trials}" for d, h in by_depth.items())
-        print(f"{length:>6} tokens, Python-docs haystack: {total}/{args.trials * len(by_depth)} "
-              f"({100 * total / (args.trials * len(by_depth)):.1f}%)  {cells}")
+        print(
+            f"{length:>6} tokens, Python-docs haystack: {total}/{args.trials * len(by_depth)} "
+            f"({100 * total / (args.trials * len(by_depth)):.1f}%)  {cells}"
+        )
     return 0
 
 

@@ -38,8 +38,9 @@ class Request:
     answer: list[int]
 
 
-def make_trace(n_requests: int, seed: int, tenants: int = 3, users_per_tenant: int = 4,
-               vocab: int = 50_000) -> list[Request]:
+def make_trace(
+    n_requests: int, seed: int, tenants: int = 3, users_per_tenant: int = 4, vocab: int = 50_000
+) -> list[Request]:
     """A seeded trace: shared per-tenant templates, multi-turn conversations per user."""
     rng = random.Random(seed)
     toks = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
@@ -73,8 +74,7 @@ class Result:
     notes: list[str] = field(default_factory=list)
 
 
-def replay(trace: list[Request], policy: str, concurrency: int, total_blocks: int,
-           block_size: int) -> Result:
+def replay(trace: list[Request], policy: str, concurrency: int, total_blocks: int, block_size: int) -> Result:
     """Run the trace under one policy ('none', 'tenant', 'user') and collect the figures."""
     pool = PagedKVPool(total_blocks, block_size)
     cache = None if policy == "none" else PrefixCache(block_size, pool=pool)
@@ -120,41 +120,54 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="trace seed (default 0)")
     parser.add_argument("--concurrency", type=int, default=8, help="live requests at once (default 8)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block (default 16)")
-    parser.add_argument("--total-blocks", type=int, default=2048,
-                        help="pool size in blocks; cached blocks are evicted LRU when it is full "
-                             "(default 2048)")
+    parser.add_argument(
+        "--total-blocks",
+        type=int,
+        default=2048,
+        help="pool size in blocks; cached blocks are evicted LRU when it is full (default 2048)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     trace = make_trace(args.requests, args.seed)
     try:
-        results = [replay(trace, p, args.concurrency, args.total_blocks, args.block_size)
-                   for p in ("none", "tenant", "user")]
+        results = [
+            replay(trace, p, args.concurrency, args.total_blocks, args.block_size) for p in ("none", "tenant", "user")
+        ]
     except PoolExhaustedError as e:
-        print(f"error: the pool is too small for this trace ({e}); raise --total-blocks",
-              file=sys.stderr)
+        print(f"error: the pool is too small for this trace ({e}); raise --total-blocks", file=sys.stderr)
         return 1
     base = results[0].peak_live_blocks
     rows = []
     for r in results:
-        rows.append({
-            "policy": {"none": "no sharing", "tenant": "tenant scope", "user": "user scope"}[r.policy],
-            "requests": len(trace),
-            "hit_requests": r.hit_requests,
-            "input_tokens": r.input_tokens,
-            "prefill_computed_tokens": r.prefill_computed,
-            "prefill_skipped_tokens": r.prefill_skipped,
-            "prefill_skipped_fraction": round(r.prefill_skipped / r.input_tokens, 4),
-            "peak_live_blocks": r.peak_live_blocks,
-            "peak_live_tokens": r.peak_live_blocks * args.block_size,
-            "memory_saved_vs_no_sharing": round(1 - r.peak_live_blocks / base, 4),
-            "evicted_blocks": r.evicted_blocks,
-        })
+        rows.append(
+            {
+                "policy": {"none": "no sharing", "tenant": "tenant scope", "user": "user scope"}[r.policy],
+                "requests": len(trace),
+                "hit_requests": r.hit_requests,
+                "input_tokens": r.input_tokens,
+                "prefill_computed_tokens": r.prefill_computed,
+                "prefill_skipped_tokens": r.prefill_skipped,
+                "prefill_skipped_fraction": round(r.prefill_skipped / r.input_tokens, 4),
+                "peak_live_blocks": r.peak_live_blocks,
+                "peak_live_tokens": r.peak_live_blocks * args.block_size,
+                "memory_saved_vs_no_sharing": round(1 - r.peak_live_blocks / base, 4),
+                "evicted_blocks": r.evicted_blocks,
+            }
+        )
     if args.json:
         print(json.dumps({"args": vars(args), "results": rows}, indent=2))
         return 0
-    cols = [("policy", 13), ("hit_requests", 5), ("prefill_computed_tokens", 9),
-            ("prefill_skipped_tokens", 9), ("prefill_skipped_fraction", 8), ("peak_live_blocks", 6),
-            ("peak_live_tokens", 7), ("memory_saved_vs_no_sharing", 7), ("evicted_blocks", 7)]
+    cols = [
+        ("policy", 13),
+        ("hit_requests", 5),
+        ("prefill_computed_tokens", 9),
+        ("prefill_skipped_tokens", 9),
+        ("prefill_skipped_fraction", 8),
+        ("peak_live_blocks", 6),
+        ("peak_live_tokens", 7),
+        ("memory_saved_vs_no_sharing", 7),
+        ("evicted_blocks", 7),
+    ]
     heads = ["policy", "hits", "computed", "skipped", "skip %", "peak", "peak", "saved", "evicted"]
     units = ["", "(req)", "(tok)", "(tok)", "", "(blk)", "(tok)", "(mem)", "(blk)"]
     for line in (heads, units):
@@ -167,13 +180,17 @@ def main(argv: list[str] | None = None) -> int:
                 val = f"{100 * val:.1f}%"
             cells.append(str(val).rjust(w) if i else str(val).ljust(w))
         print(" ".join(cells))
-    print(f"\n{len(trace)} requests, {results[0].input_tokens} prompt tokens, concurrency "
-          f"{args.concurrency}, block size {args.block_size}, seed {args.seed}. Peak = distinct "
-          "blocks referenced by live sequences (pinned cache-only blocks excluded).")
+    print(
+        f"\n{len(trace)} requests, {results[0].input_tokens} prompt tokens, concurrency "
+        f"{args.concurrency}, block size {args.block_size}, seed {args.seed}. Peak = distinct "
+        "blocks referenced by live sequences (pinned cache-only blocks excluded)."
+    )
     best = results[1]
-    print(f"tenant scope skips {best.prefill_skipped / best.input_tokens:.1%} of prefill and "
-          f"holds {best.peak_live_blocks}/{base} blocks at peak "
-          f"({1 - best.peak_live_blocks / base:.1%} less memory than no sharing)")
+    print(
+        f"tenant scope skips {best.prefill_skipped / best.input_tokens:.1%} of prefill and "
+        f"holds {best.peak_live_blocks}/{base} blocks at peak "
+        f"({1 - best.peak_live_blocks / base:.1%} less memory than no sharing)"
+    )
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Decode tokens/s of plain greedy decoding vs prompt-lookup speculative decoding (issue 14).
+"""Decode tokens/s of plain greedy decoding vs prompt-lookup speculative decoding.
 
 Model: the shipped demo model (`gptoss_lite.checkpoint.DEFAULT_MODEL`, trained at 256 tokens), fp32,
 one thread (torch.set_num_threads(1)). Greedy; every speculative output is checked to equal the plain
@@ -42,13 +42,13 @@ PASSKEY_LENGTH = 4096
 ANSWER_TOKENS = 16
 
 
-def run(model, ids: torch.Tensor, new_tokens: int, spec: PromptLookup | None, stop: list[int] | None = None
-        ) -> tuple[list[float], torch.Tensor, SpeculationStats]:
+def run(
+    model, ids: torch.Tensor, new_tokens: int, spec: PromptLookup | None, stop: list[int] | None = None
+) -> tuple[list[float], torch.Tensor, SpeculationStats]:
     """Greedy decode; the timestamps of each new token, the tokens, the stats."""
     stats = SpeculationStats()
     stamps, tokens = [], []
-    for token in stream_generate(model, ids, new_tokens, temperature=0, speculate=spec, stats=stats,
-                                 stop_tokens=stop):
+    for token in stream_generate(model, ids, new_tokens, temperature=0, speculate=spec, stats=stats, stop_tokens=stop):
         stamps.append(time.perf_counter())
         tokens.append(token)
     return stamps, torch.stack(tokens, dim=1), stats
@@ -62,8 +62,9 @@ def prompts(kind: str, trials: int, tok: ByteTokenizer, model) -> list[torch.Ten
     if kind == "passkey":
         ev = PasskeyEvaluator(model, tok, lengths=[PASSKEY_LENGTH], n_trials=trials)
         keys = passkey_keys(PASSKEY_LENGTH, trials)
-        return [torch.tensor([ev.prompt_ids(PASSKEY_LENGTH, key, (0.0, 0.5, 1.0)[i % 3])])
-                for i, key in enumerate(keys)]
+        return [
+            torch.tensor([ev.prompt_ids(PASSKEY_LENGTH, key, (0.0, 0.5, 1.0)[i % 3])]) for i, key in enumerate(keys)
+        ]
     if kind == "copy":
         out = []
         for t in range(trials):  # a ~250-token passage, four times, then its first ~100 tokens again
@@ -76,8 +77,9 @@ def prompts(kind: str, trials: int, tok: ByteTokenizer, model) -> list[torch.Ten
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", nargs="+", default=["passkey", "copy", "random"],
-                    choices=["passkey", "copy", "random"])
+    ap.add_argument(
+        "--prompts", nargs="+", default=["passkey", "copy", "random"], choices=["passkey", "copy", "random"]
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--trials", type=int, default=3, help="prompts per kind (passkey: keys)")
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -89,10 +91,14 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(DEFAULT_MODEL)
     tok = ByteTokenizer()
     spec = PromptLookup(k=args.k, ngram=args.ngram, min_ngram=args.min_ngram)
-    print(f"shipped demo model, fp32, 1 thread, greedy; {spec}; {args.rounds} rounds x {args.trials} "
-          f"prompts x {args.new_tokens} new tokens, plain and speculative interleaved")
-    print(f"{'prompt':>8} {'tokens':>6} | {'plain tok/s':>11} | {'spec tok/s':>10} | {'speed-up':>8} | "
-          f"{'accept':>6} | {'tok/fwd':>7}")
+    print(
+        f"shipped demo model, fp32, 1 thread, greedy; {spec}; {args.rounds} rounds x {args.trials} "
+        f"prompts x {args.new_tokens} new tokens, plain and speculative interleaved"
+    )
+    print(
+        f"{'prompt':>8} {'tokens':>6} | {'plain tok/s':>11} | {'spec tok/s':>10} | {'speed-up':>8} | "
+        f"{'accept':>6} | {'tok/fwd':>7}"
+    )
     for kind in args.prompts:
         batch = prompts(kind, args.trials, tok, model)
         n_list = [args.new_tokens] + ([ANSWER_TOKENS] if kind == "passkey" else [])
@@ -126,23 +132,31 @@ def main(argv: list[str] | None = None) -> int:
         if kind == "passkey":
             p_rate = answer["plain"][0] / answer["plain"][1]
             s_rate = answer["spec"][0] / answer["spec"][1]
-            print(f"{'answer':>8} {'<=16':>6} | {p_rate:>11.1f} | {s_rate:>10.1f} | {s_rate / p_rate:>7.2f}x | "
-                  f"{answer_stats.acceptance_rate:>6.2f} | {answer_stats.tokens_per_forward:>7.2f}")
+            print(
+                f"{'answer':>8} {'<=16':>6} | {p_rate:>11.1f} | {s_rate:>10.1f} | {s_rate / p_rate:>7.2f}x | "
+                f"{answer_stats.acceptance_rate:>6.2f} | {answer_stats.tokens_per_forward:>7.2f}"
+            )
         for n in n_list:
             r = rows[n]
-            print(f"{kind:>8} {n:>6} | {statistics.median(r['plain']):>11.1f} | "
-                  f"{statistics.median(r['spec']):>10.1f} | {statistics.median(r['ratio']):>7.2f}x | "
-                  f"{total.acceptance_rate:>6.2f} | {total.tokens_per_forward:>7.2f}")
+            print(
+                f"{kind:>8} {n:>6} | {statistics.median(r['plain']):>11.1f} | "
+                f"{statistics.median(r['spec']):>10.1f} | {statistics.median(r['ratio']):>7.2f}x | "
+                f"{total.acceptance_rate:>6.2f} | {total.tokens_per_forward:>7.2f}"
+            )
     if "passkey" in args.prompts:
         ids = prompts("passkey", 1, tok, model)[0]
         stops = [tok.eos_id]
         answer = run(model, ids, ANSWER_TOKENS, spec, stops)[1][0].tolist()
         longer = run(model, ids, ANSWER_TOKENS, spec)[1][0].tolist()
-        print(f"passkey trial 0: key {passkey_keys(PASSKEY_LENGTH, 1)[0]}; speculative answer "
-              f"{tok.decode([t for t in answer if t not in stops])!r} (then end-of-text); without the stop "
-              f"the first 16 tokens are {tok.decode(longer)!r}")
-    print("(answer: the evaluator's run, stopping at end-of-text, tokens/s pooled over all trials; "
-          "accept and tok/fwd of the other rows are over the whole --new-tokens runs of each prompt kind)")
+        print(
+            f"passkey trial 0: key {passkey_keys(PASSKEY_LENGTH, 1)[0]}; speculative answer "
+            f"{tok.decode([t for t in answer if t not in stops])!r} (then end-of-text); without the stop "
+            f"the first 16 tokens are {tok.decode(longer)!r}"
+        )
+    print(
+        "(answer: the evaluator's run, stopping at end-of-text, tokens/s pooled over all trials; "
+        "accept and tok/fwd of the other rows are over the whole --new-tokens runs of each prompt kind)"
+    )
     return 0
 
 

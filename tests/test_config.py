@@ -40,18 +40,21 @@ def test_product_presets_hold_no_test_fixtures():
         get_preset("lite-tiny")
 
 
-@pytest.mark.parametrize("change, exc, match", [
-    (dict(n_heads=6, n_kv_heads=4), ValueError, "n_heads=6 must be a multiple of n_kv_heads=4"),
-    (dict(head_dim=7), ValueError, "head_dim=7: must be even"),
-    (dict(top_k=9), ValueError, "top_k=9 must be <= n_experts=8"),
-    (dict(activation="gelu"), ValueError, "activation='gelu'"),
-    (dict(d_model=0), ValueError, "d_model=0: must be >= 1"),
-    (dict(d_model=7.5), TypeError, "d_model=7.5: must be an int"),
-    (dict(rope_factor=0.5), ValueError, "rope_factor=0.5"),
-    (dict(sink_clamp=(5.0, -5.0)), ValueError, "sink_clamp"),
-    (dict(layer_types=("full_attention",)), ValueError, "layer_types has 1 entries"),
-    (dict(tie_embeddings=1), TypeError, "tie_embeddings=1: must be a bool"),
-])
+@pytest.mark.parametrize(
+    "change, exc, match",
+    [
+        (dict(n_heads=6, n_kv_heads=4), ValueError, "n_heads=6 must be a multiple of n_kv_heads=4"),
+        (dict(head_dim=7), ValueError, "head_dim=7: must be even"),
+        (dict(top_k=9), ValueError, "top_k=9 must be <= n_experts=8"),
+        (dict(activation="gelu"), ValueError, "activation='gelu'"),
+        (dict(d_model=0), ValueError, "d_model=0: must be >= 1"),
+        (dict(d_model=7.5), TypeError, "d_model=7.5: must be an int"),
+        (dict(rope_factor=0.5), ValueError, "rope_factor=0.5"),
+        (dict(sink_clamp=(5.0, -5.0)), ValueError, "sink_clamp"),
+        (dict(layer_types=("full_attention",)), ValueError, "layer_types has 1 entries"),
+        (dict(tie_embeddings=1), TypeError, "tie_embeddings=1: must be a bool"),
+    ],
+)
 def test_bad_field_values(change, exc, match):
     """Bad field values are errors naming the field, its value and the limit."""
     with pytest.raises(exc, match=match):

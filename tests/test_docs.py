@@ -4,8 +4,12 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CODE = [p for d in ("src", "tests", "benchmarks", "configs") for p in (ROOT / d).rglob("*")
-        if p.suffix in (".py", ".yaml", ".yml")]
+CODE = [
+    p
+    for d in ("src", "tests", "benchmarks", "configs")
+    for p in (ROOT / d).rglob("*")
+    if p.suffix in (".py", ".yaml", ".yml")
+]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CITATION = re.compile(r"docs/([\w.-]+\.md)(#[\w-]+)?")
 MD_LINK = re.compile(r"\]\(([\w./-]*\.md)?(#[\w-]+)?\)")
@@ -60,6 +64,10 @@ def test_markdown_links_between_docs_resolve():
 def test_nothing_cites_a_document_outside_the_repository():
     """No code or doc cites the private specification the rules were first written in."""
     marker = "SPEC " + "\u00a7"
-    hits = [f"{p.relative_to(ROOT)}:{n}" for p in CODE + DOCS
-            for n, line in enumerate(p.read_text().splitlines(), 1) if marker in line or "\u00a7" in line]
+    hits = [
+        f"{p.relative_to(ROOT)}:{n}"
+        for p in CODE + DOCS
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if marker in line or "\u00a7" in line
+    ]
     assert not hits, hits

@@ -21,7 +21,10 @@ def test_resolve_config_finds_presets_then_fixtures():
 
 def test_unknown_name_lists_presets_and_fixtures_apart():
     """An unknown name is a ValueError listing product presets and test fixtures under their own labels."""
-    with pytest.raises(ValueError, match=r"unknown preset 'lite-small'; valid presets: gpt-oss-120b, "
-                                         r"gpt-oss-20b, gptoss-lite-502m; test fixtures: gpt-oss-bench-20m, "
-                                         r"gpt-oss-tiny, lite-tiny$"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown preset 'lite-small'; valid presets: gpt-oss-120b, "
+        r"gpt-oss-20b, gptoss-lite-502m; test fixtures: gpt-oss-bench-20m, "
+        r"gpt-oss-tiny, lite-tiny$",
+    ):
         resolve_config("lite-small")

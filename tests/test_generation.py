@@ -31,7 +31,7 @@ def test_random_chunked_prefill_matches_one_shot(tiny_model):
         cache, pos, pieces = MixedKVCache(tiny_model.config, 2), 0, []
         while pos < 90:
             n = min(90 - pos, rng.randint(1, 20))
-            pieces.append(tiny_model(ids[:, pos:pos + n], cache=cache, start_pos=pos).logits)
+            pieces.append(tiny_model(ids[:, pos : pos + n], cache=cache, start_pos=pos).logits)
             pos += n
         torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-5, rtol=1e-5)
     one = generate(tiny_model, ids, 16, temperature=0, prefill_chunk=4096)
@@ -125,18 +125,21 @@ def test_unprepared_model_is_rejected_with_the_fix():
     assert not fresh.inference_ready
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(input_ids=torch.zeros(1, 0, dtype=torch.long)), "empty prompt"),
-    (dict(input_ids=torch.tensor([[1, 999]])), "out of vocabulary"),
-    (dict(input_ids=torch.tensor([[1, -1]])), "out of vocabulary"),
-    (dict(max_new_tokens=-1), "max_new_tokens=-1"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(max_new_tokens=70_000), "exceeds the configured maximum"),
-    (dict(input_ids=torch.tensor([1, 2])), r"\(B, T\)"),
-    (dict(prefill_chunk=0), "prefill_chunk"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(input_ids=torch.zeros(1, 0, dtype=torch.long)), "empty prompt"),
+        (dict(input_ids=torch.tensor([[1, 999]])), "out of vocabulary"),
+        (dict(input_ids=torch.tensor([[1, -1]])), "out of vocabulary"),
+        (dict(max_new_tokens=-1), "max_new_tokens=-1"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(max_new_tokens=70_000), "exceeds the configured maximum"),
+        (dict(input_ids=torch.tensor([1, 2])), r"\(B, T\)"),
+        (dict(prefill_chunk=0), "prefill_chunk"),
+    ],
+)
 def test_bad_input(tiny_model, kwargs, match):
     """Bad generate() arguments raise clear errors before any work."""
     args = dict(input_ids=torch.tensor([[1, 2, 3]]), max_new_tokens=4)

@@ -61,7 +61,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
                 colour[path.pop()] = 2
                 stack.pop()
             elif colour.get(nxt, 2) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             elif colour.get(nxt) == 0:
                 colour[nxt] = 1
                 path.append(nxt)

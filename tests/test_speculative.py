@@ -27,12 +27,12 @@ def _copy_prompt(B: int, seed: int) -> torch.Tensor:
     return torch.cat((base, base, base[:, :8]), dim=1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _model(preset: str, seed: int = 0):
     return make_model(preset, seed=seed)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _near_copy(preset: str, noise: float = 0.1):
     """A draft that agrees with `_model(preset)` often but not always: its weights plus noise."""
     draft = make_model(preset)
@@ -50,8 +50,7 @@ def test_greedy_speculative_equals_plain_greedy(preset, drafter, B):
     """Greedy speculative decoding emits exactly plain greedy's tokens, with drafts both accepted and
     rejected along the way."""
     model = _model(preset)
-    spec = (PromptLookup(k=4, ngram=4, min_ngram=1) if drafter == "lookup"
-            else DraftModel(_near_copy(preset), k=3))
+    spec = PromptLookup(k=4, ngram=4, min_ngram=1) if drafter == "lookup" else DraftModel(_near_copy(preset), k=3)
     ids = _copy_prompt(B, seed=B)
     plain = generate(model, ids, 40, temperature=0)
     stats = SpeculationStats()
@@ -74,9 +73,10 @@ def test_shipped_model_greedy_speculative_equals_plain(B):
     """On the shipped demo model, prompt lookup and a random tiny draft model give plain greedy's tokens."""
     model = load_model(DEFAULT_MODEL)
     tok = ByteTokenizer()
-    texts = ["The passkey is 40391. Remember it. The grass is green. The sky is blue. "
-             "What is the passkey? The passkey is",
-             "The sky is blue. The sun is yellow. The grass is green. The sky is blue. The sun is"][:B]
+    texts = [
+        "The passkey is 40391. Remember it. The grass is green. The sky is blue. What is the passkey? The passkey is",
+        "The sky is blue. The sun is yellow. The grass is green. The sky is blue. The sun is",
+    ][:B]
     rows = [tok.encode(t) for t in texts]
     n = min(map(len, rows))
     ids = torch.tensor([r[-n:] for r in rows])
@@ -93,12 +93,14 @@ def test_speculation_on_a_paged_cache_and_with_stop_tokens(tiny_model):
     plain = generate(tiny_model, ids, 30, temperature=0)
     store = PagedKVStore(tiny_model.config, total_blocks=64, block_size=4)
     cache = PagedKVCache(tiny_model.config, store, ["a", "b"])
-    assert torch.equal(generate(tiny_model, ids, 30, temperature=0, cache=cache,
-                                speculate=PromptLookup(k=4, min_ngram=1)), plain)
+    assert torch.equal(
+        generate(tiny_model, ids, 30, temperature=0, cache=cache, speculate=PromptLookup(k=4, min_ngram=1)), plain
+    )
     stop = [int(plain[0, ids.shape[1] + 5]), int(plain[1, ids.shape[1] + 9])]
     want = list(stream_generate(tiny_model, ids, 30, temperature=0, stop_tokens=stop))
-    got = list(stream_generate(tiny_model, ids, 30, temperature=0, stop_tokens=stop,
-                               speculate=PromptLookup(k=4, min_ngram=1)))
+    got = list(
+        stream_generate(tiny_model, ids, 30, temperature=0, stop_tokens=stop, speculate=PromptLookup(k=4, min_ngram=1))
+    )
     assert len(got) == len(want) < 30 and all(torch.equal(a, b) for a, b in zip(got, want))
 
 
@@ -137,7 +139,7 @@ def _exact_distribution(model, prompt: torch.Tensor, cfg: SamplingConfig, n: int
     with torch.inference_mode():
         for step in range(n):
             prefixes = torch.tensor(list(itertools.product(range(V), repeat=step)), dtype=torch.long)
-            seqs = torch.cat((prompt.expand(V ** step, -1), prefixes.view(V ** step, step)), dim=1)
+            seqs = torch.cat((prompt.expand(V**step, -1), prefixes.view(V**step, step)), dim=1)
             p = probabilities(model(seqs).logits[:, -1], cfg).double()  # (V**step, V)
             joint = (joint[:, None] * p).flatten()
     return joint
@@ -148,7 +150,7 @@ def _fits(sample: torch.Tensor, exact: torch.Tensor, V: int) -> float:
     cells with expected counts < 5 into one."""
     n = sample.shape[1]
     code = sum(sample[:, i] * V ** (n - 1 - i) for i in range(n))
-    counts = torch.bincount(code, minlength=V ** n).double()
+    counts = torch.bincount(code, minlength=V**n).double()
     N = sample.shape[0]
     keep = exact * N >= 5
     obs = torch.cat((counts[keep], counts[~keep].sum()[None]))
@@ -169,8 +171,11 @@ def test_speculative_sampling_keeps_the_distribution(drafter):
     cfg = SamplingConfig(temperature=1.3, top_p=0.95)
     prompt = torch.tensor([[1, 2, 3, 4, 1, 2, 3, 4, 1, 2]])
     exact = _exact_distribution(model, prompt, cfg, n)
-    spec = (PromptLookup(k=3, ngram=2, min_ngram=1) if drafter == "lookup"
-            else DraftModel(make_model("lite-tiny", seed=5, vocab_size=V), k=2))
+    spec = (
+        PromptLookup(k=3, ngram=2, min_ngram=1)
+        if drafter == "lookup"
+        else DraftModel(make_model("lite-tiny", seed=5, vocab_size=V), k=2)
+    )
     stats = SpeculationStats()
     kw = dict(temperature=cfg.temperature, top_p=cfg.top_p)
     out = generate(model, prompt.expand(N, -1), n, seed=123, speculate=spec, stats=stats, **kw)
@@ -196,8 +201,9 @@ def test_acceptance_rule_is_exact_over_several_positions():
             drafts = torch.tensor([int(p[0].argmin()), int(p[1].argmax())]).expand(N, k)
             q = None
         else:
-            drafts = torch.stack([torch.multinomial(q_probs[i], N, replacement=True, generator=g)
-                                  for i in range(k)], dim=1)
+            drafts = torch.stack(
+                [torch.multinomial(q_probs[i], N, replacement=True, generator=g) for i in range(k)], dim=1
+            )
             q = q_probs.expand(N, k, V)
         accepted, own = verify(logits, drafts, torch.full((N,), k), q, cfg, g)
         first = torch.where(accepted >= 1, drafts[:, 0], own)

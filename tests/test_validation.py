@@ -14,8 +14,9 @@ def test_integral_values_come_back_as_plain_int(value):
     assert type(out) is int and out == int(value)
 
 
-@pytest.mark.parametrize("value, kind", [(True, "bool"), (np.bool_(True), "bool"), (2.0, "float"),
-                                         ("3", "str"), (None, "NoneType")])
+@pytest.mark.parametrize(
+    "value, kind", [(True, "bool"), (np.bool_(True), "bool"), (2.0, "float"), ("3", "str"), (None, "NoneType")]
+)
 def test_non_integers_are_type_errors(value, kind):
     """Booleans, floats (even whole ones), strings and None are TypeErrors naming the argument and type."""
     with pytest.raises(TypeError, match=rf"^n={value!r}: must be an int \(not {kind}\)$"):

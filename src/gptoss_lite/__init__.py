@@ -21,8 +21,7 @@ _LAZY = {
     "MixedKVCache": "gptoss_lite.kv.mixed",
 }
 
-__all__ = ["ModelConfig", "PRESETS", "get_preset", "count_parameters", "count_active_parameters",
-           "__version__", *_LAZY]
+__all__ = ["ModelConfig", "PRESETS", "get_preset", "count_parameters", "count_active_parameters", "__version__", *_LAZY]
 
 
 def __getattr__(name: str):

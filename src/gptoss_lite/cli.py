@@ -24,8 +24,8 @@ COMMANDS: tuple[str, ...] = (
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="gptoss-lite",
-        description="Small, honest, fast inference for gpt-oss-style long-context models.")
+        prog="gptoss-lite", description="Small, honest, fast inference for gpt-oss-style long-context models."
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="<command>")
     for name in COMMANDS:
         importlib.import_module(f"gptoss_lite.commands.{name}").register(sub)

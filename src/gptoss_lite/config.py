@@ -1,6 +1,7 @@
 """Model configuration: one frozen dataclass, presets by exact name, parameter counting.
 
-Every knob that distinguishes GPT-OSS-Lite from the released gpt-oss models (docs/model.md#gpt-oss-family-knobs) is a field
+Every knob that distinguishes GPT-OSS-Lite from the released gpt-oss models
+(docs/model.md#gpt-oss-family-knobs) is a field
 here, so the same model code runs both.
 """
 
@@ -66,27 +67,48 @@ class ModelConfig:
     train_context_length: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                     "sliding_window", "n_experts", "top_k", "expert_hidden",
-                     "rope_original_context", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "sliding_window",
+            "n_experts",
+            "top_k",
+            "expert_hidden",
+            "rope_original_context",
+            "max_position_embeddings",
+        ):
             object.__setattr__(self, name, _check_int(name, getattr(self, name), minimum=1))
         for name in ("n_shared_experts", "rope_pruned_pairs"):
             object.__setattr__(self, name, _check_int(name, getattr(self, name), minimum=0))
         if self.train_context_length is not None:
-            object.__setattr__(self, "train_context_length",
-                               _check_int("train_context_length", self.train_context_length, minimum=1))
+            object.__setattr__(
+                self, "train_context_length", _check_int("train_context_length", self.train_context_length, minimum=1)
+            )
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim}: must be even for rotary embeddings")
         if self.rope_pruned_pairs > self.head_dim // 2:
-            raise ValueError(f"rope_pruned_pairs={self.rope_pruned_pairs}: must be <= head_dim/2 = {self.head_dim // 2}")
+            raise ValueError(
+                f"rope_pruned_pairs={self.rope_pruned_pairs}: must be <= head_dim/2 = {self.head_dim // 2}"
+            )
         if self.top_k > self.n_experts:
             raise ValueError(f"top_k={self.top_k} must be <= n_experts={self.n_experts}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation={self.activation!r}: must be one of {ACTIVATIONS}")
-        for name in ("rope_theta", "rope_factor", "rope_beta_fast", "rope_beta_slow", "norm_eps",
-                     "swiglu_limit", "initializer_range"):
+        for name in (
+            "rope_theta",
+            "rope_factor",
+            "rope_beta_fast",
+            "rope_beta_slow",
+            "norm_eps",
+            "swiglu_limit",
+            "initializer_range",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name}={value!r}: must be a finite number > 0")
@@ -130,7 +152,7 @@ class ModelConfig:
     def full_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
@@ -142,7 +164,7 @@ class ModelConfig:
         return out
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         """Build from a dict, rejecting unknown keys by name."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
@@ -159,14 +181,15 @@ class ModelConfig:
         return json.dumps({"format_version": CONFIG_FORMAT_VERSION, "model": self.to_dict()}, indent=2)
 
     @classmethod
-    def from_json_file(cls, path: str | Path) -> "ModelConfig":
+    def from_json_file(cls, path: str | Path) -> ModelConfig:
         data = json.loads(Path(path).read_text())
         version = data.get("format_version")
         if version != CONFIG_FORMAT_VERSION or "model" not in data:
-            raise ValueError(f"{path}: not a gptoss-lite config (format_version={version!r}, "
-                             f"expected {CONFIG_FORMAT_VERSION} with a 'model' section)")
+            raise ValueError(
+                f"{path}: not a gptoss-lite config (format_version={version!r}, "
+                f"expected {CONFIG_FORMAT_VERSION} with a 'model' section)"
+            )
         return cls.from_dict(data["model"])
-
 
 
 # ---- presets ------------------------------------------------------------------------------------
@@ -175,31 +198,60 @@ class ModelConfig:
 
 # The released gpt-oss knobs (biases, clamped activation, no shared expert, untied head, ...).
 GPT_OSS_KNOBS: dict[str, Any] = dict(
-    attention_bias=True, router_bias=True, expert_bias=True, n_shared_experts=0,
-    activation="gptoss", sink_clamp=None, rope_pruned_pairs=0, rope_theta=150_000.0,
-    tie_embeddings=False, rope_factor=32.0, rope_original_context=4096,
+    attention_bias=True,
+    router_bias=True,
+    expert_bias=True,
+    n_shared_experts=0,
+    activation="gptoss",
+    sink_clamp=None,
+    rope_pruned_pairs=0,
+    rope_theta=150_000.0,
+    tie_embeddings=False,
+    rope_factor=32.0,
+    rope_original_context=4096,
 )
 
 PRESETS: dict[str, ModelConfig] = {
     "gptoss-lite-502m": ModelConfig(),
     "gpt-oss-20b": ModelConfig(
-        vocab_size=201_088, d_model=2880, n_layers=24, n_heads=64, n_kv_heads=8, head_dim=64,
-        n_experts=32, top_k=4, expert_hidden=2880, **GPT_OSS_KNOBS),
+        vocab_size=201_088,
+        d_model=2880,
+        n_layers=24,
+        n_heads=64,
+        n_kv_heads=8,
+        head_dim=64,
+        n_experts=32,
+        top_k=4,
+        expert_hidden=2880,
+        **GPT_OSS_KNOBS,
+    ),
     "gpt-oss-120b": ModelConfig(
-        vocab_size=201_088, d_model=2880, n_layers=36, n_heads=64, n_kv_heads=8, head_dim=64,
-        n_experts=128, top_k=4, expert_hidden=2880, **GPT_OSS_KNOBS),
+        vocab_size=201_088,
+        d_model=2880,
+        n_layers=36,
+        n_heads=64,
+        n_kv_heads=8,
+        head_dim=64,
+        n_experts=128,
+        top_k=4,
+        expert_hidden=2880,
+        **GPT_OSS_KNOBS,
+    ),
 }
 
 
 def get_preset(name: str) -> ModelConfig:
     """Look up a product preset by exact name; an unknown name lists the valid ones."""
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(sorted(PRESETS))} "
-                         "(tiny test/benchmark configs: gptoss_lite.fixtures.resolve_config)")
+        raise ValueError(
+            f"unknown preset {name!r}; valid presets: {', '.join(sorted(PRESETS))} "
+            "(tiny test/benchmark configs: gptoss_lite.fixtures.resolve_config)"
+        )
     return PRESETS[name]
 
 
 # ---- parameter counting (no model built) -----------------------------------------------------------
+
 
 def _layer_param_counts(cfg: ModelConfig) -> tuple[int, int, int]:
     """(dense params per layer, params per routed expert, params per shared expert)."""

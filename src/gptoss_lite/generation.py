@@ -25,22 +25,22 @@ from gptoss_lite.kv.base import KVCache, RollbackKVCache
 from gptoss_lite.kv.mixed import MixedKVCache
 from gptoss_lite.model.transformer import GPTOSS
 from gptoss_lite.sampling import SamplingConfig, sample
-from gptoss_lite.speculative import (DraftModel, PromptLookup, Speculation, SpeculationStats, accept,
-                                     make_drafter)
+from gptoss_lite.speculative import DraftModel, PromptLookup, Speculation, SpeculationStats, accept, make_drafter
 from gptoss_lite.validation import check_int
 
 DEFAULT_PREFILL_CHUNK = 2048  # tokens per prefill piece; bounds activation and score memory
 ATTN_IMPLS = ("fast", "reference")
 
 
-def _validate(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int, attn_impl: str,
-              need_packed: bool) -> None:
+def _validate(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int, attn_impl: str, need_packed: bool) -> None:
     """Eager checks of every argument the two paths share; nothing has run yet when they raise."""
     if not isinstance(model, GPTOSS):
         raise TypeError(f"model: expected a GPTOSS, got {type(model).__name__}")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be a (B, T) tensor of token ids; got "
-                         f"{type(input_ids).__name__} {tuple(getattr(input_ids, 'shape', ()))}")
+        raise ValueError(
+            f"input_ids must be a (B, T) tensor of token ids; got "
+            f"{type(input_ids).__name__} {tuple(getattr(input_ids, 'shape', ()))}"
+        )
     if input_ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"input_ids dtype {input_ids.dtype}: must be an integer tensor (int64)")
     B, T = input_ids.shape
@@ -55,27 +55,42 @@ def _validate(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int, attn_
         raise ValueError(f"token id out of vocabulary: ids span [{lo}, {hi}], vocab_size={V}")
     limit = model.config.max_position_embeddings
     if T + max_new_tokens > limit:
-        raise ValueError(f"prompt of {T} tokens + max_new_tokens={max_new_tokens} exceeds the configured "
-                         f"maximum of {limit} positions (max_position_embeddings); shorten the prompt")
+        raise ValueError(
+            f"prompt of {T} tokens + max_new_tokens={max_new_tokens} exceeds the configured "
+            f"maximum of {limit} positions (max_position_embeddings); shorten the prompt"
+        )
     device = next(model.parameters()).device
     if input_ids.device != device:
-        raise ValueError(f"input_ids are on {input_ids.device} but the model is on {device}; move the "
-                         f"ids, or the model with model.prepare_for_inference(device=...)")
+        raise ValueError(
+            f"input_ids are on {input_ids.device} but the model is on {device}; move the "
+            f"ids, or the model with model.prepare_for_inference(device=...)"
+        )
     if model.training:
-        raise ValueError("model is in training mode (dropout on); call model.prepare_for_inference() "
-                         "first (load_model does it)")
+        raise ValueError(
+            "model is in training mode (dropout on); call model.prepare_for_inference() first (load_model does it)"
+        )
     if need_packed and not model.inference_ready:
-        raise ValueError("model weights are not packed for decode (a model built by hand, or moved with "
-                         ".to(dtype) afterwards); call model.prepare_for_inference() first "
-                         "(load_model does it)")
+        raise ValueError(
+            "model weights are not packed for decode (a model built by hand, or moved with "
+            ".to(dtype) afterwards); call model.prepare_for_inference() first "
+            "(load_model does it)"
+        )
 
 
-def stream_generate(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int = 64,
-                    temperature: float = 0.7, top_p: float = 0.9, seed: int | None = None,
-                    stop_tokens: Sequence[int] | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                    cache: KVCache | None = None, attn_impl: str = "fast",
-                    speculate: Speculation | None = None, stats: SpeculationStats | None = None
-                    ) -> Iterator[torch.Tensor]:
+def stream_generate(
+    model: GPTOSS,
+    input_ids: torch.Tensor,
+    max_new_tokens: int = 64,
+    temperature: float = 0.7,
+    top_p: float = 0.9,
+    seed: int | None = None,
+    stop_tokens: Sequence[int] | None = None,
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    cache: KVCache | None = None,
+    attn_impl: str = "fast",
+    speculate: Speculation | None = None,
+    stats: SpeculationStats | None = None,
+) -> Iterator[torch.Tensor]:
     """An iterator of the next token ids (B,) step by step; stops after max_new_tokens or when every
     row has produced a stop token (rows that stopped earlier keep repeating their stop token).
 
@@ -95,69 +110,106 @@ def stream_generate(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int 
     B, T = input_ids.shape
     _validate_speculation(model, input_ids, max_new_tokens, speculate, cache, stats)
     if cache is None:
-        cache = MixedKVCache(model.config, batch_size=B,
-                             rollback_tokens=0 if speculate is None else speculate.k)
+        cache = MixedKVCache(model.config, batch_size=B, rollback_tokens=0 if speculate is None else speculate.k)
     elif not isinstance(cache, KVCache):
         raise TypeError(f"cache: expected a KV cache (gptoss_lite.kv.base.KVCache), got {type(cache).__name__}")
     elif cache.batch_size != B or not 0 <= cache.num_tokens < T:
-        raise ValueError(f"cache has batch_size={cache.batch_size}, num_tokens={cache.num_tokens}; it must "
-                         f"have batch_size={B} and hold fewer tokens than the {T}-token prompt (empty, or "
-                         "the K/V of a prompt prefix such as a prefix-cache hit; call cache.reset() to "
-                         "start over)")
+        raise ValueError(
+            f"cache has batch_size={cache.batch_size}, num_tokens={cache.num_tokens}; it must "
+            f"have batch_size={B} and hold fewer tokens than the {T}-token prompt (empty, or "
+            "the K/V of a prompt prefix such as a prefix-cache hit; call cache.reset() to "
+            "start over)"
+        )
     if speculate is not None:
-        return _speculative_steps(model, input_ids.long(), max_new_tokens, sampling, stop_tokens,
-                                  prefill_chunk, cache, attn_impl, speculate, stats)
-    return _cached_steps(model, input_ids.long(), max_new_tokens, sampling, stop_tokens, prefill_chunk,
-                         cache, attn_impl, stats)
+        return _speculative_steps(
+            model,
+            input_ids.long(),
+            max_new_tokens,
+            sampling,
+            stop_tokens,
+            prefill_chunk,
+            cache,
+            attn_impl,
+            speculate,
+            stats,
+        )
+    return _cached_steps(
+        model, input_ids.long(), max_new_tokens, sampling, stop_tokens, prefill_chunk, cache, attn_impl, stats
+    )
 
 
-def _validate_speculation(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int,
-                          speculate: Speculation | None, cache: KVCache | None,
-                          stats: SpeculationStats | None) -> None:
+def _validate_speculation(
+    model: GPTOSS,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    speculate: Speculation | None,
+    cache: KVCache | None,
+    stats: SpeculationStats | None,
+) -> None:
     if stats is not None and not isinstance(stats, SpeculationStats):
         raise TypeError(f"stats: expected a SpeculationStats, got {type(stats).__name__}")
     if speculate is None:
         return
     if not isinstance(speculate, (PromptLookup, DraftModel)):
-        raise TypeError(f"speculate: expected None, a PromptLookup or a DraftModel, got "
-                        f"{type(speculate).__name__}")
+        raise TypeError(f"speculate: expected None, a PromptLookup or a DraftModel, got {type(speculate).__name__}")
     if cache is not None and not isinstance(cache, RollbackKVCache):
-        raise TypeError(f"speculate needs a cache that can roll back (gptoss_lite.kv.base.RollbackKVCache); "
-                        f"got {type(cache).__name__}; pass cache=None or a MixedKVCache/PagedKVCache")
+        raise TypeError(
+            f"speculate needs a cache that can roll back (gptoss_lite.kv.base.RollbackKVCache); "
+            f"got {type(cache).__name__}; pass cache=None or a MixedKVCache/PagedKVCache"
+        )
     if isinstance(cache, MixedKVCache) and cache.rollback_tokens < speculate.k - 1:
-        raise ValueError(f"cache has rollback_tokens={cache.rollback_tokens} but speculating {speculate.k} "
-                         f"tokens may take back {speculate.k - 1}; build it with "
-                         f"MixedKVCache(..., rollback_tokens={speculate.k}) or pass cache=None")
+        raise ValueError(
+            f"cache has rollback_tokens={cache.rollback_tokens} but speculating {speculate.k} "
+            f"tokens may take back {speculate.k - 1}; build it with "
+            f"MixedKVCache(..., rollback_tokens={speculate.k}) or pass cache=None"
+        )
     if isinstance(speculate, DraftModel):
         draft, B_T = speculate.model, input_ids.shape
         if draft.config.vocab_size != model.config.vocab_size:
-            raise ValueError(f"draft model vocab_size={draft.config.vocab_size} differs from the target's "
-                             f"{model.config.vocab_size}; a draft must share the target's tokenizer")
+            raise ValueError(
+                f"draft model vocab_size={draft.config.vocab_size} differs from the target's "
+                f"{model.config.vocab_size}; a draft must share the target's tokenizer"
+            )
         if not draft.inference_ready:
-            raise ValueError("draft model is not prepared for inference; call "
-                             "draft.prepare_for_inference() first (load_model does it)")
+            raise ValueError(
+                "draft model is not prepared for inference; call "
+                "draft.prepare_for_inference() first (load_model does it)"
+            )
         if next(draft.parameters()).device != input_ids.device:
-            raise ValueError(f"draft model is on {next(draft.parameters()).device} but input_ids are on "
-                             f"{input_ids.device}; move one of them")
+            raise ValueError(
+                f"draft model is on {next(draft.parameters()).device} but input_ids are on "
+                f"{input_ids.device}; move one of them"
+            )
         if B_T[1] + max_new_tokens > draft.config.max_position_embeddings:
-            raise ValueError(f"prompt of {B_T[1]} tokens + max_new_tokens={max_new_tokens} exceeds the draft "
-                             f"model's maximum of {draft.config.max_position_embeddings} positions")
+            raise ValueError(
+                f"prompt of {B_T[1]} tokens + max_new_tokens={max_new_tokens} exceeds the draft "
+                f"model's maximum of {draft.config.max_position_embeddings} positions"
+            )
 
 
-def _prefill(model: GPTOSS, input_ids: torch.Tensor, cache: KVCache, prefill_chunk: int,
-             attn_impl: str) -> torch.Tensor:
+def _prefill(
+    model: GPTOSS, input_ids: torch.Tensor, cache: KVCache, prefill_chunk: int, attn_impl: str
+) -> torch.Tensor:
     """Run the prompt's uncached part through the model in chunks; the last position's logits (B, 1, V)."""
     logits = None
     for start in range(cache.num_tokens, input_ids.shape[1], prefill_chunk):  # skip a cached prefix
-        piece = input_ids[:, start:start + prefill_chunk]
+        piece = input_ids[:, start : start + prefill_chunk]
         logits = model(piece, cache=cache, start_pos=start, last_only=True, attn_impl=attn_impl).logits
     return logits
 
 
 @torch.inference_mode()
-def _cached_steps(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int, sampling: SamplingConfig,
-                  stop_tokens: Sequence[int] | None, prefill_chunk: int, cache: KVCache,
-                  attn_impl: str, stats: SpeculationStats | None = None) -> Iterator[torch.Tensor]:
+def _cached_steps(
+    model: GPTOSS,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    stop_tokens: Sequence[int] | None,
+    prefill_chunk: int,
+    cache: KVCache,
+    attn_impl: str,
+    stats: SpeculationStats | None = None,
+) -> Iterator[torch.Tensor]:
     B, T = input_ids.shape
     generator = _generator(sampling, input_ids.device)
     stops = _stop_ids(stop_tokens, input_ids.device)
@@ -176,15 +228,22 @@ def _cached_steps(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int, s
         prev = token
         if step + 1 == max_new_tokens or (stops.numel() and bool(done.all())):
             return
-        logits = model(token[:, None], cache=cache, start_pos=T + step, last_only=True,
-                       attn_impl=attn_impl).logits
+        logits = model(token[:, None], cache=cache, start_pos=T + step, last_only=True, attn_impl=attn_impl).logits
 
 
 @torch.inference_mode()
-def _speculative_steps(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int,
-                       sampling: SamplingConfig, stop_tokens: Sequence[int] | None, prefill_chunk: int,
-                       cache: RollbackKVCache, attn_impl: str, speculate: Speculation,
-                       stats: SpeculationStats | None) -> Iterator[torch.Tensor]:
+def _speculative_steps(
+    model: GPTOSS,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    stop_tokens: Sequence[int] | None,
+    prefill_chunk: int,
+    cache: RollbackKVCache,
+    attn_impl: str,
+    speculate: Speculation,
+    stats: SpeculationStats | None,
+) -> Iterator[torch.Tensor]:
     """Speculative decoding (gptoss_lite.speculative): per step, draft up to k tokens, verify them with
     one target forward over [pending token, drafts], emit the accepted drafts plus one target token,
     truncate the rest from the cache. Rows keep the minimum accepted count over the batch."""
@@ -218,8 +277,7 @@ def _speculative_steps(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: i
         start = cache.num_tokens
         stats.target_forwards += 1
         if drafts.shape[1] == 0:  # nothing drafted: a plain decode step
-            logits = model(pending[:, None], cache=cache, start_pos=start, last_only=True,
-                           attn_impl=attn_impl).logits
+            logits = model(pending[:, None], cache=cache, start_pos=start, last_only=True, attn_impl=attn_impl).logits
             new, accepted = sample(logits[:, -1], sampling, generator)[:, None], 0
             continue
         x = torch.cat((pending[:, None], drafts), dim=1)  # (B, 1 + k)
@@ -230,35 +288,71 @@ def _speculative_steps(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: i
         stats.accepted += accepted * B
 
 
-def generate(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int = 64, temperature: float = 0.7,
-             top_p: float = 0.9, seed: int | None = None, stop_tokens: Sequence[int] | None = None,
-             prefill_chunk: int = DEFAULT_PREFILL_CHUNK, cache: KVCache | None = None,
-             attn_impl: str = "fast", speculate: Speculation | None = None,
-             stats: SpeculationStats | None = None) -> torch.Tensor:
+def generate(
+    model: GPTOSS,
+    input_ids: torch.Tensor,
+    max_new_tokens: int = 64,
+    temperature: float = 0.7,
+    top_p: float = 0.9,
+    seed: int | None = None,
+    stop_tokens: Sequence[int] | None = None,
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+    cache: KVCache | None = None,
+    attn_impl: str = "fast",
+    speculate: Speculation | None = None,
+    stats: SpeculationStats | None = None,
+) -> torch.Tensor:
     """input_ids (B, T_prompt) -> (B, T_prompt + n_new) with n_new <= max_new_tokens (fewer only when
     every row hit a stop token). Greedy when temperature <= 0; a seed makes sampling reproducible.
     `speculate` and `stats`: see `stream_generate`."""
-    steps = stream_generate(model, input_ids, max_new_tokens, temperature, top_p, seed, stop_tokens,
-                            prefill_chunk, cache, attn_impl, speculate, stats)
+    steps = stream_generate(
+        model,
+        input_ids,
+        max_new_tokens,
+        temperature,
+        top_p,
+        seed,
+        stop_tokens,
+        prefill_chunk,
+        cache,
+        attn_impl,
+        speculate,
+        stats,
+    )
     return _collect(input_ids, max_new_tokens, steps)
 
 
-def generate_reference(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int = 64,
-                       temperature: float = 0.7, top_p: float = 0.9, seed: int | None = None,
-                       stop_tokens: Sequence[int] | None = None, attn_impl: str = "reference"
-                       ) -> torch.Tensor:
+def generate_reference(
+    model: GPTOSS,
+    input_ids: torch.Tensor,
+    max_new_tokens: int = 64,
+    temperature: float = 0.7,
+    top_p: float = 0.9,
+    seed: int | None = None,
+    stop_tokens: Sequence[int] | None = None,
+    attn_impl: str = "reference",
+) -> torch.Tensor:
     """`generate` without a KV cache: each step runs the model on the whole sequence so far and takes
     the last position's logits. Same arguments, sampling and stop rule; the model needs eval mode and
     the ids' device, not decode packing. input_ids (B, T) -> (B, T + n_new)."""
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)
     _validate(model, input_ids, max_new_tokens, attn_impl, need_packed=False)
-    return _collect(input_ids, max_new_tokens,
-                    _uncached_steps(model, input_ids.long(), max_new_tokens, sampling, stop_tokens, attn_impl))
+    return _collect(
+        input_ids,
+        max_new_tokens,
+        _uncached_steps(model, input_ids.long(), max_new_tokens, sampling, stop_tokens, attn_impl),
+    )
 
 
 @torch.inference_mode()
-def _uncached_steps(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int, sampling: SamplingConfig,
-                    stop_tokens: Sequence[int] | None, attn_impl: str) -> Iterator[torch.Tensor]:
+def _uncached_steps(
+    model: GPTOSS,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    stop_tokens: Sequence[int] | None,
+    attn_impl: str,
+) -> Iterator[torch.Tensor]:
     B, T = input_ids.shape
     generator = _generator(sampling, input_ids.device)
     stops = _stop_ids(stop_tokens, input_ids.device)
@@ -285,8 +379,9 @@ def _stop_ids(stop_tokens: Sequence[int] | None, device: torch.device) -> torch.
     return torch.tensor(sorted(set(stop_tokens or ())), dtype=torch.long, device=device)
 
 
-def _apply_stops(token: torch.Tensor, done: torch.Tensor, stops: torch.Tensor, prev: torch.Tensor | None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def _apply_stops(
+    token: torch.Tensor, done: torch.Tensor, stops: torch.Tensor, prev: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows already done repeat their previous (stop) token; mark rows that just hit a stop."""
     if not stops.numel():
         return token, done
@@ -304,4 +399,4 @@ def _collect(input_ids: torch.Tensor, max_new_tokens: int, steps: Iterator[torch
     for token in steps:
         out[:, T + n] = token
         n += 1
-    return out[:, :T + n]
+    return out[:, : T + n]

@@ -9,7 +9,6 @@ import torch
 
 from gptoss_lite.validation import check_int
 
-
 MAX_SEED = 2**64 - 1  # largest seed torch.Generator.manual_seed accepts
 
 
@@ -22,11 +21,13 @@ class SamplingConfig:
     seed: int | None = None  # seeds the single random draw per step; None: nondeterministic
 
     def __post_init__(self) -> None:
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not math.isfinite(self.temperature):
+        if (
+            isinstance(self.temperature, bool)
+            or not isinstance(self.temperature, (int, float))
+            or not math.isfinite(self.temperature)
+        ):
             raise ValueError(f"temperature={self.temperature!r}: must be a finite number (<= 0 for greedy)")
-        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
-                or not (0.0 < self.top_p <= 1.0):
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p={self.top_p!r}: must be in (0, 1]")
         if self.seed is not None:  # torch generators take a 64-bit unsigned seed
             object.__setattr__(self, "seed", check_int("seed", self.seed, 0, MAX_SEED))

@@ -1,4 +1,4 @@
-"""Speculative decoding (issue 14): draft k tokens cheaply, verify them in one target forward.
+"""Speculative decoding: draft k tokens cheaply, verify them in one target forward.
 
 A step at cache position n: the target model runs on T = k + 1 tokens (the last chosen token, not
 yet in the cache, followed by the k drafts d_1 … d_k) at `start_pos = n`, which gives the target's
@@ -96,10 +96,14 @@ class SpeculationStats:
         return self.new_tokens / self.target_forwards if self.target_forwards else 0.0
 
     def to_dict(self) -> dict[str, float | int]:
-        return {"new_tokens": self.new_tokens, "target_forwards": self.target_forwards,
-                "drafted": self.drafted, "accepted": self.accepted,
-                "acceptance_rate": round(self.acceptance_rate, 4),
-                "tokens_per_forward": round(self.tokens_per_forward, 4)}
+        return {
+            "new_tokens": self.new_tokens,
+            "target_forwards": self.target_forwards,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "tokens_per_forward": round(self.tokens_per_forward, 4),
+        }
 
 
 class _NgramIndex:
@@ -118,7 +122,7 @@ class _NgramIndex:
         for e in range(self.indexed, L):
             for n, table in self.ends.items():
                 if e >= n:
-                    table[tuple(tokens[e - n:e])] = e
+                    table[tuple(tokens[e - n : e])] = e
         self.indexed = L
 
     def draft(self, k: int) -> list[int]:
@@ -126,11 +130,11 @@ class _NgramIndex:
         tokens, L = self.tokens, len(self.tokens)
         for n in self.sizes:
             if L >= n:
-                e = self.ends[n].get(tuple(tokens[L - n:]))
+                e = self.ends[n].get(tuple(tokens[L - n :]))
                 if e is not None:
                     # Copy what followed the match; a copy that reaches the end of the sequence goes
                     # on with its own drafts (period L - e), so a loop like "ababab" keeps going.
-                    draft = tokens[e:e + k]
+                    draft = tokens[e : e + k]
                     while len(draft) < k:
                         draft.append(draft[len(draft) - (L - e)])
                     return draft
@@ -149,13 +153,14 @@ class _LookupDrafter:
         for row, ids in zip(self.rows, tokens.tolist()):
             row.tokens.extend(ids)
 
-    def propose(self, k: int, sampling: SamplingConfig, generator: torch.Generator | None,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def propose(
+        self, k: int, sampling: SamplingConfig, generator: torch.Generator | None, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         drafts = [row.draft(k) for row in self.rows]
         width = max(map(len, drafts))
         out = torch.zeros(len(drafts), width, dtype=torch.long)
         for b, d in enumerate(drafts):
-            out[b, :len(d)] = torch.tensor(d, dtype=torch.long)
+            out[b, : len(d)] = torch.tensor(d, dtype=torch.long)
         lengths = torch.tensor([len(d) for d in drafts], dtype=torch.long)
         return out.to(device), lengths.to(device), None
 
@@ -175,16 +180,18 @@ class _ModelDrafter:
         # The cache may hold old + (k - 1) drafted tokens of which the first `accepted` were kept.
         self.cache.truncate(min(self.cache.num_tokens, old + accepted))
 
-    def propose(self, k: int, sampling: SamplingConfig, generator: torch.Generator | None,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def propose(
+        self, k: int, sampling: SamplingConfig, generator: torch.Generator | None, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         B = self.seq.shape[0]
         if k == 0:
             return self.seq.new_zeros(B, 0), self.seq.new_zeros(B), None
         logits = None
         for start in range(self.cache.num_tokens, self.seq.shape[1], self.prefill_chunk):  # catch up
-            piece = self.seq[:, start:start + self.prefill_chunk]
-            logits = self.model(piece, cache=self.cache, start_pos=start, last_only=True,
-                                attn_impl=self.attn_impl).logits[:, -1]
+            piece = self.seq[:, start : start + self.prefill_chunk]
+            logits = self.model(
+                piece, cache=self.cache, start_pos=start, last_only=True, attn_impl=self.attn_impl
+            ).logits[:, -1]
         drafts, dists = [], []
         for i in range(k):
             if sampling.greedy:
@@ -195,8 +202,13 @@ class _ModelDrafter:
                 dists.append(q)
             drafts.append(token)
             if i + 1 < k:
-                logits = self.model(token[:, None], cache=self.cache, start_pos=self.cache.num_tokens,
-                                    last_only=True, attn_impl=self.attn_impl).logits[:, -1]
+                logits = self.model(
+                    token[:, None],
+                    cache=self.cache,
+                    start_pos=self.cache.num_tokens,
+                    last_only=True,
+                    attn_impl=self.attn_impl,
+                ).logits[:, -1]
         q = torch.stack(dists, dim=1) if dists else None  # (B, k, V)
         return torch.stack(drafts, dim=1), torch.full((B,), k, dtype=torch.long, device=device), q
 
@@ -208,8 +220,14 @@ def make_drafter(spec: Speculation, input_ids: torch.Tensor, prefill_chunk: int,
     return _ModelDrafter(spec, input_ids, prefill_chunk, attn_impl)
 
 
-def verify(logits: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor, q: torch.Tensor | None,
-           sampling: SamplingConfig, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+def verify(
+    logits: torch.Tensor,
+    drafts: torch.Tensor,
+    lengths: torch.Tensor,
+    q: torch.Tensor | None,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The verification rule (module docstring) for each row on its own. logits (B, k+1, V): the
     target after each prefix; drafts (B, k) with row b's first lengths[b] real (the rest padding, never
     accepted); q (B, k, V) the draft distributions, or None for one-hot drafts (prompt lookup, or any
@@ -248,8 +266,14 @@ def verify(logits: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor, q:
     return accepted, torch.multinomial(dist, 1, generator=generator).squeeze(-1)
 
 
-def accept(logits: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor, q: torch.Tensor | None,
-           sampling: SamplingConfig, generator: torch.Generator | None) -> tuple[torch.Tensor, int, torch.Tensor]:
+def accept(
+    logits: torch.Tensor,
+    drafts: torch.Tensor,
+    lengths: torch.Tensor,
+    q: torch.Tensor | None,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, int, torch.Tensor]:
     """`verify`, then the batch keeps a = min over rows of the accepted counts (module docstring).
 
     Returns (tokens (B, a+1), a, accepted (B,)): every row's first a drafts, then its token at

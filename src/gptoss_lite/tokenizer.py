@@ -7,8 +7,9 @@ Nothing is downloaded at run time (docs/checkpoints.md).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Union
+from typing import Union
 
 # Byte tokenizer layout: ids 0..255 are the raw bytes, then the specials, then reserved slots so the
 # embedding table is a multiple of 8 (264 = 256 + 8).
@@ -51,7 +52,7 @@ class ByteTokenizer:
 class HFTokenizer:
     """A `tokenizer.json` (Hugging Face `tokenizers` library) behind the ByteTokenizer API."""
 
-    def __init__(self, path: Union[str, Path]):
+    def __init__(self, path: str | Path):
         from tokenizers import Tokenizer  # lazy: only checkpoints that ship one need it
 
         path = Path(path)
@@ -62,8 +63,9 @@ class HFTokenizer:
         try:
             self._tok = Tokenizer.from_file(str(file))
         except Exception as e:  # noqa: BLE001 - `tokenizers` raises plain Exception for every parse error
-            raise ValueError(f"{file}: not a readable {TOKENIZER_FILE} ({e}); replace it with the model's "
-                             "own tokenizer file") from None
+            raise ValueError(
+                f"{file}: not a readable {TOKENIZER_FILE} ({e}); replace it with the model's own tokenizer file"
+            ) from None
         self.vocab_size: int = self._tok.get_vocab_size(with_added_tokens=True)
         self.bos_id = self._first_token_id(("<|startoftext|>", "<|begin_of_text|>", "<s>", "[BOS]", "<bos>"))
         self.eos_id = self._first_token_id(("<|endoftext|>", "<|end_of_text|>", "<|return|>", "</s>", "[EOS]", "<eos>"))
@@ -95,10 +97,10 @@ class HFTokenizer:
         return f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
 
 
-Tokenizer = Union[ByteTokenizer, HFTokenizer]
+Tokenizer = Union[ByteTokenizer, HFTokenizer]  # noqa: UP007 (a runtime alias)
 
 
-def load_tokenizer(model_dir: Union[str, Path, None] = None) -> Tokenizer:
+def load_tokenizer(model_dir: str | Path | None = None) -> Tokenizer:
     """The tokenizer of a model directory: its `tokenizer.json` when present, else the byte tokenizer.
 
     `None` (or a preset name, which is not a directory) gives the byte tokenizer.

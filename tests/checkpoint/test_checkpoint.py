@@ -8,8 +8,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from gptoss_lite.checkpoint import (DEFAULT_MODEL, INDEX_NAME, WEIGHTS_NAME, default_model_source,
-                                    load_model, load_weights_into, save_model)
+from gptoss_lite.checkpoint import (
+    DEFAULT_MODEL,
+    INDEX_NAME,
+    WEIGHTS_NAME,
+    default_model_source,
+    load_model,
+    load_weights_into,
+    save_model,
+)
 from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.model import GPTOSS
 
@@ -39,6 +46,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 # ---- native round trips -------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("preset", ["lite-tiny", "gpt-oss-tiny"])
 def test_native_round_trip_identical_logits(tmp_path, preset):
@@ -91,6 +99,7 @@ def test_save_is_atomic_on_failure(tmp_path, monkeypatch):
 
     def boom(*args, **kwargs):
         raise OSError("disk full")
+
     monkeypatch.setattr(io, "save_file", boom)
     with pytest.raises(OSError, match="disk full"):
         save_model(_model(seed=5), tmp_path / "ck")
@@ -142,6 +151,7 @@ def test_default_model_source(capsys):
 
 # ---- strict loading: every error names the problem, nothing half-loads ------------------------------
 
+
 def _saved(tmp_path, preset="lite-tiny"):
     model = _model(preset)
     save_model(model, tmp_path)
@@ -175,8 +185,11 @@ def test_misshaped_tensor_names_both_shapes(tmp_path):
     _, tensors = _saved(tmp_path)
     tensors["blocks.0.moe.experts.up_proj"] = torch.zeros(4, 32, 64)
     _rewrite(tmp_path, tensors)
-    with pytest.raises(ValueError, match=r"blocks\.0\.moe\.experts\.up_proj: shape \[4, 32, 64\] in checkpoint, "
-                                         r"model expects \[4, 64, 64\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"blocks\.0\.moe\.experts\.up_proj: shape \[4, 32, 64\] in checkpoint, "
+        r"model expects \[4, 64, 64\]",
+    ):
         load_model(tmp_path)
 
 
@@ -266,21 +279,27 @@ def test_shard_missing_from_index(tmp_path):
 
 def test_unknown_source_lists_presets(tmp_path):
     """Neither a directory nor a preset: the error lists the valid preset names."""
-    with pytest.raises(ValueError, match=r"neither a model directory nor a preset; valid presets: .*gptoss-lite-502m; test fixtures: .*lite-tiny"):
+    with pytest.raises(
+        ValueError,
+        match=r"neither a model directory nor a preset; valid presets: .*gptoss-lite-502m; test fixtures: .*lite-tiny",
+    ):
         load_model("no-such-model")
     (tmp_path / "f.txt").write_text("x")
     with pytest.raises(ValueError, match="is a file"):
         load_model(tmp_path / "f.txt")
 
 
-@pytest.mark.parametrize("edit, exc, match", [
-    (lambda c: c["model"].update(n_heads=3), ValueError, "n_heads=3 must be a multiple"),
-    (lambda c: c["model"].update(d_model="64"), TypeError, "d_model='64': must be an int"),
-    (lambda c: c["model"].update(wings=2), ValueError, r"unknown ModelConfig field\(s\) \['wings'\]"),
-    (lambda c: c.update(format_version=99), ValueError, "format_version=99"),
-    (lambda c: c.pop("model"), ValueError, "missing the 'model' section"),
-    (lambda c: c.pop("format_version"), ValueError, "neither a gptoss-lite config"),
-])
+@pytest.mark.parametrize(
+    "edit, exc, match",
+    [
+        (lambda c: c["model"].update(n_heads=3), ValueError, "n_heads=3 must be a multiple"),
+        (lambda c: c["model"].update(d_model="64"), TypeError, "d_model='64': must be an int"),
+        (lambda c: c["model"].update(wings=2), ValueError, r"unknown ModelConfig field\(s\) \['wings'\]"),
+        (lambda c: c.update(format_version=99), ValueError, "format_version=99"),
+        (lambda c: c.pop("model"), ValueError, "missing the 'model' section"),
+        (lambda c: c.pop("format_version"), ValueError, "neither a gptoss-lite config"),
+    ],
+)
 def test_malformed_config_is_named(tmp_path, edit, exc, match):
     """Bad config.json values are errors naming the file and the field."""
     _saved(tmp_path)
@@ -301,8 +320,15 @@ def test_config_not_json(tmp_path):
 
 # ---- HF layout (no transformers needed) ---------------------------------------------------------------
 
-from gptoss_lite.checkpoint import (config_from_hf, config_to_hf, dequantize_mxfp4, hf_to_native,  # noqa: E402
-                                    native_to_hf, quantize_mxfp4, save_hf)
+from gptoss_lite.checkpoint import (  # noqa: E402
+    config_from_hf,
+    config_to_hf,
+    dequantize_mxfp4,
+    hf_to_native,
+    native_to_hf,
+    quantize_mxfp4,
+    save_hf,
+)
 from gptoss_lite.checkpoint.hf import hf_shapes  # noqa: E402
 
 # gpt-oss-tiny with an original context whose YaRN ramp bounds transformers does not clamp.
@@ -363,17 +389,23 @@ def test_hf_load_names_hf_tensors(tmp_path):
     tensors = load_file(str(tmp_path / WEIGHTS_NAME))
     tensors["model.layers.2.mlp.experts.gate_up_proj"] = torch.zeros(4, 128, 64)
     _rewrite(tmp_path, tensors)
-    with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.experts\.gate_up_proj: shape \[4, 128, 64\] "
-                                         r"in checkpoint, model expects \[4, 64, 128\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.layers\.2\.mlp\.experts\.gate_up_proj: shape \[4, 128, 64\] "
+        r"in checkpoint, model expects \[4, 64, 128\]",
+    ):
         load_model(tmp_path)
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(n_shared_experts=1), "n_shared_experts=1"),
-    (dict(activation="swiglu"), "activation='swiglu'"),
-    (dict(sink_clamp=(-10.0, 15.0)), "sink_clamp"),
-    (dict(rope_pruned_pairs=2), "rope_pruned_pairs=2"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(n_shared_experts=1), "n_shared_experts=1"),
+        (dict(activation="swiglu"), "activation='swiglu'"),
+        (dict(sink_clamp=(-10.0, 15.0)), "sink_clamp"),
+        (dict(rope_pruned_pairs=2), "rope_pruned_pairs=2"),
+    ],
+)
 def test_config_to_hf_refuses_lite_knobs(tmp_path, change, match):
     """Knobs HF gpt-oss cannot express are a ValueError, and save_hf writes nothing."""
     with pytest.raises(ValueError, match=match):
@@ -405,13 +437,19 @@ def test_absent_biases_written_as_zeros():
     assert torch.count_nonzero(hf["model.layers.0.mlp.experts.gate_up_proj_bias"]) == 0
 
 
-@pytest.mark.parametrize("edit, match", [
-    (lambda c: [d.pop("truncate") for d in (c["rope_parameters"], c["rope_scaling"])], "absent, which transformers reads as true"),
-    (lambda c: c.update(swiglu_alpha=1.5), "swiglu_alpha=1.5"),
-    (lambda c: c.update(quantization_config={"quant_method": "fp8"}), "only MXFP4"),
-    (lambda c: c.pop("num_experts_per_tok"), "lacks required key 'num_experts_per_tok'"),
-    (lambda c: c.update(rope_scaling={**c["rope_scaling"], "rope_type": "longrope"}), "rope_type='longrope'"),
-])
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (
+            lambda c: [d.pop("truncate") for d in (c["rope_parameters"], c["rope_scaling"])],
+            "absent, which transformers reads as true",
+        ),
+        (lambda c: c.update(swiglu_alpha=1.5), "swiglu_alpha=1.5"),
+        (lambda c: c.update(quantization_config={"quant_method": "fp8"}), "only MXFP4"),
+        (lambda c: c.pop("num_experts_per_tok"), "lacks required key 'num_experts_per_tok'"),
+        (lambda c: c.update(rope_scaling={**c["rope_scaling"], "rope_type": "longrope"}), "rope_type='longrope'"),
+    ],
+)
 def test_config_from_hf_refuses_what_we_cannot_run(edit, match):
     """An HF config our model would run differently is a ValueError naming the key."""
     hf = config_to_hf(HF_TINY)
@@ -421,6 +459,7 @@ def test_config_from_hf_refuses_what_we_cannot_run(edit, match):
 
 
 # ---- MXFP4 ----------------------------------------------------------------------------------------------
+
 
 def test_mxfp4_pack_unpack_exact():
     """Values of the form code·2^k (one k per 32-block) pack to MXFP4 and unpack exactly, low nibble first."""

@@ -1,4 +1,4 @@
-"""HF config.json under bad values: a ValueError naming the HF key and the file, never a bare Python error (issue 11)."""
+"""HF config.json under bad values: a ValueError naming the HF key and the file, never a bare Python error."""
 
 from __future__ import annotations
 
@@ -18,20 +18,23 @@ def _hf(**changes):
     return hf
 
 
-@pytest.mark.parametrize("changes, match", [
-    ({"num_attention_heads": 0}, r"^num_attention_heads=0: must be >= 1"),
-    ({"hidden_size": -64}, r"^hidden_size=-64: must be >= 1"),
-    ({"num_key_value_heads": 0}, r"^num_key_value_heads=0: must be >= 1"),
-    ({"num_key_value_heads": 3}, r"num_attention_heads=4 must be a multiple of num_key_value_heads=3"),
-    ({"head_dim": 0}, r"^head_dim=0: must be >= 1"),
-    ({"vocab_size": "264"}, r"^vocab_size='264': must be an integer"),
-    ({"num_hidden_layers": True}, r"^num_hidden_layers=True: must be an integer"),
-    ({"quantization_config": ["mxfp4"]}, r"^quantization_config=\['mxfp4'\]: must be an object"),
-    ({"rope_scaling": [1, 2]}, r"rope_scaling/rope_parameters=\[1, 2\]: must be an object"),
-    ({"rms_norm_eps": "tiny"}, r"^rms_norm_eps='tiny': must be a finite number"),
-    ({"num_experts_per_tok": 9}, r"num_experts_per_tok=9 must be <= num_local_experts=4"),
-    ({"layer_types": "full_attention"}, r"^layer_types='full_attention': must be a list"),
-])
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"num_attention_heads": 0}, r"^num_attention_heads=0: must be >= 1"),
+        ({"hidden_size": -64}, r"^hidden_size=-64: must be >= 1"),
+        ({"num_key_value_heads": 0}, r"^num_key_value_heads=0: must be >= 1"),
+        ({"num_key_value_heads": 3}, r"num_attention_heads=4 must be a multiple of num_key_value_heads=3"),
+        ({"head_dim": 0}, r"^head_dim=0: must be >= 1"),
+        ({"vocab_size": "264"}, r"^vocab_size='264': must be an integer"),
+        ({"num_hidden_layers": True}, r"^num_hidden_layers=True: must be an integer"),
+        ({"quantization_config": ["mxfp4"]}, r"^quantization_config=\['mxfp4'\]: must be an object"),
+        ({"rope_scaling": [1, 2]}, r"rope_scaling/rope_parameters=\[1, 2\]: must be an object"),
+        ({"rms_norm_eps": "tiny"}, r"^rms_norm_eps='tiny': must be a finite number"),
+        ({"num_experts_per_tok": 9}, r"num_experts_per_tok=9 must be <= num_local_experts=4"),
+        ({"layer_types": "full_attention"}, r"^layer_types='full_attention': must be a list"),
+    ],
+)
 def test_bad_hf_values_name_the_hf_key(changes, match):
     """ZeroDivision, AttributeError and our field names are gone: each bad value is named by its HF key."""
     with pytest.raises(ValueError, match=match):

@@ -16,11 +16,11 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from gptoss_lite.checkpoint import WEIGHTS_NAME, dequantize_mxfp4, load_model, quantize_mxfp4, save_hf  # noqa: E402
 from gptoss_lite.checkpoint.hf import config_from_hf  # noqa: E402
-from gptoss_lite.model.rope import yarn_inv_freq  # noqa: E402
-from gptoss_lite.generation import generate  # noqa: E402
 from gptoss_lite.fixtures import resolve_config  # noqa: E402
+from gptoss_lite.generation import generate  # noqa: E402
 from gptoss_lite.kv.mixed import MixedKVCache  # noqa: E402
 from gptoss_lite.model import GPTOSS  # noqa: E402
+from gptoss_lite.model.rope import yarn_inv_freq  # noqa: E402
 
 pytestmark = pytest.mark.peer
 TOL = 1e-4  # fp32 logits
@@ -32,12 +32,29 @@ ORIGINALS = [256, 64]
 def _hf_model(original: int, tmp_path) -> tuple[torch.nn.Module, object]:
     """A small random GptOssForCausalLM (non-trivial biases, norms, sinks) saved to tmp_path."""
     config = transformers.GptOssConfig(
-        vocab_size=264, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=8,
-        max_position_embeddings=4096, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 150_000.0, "factor": 32.0, "beta_fast": 32.0,
-                         "beta_slow": 1.0, "original_max_position_embeddings": original, "truncate": False},
-        attn_implementation="eager")
+        vocab_size=264,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=64,
+        sliding_window=8,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150_000.0,
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "original_max_position_embeddings": original,
+            "truncate": False,
+        },
+        attn_implementation="eager",
+    )
     torch.manual_seed(original)
     model = transformers.GptOssForCausalLM(config).eval()
     with torch.no_grad():
@@ -106,10 +123,16 @@ def test_greedy_tokens_match_hf_generate(original, tmp_path):
     ours = load_model(tmp_path)
     prompt = _prompt(40)
     with torch.no_grad():
-        ref = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, min_new_tokens=32,
-                          do_sample=False, pad_token_id=0)
+        ref = hf.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=32,
+            min_new_tokens=32,
+            do_sample=False,
+            pad_token_id=0,
+        )
         got = _greedy(ours, prompt, 32)
-    assert ref[0, prompt.shape[1]:].tolist() == got
+    assert ref[0, prompt.shape[1] :].tolist() == got
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -119,8 +142,14 @@ def test_generate_equals_hf_generate_64_tokens(batch, tmp_path):
     ours = load_model(tmp_path)
     prompt = torch.randint(0, 264, (batch, 30), generator=torch.Generator().manual_seed(batch))
     with torch.no_grad():
-        ref = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=64, min_new_tokens=64,
-                          do_sample=False, pad_token_id=0)
+        ref = hf.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=64,
+            min_new_tokens=64,
+            do_sample=False,
+            pad_token_id=0,
+        )
     got = generate(ours, prompt, 64, temperature=0, prefill_chunk=16)
     assert torch.equal(got, ref)
 
@@ -163,8 +192,9 @@ def test_save_hf_loads_in_transformers(original, tmp_path):
                 p.add_(torch.randn(p.shape, generator=gen) * 0.5)
     model.eval()
     save_hf(model, tmp_path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
-                                                           attn_implementation="eager").eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     ids = _prompt(80)
     with torch.no_grad():
         ref = hf(ids, attention_mask=torch.ones_like(ids)).logits

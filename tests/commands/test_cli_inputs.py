@@ -1,14 +1,12 @@
-"""Every command under bad input, signals and pipes: one stderr line, exit != 0, no traceback (issue 11)."""
+"""Every command under bad input, signals and pipes: one stderr line, exit != 0, no traceback."""
 
 from __future__ import annotations
 
 import io
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +33,7 @@ def _one_error_line(capsys, *needles: str) -> str:
 
 # ---- devices --------------------------------------------------------------------------------------------
 
+
 def test_device_bogus_is_one_line(capsys):
     """--device bogus names the value and the device kinds that exist."""
     assert main(["generate", "x", "--model", "lite-tiny", "--device", "bogus"]) == 2
@@ -59,18 +58,22 @@ def test_device_cuda_without_a_visible_gpu_is_one_line(monkeypatch, capsys):
 
 # ---- generate values ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("flags, needle", [
-    (["--seed", str(2**70)], f"--seed: seed={2**70}: must be in [0, {2**64 - 1}]"),
-    (["--seed", "-1"], "--seed: seed=-1"),
-    (["--stop", "-1"], "--stop -1: not a token id of this model; ids are 0..263"),
-    (["--stop", "264"], "--stop 264"),
-    (["--temperature", "nan"], "--temperature: temperature=nan"),
-    (["--top-p", "1.5"], "--top-p: top_p=1.5"),
-    (["--prefill-chunk", "0"], "--prefill-chunk=0: must be >= 1"),
-    (["--threads", "0"], "--threads=0: must be in [1, 1024]"),
-    (["--threads", str(10**6)], "--threads=1000000: must be in [1, 1024]"),
-    (["--max-new-tokens", str(10**12)], "exceeds the configured maximum"),
-])
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--seed", str(2**70)], f"--seed: seed={2**70}: must be in [0, {2**64 - 1}]"),
+        (["--seed", "-1"], "--seed: seed=-1"),
+        (["--stop", "-1"], "--stop -1: not a token id of this model; ids are 0..263"),
+        (["--stop", "264"], "--stop 264"),
+        (["--temperature", "nan"], "--temperature: temperature=nan"),
+        (["--top-p", "1.5"], "--top-p: top_p=1.5"),
+        (["--prefill-chunk", "0"], "--prefill-chunk=0: must be >= 1"),
+        (["--threads", "0"], "--threads=0: must be in [1, 1024]"),
+        (["--threads", str(10**6)], "--threads=1000000: must be in [1, 1024]"),
+        (["--max-new-tokens", str(10**12)], "exceeds the configured maximum"),
+    ],
+)
 def test_generate_bad_values_are_one_line(flags, needle, capsys):
     """Out-of-range generate flags name the flag, the value and the allowed range."""
     assert main(["generate", "x", "--model", "lite-tiny", *flags]) == 2
@@ -81,8 +84,25 @@ def test_tiny_temperature_samples_the_argmax_not_nan(capsys):
     """--temperature 1e-39 generates (the softmax stays finite) and equals greedy decoding."""
     runs = []
     for temp in ("1e-39", "0"):
-        assert main(["generate", "hello", "--model", "lite-tiny", "--max-new-tokens", "6", "--temperature", temp,
-                     "--seed", "1", "--json", "--no-stop"]) == 0
+        assert (
+            main(
+                [
+                    "generate",
+                    "hello",
+                    "--model",
+                    "lite-tiny",
+                    "--max-new-tokens",
+                    "6",
+                    "--temperature",
+                    temp,
+                    "--seed",
+                    "1",
+                    "--json",
+                    "--no-stop",
+                ]
+            )
+            == 0
+        )
         runs.append(json.loads(capsys.readouterr().out)["text"])
     assert runs[0] == runs[1]
 
@@ -113,6 +133,7 @@ def test_non_utf8_prompt_argument_is_one_line(capsys):
 
 # ---- models the tokenizer cannot serve -----------------------------------------------------------------
 
+
 def test_big_vocab_preset_fails_before_building_the_model(monkeypatch, capsys):
     """--model gptoss-lite-502m (vocab 128,000) fails at once: the byte tokenizer could not decode its ids."""
     import gptoss_lite.checkpoint as checkpoint
@@ -140,12 +161,12 @@ def test_hf_directory_without_tokenizer_json_fails_before_loading(tmp_path, caps
 
 # ---- threads ------------------------------------------------------------------------------------------
 
+
 def test_threads_flag_sets_torch_threads_and_is_reported(capsys):
     """generate --threads 1 runs with one intra-op thread and says so in --json."""
     before = torch.get_num_threads()
     try:
-        assert main(["generate", "x", "--model", "lite-tiny", "--max-new-tokens", "1", "--threads", "1",
-                     "--json"]) == 0
+        assert main(["generate", "x", "--model", "lite-tiny", "--max-new-tokens", "1", "--threads", "1", "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["threads"] == 1
         assert torch.get_num_threads() == 1
     finally:
@@ -192,11 +213,28 @@ def test_training_threads_do_not_follow_the_load(monkeypatch):
 
 # ---- pipes and signals -------------------------------------------------------------------------------
 
+
 def test_generate_json_into_a_closed_pipe_exits_quietly(tmp_path):
     """`generate --json | head` with the reader gone: no BrokenPipeError traceback, exit 141."""
-    proc = subprocess.Popen([sys.executable, "-m", "gptoss_lite.cli", "generate", "x", "--model", "lite-tiny",
-                             "--max-new-tokens", "2", "--json", "--threads", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env())
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gptoss_lite.cli",
+            "generate",
+            "x",
+            "--model",
+            "lite-tiny",
+            "--max-new-tokens",
+            "2",
+            "--json",
+            "--threads",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_env(),
+    )
     proc.stdout.close()  # the reader leaves before anything is written
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141
@@ -205,12 +243,14 @@ def test_generate_json_into_a_closed_pipe_exits_quietly(tmp_path):
 
 # ---- passkey ------------------------------------------------------------------------------------------
 
+
 def test_passkey_bad_plot_path_fails_before_the_evaluation(monkeypatch, tmp_path, capsys):
     """--plot into a missing directory is refused before any model is loaded or trial is run."""
     import gptoss_lite.commands.common as common
 
-    monkeypatch.setattr(common, "load_model_and_tokenizer",
-                        lambda args: (_ for _ in ()).throw(AssertionError("evaluation started")))
+    monkeypatch.setattr(
+        common, "load_model_and_tokenizer", lambda args: (_ for _ in ()).throw(AssertionError("evaluation started"))
+    )
     assert main(["passkey", "--plot", str(tmp_path / "missing" / "x.png")]) == 2
     _one_error_line(capsys, "--plot", "missing does not exist")
     assert main(["passkey", "--plot", str(tmp_path)]) == 2
@@ -249,9 +289,10 @@ def test_passkey_with_default_lengths_runs_on_a_16k_model(monkeypatch, capsys):
 
 # ---- files ----------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("content", [b'{"garbage": ', b"\xff\xfe not utf-8"])
 def test_corrupt_tokenizer_json_is_one_line(tmp_path, capsys, content):
-    """A model directory whose tokenizer.json is corrupt: one line naming the file (tokenizers raises bare Exception)."""
+    """A corrupt tokenizer.json in a model directory: one line naming the file (tokenizers raises bare Exception)."""
     from gptoss_lite.checkpoint import save_model
     from gptoss_lite.fixtures import resolve_config
     from gptoss_lite.model import GPTOSS

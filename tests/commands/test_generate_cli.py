@@ -8,8 +8,10 @@ from gptoss_lite.cli import main
 
 def test_generate_prints_text_and_stats(capsys):
     """`gptoss-lite generate` prints text; --stats gives speed and KV bytes (the last token is never cached)."""
-    assert main(["generate", "Hello", "--model", "lite-tiny", "--max-new-tokens", "8",
-                 "--temperature", "0", "--stats"]) == 0
+    assert (
+        main(["generate", "Hello", "--model", "lite-tiny", "--max-new-tokens", "8", "--temperature", "0", "--stats"])
+        == 0
+    )
     out, err = capsys.readouterr()
     assert out.endswith("\n")
     assert "prefill: 5 tokens" in err and "tokens/s" in err
@@ -18,8 +20,20 @@ def test_generate_prints_text_and_stats(capsys):
 
 def test_generate_json_is_reproducible(capsys):
     """--json gives text and figures; a seed makes sampled text reproducible."""
-    args = ["generate", "abc", "--model", "lite-tiny", "--max-new-tokens", "12", "--temperature", "1.0",
-            "--seed", "3", "--json", "--no-stop"]
+    args = [
+        "generate",
+        "abc",
+        "--model",
+        "lite-tiny",
+        "--max-new-tokens",
+        "12",
+        "--temperature",
+        "1.0",
+        "--seed",
+        "3",
+        "--json",
+        "--no-stop",
+    ]
     texts = []
     for _ in range(2):
         assert main(args) == 0
@@ -37,12 +51,15 @@ def test_generate_reads_stdin(monkeypatch, capsys):
     assert json.loads(capsys.readouterr().out)["prompt_tokens"] == len("from stdin")
 
 
-@pytest.mark.parametrize("argv,match", [
-    (["generate", "", "--model", "lite-tiny"], "empty prompt"),
-    (["generate", "x", "--model", "lite-tiny", "--top-p", "0"], "top_p"),
-    (["generate", "x", "--model", "lite-tiny", "--max-new-tokens", "-1"], "--max-new-tokens=-1: must be >= 0"),
-    (["generate", "x", "--model", "no-such-preset"], "unknown preset|not a directory|no-such-preset"),
-])
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["generate", "", "--model", "lite-tiny"], "empty prompt"),
+        (["generate", "x", "--model", "lite-tiny", "--top-p", "0"], "top_p"),
+        (["generate", "x", "--model", "lite-tiny", "--max-new-tokens", "-1"], "--max-new-tokens=-1: must be >= 0"),
+        (["generate", "x", "--model", "no-such-preset"], "unknown preset|not a directory|no-such-preset"),
+    ],
+)
 def test_generate_bad_input_exit_2(argv, match, capsys):
     """Bad CLI input exits 2 with one clear error line, no traceback."""
     assert main(argv) == 2
@@ -57,7 +74,7 @@ def test_stream_printer_never_splits_a_multibyte_character():
 
     out = io.StringIO()
     printer = StreamPrinter(ByteTokenizer(), stops=[EOS_ID], out=out)
-    for b in "aé€😀b".encode("utf-8"):
+    for b in "aé€😀b".encode():
         printer.push(b)
         assert "\ufffd" not in out.getvalue()
     printer.push(EOS_ID)
@@ -72,7 +89,7 @@ def test_stream_printer_ends_an_invalid_tail_like_the_plain_text():
 
     out = io.StringIO()
     printer = StreamPrinter(ByteTokenizer(), stops=[], out=out)
-    ids = list("x€".encode("utf-8"))[:-1]
+    ids = list("x€".encode())[:-1]
     for b in ids:
         printer.push(b)
     printer.finish()

@@ -1,4 +1,4 @@
-"""--speculate / --draft-tokens on `generate` and `passkey` (issue 14)."""
+"""--speculate / --draft-tokens on `generate` and `passkey`."""
 
 import json
 
@@ -10,8 +10,23 @@ PROMPT = "abcabcabcabc the cat sat. abcabcabcabc the cat"
 
 
 def _generate_json(capsys, *extra):
-    assert main(["generate", PROMPT, "--model", "lite-tiny", "--max-new-tokens", "24", "--temperature", "0",
-                 "--json", *extra]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                PROMPT,
+                "--model",
+                "lite-tiny",
+                "--max-new-tokens",
+                "24",
+                "--temperature",
+                "0",
+                "--json",
+                *extra,
+            ]
+        )
+        == 0
+    )
     return json.loads(capsys.readouterr().out)
 
 
@@ -28,18 +43,37 @@ def test_generate_speculative_text_equals_plain_and_reports_acceptance(mode, cap
 
 def test_generate_stats_prints_the_speculation_line(capsys):
     """--stats adds one line with the acceptance rate and tokens per target forward."""
-    assert main(["generate", PROMPT, "--model", "lite-tiny", "--max-new-tokens", "8", "--temperature", "0",
-                 "--stats", "--speculate", "lookup"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                PROMPT,
+                "--model",
+                "lite-tiny",
+                "--max-new-tokens",
+                "8",
+                "--temperature",
+                "0",
+                "--stats",
+                "--speculate",
+                "lookup",
+            ]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     assert "speculation: " in err and "tokens per target forward" in err and "--draft-tokens 8" in err
 
 
-@pytest.mark.parametrize("extra,match", [
-    (["--speculate", "magic"], "use none, lookup or draft:PATH"),
-    (["--speculate", "draft:"], "use none, lookup or draft:PATH"),
-    (["--speculate", "lookup", "--draft-tokens", "0"], "--draft-tokens 0: must be >= 1"),
-    (["--draft-tokens", "4"], "--draft-tokens needs --speculate"),
-])
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        (["--speculate", "magic"], "use none, lookup or draft:PATH"),
+        (["--speculate", "draft:"], "use none, lookup or draft:PATH"),
+        (["--speculate", "lookup", "--draft-tokens", "0"], "--draft-tokens 0: must be >= 1"),
+        (["--draft-tokens", "4"], "--draft-tokens needs --speculate"),
+    ],
+)
 def test_bad_speculation_flags_exit_2(extra, match, capsys):
     """Bad --speculate / --draft-tokens values exit 2 with one clear error line."""
     assert main(["generate", "x", "--model", "lite-tiny", *extra]) == 2
@@ -49,8 +83,19 @@ def test_bad_speculation_flags_exit_2(extra, match, capsys):
 
 def test_passkey_speculative_json_has_the_same_accuracy_and_the_counters(capsys):
     """`passkey --speculate lookup --json`: same accuracy as plain, plus the speculation counters."""
-    base = ["passkey", "--model", "lite-tiny", "--lengths", "300", "--depths", "0.5", "--trials", "2",
-            "--json", "--no-progress"]
+    base = [
+        "passkey",
+        "--model",
+        "lite-tiny",
+        "--lengths",
+        "300",
+        "--depths",
+        "0.5",
+        "--trials",
+        "2",
+        "--json",
+        "--no-progress",
+    ]
     assert main(base) == 0
     plain = json.loads(capsys.readouterr().out)
     assert main(base + ["--speculate", "lookup", "--draft-tokens", "4"]) == 0

@@ -8,11 +8,19 @@ import random
 import pytest
 import torch
 
-from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.evals import passkey as pk
-from gptoss_lite.evals.passkey import (CLASSIC_NEEDLE, NEEDLE_TEMPLATE, QUESTION, PasskeyEvaluator,
-                                       build_passkey_prompt, extract_passkey, filler_sentences,
-                                       passkey_keys, prompt_overhead)
+from gptoss_lite.evals.passkey import (
+    CLASSIC_NEEDLE,
+    NEEDLE_TEMPLATE,
+    QUESTION,
+    PasskeyEvaluator,
+    build_passkey_prompt,
+    extract_passkey,
+    filler_sentences,
+    passkey_keys,
+    prompt_overhead,
+)
+from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -27,6 +35,7 @@ def model():
 
 
 # ---- keys ---------------------------------------------------------------------------------------------
+
 
 def test_keys_are_distinct_five_digit_and_seeded_by_length():
     """n_trials distinct %05d keys from random.Random(42 + length), different per length."""
@@ -46,6 +55,7 @@ def test_trial_counts_out_of_range_are_rejected(n):
 
 
 # ---- prompts ------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("length", [2048, 4096, 8192, 32768])
 @pytest.mark.parametrize("template", ["default", "classic"])
@@ -80,7 +90,7 @@ def test_needle_appears_once_at_the_requested_depth(depth):
     longest = max(len(s) for s in filler)
     assert abs(before - depth * filler_chars) <= longest / 2  # byte tokenizer: chars == tokens
     assert before == 0 or text[before - 1] == "."  # a sentence boundary
-    assert not any(ch.isdigit() for ch in text[:-len(QUESTION)].replace(key, ""))  # digit-free filler
+    assert not any(ch.isdigit() for ch in text[: -len(QUESTION)].replace(key, ""))  # digit-free filler
 
 
 def test_classic_template_uses_the_literature_wording():
@@ -113,14 +123,18 @@ def test_bad_prompt_inputs_are_rejected():
 
 # ---- scoring ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text, expected", [
-    (" 12345.", "12345"),
-    (" 01234 and 56789", "01234"),
-    ("key: 123456 then 54321", "54321"),  # 6 digits is not a 5-digit number
-    ("abc 1234.", None),
-    ("x12345", None),  # \b: glued to a word is not a standalone number
-    ("", None),
-])
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (" 12345.", "12345"),
+        (" 01234 and 56789", "01234"),
+        ("key: 123456 then 54321", "54321"),  # 6 digits is not a 5-digit number
+        ("abc 1234.", None),
+        ("x12345", None),  # \b: glued to a word is not a standalone number
+        ("", None),
+    ],
+)
 def test_extract_takes_the_first_standalone_five_digit_number(text, expected):
     """Extraction is the first \\b(\\d{5})\\b match."""
     assert extract_passkey(text) == expected
@@ -128,6 +142,7 @@ def test_extract_takes_the_first_standalone_five_digit_number(text, expected):
 
 def _fake_generate(answer_for):
     """A stand-in for generate() that answers from the prompt text, to pin the scoring path."""
+
     def generate(model, input_ids, max_new_tokens, temperature, top_p, stop_tokens, prefill_chunk, cache):
         assert temperature == 0.0 and cache is not None and max_new_tokens == 16 and prefill_chunk == 64
         rows = []
@@ -136,21 +151,26 @@ def _fake_generate(answer_for):
             new = TOK.encode(answer_for(text))[:max_new_tokens]
             rows.append(row + new + [TOK.eos_id] * (max_new_tokens - len(new)))
         return torch.tensor(rows)
+
     return generate
 
 
-@pytest.mark.parametrize("answer_for, accuracy", [
-    (lambda text: " " + pk.PASSKEY_RE.search(text).group(1) + ".", 1.0),  # an oracle reads the needle
-    (lambda text: " 1" + pk.PASSKEY_RE.search(text).group(1)[1:] + ".", 0.0),  # wrong first digit
-    (lambda text: " " + text[-1] * 3, 0.0),  # no number
-])
+@pytest.mark.parametrize(
+    "answer_for, accuracy",
+    [
+        (lambda text: " " + pk.PASSKEY_RE.search(text).group(1) + ".", 1.0),  # an oracle reads the needle
+        (lambda text: " 1" + pk.PASSKEY_RE.search(text).group(1)[1:] + ".", 0.0),  # wrong first digit
+        (lambda text: " " + text[-1] * 3, 0.0),  # no number
+    ],
+)
 def test_scoring_reads_only_the_new_tokens(model, monkeypatch, answer_for, accuracy):
     """Accuracy counts new-token answers equal to the key, per (length, depth) and per length."""
     import gptoss_lite.generation
 
     monkeypatch.setattr(gptoss_lite.generation, "generate", _fake_generate(answer_for))
-    result = PasskeyEvaluator(model, lengths=[400, 600], depths=[0.0, 1.0], n_trials=3,
-                              prefill_chunk=64, batch_size=2).run()
+    result = PasskeyEvaluator(
+        model, lengths=[400, 600], depths=[0.0, 1.0], n_trials=3, prefill_chunk=64, batch_size=2
+    ).run()
     assert result.accuracy == {400: accuracy, 600: accuracy}
     assert result.accuracy_by_depth[400] == {0.0: accuracy, 1.0: accuracy}
     assert len(result.trials) == 2 * 2 * 3
@@ -159,8 +179,7 @@ def test_scoring_reads_only_the_new_tokens(model, monkeypatch, answer_for, accur
 
 def test_run_with_a_real_model_reports_kv_bytes_and_extrapolation(model):
     """A cached greedy run returns accuracies in [0, 1], KV bytes growing with length, length/train ratios."""
-    result = PasskeyEvaluator(model, lengths=[150, 300], depths=[0.5], n_trials=2, prefill_chunk=64,
-                              batch_size=2).run()
+    result = PasskeyEvaluator(model, lengths=[150, 300], depths=[0.5], n_trials=2, prefill_chunk=64, batch_size=2).run()
     assert set(result.accuracy) == {150, 300} and all(0.0 <= a <= 1.0 for a in result.accuracy.values())
     assert result.extrapolation == {150: 150 / 128, 300: 300 / 128}
     assert 0 < result.kv_payload_bytes[150] < result.kv_payload_bytes[300] <= result.kv_allocated_bytes[300]
@@ -186,16 +205,19 @@ def test_speculative_run_gives_the_same_answers_and_reports_acceptance(model):
         PasskeyEvaluator(model, speculate="lookup", **kw)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"lengths": [20]}, r"context length 20: below the prompt overhead of \d+ tokens"),
-    ({"n_trials": 0}, r"n_trials=0: must be in \[1, 100000\]"),
-    ({"n_trials": 100_001}, r"n_trials=100001"),
-    ({"depths": [-0.1]}, r"depth=-0.1: must be a fraction in \[0, 1\]"),
-    ({"depths": []}, "depths is empty"),
-    ({"lengths": [10 ** 6]}, "context length 1000000: the model accepts 65536 positions"),
-    ({"template": "fancy"}, "template='fancy'"),
-    ({"prefill_chunk": 0}, "prefill_chunk=0: must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"lengths": [20]}, r"context length 20: below the prompt overhead of \d+ tokens"),
+        ({"n_trials": 0}, r"n_trials=0: must be in \[1, 100000\]"),
+        ({"n_trials": 100_001}, r"n_trials=100001"),
+        ({"depths": [-0.1]}, r"depth=-0.1: must be a fraction in \[0, 1\]"),
+        ({"depths": []}, "depths is empty"),
+        ({"lengths": [10**6]}, "context length 1000000: the model accepts 65536 positions"),
+        ({"template": "fancy"}, "template='fancy'"),
+        ({"prefill_chunk": 0}, "prefill_chunk=0: must be >= 1"),
+    ],
+)
 def test_evaluator_rejects_bad_input(model, kwargs, match):
     """Bad evaluator arguments raise ValueError before any generation."""
     with pytest.raises(ValueError, match=match):
@@ -204,9 +226,18 @@ def test_evaluator_rejects_bad_input(model, kwargs, match):
 
 def test_verdict_line_format():
     """The final line reads `PASS: 97.0% at 8192 tokens (>= 85%, ...)` / `FAIL: ...`."""
-    result = pk.PasskeyResult(lengths=[4096, 8192], depths=[0.5], n_trials=100, template="default",
-                              accuracy={4096: 1.0, 8192: 0.97}, accuracy_by_depth={4096: {0.5: 1.0}, 8192: {0.5: 0.97}},
-                              prompt_tokens={}, kv_payload_bytes={}, kv_allocated_bytes={}, train_context_length=256)
+    result = pk.PasskeyResult(
+        lengths=[4096, 8192],
+        depths=[0.5],
+        n_trials=100,
+        template="default",
+        accuracy={4096: 1.0, 8192: 0.97},
+        accuracy_by_depth={4096: {0.5: 1.0}, 8192: {0.5: 0.97}},
+        prompt_tokens={},
+        kv_payload_bytes={},
+        kv_allocated_bytes={},
+        train_context_length=256,
+    )
     assert result.verdict() == "PASS: 97.0% at 8192 tokens (>= 85%, 32x the training context)"
     result.accuracy[8192] = 0.5
     assert result.verdict().startswith("FAIL: 50.0% at 8192 tokens (< 85%")
@@ -214,14 +245,33 @@ def test_verdict_line_format():
 
 # ---- CLI ----------------------------------------------------------------------------------------------
 
+
 def test_cli_passkey_smoke(tmp_path, capsys):
     """`gptoss-lite passkey` prints the table, the depth grid, a PASS/FAIL line, writes the heatmap; exit 0."""
     from gptoss_lite.cli import main
 
     png = tmp_path / "heat.png"
-    code = main(["passkey", "--model", "lite-tiny", "--lengths", "300", "--depths", "start", "end",
-                 "--trials", "2", "--prefill-chunk", "128", "--batch-size", "2", "--plot", str(png),
-                 "--no-progress"])
+    code = main(
+        [
+            "passkey",
+            "--model",
+            "lite-tiny",
+            "--lengths",
+            "300",
+            "--depths",
+            "start",
+            "end",
+            "--trials",
+            "2",
+            "--prefill-chunk",
+            "128",
+            "--batch-size",
+            "2",
+            "--plot",
+            str(png),
+            "--no-progress",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "accuracy by depth" in out and "KV payload" in out
@@ -233,8 +283,24 @@ def test_cli_passkey_json(capsys):
     """--json prints the result mapping with the verdict."""
     from gptoss_lite.cli import main
 
-    assert main(["passkey", "--model", "lite-tiny", "--lengths", "300", "--depths", "0.5", "--trials", "1",
-                 "--json", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "passkey",
+                "--model",
+                "lite-tiny",
+                "--lengths",
+                "300",
+                "--depths",
+                "0.5",
+                "--trials",
+                "1",
+                "--json",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert set(data["accuracy"]) == {"300"} and data["verdict"].startswith(("PASS", "FAIL"))
 
@@ -248,6 +314,7 @@ def test_cli_passkey_zero_trials_exits_2(capsys):
 
 
 # ---- the shipped demo model ---------------------------------------------------------------------
+
 
 def test_shipped_demo_model_retrieves_at_16x_its_training_context():
     """The embedded default model finds the passkey at 16x its training context at every depth.

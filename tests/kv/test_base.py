@@ -47,14 +47,14 @@ def test_update_returns_every_visible_key_by_position(kind):
     pos = 0
     while pos < 120:
         T = min(120 - pos, rng.choice([1, 1, 1, 3, 9, 17]))
-        new = history[:, :, pos:pos + T]  # (B, K, T, D)
+        new = history[:, :, pos : pos + T]  # (B, K, T, D)
         for layer in range(CFG.n_layers):
             keys, values, first = cache.update(layer, new, -new, pos)  # (B, K, S, D)
             S = keys.shape[2]
             assert first + S == pos + T and first >= 0 and torch.equal(values, -keys)
             lowest_visible = 0 if not CFG.is_sliding(layer) else max(0, pos - W + 1)
             assert first <= lowest_visible
-            expected = history[:, :, first:pos + T]
+            expected = history[:, :, first : pos + T]
             if T == 1 and CFG.is_sliding(layer) and S <= W:  # the protocol's one freedom: any order
                 got = sorted(keys[0, 0].tolist())
                 assert got == sorted(expected[0, 0].tolist())

@@ -35,8 +35,7 @@ class Mirror:
         """Resident tokens of a sequence, read through its page table."""
         bs, first = pool.block_size, pool.first_block_index(seq_id)
         table = pool.page_table(seq_id)
-        return [self.slots[(table[p // bs - first], p % bs)]
-                for p in range(first * bs, pool.num_tokens(seq_id))]
+        return [self.slots[(table[p // bs - first], p % bs)] for p in range(first * bs, pool.num_tokens(seq_id))]
 
 
 def expect_unchanged(pool: PagedKVPool, exc: type[BaseException], match: str, fn, *args) -> None:
@@ -216,8 +215,7 @@ def test_exhaustion_is_preflighted_and_leaves_pool_unchanged():
     pool = PagedKVPool(3, block_size=4)
     pool.create("a")
     pool.append("a", 6)
-    expect_unchanged(pool, PoolExhaustedError, r"needs 3 free blocks .* only 1", pool.append,
-                     "a", 11)
+    expect_unchanged(pool, PoolExhaustedError, r"needs 3 free blocks .* only 1", pool.append, "a", 11)
     assert issubclass(PoolExhaustedError, MemoryError)
     assert pool.append("a", 6).new_blocks == (2,)  # exactly fills the pool
 
@@ -245,7 +243,7 @@ def test_window_release_before_bounds_resident_blocks():
         pool.release_before("w", max(0, pool.num_tokens("w") - window))
         peak = max(peak, len(pool.page_table("w")))
         resident = mirror.read(pool, "w")
-        assert resident[-min(window, t + 1):] == list(range(max(0, t + 1 - window), t + 1))
+        assert resident[-min(window, t + 1) :] == list(range(max(0, t + 1 - window), t + 1))
     assert peak <= bound
     assert pool.num_tokens("w") == 2000
     assert pool.first_block_index("w") == (2000 - window) // bs
@@ -260,8 +258,7 @@ def test_window_rollback_cannot_resurrect_released_tokens():
     pool.append("w", 14)
     assert pool.release_before("w", 9) == (0, 1)
     assert pool.first_block_index("w") == 2 and pool.page_table("w") == (2, 3)
-    expect_unchanged(pool, ValueError, r"num_tokens=7: .*cannot be resurrected", pool.truncate,
-                     "w", 7)
+    expect_unchanged(pool, ValueError, r"num_tokens=7: .*cannot be resurrected", pool.truncate, "w", 7)
     assert pool.truncate("w", 8) == (2, 3)
     assert pool.page_table("w") == () and pool.num_tokens("w") == 8
     plan = pool.append("w", 1)  # the next token lands at absolute block 2 in a fresh block
@@ -279,8 +276,7 @@ def test_share_prefix_from_windowed_source_inherits_its_dropped_point():
     assert pool.first_block_index("f") == 2 and pool.page_table("f") == (2, 3)
     pool.share_prefix("w", "empty", 0)
     assert pool.first_block_index("empty") == 0 and pool.page_table("empty") == ()
-    expect_unchanged(pool, ValueError, r"prefix_tokens=5: .*released tokens before 8",
-                     pool.share_prefix, "w", "g", 5)
+    expect_unchanged(pool, ValueError, r"prefix_tokens=5: .*released tokens before 8", pool.share_prefix, "w", "g", 5)
     pool.validate()
 
 
@@ -335,39 +331,37 @@ BAD_CALLS = [
     ("create with free block", ValueError, r"block 3 is free", "create", ("c", [3])),
     ("create with partial block", ValueError, r"block 1 has 2/4", "create", ("c", [1])),
     ("create with repeated block", ValueError, r"appears twice", "create", ("c", [0, 0])),
-    ("create with foreign block", ValueError, r"block_id=9: must be < total_blocks=6", "create",
-     ("c", [9])),
+    ("create with foreign block", ValueError, r"block_id=9: must be < total_blocks=6", "create", ("c", [9])),
     ("append unknown", KeyError, r"seq_id='zz': unknown sequence", "append", ("zz", 1)),
     ("append unhashable", TypeError, r"unhashable dict", "append", ({}, 1)),
     ("append negative", ValueError, r"n_tokens=-1: must be >= 0", "append", ("a", -1)),
-    ("append bool", TypeError, r"n_tokens=True: must be an int \(not bool\)", "append",
-     ("a", True)),
+    ("append bool", TypeError, r"n_tokens=True: must be an int \(not bool\)", "append", ("a", True)),
     ("append float", TypeError, r"n_tokens=1.0: must be an int", "append", ("a", 1.0)),
     ("blocks_needed negative", ValueError, r"n_tokens=-2", "blocks_needed", ("a", -2)),
     ("share unknown source", KeyError, r"seq_id='x': unknown", "share_prefix", ("x", "y", 0)),
-    ("share duplicate target", ValueError, r"seq_id='b': already exists", "share_prefix",
-     ("a", "b", 2)),
-    ("share too long", ValueError, r"prefix_tokens=7: longer than source 'a' \(num_tokens 6\)",
-     "share_prefix", ("a", "c", 7)),
+    ("share duplicate target", ValueError, r"seq_id='b': already exists", "share_prefix", ("a", "b", 2)),
+    (
+        "share too long",
+        ValueError,
+        r"prefix_tokens=7: longer than source 'a' \(num_tokens 6\)",
+        "share_prefix",
+        ("a", "c", 7),
+    ),
     ("share bool", TypeError, r"prefix_tokens=False", "share_prefix", ("a", "c", False)),
     ("share negative", ValueError, r"prefix_tokens=-1", "share_prefix", ("a", "c", -1)),
     ("release unknown", KeyError, r"unknown sequence", "release", ("c",)),
     ("release unhashable", TypeError, r"unhashable", "release", (["a"],)),
-    ("truncate past end", ValueError, r"num_tokens=7: past the end of 'a' \(num_tokens 6\)",
-     "truncate", ("a", 7)),
+    ("truncate past end", ValueError, r"num_tokens=7: past the end of 'a' \(num_tokens 6\)", "truncate", ("a", 7)),
     ("truncate negative", ValueError, r"num_tokens=-1", "truncate", ("a", -1)),
     ("truncate float", TypeError, r"num_tokens=2.5", "truncate", ("a", 2.5)),
-    ("drop too many", ValueError, r"n_blocks=2: 'a' has only 1 full resident",
-     "drop_leading_blocks", ("a", 2)),
-    ("release_before past end", ValueError, r"token_index=7: past the end", "release_before",
-     ("a", 7)),
+    ("drop too many", ValueError, r"n_blocks=2: 'a' has only 1 full resident", "drop_leading_blocks", ("a", 2)),
+    ("release_before past end", ValueError, r"token_index=7: past the end", "release_before", ("a", 7)),
     ("release_before bool", TypeError, r"token_index=True", "release_before", ("a", True)),
     ("retain free", ValueError, r"block_id=4: free", "retain", (4,)),
     ("retain partial", ValueError, r"block_id=1: 2/4 slots filled", "retain", (1,)),
     ("retain negative", ValueError, r"block_id=-1", "retain", (-1,)),
     ("release_block unpinned", ValueError, r"block_id=0: not retained", "release_block", (0,)),
-    ("release_block out of range", ValueError, r"block_id=6: must be < total_blocks",
-     "release_block", (6,)),
+    ("release_block out of range", ValueError, r"block_id=6: must be < total_blocks", "release_block", (6,)),
 ]
 
 
@@ -380,12 +374,15 @@ def test_bad_input_raises_and_leaves_pool_unchanged(name, exc, match, method, ar
     expect_unchanged(pool, exc, match, getattr(pool, method), *args)
 
 
-@pytest.mark.parametrize("kwargs,exc,match", [
-    ({"total_blocks": 0}, ValueError, r"total_blocks=0: must be >= 1"),
-    ({"total_blocks": 4, "block_size": 0}, ValueError, r"block_size=0: must be >= 1"),
-    ({"total_blocks": True}, TypeError, r"total_blocks=True"),
-    ({"total_blocks": 4, "block_size": 16.0}, TypeError, r"block_size=16.0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        ({"total_blocks": 0}, ValueError, r"total_blocks=0: must be >= 1"),
+        ({"total_blocks": 4, "block_size": 0}, ValueError, r"block_size=0: must be >= 1"),
+        ({"total_blocks": True}, TypeError, r"total_blocks=True"),
+        ({"total_blocks": 4, "block_size": 16.0}, TypeError, r"block_size=16.0"),
+    ],
+)
 def test_constructor_rejects_bad_geometry(kwargs, exc, match):
     """The pool needs at least one block of at least one slot, given as ints."""
     with pytest.raises(exc, match=match):
@@ -461,14 +458,11 @@ class PoolMachine(RuleBasedStateMachine):
         if src not in self.model:
             self.raises_unchanged(KeyError, "unknown", self.pool.share_prefix, src, dst, prefix)
         elif dst in self.model:
-            self.raises_unchanged(ValueError, "already exists", self.pool.share_prefix, src, dst,
-                                  prefix)
+            self.raises_unchanged(ValueError, "already exists", self.pool.share_prefix, src, dst, prefix)
         elif prefix > len(self.model[src]):
-            self.raises_unchanged(ValueError, "longer than source", self.pool.share_prefix, src,
-                                  dst, prefix)
+            self.raises_unchanged(ValueError, "longer than source", self.pool.share_prefix, src, dst, prefix)
         elif 0 < prefix < self.start[src]:
-            self.raises_unchanged(ValueError, "released tokens", self.pool.share_prefix, src,
-                                  dst, prefix)
+            self.raises_unchanged(ValueError, "released tokens", self.pool.share_prefix, src, dst, prefix)
         else:
             self.pool.share_prefix(src, dst, prefix)
             self.model[dst] = self.model[src][:prefix]
@@ -499,7 +493,7 @@ class PoolMachine(RuleBasedStateMachine):
         del self.model[sid], self.start[sid]
         assert list(freed) == [b for b in table if self.holders(b) == 0]  # page-table order
         if freed:
-            assert self.pool.snapshot()["free_list"][-len(freed):] == list(freed)
+            assert self.pool.snapshot()["free_list"][-len(freed) :] == list(freed)
 
     @rule(sid=IDS, window=st.integers(0, 20))
     def slide_window(self, sid, window):
@@ -531,8 +525,7 @@ class PoolMachine(RuleBasedStateMachine):
         if sid not in self.model:
             return
         exc = ValueError if bad == -1 and not isinstance(bad, bool) else TypeError
-        for fn in (self.pool.append, self.pool.truncate, self.pool.release_before,
-                   self.pool.drop_leading_blocks):
+        for fn in (self.pool.append, self.pool.truncate, self.pool.release_before, self.pool.drop_leading_blocks):
             self.raises_unchanged(exc, "must be", fn, sid, bad)
 
     @invariant()
@@ -542,18 +535,21 @@ class PoolMachine(RuleBasedStateMachine):
         assert set(pool.sequences) == set(self.model)
         payload = 0
         for b in range(pool.total_blocks):
-            views = [min(bs, len(self.model[s]) - (pool.first_block_index(s)
-                                                   + pool.page_table(s).index(b)) * bs)
-                     for s in self.model if b in pool.page_table(s)]
+            views = [
+                min(bs, len(self.model[s]) - (pool.first_block_index(s) + pool.page_table(s).index(b)) * bs)
+                for s in self.model
+                if b in pool.page_table(s)
+            ]
             payload += max(views, default=0)
         assert pool.physical_payload_tokens == payload
         for sid, tokens in self.model.items():
             assert pool.num_tokens(sid) == len(tokens)
             assert pool.first_block_index(sid) * bs == self.start[sid]
-            assert self.mirror.read(pool, sid) == tokens[self.start[sid]:]
+            assert self.mirror.read(pool, sid) == tokens[self.start[sid] :]
         assert pool.logical_tokens == sum(len(t) - self.start[s] for s, t in self.model.items())
 
 
 TestPoolMachine = PoolMachine.TestCase
-TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
-                                    suppress_health_check=[HealthCheck.too_slow])
+TestPoolMachine.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)

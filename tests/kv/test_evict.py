@@ -47,42 +47,47 @@ def test_streaming_keeps_all_when_it_fits():
     assert streaming_keep_indices(0, 5, 2) == ()
 
 
-@pytest.mark.parametrize("mass, budget, exc, match", [
-    ([1.0, 2.0], 3, ValueError, "budget=3: larger than the 2 tokens"),
-    ([1.0, 2.0], 0, ValueError, "budget=0: must be >= 1"),
-    ([1.0, 2.0], True, TypeError, "budget=True"),
-    ([1.0, 2.0], 1.0, TypeError, "budget=1.0"),
-    ([1.0, math.nan], 1, ValueError, r"attention_mass\[1\]=nan"),
-    ([math.inf], 1, ValueError, r"attention_mass\[0\]=inf"),
-    ([1.0, -0.5], 1, ValueError, r"attention_mass\[1\]=-0.5: must be finite and >= 0"),
-    ([1.0, True], 1, TypeError, r"attention_mass\[1\]=True"),
-    ([[1.0], [2.0]], 1, TypeError, "the input must be 1-D"),
-    ("abc", 1, TypeError, "expected a 1-D sequence"),
-    (3.0, 1, TypeError, "expected a 1-D sequence"),
-])
+@pytest.mark.parametrize(
+    "mass, budget, exc, match",
+    [
+        ([1.0, 2.0], 3, ValueError, "budget=3: larger than the 2 tokens"),
+        ([1.0, 2.0], 0, ValueError, "budget=0: must be >= 1"),
+        ([1.0, 2.0], True, TypeError, "budget=True"),
+        ([1.0, 2.0], 1.0, TypeError, "budget=1.0"),
+        ([1.0, math.nan], 1, ValueError, r"attention_mass\[1\]=nan"),
+        ([math.inf], 1, ValueError, r"attention_mass\[0\]=inf"),
+        ([1.0, -0.5], 1, ValueError, r"attention_mass\[1\]=-0.5: must be finite and >= 0"),
+        ([1.0, True], 1, TypeError, r"attention_mass\[1\]=True"),
+        ([[1.0], [2.0]], 1, TypeError, "the input must be 1-D"),
+        ("abc", 1, TypeError, "expected a 1-D sequence"),
+        (3.0, 1, TypeError, "expected a 1-D sequence"),
+    ],
+)
 def test_heavy_hitter_validation(mass, budget, exc, match):
     """Heavy hitters reject a budget above the token count, bad budgets and non-finite/negative masses."""
     with pytest.raises(exc, match=match):
         heavy_hitter_indices(mass, budget)
 
 
-@pytest.mark.parametrize("args, exc, match", [
-    ((10, 3, 4), ValueError, "sink_tokens=4: must be <= budget=3"),
-    ((2, 3, 4), ValueError, "sink_tokens=4: must be <= budget=3"),
-    ((-1, 3, 1), ValueError, "length=-1"),
-    ((10, 0, 0), ValueError, "budget=0"),
-    ((10, 3, -1), ValueError, "sink_tokens=-1"),
-    ((True, 3, 1), TypeError, "length=True"),
-    ((10, 3.0, 1), TypeError, "budget=3.0"),
-])
+@pytest.mark.parametrize(
+    "args, exc, match",
+    [
+        ((10, 3, 4), ValueError, "sink_tokens=4: must be <= budget=3"),
+        ((2, 3, 4), ValueError, "sink_tokens=4: must be <= budget=3"),
+        ((-1, 3, 1), ValueError, "length=-1"),
+        ((10, 0, 0), ValueError, "budget=0"),
+        ((10, 3, -1), ValueError, "sink_tokens=-1"),
+        ((True, 3, 1), TypeError, "length=True"),
+        ((10, 3.0, 1), TypeError, "budget=3.0"),
+    ],
+)
 def test_streaming_validation(args, exc, match):
     """Streaming rejects sinks above the budget, negative or zero sizes and non-ints."""
     with pytest.raises(exc, match=match):
         streaming_keep_indices(*args)
 
 
-@given(st.lists(st.floats(0, 10, allow_nan=False).map(lambda x: round(x, 1)), min_size=1, max_size=60),
-       st.data())
+@given(st.lists(st.floats(0, 10, allow_nan=False).map(lambda x: round(x, 1)), min_size=1, max_size=60), st.data())
 def test_heavy_hitters_property(masses, data):
     """Kept set has `budget` sorted indices; every kept mass beats every dropped one, ties to lower index."""
     budget = data.draw(st.integers(1, len(masses)))

@@ -103,7 +103,7 @@ def test_bytes_after_32k_prefill_match_formula():
     ids = torch.randint(0, 256, (1, T))
     with torch.inference_mode():
         for start in range(0, T, 4096):
-            tiny_model(ids[:, start:start + 4096], cache=cache, start_pos=start, last_only=True)
+            tiny_model(ids[:, start : start + 4096], cache=cache, start_pos=start, last_only=True)
     per_token_layer = 2 * cfg.n_kv_heads * cfg.head_dim * 4  # K + V, fp32
     n_win, n_glob = len(cfg.sliding_layers), len(cfg.full_layers)
     expected = per_token_layer * (n_win * min(cfg.sliding_window, T) + n_glob * T)

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from conftest import make_model
+from gptoss_lite.config import FULL, SLIDING
 from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.generation import generate
-from gptoss_lite.kv.mixed import MixedKVCache
 from gptoss_lite.kv.block_pool import PoolExhaustedError
-from gptoss_lite.config import FULL, SLIDING
+from gptoss_lite.kv.mixed import MixedKVCache
 from gptoss_lite.kv.paged_cache import PagedKVCache, PagedKVStore
 
 BS = 4  # small blocks so a window of 8 spans several blocks
@@ -75,8 +75,7 @@ def test_chunked_prefill_logits_match_one_shot(chunk):
         ref = model(ids).logits  # (B, T, V)
         store = PagedKVStore(model.config, total_blocks=40, block_size=BS)
         cache = PagedKVCache(model.config, store, ["a", "b"])
-        pieces = [model(ids[:, s:s + chunk], cache=cache, start_pos=s).logits
-                  for s in range(0, ids.shape[1], chunk)]
+        pieces = [model(ids[:, s : s + chunk], cache=cache, start_pos=s).logits for s in range(0, ids.shape[1], chunk)]
     got = torch.cat(pieces, dim=1)
     assert got.shape == ref.shape
     assert (got - ref).abs().max().item() <= 1e-5
@@ -99,7 +98,7 @@ def test_sliding_blocks_bounded_over_long_decode():
             if layer == 0 and p in (0, 7, 8, 13, 1999):  # sliding reads are exactly the window's blocks
                 assert first == p + 1 - keys.shape[2] and first % BS == 0
                 assert first <= max(0, p - W + 1) < first + BS
-                assert torch.equal(keys[0].transpose(0, 1), history[first:p + 1])
+                assert torch.equal(keys[0].transpose(0, 1), history[first : p + 1])
         assert len(wpool.page_table("s")) <= bound
         assert len(gpool.page_table("s")) == p // BS + 1
     keys, _, first = cache.update(1, history[:1].view(1, K, 1, D), history[:1].view(1, K, 1, D), n)
@@ -159,7 +158,7 @@ def test_prefix_hit_shares_blocks_and_generation_matches():
     assert _greedy(model, cache, torch.tensor([prompt[n:]]), n, 20) == cold
     again, n = PagedKVCache.from_prefix(model.config, store, ["hit2"], [prompt], "tenant", "rev")
     out = generate(model, torch.tensor([prompt]), 20, temperature=0, cache=again)  # prefills the rest only
-    assert out[:, len(prompt):].tolist() == cold
+    assert out[:, len(prompt) :].tolist() == cold
     assert store.prefix[FULL].stats().hit_requests == 2
     other, m = PagedKVCache.from_prefix(model.config, store, ["miss"], [prompt], "other-tenant", "rev")
     assert m == 0 and other.num_tokens == 0  # scope isolates tenants
@@ -208,7 +207,7 @@ def test_truncate_rollback_and_rejections():
     ids = _prompt(1, 30, seed=9)
     with torch.inference_mode():
         for p in range(30):  # token-by-token: windowed blocks get released
-            model(ids[:, p:p + 1], cache=cache, start_pos=p)
+            model(ids[:, p : p + 1], cache=cache, start_pos=p)
     start = store.pools[SLIDING].first_block_index("s") * BS
     assert start > 0
     before = _state(store)

@@ -1,6 +1,6 @@
 """Random sequences of pool + prefix-cache operations (pins and releases from both sides, bad arguments
 included): after every step both validate(), every sequence reads its own K/V, and a call that raises
-changed nothing (issue 11)."""
+changed nothing."""
 
 from __future__ import annotations
 
@@ -38,8 +38,12 @@ class PoolPrefixMachine(RuleBasedStateMachine):
     # ---- helpers ------------------------------------------------------------------------------------
     def state(self):
         c = self.cache
-        return (json.dumps(self.pool.snapshot(), sort_keys=True), list(c._entries.items()), dict(c._block_pins),
-                c.stats())
+        return (
+            json.dumps(self.pool.snapshot(), sort_keys=True),
+            list(c._entries.items()),
+            dict(c._block_pins),
+            c.stats(),
+        )
 
     def step(self, fn, *args, **kwargs):
         """Run one operation; if it raises, nothing may have changed."""
@@ -57,7 +61,7 @@ class PoolPrefixMachine(RuleBasedStateMachine):
             for s in range(n):
                 self.slots[(dst, s)] = self.slots[(src, s)]
         for i, slot in enumerate(plan.slots):
-            self.slots[slot] = (key, tuple(tokens[:start + i + 1]))
+            self.slots[slot] = (key, tuple(tokens[: start + i + 1]))
 
     # ---- sequences --------------------------------------------------------------------------------
     @rule(sid=SIDS, prompt=TOKENS, key=KEYS)
@@ -106,7 +110,7 @@ class PoolPrefixMachine(RuleBasedStateMachine):
     @rule(sid=SIDS, drop=st.integers(0, 3))
     def cache_sequence(self, sid, drop):
         tokens, key = self.seqs[sid] if sid in self.seqs else ([0] * 4, ("t1", "r1"))
-        self.step(self.cache.insert, tokens[:max(0, len(tokens) - drop)], *key, seq_id=sid)
+        self.step(self.cache.insert, tokens[: max(0, len(tokens) - drop)], *key, seq_id=sid)
 
     @rule(prompt=TOKENS, key=KEYS)
     def probe(self, prompt, key):
@@ -152,13 +156,21 @@ class PoolPrefixMachine(RuleBasedStateMachine):
         for sid, (tokens, key) in self.seqs.items():
             table = self.pool.page_table(sid)
             for p in range(len(tokens)):  # no sequence ever reads a recycled or foreign block
-                assert self.slots[(table[p // BS], p % BS)] == (key, tuple(tokens[:p + 1]))
+                assert self.slots[(table[p // BS], p % BS)] == (key, tuple(tokens[: p + 1]))
 
 
 def test_pool_and_prefix_cache_survive_ten_thousand_random_operations():
     """>= 10,000 random pool/prefix-cache operations keep every invariant; failed calls change nothing."""
     STEPS["n"] = 0
-    run_state_machine_as_test(PoolPrefixMachine, settings=settings(
-        max_examples=220, stateful_step_count=60, deadline=None, derandomize=True, database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+    run_state_machine_as_test(
+        PoolPrefixMachine,
+        settings=settings(
+            max_examples=220,
+            stateful_step_count=60,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+        ),
+    )
     assert STEPS["n"] >= 10_000, STEPS["n"]

@@ -121,8 +121,9 @@ def test_stats_report_request_hits_and_reused_tokens_separately():
     cache.match(B + C + A + [1] * 3, "t", "r")  # miss, 15 tokens
     cache.match(A + B, "t", "r", record=False)  # a probe: not counted
     s = cache.stats()
-    assert s == PrefixCacheStats(requests=4, hit_requests=2, input_tokens=52, cached_tokens=16,
-                                 cached_blocks=3, evicted_blocks=0)
+    assert s == PrefixCacheStats(
+        requests=4, hit_requests=2, input_tokens=52, cached_tokens=16, cached_blocks=3, evicted_blocks=0
+    )
     assert s.request_hit_fraction == 0.5
     assert s.reused_token_fraction == pytest.approx(16 / 52)
 
@@ -238,14 +239,17 @@ def test_constructor_rejects_bad_arguments():
         PrefixCache(max_blocks=-1)
 
 
-@pytest.mark.parametrize("tokens,exc,match", [
-    ("abc", TypeError, r"tokens: expected a sequence of ints"),
-    ({1, 2}, TypeError, r"tokens: expected a sequence of ints"),
-    ([1, True], TypeError, r"tokens\[1\]=True: token ids must be ints"),
-    ([1.0], TypeError, r"tokens\[0\]=1.0"),
-    ([-1], ValueError, r"tokens\[0\]=-1: token ids must be in \[0, 2\*\*63\)"),
-    ([2**63], ValueError, r"must be in \[0, 2\*\*63\)"),
-])
+@pytest.mark.parametrize(
+    "tokens,exc,match",
+    [
+        ("abc", TypeError, r"tokens: expected a sequence of ints"),
+        ({1, 2}, TypeError, r"tokens: expected a sequence of ints"),
+        ([1, True], TypeError, r"tokens\[1\]=True: token ids must be ints"),
+        ([1.0], TypeError, r"tokens\[0\]=1.0"),
+        ([-1], ValueError, r"tokens\[0\]=-1: token ids must be in \[0, 2\*\*63\)"),
+        ([2**63], ValueError, r"must be in \[0, 2\*\*63\)"),
+    ],
+)
 def test_bad_tokens_are_rejected_without_recording(tokens, exc, match):
     """Non-token input raises and leaves cache entries and stats unchanged."""
     cache = PrefixCache(block_size=4)
@@ -277,14 +281,14 @@ def test_pool_mode_insert_and_attach_errors_leave_everything_unchanged():
     pool.drop_leading_blocks("w", 1)
     cases = [
         (ValueError, r"seq_id: required", lambda: cache.insert(A, "t", "r")),
-        (KeyError, r"seq_id='zz': unknown sequence",
-         lambda: cache.insert(A, "t", "r", seq_id="zz")),
-        (ValueError, r"tokens: 13 tokens but sequence 's' holds 9",
-         lambda: cache.insert(A + B + C + [1], "t", "r", seq_id="s")),
-        (ValueError, r"seq_id='w': its sliding window released", lambda: cache.insert(
-            A + B, "t", "r", seq_id="w")),
-        (ValueError, r"seq_id='s': already exists", lambda: cache.attach("s", A + B + [1], "t",
-                                                                        "r")),
+        (KeyError, r"seq_id='zz': unknown sequence", lambda: cache.insert(A, "t", "r", seq_id="zz")),
+        (
+            ValueError,
+            r"tokens: 13 tokens but sequence 's' holds 9",
+            lambda: cache.insert(A + B + C + [1], "t", "r", seq_id="s"),
+        ),
+        (ValueError, r"seq_id='w': its sliding window released", lambda: cache.insert(A + B, "t", "r", seq_id="w")),
+        (ValueError, r"seq_id='s': already exists", lambda: cache.attach("s", A + B + [1], "t", "r")),
         (TypeError, r"unhashable", lambda: cache.attach(["x"], A + B + [1], "t", "r")),
         (ValueError, r"n_blocks=-1: must be >= 0", lambda: cache.evict(-1)),
         (TypeError, r"n_blocks=2.0", lambda: cache.evict(2.0)),
@@ -369,7 +373,7 @@ class CacheMachine(RuleBasedStateMachine):
             for s in range(n):
                 self.slots[(dst, s)] = self.slots[(src, s)]
         for i, slot in enumerate(plan.slots):
-            self.slots[slot] = (rev, tuple(tokens[:start + i + 1]))
+            self.slots[slot] = (rev, tuple(tokens[: start + i + 1]))
 
     def grow(self, sid: str, new_tokens: list[int]) -> None:
         """Append tokens, evicting idle cached blocks first if the pool is short."""
@@ -449,14 +453,15 @@ class CacheMachine(RuleBasedStateMachine):
             assert self.pool.num_tokens(sid) == len(tokens)
             table = self.pool.page_table(sid)
             for p in range(len(tokens)):
-                assert self.slots[(table[p // bs], p % bs)] == (rev, tuple(tokens[:p + 1]))
+                assert self.slots[(table[p // bs], p % bs)] == (rev, tuple(tokens[: p + 1]))
         s = self.cache.stats()
         assert 0 <= s.cached_tokens <= s.input_tokens and 0 <= s.hit_requests <= s.requests
 
 
 TestCacheMachine = CacheMachine.TestCase
-TestCacheMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
-                                     suppress_health_check=[HealthCheck.too_slow])
+TestCacheMachine.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 def test_stats_dataclass_is_frozen():

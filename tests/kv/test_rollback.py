@@ -20,7 +20,7 @@ CFG = resolve_config("lite-tiny")  # window 8; layers 0, 2 sliding, 1, 3 full
 B, K, D, H = 2, CFG.n_kv_heads, CFG.head_dim, CFG.n_heads
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _token_kv(layer: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(layer * 100_003 + p)
     k, v = torch.randn(2, B, K, 1, D, generator=g)
@@ -52,8 +52,15 @@ def _held(cache: RollbackKVCache, layer: int) -> tuple[torch.Tensor, torch.Tenso
 
 def _snapshot(cache: RollbackKVCache):
     if isinstance(cache, MixedKVCache):
-        return [(None if s.k is None else (s.k.clone(), s.v.clone()), s.num_tokens, s.num_resident,
-                 getattr(s, "head", None)) for s in cache.layers]
+        return [
+            (
+                None if s.k is None else (s.k.clone(), s.v.clone()),
+                s.num_tokens,
+                s.num_resident,
+                getattr(s, "head", None),
+            )
+            for s in cache.layers
+        ]
     store = cache.store
     pools = json.dumps({kind: pool.snapshot() for kind, pool in store.pools.items()}, sort_keys=True)
     return pools, [t.clone() for t in store.k + store.v], cache.num_tokens
@@ -98,7 +105,7 @@ def test_random_append_and_rollback_match_a_rebuilt_cache(kind, slack):
     rng = random.Random(f"{kind}{slack}")
     cache = _make(kind, slack)
     n = last = 0  # last: the position of the latest truncation
-    for step in range(60):
+    for _ in range(60):
         if n and rng.random() < 0.4:
             floor = cache.rollback_floor()
             # Slack R always allows going back R + 1 tokens, or to the latest truncation point.
@@ -121,8 +128,8 @@ def test_random_append_and_rollback_match_a_rebuilt_cache(kind, slack):
                 want_k, want_v = _held(rebuilt, layer)
                 m = got_k.shape[2]
                 assert m <= want_k.shape[2] or not CFG.is_sliding(layer)
-                assert torch.equal(got_k, want_k[:, :, want_k.shape[2] - m:])
-                assert torch.equal(got_v, want_v[:, :, want_v.shape[2] - m:])
+                assert torch.equal(got_k, want_k[:, :, want_k.shape[2] - m :])
+                assert torch.equal(got_v, want_v[:, :, want_v.shape[2] - m :])
                 if not CFG.is_sliding(layer):
                     assert m == n
         else:
@@ -166,9 +173,9 @@ def test_model_continues_after_rollback_like_a_fresh_run(kind, preset):
     with torch.inference_mode():
         model(ids[:, :12], cache=cache, start_pos=0)
         for p in range(12, 24):
-            model(ids[:, p:p + 1], cache=cache, start_pos=p)
+            model(ids[:, p : p + 1], cache=cache, start_pos=p)
         cache.truncate(21)
         got = [model(alt[:, :2], cache=cache, start_pos=21).logits]
-        got += [model(alt[:, i:i + 1], cache=cache, start_pos=21 + i).logits for i in (2, 3)]
+        got += [model(alt[:, i : i + 1], cache=cache, start_pos=21 + i).logits for i in (2, 3)]
         want = model(torch.cat((ids[:, :21], alt), dim=1)).logits[:, 21:]
     torch.testing.assert_close(torch.cat(got, dim=1), want, atol=1e-5, rtol=1e-5)

@@ -9,9 +9,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-CONTRACT = ["kv/base.py", "kv/mixed.py", "kv/paged_cache.py", "model/attention.py", "model/transformer.py",
-            "generation.py"]
-BROKEN = '''
+CONTRACT = [
+    "kv/base.py",
+    "kv/mixed.py",
+    "kv/paged_cache.py",
+    "model/attention.py",
+    "model/transformer.py",
+    "generation.py",
+]
+BROKEN = """
 import torch
 from gptoss_lite.kv.base import KVCache
 
@@ -31,16 +37,28 @@ class NoUpdate:
 
 def run(cache: KVCache) -> None: ...
 run(NoUpdate())
-'''
+"""
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("mypy") is None, reason="mypy is a dev/test extra")
 
 
 def _mypy(*paths: str | Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"),
-                           "--no-incremental", *map(str, paths)],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300,
-                          env={"MYPYPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--config-file",
+            str(ROOT / "pyproject.toml"),
+            "--no-incremental",
+            *map(str, paths),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env={"MYPYPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"},
+    )
 
 
 def test_caches_model_and_generation_type_check():
@@ -55,6 +73,7 @@ def test_a_cache_that_breaks_the_protocol_is_caught(tmp_path):
     bad.write_text(BROKEN)
     out = _mypy(bad)
     assert out.returncode == 1
-    assert re.search(r'bad_cache.py:\d+: error: Signature of "update" incompatible with supertype "[\w.]*KVCache"',
-                     out.stdout), out.stdout
+    assert re.search(
+        r'bad_cache.py:\d+: error: Signature of "update" incompatible with supertype "[\w.]*KVCache"', out.stdout
+    ), out.stdout
     assert re.search(r'"NoUpdate" is missing following "[\w.]*KVCache" protocol member', out.stdout), out.stdout

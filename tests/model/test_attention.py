@@ -14,7 +14,12 @@ def _qkv(B=2, H=4, K=2, T=7, S=19, D=16, seed=0):
 
 
 CASES = [  # (T, S) : full prefill, single-token decode (past the window and inside it), chunk into a cached prefix
-    (23, 23), (1, 23), (1, 6), (7, 23), (5, 300), (64, 64),
+    (23, 23),
+    (1, 23),
+    (1, 6),
+    (7, 23),
+    (5, 300),
+    (64, 64),
 ]
 
 

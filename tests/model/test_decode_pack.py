@@ -58,8 +58,9 @@ def test_checkpoint_bytes_unchanged_by_packing(preset, tmp_path):
     model = make_model(preset)
     save_model(model, tmp_path / "before")
     save_model(model.pack_for_decode(), tmp_path / "after")
-    assert (tmp_path / "before" / "model.safetensors").read_bytes() == \
-        (tmp_path / "after" / "model.safetensors").read_bytes()
+    assert (tmp_path / "before" / "model.safetensors").read_bytes() == (
+        tmp_path / "after" / "model.safetensors"
+    ).read_bytes()
 
 
 def test_training_after_packing_reaches_every_parameter():
@@ -69,13 +70,18 @@ def test_training_after_packing_reaches_every_parameter():
     ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
     model(ids, targets=ids).loss.backward()
     attn = model.blocks[0].attn
-    for p in (attn.q_proj.weight, attn.kv_proj.weight, attn.q_proj.bias, model.blocks[0].moe.experts.gate_proj,
-              model.blocks[0].moe.experts.up_bias):
+    for p in (
+        attn.q_proj.weight,
+        attn.kv_proj.weight,
+        attn.q_proj.bias,
+        model.blocks[0].moe.experts.gate_proj,
+        model.blocks[0].moe.experts.up_bias,
+    ):
         assert p.grad is not None and p.grad.abs().sum() > 0
     before = attn._packed_qkv()[0].clone()
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     assert attn._packed_qkv() is not None and not torch.equal(attn._packed_qkv()[0], before)
-    torch.testing.assert_close(attn._packed_qkv()[0][:, :attn.q_proj.weight.shape[0]], attn.q_proj.weight.t())
+    torch.testing.assert_close(attn._packed_qkv()[0][:, : attn.q_proj.weight.shape[0]], attn.q_proj.weight.t())
 
 
 def test_dtype_change_falls_back_then_repacks():

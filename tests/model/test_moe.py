@@ -15,10 +15,10 @@ def _naive_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
         vals, idx = logits.topk(moe.top_k)
         w = torch.softmax(vals, dim=-1)
         for j in range(moe.top_k):
-            out[n] += w[j] * moe.experts.expert(int(idx[j]), flat[n:n + 1])[0]
+            out[n] += w[j] * moe.experts.expert(int(idx[j]), flat[n : n + 1])[0]
         if moe.shared is not None:
             for s in range(moe.shared.gate_proj.shape[0]):
-                out[n] += moe.shared.expert(s, flat[n:n + 1])[0]
+                out[n] += moe.shared.expert(s, flat[n : n + 1])[0]
     return out.view_as(x)
 
 
@@ -92,6 +92,7 @@ def test_only_selected_experts_run(monkeypatch):
 def test_few_token_path_matches_grouped_dispatch(preset, N):
     """At inference, 2..FEW_TOKENS tokens take the all-experts batched path; it equals the grouped one."""
     from gptoss_lite.model.moe import FEW_TOKENS
+
     torch.manual_seed(1)
     moe = MoE(resolve_config(preset))
     with torch.no_grad():

@@ -4,8 +4,14 @@ import pytest
 import torch
 
 from gptoss_lite.fixtures import resolve_config
-from gptoss_lite.model.rope import (RotaryEmbedding, apply_rotary, apply_rotary_tables, rotary_tables,
-                                   yarn_concentration, yarn_inv_freq)
+from gptoss_lite.model.rope import (
+    RotaryEmbedding,
+    apply_rotary,
+    apply_rotary_tables,
+    rotary_tables,
+    yarn_concentration,
+    yarn_inv_freq,
+)
 
 
 def test_yarn_inv_freq_by_hand():

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import math
 import ast
+import math
 from fractions import Fraction
 from pathlib import Path
 
@@ -20,13 +20,20 @@ LITE_ALL_FULL = P.AttentionKVGeometry("lite-all-full", 12, 4, 96)
 
 
 def _hw(**overrides):
-    args = dict(weight_bytes=1000, bandwidth_bytes_per_second=1e12, peak_flops_per_second=1e15,
-                parameter_count=500, device_capacity_bytes=10_000, runtime_reserve_bytes=0)
+    args = dict(
+        weight_bytes=1000,
+        bandwidth_bytes_per_second=1e12,
+        peak_flops_per_second=1e15,
+        parameter_count=500,
+        device_capacity_bytes=10_000,
+        runtime_reserve_bytes=0,
+    )
     args.update(overrides)
     return P.ServingHardware(**args)
 
 
 # ---- hand-derived payloads ----------------------------------------------------------------------------
+
 
 def test_llama3_8b_bytes_per_token():
     """Llama-3-8B GQA (32 layers, 8 KV heads, D 128, BF16) stores 131,072 B = 128 KiB per token."""
@@ -53,7 +60,7 @@ def test_deepseek_v3_mla_bytes_per_token():
 
 
 def test_lite_mixed_payload_at_128k():
-    """502M preset at 131,072 tokens: 2.25 GiB all-full vs 1.13 GiB mixed, exact bytes from docs/kv-cache.md#kv-arithmetic-of-the-502m-preset."""
+    """502M at 131,072 tokens: 2.25 GiB all-full, 1.13 GiB mixed (docs/kv-cache.md#kv-arithmetic-of-the-502m-preset)."""
     assert P.kv_payload_bytes(LITE_ALL_FULL, 131_072) == 2_415_919_104
     assert P.kv_payload_bytes(LITE, 131_072) == 1_209_139_200
     assert round(2_415_919_104 / P.GIB, 2) == 2.25 and round(1_209_139_200 / P.GIB, 2) == 1.13
@@ -61,7 +68,7 @@ def test_lite_mixed_payload_at_128k():
 
 @pytest.mark.parametrize("tokens, ratio", [(4096, 1.94), (8192, 1.97), (32768, 1.99), (131072, 2.00)])
 def test_lite_mixed_ratio(tokens, ratio):
-    """Mixed/all-full reduction of the 502M preset matches docs/kv-cache.md#kv-arithmetic-of-the-502m-preset to two decimals."""
+    """The 502M mixed/all-full reduction matches docs/kv-cache.md#kv-arithmetic-of-the-502m-preset to two decimals."""
     got = P.kv_payload_bytes(LITE_ALL_FULL, tokens) / P.kv_payload_bytes(LITE, tokens)
     assert round(got, 2) == ratio
 
@@ -95,22 +102,32 @@ def test_zero_context_is_zero_payload():
 
 def test_model_presets_geometry_is_derived_from_config():
     """Our presets' geometries come from config.PRESETS: layers, KV heads, D, sliding count and window as specified."""
-    expected = {"gptoss-lite-502m": (12, 4, 96, 6, 128), "gpt-oss-20b": (24, 8, 64, 12, 128),
-                "gpt-oss-120b": (36, 8, 64, 18, 128)}
+    expected = {
+        "gptoss-lite-502m": (12, 4, 96, 6, 128),
+        "gpt-oss-20b": (24, 8, 64, 12, 128),
+        "gpt-oss-120b": (36, 8, 64, 18, 128),
+    }
     for name, (layers, kv_heads, head_dim, sliding, window) in expected.items():
         g = P.GEOMETRY_PRESETS[name]
-        assert (g.attention_layers, g.kv_heads, g.head_dim, g.sliding_layers, g.sliding_window) == \
-            (layers, kv_heads, head_dim, sliding, window)
+        assert (g.attention_layers, g.kv_heads, g.head_dim, g.sliding_layers, g.sliding_window) == (
+            layers,
+            kv_heads,
+            head_dim,
+            sliding,
+            window,
+        )
         assert g == P.geometry_from_model_config(PRESETS[name], name=name)
         assert g.full_layers == layers - sliding == len(PRESETS[name].full_layers)
 
 
 def test_model_presets_weights_are_derived_from_parameter_counts():
-    """Parameter counts come from count_parameters; active leaves out an untied embedding, near the published figures."""
+    """Parameter counts come from count_parameters; active leaves out an untied embedding (near the published ones)."""
     lite = P.MODEL_WEIGHTS["gptoss-lite-502m"]
     assert (lite.total_parameters, lite.active_parameters) == (501_836_640, 247_032_672)  # tied: head counts
-    for name, total, active, published in (("gpt-oss-20b", 20_914_757_184, 3_608_307_264, (20.9e9, 3.6e9)),
-                                           ("gpt-oss-120b", 116_829_156_672, 5_132_849_472, (116.8e9, 5.1e9))):
+    for name, total, active, published in (
+        ("gpt-oss-20b", 20_914_757_184, 3_608_307_264, (20.9e9, 3.6e9)),
+        ("gpt-oss-120b", 116_829_156_672, 5_132_849_472, (116.8e9, 5.1e9)),
+    ):
         w, cfg = P.MODEL_WEIGHTS[name], PRESETS[name]
         assert w.total_parameters == count_parameters(cfg) == total
         assert w.active_parameters == count_active_parameters(cfg) - cfg.vocab_size * cfg.d_model == active
@@ -120,8 +137,14 @@ def test_model_presets_weights_are_derived_from_parameter_counts():
 
 def test_geometry_from_hf_config():
     """An HF gpt-oss-20b config.json counts sliding layers from layer_types; head_dim falls back to C/H."""
-    hf = {"num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
-          "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 12}
+    hf = {
+        "num_hidden_layers": 24,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 12,
+    }
     g = P.geometry_from_hf_config(hf, name="gpt-oss-20b")
     assert g == P.GEOMETRY_PRESETS["gpt-oss-20b"]
     llama = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096}
@@ -131,9 +154,15 @@ def test_geometry_from_hf_config():
 def _imports(module_path):
     """(module-level import roots, every import root) of a source file."""
     tree = ast.parse(module_path.read_text())
-    roots = lambda nodes: {(n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
-                           for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom))
-                           for a in (n.names if isinstance(n, ast.Import) else n.names[:1])}
+
+    def roots(nodes):
+        return {
+            (n.module if isinstance(n, ast.ImportFrom) else a.name).split(".")[0]
+            for n in nodes
+            if isinstance(n, (ast.Import, ast.ImportFrom))
+            for a in (n.names if isinstance(n, ast.Import) else n.names[:1])
+        }
+
     return roots(tree.body), roots(ast.walk(tree))
 
 
@@ -150,6 +179,7 @@ def test_plan_and_evict_import_no_torch():
 
 
 # ---- roofline, knee, capacity ---------------------------------------------------------------------------
+
 
 def test_decode_ceiling_formula():
     """Aggregate ceiling = B * bandwidth / (W + KV(N, B)); per request is that / B."""
@@ -191,6 +221,7 @@ def test_measure_this_machine_is_positive():
 
 
 # ---- FLOPs and cost -------------------------------------------------------------------------------------
+
 
 def test_chunked_prefill_adds_up_and_later_chunks_cost_more():
     """16 chunks of 512 have exactly the attention FLOPs of one 8,192-token prefill; each costs more."""
@@ -258,18 +289,22 @@ def test_waste_formulas():
 
 # ---- validation: every error path ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(attention_layers=True), TypeError, "attention_layers=True: must be an int"),
-    (dict(attention_layers=0), ValueError, "attention_layers=0: must be >= 1"),
-    (dict(kv_heads=-1), ValueError, "kv_heads=-1"),
-    (dict(head_dim=64.0), TypeError, "head_dim=64.0"),
-    (dict(bytes_per_element=0), ValueError, "bytes_per_element=0"),
-    (dict(sliding_layers=13, sliding_window=128), ValueError, "sliding_layers=13: must be <= attention_layers"),
-    (dict(sliding_layers=6), ValueError, "needs sliding_window"),
-    (dict(sliding_window=128), ValueError, "sliding_layers=0"),
-    (dict(sliding_layers=6, sliding_window=0), ValueError, "sliding_window=0"),
-    (dict(name=""), TypeError, "name=''"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(attention_layers=True), TypeError, "attention_layers=True: must be an int"),
+        (dict(attention_layers=0), ValueError, "attention_layers=0: must be >= 1"),
+        (dict(kv_heads=-1), ValueError, "kv_heads=-1"),
+        (dict(head_dim=64.0), TypeError, "head_dim=64.0"),
+        (dict(bytes_per_element=0), ValueError, "bytes_per_element=0"),
+        (dict(sliding_layers=13, sliding_window=128), ValueError, "sliding_layers=13: must be <= attention_layers"),
+        (dict(sliding_layers=6), ValueError, "needs sliding_window"),
+        (dict(sliding_window=128), ValueError, "sliding_layers=0"),
+        (dict(sliding_layers=6, sliding_window=0), ValueError, "sliding_window=0"),
+        (dict(name=""), TypeError, "name=''"),
+    ],
+)
 def test_attention_geometry_validation(kwargs, exc, match):
     """AttentionKVGeometry rejects booleans, non-positive sizes and inconsistent windows."""
     args = dict(name="g", attention_layers=12, kv_heads=4, head_dim=96)
@@ -278,11 +313,14 @@ def test_attention_geometry_validation(kwargs, exc, match):
         P.AttentionKVGeometry(**args)
 
 
-@pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(latent_dim=0), ValueError, "latent_dim=0"),
-    (dict(rope_dim=-1), ValueError, "rope_dim=-1"),
-    (dict(attention_layers=False), TypeError, "attention_layers=False"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(latent_dim=0), ValueError, "latent_dim=0"),
+        (dict(rope_dim=-1), ValueError, "rope_dim=-1"),
+        (dict(attention_layers=False), TypeError, "attention_layers=False"),
+    ],
+)
 def test_mla_geometry_validation(kwargs, exc, match):
     """MLAKVGeometry rejects booleans and non-positive sizes."""
     args = dict(name="m", attention_layers=61, latent_dim=512, rope_dim=64)
@@ -291,16 +329,19 @@ def test_mla_geometry_validation(kwargs, exc, match):
         P.MLAKVGeometry(**args)
 
 
-@pytest.mark.parametrize("args, kwargs, exc, match", [
-    ((-1,), {}, ValueError, "context_tokens=-1: must be >= 0"),
-    ((True,), {}, TypeError, "context_tokens=True"),
-    ((10,), dict(batch_size=0), ValueError, "batch_size=0"),
-    ((10,), dict(kv_scale=math.nan), ValueError, "must be finite"),
-    ((10,), dict(kv_scale=math.inf), ValueError, "must be finite"),
-    ((10,), dict(kv_scale=0.0), ValueError, "kv_scale=0.0: must be > 0"),
-    ((10,), dict(kv_scale=True), TypeError, "kv_scale=True"),
-    ((1,), dict(kv_scale=1 / 3), ValueError, "not a whole number of bytes"),
-])
+@pytest.mark.parametrize(
+    "args, kwargs, exc, match",
+    [
+        ((-1,), {}, ValueError, "context_tokens=-1: must be >= 0"),
+        ((True,), {}, TypeError, "context_tokens=True"),
+        ((10,), dict(batch_size=0), ValueError, "batch_size=0"),
+        ((10,), dict(kv_scale=math.nan), ValueError, "must be finite"),
+        ((10,), dict(kv_scale=math.inf), ValueError, "must be finite"),
+        ((10,), dict(kv_scale=0.0), ValueError, "kv_scale=0.0: must be > 0"),
+        ((10,), dict(kv_scale=True), TypeError, "kv_scale=True"),
+        ((1,), dict(kv_scale=1 / 3), ValueError, "not a whole number of bytes"),
+    ],
+)
 def test_payload_validation(args, kwargs, exc, match):
     """kv_payload_bytes rejects negative/bool context, zero batch, NaN/inf scales and fractional bytes."""
     with pytest.raises(exc, match=match):
@@ -313,17 +354,20 @@ def test_payload_rejects_non_geometry():
         P.kv_payload_bytes("llama-3-8b", 10)
 
 
-@pytest.mark.parametrize("overrides, exc, match", [
-    (dict(weight_bytes=0), ValueError, "weight_bytes=0"),
-    (dict(weight_bytes=True), TypeError, "weight_bytes=True"),
-    (dict(bandwidth_bytes_per_second=math.nan), ValueError, "bandwidth_bytes_per_second=nan"),
-    (dict(peak_flops_per_second=-1.0), ValueError, "peak_flops_per_second=-1.0: must be > 0"),
-    (dict(parameter_count=0), ValueError, "parameter_count=0"),
-    (dict(runtime_reserve_bytes=-1), ValueError, "runtime_reserve_bytes=-1"),
-    (dict(runtime_reserve_bytes=9001), ValueError, "exceed device_capacity_bytes=10000"),
-    (dict(weight_bytes=20_000), ValueError, "exceed device_capacity_bytes"),
-    (dict(resident_weight_bytes=999), ValueError, "resident_weight_bytes=999: must be >= 1000"),
-])
+@pytest.mark.parametrize(
+    "overrides, exc, match",
+    [
+        (dict(weight_bytes=0), ValueError, "weight_bytes=0"),
+        (dict(weight_bytes=True), TypeError, "weight_bytes=True"),
+        (dict(bandwidth_bytes_per_second=math.nan), ValueError, "bandwidth_bytes_per_second=nan"),
+        (dict(peak_flops_per_second=-1.0), ValueError, "peak_flops_per_second=-1.0: must be > 0"),
+        (dict(parameter_count=0), ValueError, "parameter_count=0"),
+        (dict(runtime_reserve_bytes=-1), ValueError, "runtime_reserve_bytes=-1"),
+        (dict(runtime_reserve_bytes=9001), ValueError, "exceed device_capacity_bytes=10000"),
+        (dict(weight_bytes=20_000), ValueError, "exceed device_capacity_bytes"),
+        (dict(resident_weight_bytes=999), ValueError, "resident_weight_bytes=999: must be >= 1000"),
+    ],
+)
 def test_hardware_validation(overrides, exc, match):
     """ServingHardware rejects bad numbers and weights + reserve over capacity."""
     with pytest.raises(exc, match=match):
@@ -395,8 +439,10 @@ def test_hf_config_validation():
     with pytest.raises(ValueError, match="hidden_size=100 is not divisible by num_attention_heads=8"):
         P.geometry_from_hf_config({"num_hidden_layers": 2, "num_attention_heads": 8, "hidden_size": 100})
     with pytest.raises(ValueError, match="layer_types has 1 entries; num_hidden_layers=2"):
-        P.geometry_from_hf_config({"num_hidden_layers": 2, "num_attention_heads": 1, "head_dim": 8,
-                                   "layer_types": ["full_attention"]})
+        P.geometry_from_hf_config(
+            {"num_hidden_layers": 2, "num_attention_heads": 1, "head_dim": 8, "layer_types": ["full_attention"]}
+        )
     with pytest.raises(ValueError, match="'chunked'"):
-        P.geometry_from_hf_config({"num_hidden_layers": 1, "num_attention_heads": 1, "head_dim": 8,
-                                   "layer_types": ["chunked"]})
+        P.geometry_from_hf_config(
+            {"num_hidden_layers": 1, "num_attention_heads": 1, "head_dim": 8, "layer_types": ["chunked"]}
+        )

@@ -1,5 +1,5 @@
 """Crash safety: SIGKILL training at random moments (checkpoint writes included); resume always succeeds from
-the newest intact checkpoint and ends with exactly the weights and losses of an uninterrupted run (issue 11)."""
+the newest intact checkpoint and ends with exactly the weights and losses of an uninterrupted run."""
 
 from __future__ import annotations
 
@@ -19,12 +19,17 @@ from gptoss_lite.train.config import TrainConfig
 
 def crash_config(out_dir: Path, total_steps: int) -> TrainConfig:
     """lite-tiny, 1 layer pair, one 224-token row per step, a checkpoint after every step (keep 2)."""
-    return TrainConfig.from_dict({
-        "model": {"preset": "lite-tiny", "n_layers": 2},
-        "data": {"seq_len": 224, "batch_size": 1, "seed": 11},
-        "optimizer": {"lr": 3e-3}, "schedule": {"warmup_steps": 2, "total_steps": total_steps},
-        "checkpoint": {"out_dir": str(out_dir), "every_n_steps": 1, "keep": 2},
-        "logging": {"every_n_steps": 1}, "device": "cpu"})
+    return TrainConfig.from_dict(
+        {
+            "model": {"preset": "lite-tiny", "n_layers": 2},
+            "data": {"seq_len": 224, "batch_size": 1, "seed": 11},
+            "optimizer": {"lr": 3e-3},
+            "schedule": {"warmup_steps": 2, "total_steps": total_steps},
+            "checkpoint": {"out_dir": str(out_dir), "every_n_steps": 1, "keep": 2},
+            "logging": {"every_n_steps": 1},
+            "device": "cpu",
+        }
+    )
 
 
 def _context(monkeypatch):
@@ -33,8 +38,16 @@ def _context(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     ctx = multiprocessing.get_context("forkserver")
     # torch._dynamo: AdamW's constructor imports it (seconds); preloaded, a run starts in ~30 ms.
-    ctx.set_forkserver_preload(["torch", "torch._dynamo", "safetensors.torch", "gptoss_lite.model",
-                                "gptoss_lite.checkpoint", "gptoss_lite.train.loop"])
+    ctx.set_forkserver_preload(
+        [
+            "torch",
+            "torch._dynamo",
+            "safetensors.torch",
+            "gptoss_lite.model",
+            "gptoss_lite.checkpoint",
+            "gptoss_lite.train.loop",
+        ]
+    )
     return ctx
 
 
@@ -66,8 +79,7 @@ def _stat(path: Path):
     return st.st_ino, st.st_mtime_ns
 
 
-def kill_and_resume(tmp_path: Path, monkeypatch, n_kills: int, total_steps: int, seed: int,
-                    max_delay: float) -> None:
+def kill_and_resume(tmp_path: Path, monkeypatch, n_kills: int, total_steps: int, seed: int, max_delay: float) -> None:
     """Kill a training run n_kills times, resuming each time; every third kill lands inside a checkpoint
     write (the run is killed as soon as its temporary checkpoint directory appears), the others at a random
     moment after the run has written a new checkpoint. Then finish, and compare with an uninterrupted run."""
@@ -84,7 +96,7 @@ def kill_and_resume(tmp_path: Path, monkeypatch, n_kills: int, total_steps: int,
 
     def newest_step() -> int:
         found = checkpoints_newest_first(tmp_path / "run")
-        return int(found[0].name[len("step_"):]) if found else 0
+        return int(found[0].name[len("step_") :]) if found else 0
 
     for kill in range(n_kills):
         before = newest_step()
@@ -92,9 +104,9 @@ def kill_and_resume(tmp_path: Path, monkeypatch, n_kills: int, total_steps: int,
         leftover = _stat(tmp)
         proc = _run(ctx, cfg, resume=before > 0)
         if kill % 3 == 0:
-            reached = _wait(lambda: _stat(tmp) not in (None, leftover), proc)
+            reached = _wait(lambda tmp=tmp, leftover=leftover: _stat(tmp) not in (None, leftover), proc)
         else:
-            reached = _wait(lambda: newest_step() > before, proc)
+            reached = _wait(lambda before=before: newest_step() > before, proc)
             time.sleep(rng.uniform(0.0, max_delay))
         assert reached and proc.exitcode is None, f"run {kill} ended (exit {proc.exitcode}) before its kill"
         os.kill(proc.pid, signal.SIGKILL)

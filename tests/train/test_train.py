@@ -27,13 +27,15 @@ SEQ_LEN = 224  # shortest comfortable length for the byte-level documents
 
 def tiny_config(out_dir: Path, **overrides) -> TrainConfig:
     """A lite-tiny model on short sequences: a step takes well under a second on CPU."""
-    data = {"model": {"preset": "lite-tiny", "n_layers": 2},
-            "data": {"seq_len": SEQ_LEN, "batch_size": 2, "seed": 7},
-            "optimizer": {"lr": 3e-3},
-            "schedule": {"warmup_steps": 1, "total_steps": 4},
-            "checkpoint": {"out_dir": str(out_dir), "every_n_steps": 2, "keep": 2},
-            "logging": {"every_n_steps": 1},
-            "device": "cpu"}
+    data = {
+        "model": {"preset": "lite-tiny", "n_layers": 2},
+        "data": {"seq_len": SEQ_LEN, "batch_size": 2, "seed": 7},
+        "optimizer": {"lr": 3e-3},
+        "schedule": {"warmup_steps": 1, "total_steps": 4},
+        "checkpoint": {"out_dir": str(out_dir), "every_n_steps": 2, "keep": 2},
+        "logging": {"every_n_steps": 1},
+        "device": "cpu",
+    }
     for key, value in overrides.items():
         if isinstance(value, dict):
             data.setdefault(key, {}).update(value)
@@ -43,6 +45,7 @@ def tiny_config(out_dir: Path, **overrides) -> TrainConfig:
 
 
 # ---- config -----------------------------------------------------------------------------------------
+
 
 def test_demo_config_loads():
     """configs/demo_cpu.yaml is a valid TrainConfig that records its seq_len as train_context_length."""
@@ -76,17 +79,20 @@ def test_missing_config_file_is_a_clear_error(tmp_path):
         load_train_config(tmp_path / "nope.yaml")
 
 
-@pytest.mark.parametrize("data, match", [
-    ({"optimiser": {}}, r"unknown train config key\(s\) \['optimiser'\]"),
-    ({"data": {"seqlen": 8}}, r"unknown key\(s\) \['seqlen'\] in section 'data'"),
-    ({"model": {"preset": "lite-tiny", "dmodel": 8}}, r"unknown model field\(s\) \['dmodel'\]"),
-    ({"model": {"dmodel": 8}}, r"unknown ModelConfig field\(s\) \['dmodel'\]"),
-    ({"model": {"preset": "nope"}}, "unknown preset 'nope'"),
-    ({"precision": "fp16"}, "precision='fp16': must be one of"),
-    ({"schedule": {"warmup_steps": 10, "total_steps": 5}}, "warmup_steps=10: must be <= total_steps=5"),
-    ({"data": {"loss_on": "prompt"}}, "loss_on='prompt'"),
-    ({"data": {"filler": "lorem"}}, r"data.filler='lorem': must be one of \('procedural', 'varied'\)"),
-])
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        ({"optimiser": {}}, r"unknown train config key\(s\) \['optimiser'\]"),
+        ({"data": {"seqlen": 8}}, r"unknown key\(s\) \['seqlen'\] in section 'data'"),
+        ({"model": {"preset": "lite-tiny", "dmodel": 8}}, r"unknown model field\(s\) \['dmodel'\]"),
+        ({"model": {"dmodel": 8}}, r"unknown ModelConfig field\(s\) \['dmodel'\]"),
+        ({"model": {"preset": "nope"}}, "unknown preset 'nope'"),
+        ({"precision": "fp16"}, "precision='fp16': must be one of"),
+        ({"schedule": {"warmup_steps": 10, "total_steps": 5}}, "warmup_steps=10: must be <= total_steps=5"),
+        ({"data": {"loss_on": "prompt"}}, "loss_on='prompt'"),
+        ({"data": {"filler": "lorem"}}, r"data.filler='lorem': must be one of \('procedural', 'varied'\)"),
+    ],
+)
 def test_bad_config_keys_and_values_are_rejected(tmp_path, data, match):
     """Unknown keys are named at every level; bad values say the limit."""
     with pytest.raises(ValueError, match=match):
@@ -120,6 +126,7 @@ def test_lr_schedule_warmup_then_cosine():
 
 # ---- data -------------------------------------------------------------------------------------------
 
+
 def test_batches_are_deterministic_per_step_and_shifted():
     """batch(k) depends only on (seed, k); targets are inputs shifted by one; every row is seq_len."""
     cfg = DataConfig(seq_len=SEQ_LEN, batch_size=4, seed=3)
@@ -138,16 +145,28 @@ def test_batches_are_deterministic_per_step_and_shifted():
 def test_ranks_and_micro_steps_draw_different_rows():
     """DDP ranks and accumulation micro-steps get disjoint rows of the same step."""
     cfg = DataConfig(seq_len=SEQ_LEN, batch_size=2, seed=3)
-    rows = [SyntheticRetrievalData(cfg, rank=r, world_size=2, grad_accum_steps=2).batch(9, m)[0]
-            for r in range(2) for m in range(2)]
+    rows = [
+        SyntheticRetrievalData(cfg, rank=r, world_size=2, grad_accum_steps=2).batch(9, m)[0]
+        for r in range(2)
+        for m in range(2)
+    ]
     flat = {tuple(row.tolist()) for batch in rows for row in batch}
     assert len(flat) == 8
 
 
 def test_documents_end_with_question_and_answer():
     """Passkey documents hold the needle once and end with the question and its answer digits."""
-    data = SyntheticRetrievalData(DataConfig(seq_len=512, batch_size=16, seed=0, passkey_weight=1.0,
-                                             kv_weight=0.0, copy_weight=0.0, eval_phrasing_prob=1.0))
+    data = SyntheticRetrievalData(
+        DataConfig(
+            seq_len=512,
+            batch_size=16,
+            seed=0,
+            passkey_weight=1.0,
+            kv_weight=0.0,
+            copy_weight=0.0,
+            eval_phrasing_prob=1.0,
+        )
+    )
     x, y = data.batch(0)
     tok = ByteTokenizer()
     for i in range(16):
@@ -155,7 +174,7 @@ def test_documents_end_with_question_and_answer():
         key = text.rsplit(" ", 1)[-1].rstrip(".")
         assert len(key) == 5 and key.isdigit()
         assert text.endswith(QUESTION + f" {key}.")
-        assert text[:text.rindex(QUESTION)].count(NEEDLE_TEMPLATE.format(key=key)) == 1
+        assert text[: text.rindex(QUESTION)].count(NEEDLE_TEMPLATE.format(key=key)) == 1
         assert x[i, 0].item() == tok.bos_id and y[i, -1].item() == tok.eos_id
 
 
@@ -181,10 +200,13 @@ def test_varied_filler_is_digit_free_and_varied():
     assert not set(FILLER_SENTENCES) & set(sentences)
 
 
-@pytest.mark.parametrize("config, last_step, expected", [
-    ("demo_cpu.yaml", 2999, "f93c6c21ec96d71cc6283af8980efea6b388a2a7b08c50f58d5a7b1d9ae08e14"),
-    ("demo_cpu_stage2.yaml", 1999, "d549e710342a11ded2d4f616f5f39a474823a0ff51901e92973c607e1dd0beb5"),
-])
+@pytest.mark.parametrize(
+    "config, last_step, expected",
+    [
+        ("demo_cpu.yaml", 2999, "f93c6c21ec96d71cc6283af8980efea6b388a2a7b08c50f58d5a7b1d9ae08e14"),
+        ("demo_cpu_stage2.yaml", 1999, "d549e710342a11ded2d4f616f5f39a474823a0ff51901e92973c607e1dd0beb5"),
+    ],
+)
 def test_demo_recipe_data_streams_are_pinned(config, last_step, expected):
     """Both stages of the shipped model's recipe must keep drawing the documents they were trained
     on (the README's byte-identical re-run depends on it): digests of three batches are pinned.
@@ -209,6 +231,7 @@ def test_answer_only_loss_masks_everything_but_the_answer():
 
 
 # ---- training -----------------------------------------------------------------------------------------
+
 
 def test_one_training_step_lowers_the_loss():
     """One AdamW step on a batch lowers the LM loss on that batch."""
@@ -279,16 +302,21 @@ def train_run(cfg, **kwargs):
 
 # ---- DDP ----------------------------------------------------------------------------------------------
 
+
 def _ddp_worker(rank: int, world: int, port: int, out_dir: str, result_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     summary = train_run(tiny_config(Path(out_dir)), max_steps=2)
     # The gloo threads still alive once train() has returned (Linux names them in /proc).
     tasks = Path("/proc/self/task")
     threads = [(t / "comm").read_text().strip() for t in tasks.iterdir()] if tasks.is_dir() else []
-    Path(result_dir, f"rank{rank}.json").write_text(json.dumps({
-        "losses": summary.losses, "final": summary.final_dir, "gloo_threads": [n for n in threads if "gloo" in n]}))
+    Path(result_dir, f"rank{rank}.json").write_text(
+        json.dumps(
+            {"losses": summary.losses, "final": summary.final_dir, "gloo_threads": [n for n in threads if "gloo" in n]}
+        )
+    )
 
 
 def test_ddp_two_processes_train(tmp_path):
@@ -312,8 +340,10 @@ def test_ddp_two_processes_train(tmp_path):
     single = train_run(tiny_config(tmp_path / "single", optimizer={"grad_accum_steps": 2}), max_steps=2)
     assert single.losses == pytest.approx(r0["losses"], rel=1e-5)
     # AdamW is nearly blind to a gradient's scale, so check the averaged gradients' norm itself.
-    norms = [[json.loads(line)["grad_norm"] for line in (d / "metrics.jsonl").read_text().splitlines()]
-             for d in (tmp_path / "run", tmp_path / "single")]
+    norms = [
+        [json.loads(line)["grad_norm"] for line in (d / "metrics.jsonl").read_text().splitlines()]
+        for d in (tmp_path / "run", tmp_path / "single")
+    ]
     assert norms[0] == pytest.approx(norms[1], rel=1e-4)
     got, want = (load_file(str(d / "final" / "model.safetensors")) for d in (tmp_path / "run", tmp_path / "single"))
     assert got.keys() == want.keys()
@@ -324,14 +354,16 @@ def test_ddp_two_processes_train(tmp_path):
 
 # ---- CLI ----------------------------------------------------------------------------------------------
 
+
 def test_cli_train_smoke(tmp_path, capsys):
     """`gptoss-lite train --config ... --max-steps 1 --out DIR` trains and reports tokens/s."""
     from gptoss_lite.cli import main
 
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(tiny_config(tmp_path / "ignored").to_dict()))
-    assert main(["train", "--config", str(path), "--max-steps", "1", "--out", str(tmp_path / "out"),
-                 "--no-progress"]) == 0
+    assert (
+        main(["train", "--config", str(path), "--max-steps", "1", "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    )
     assert "tokens/s" in capsys.readouterr().out
     assert (tmp_path / "out" / "final" / "config.json").is_file()
     assert not (tmp_path / "ignored").exists()

@@ -1,10 +1,17 @@
-"""Train config files and the train command under bad input: one clear error, nothing written (issue 11)."""
+"""Train config files and the train command under bad input: one clear error, nothing written ."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
+import torch
 
 from gptoss_lite.cli import main
 from gptoss_lite.train.config import TrainConfig, load_train_config
@@ -30,15 +37,21 @@ def test_model_section_without_preset_must_give_every_size_field():
         TrainConfig.from_dict({"model": {"d_model": 64}})
 
 
-@pytest.mark.parametrize("name, text, match", [
-    ("bad.yaml", "model: {preset: lite-tiny\n", r"bad.yaml': not valid YAML at line 2 column 1"),
-    ("bad.json", '{"model": }', r"bad.json': not valid JSON: Expecting value: line 1 column 11"),
-    ("bin.yaml", b"model: \xff\n", r"bin.yaml': not UTF-8 text \(byte 0xff at offset 7\)"),
-    ("betas.yaml", "model: {preset: lite-tiny}\noptimizer: {betas: 0.9}\n",
-     r"optimizer.betas=0.9: must be two numbers"),
-    ("list.yaml", "- 1\n- 2\n", "must be a mapping of sections"),
-    ("model.yaml", "model: lite-tiny\n", "section 'model' must be a mapping"),
-])
+@pytest.mark.parametrize(
+    "name, text, match",
+    [
+        ("bad.yaml", "model: {preset: lite-tiny\n", r"bad.yaml': not valid YAML at line 2 column 1"),
+        ("bad.json", '{"model": }', r"bad.json': not valid JSON: Expecting value: line 1 column 11"),
+        ("bin.yaml", b"model: \xff\n", r"bin.yaml': not UTF-8 text \(byte 0xff at offset 7\)"),
+        (
+            "betas.yaml",
+            "model: {preset: lite-tiny}\noptimizer: {betas: 0.9}\n",
+            r"optimizer.betas=0.9: must be two numbers",
+        ),
+        ("list.yaml", "- 1\n- 2\n", "must be a mapping of sections"),
+        ("model.yaml", "model: lite-tiny\n", "section 'model' must be a mapping"),
+    ],
+)
 def test_bad_config_files_name_the_file_and_the_problem(tmp_path, name, text, match):
     """Malformed YAML/JSON, non-UTF-8 bytes and mistyped values name the file and what is wrong."""
     with pytest.raises(ValueError, match=match):
@@ -55,25 +68,22 @@ def test_cli_bad_config_is_one_line_without_traceback(tmp_path, capsys):
 
 # ---- the train command and resume ---------------------------------------------------------------------
 
-import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
-
-import torch
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def tiny(out_dir, **changes) -> TrainConfig:
     """lite-tiny with 2 layers on 224-token sequences, a checkpoint every 2 steps: a run of 4 steps takes ~1 s."""
-    data = {"model": {"preset": "lite-tiny", "n_layers": 2},
-            "data": {"seq_len": 224, "batch_size": 2, "seed": 7},
-            "optimizer": {"lr": 3e-3}, "schedule": {"warmup_steps": 1, "total_steps": 4},
-            "checkpoint": {"out_dir": str(out_dir), "every_n_steps": 2, "keep": 3},
-            "logging": {"every_n_steps": 1}, "device": "cpu", **changes}
+    data = {
+        "model": {"preset": "lite-tiny", "n_layers": 2},
+        "data": {"seq_len": 224, "batch_size": 2, "seed": 7},
+        "optimizer": {"lr": 3e-3},
+        "schedule": {"warmup_steps": 1, "total_steps": 4},
+        "checkpoint": {"out_dir": str(out_dir), "every_n_steps": 2, "keep": 3},
+        "logging": {"every_n_steps": 1},
+        "device": "cpu",
+        **changes,
+    }
     return TrainConfig.from_dict(data)
 
 
@@ -106,19 +116,29 @@ def _two_checkpoints(tmp_path):
     return cfg, tmp_path / "run" / "checkpoints"
 
 
-@pytest.mark.parametrize("damage, match", [
-    (lambda d: (d / "optimizer.safetensors").write_bytes((d / "optimizer.safetensors").read_bytes()[:100]),
-     r"optimizer.safetensors: not a readable safetensors file"),
-    (lambda d: (d / "rng.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      "),
-     r"rng.safetensors"),
-    (lambda d: (d / "trainer_state.json").write_text(json.dumps(
-        {k: v for k, v in json.loads((d / "trainer_state.json").read_text()).items() if k != "step"})),
-     r"trainer_state.json: 'step' is None"),
-    (lambda d: (d / "trainer_state.json").write_text("{not json"), r"trainer_state.json: unreadable trainer state"),
-    (lambda d: (d / "model.safetensors").write_bytes(b""), r"model.safetensors: not a readable safetensors"),
-])
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        (
+            lambda d: (d / "optimizer.safetensors").write_bytes((d / "optimizer.safetensors").read_bytes()[:100]),
+            r"optimizer.safetensors: not a readable safetensors file",
+        ),
+        (
+            lambda d: (d / "rng.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      "),
+            r"rng.safetensors",
+        ),
+        (
+            lambda d: (d / "trainer_state.json").write_text(
+                json.dumps({k: v for k, v in json.loads((d / "trainer_state.json").read_text()).items() if k != "step"})
+            ),
+            r"trainer_state.json: 'step' is None",
+        ),
+        (lambda d: (d / "trainer_state.json").write_text("{not json"), r"trainer_state.json: unreadable trainer state"),
+        (lambda d: (d / "model.safetensors").write_bytes(b""), r"model.safetensors: not a readable safetensors"),
+    ],
+)
 def test_resume_with_only_a_corrupt_checkpoint_is_one_line(tmp_path, capsys, damage, match):
-    """A truncated optimizer/rng file or a trainer state without step: one error line naming the file, disk unchanged."""
+    """A truncated optimizer/rng file or a state without step: one error line naming the file, disk unchanged."""
     cfg = tiny(tmp_path / "run", checkpoint={"out_dir": str(tmp_path / "run"), "every_n_steps": 2, "keep": 1})
     run_train(cfg, max_steps=2)
     damage(tmp_path / "run" / "checkpoints" / "step_0000002")
@@ -173,14 +193,20 @@ def test_resume_with_a_damaged_middle_metrics_line_names_file_and_line(tmp_path)
 
 def test_ctrl_c_during_training_is_one_line_with_a_resume_hint(tmp_path):
     """SIGINT during `train` exits 130 with 'interrupted' and the newest checkpoint, no KeyboardInterrupt traceback."""
-    cfg = tiny(tmp_path / "run", schedule={"warmup_steps": 1, "total_steps": 10_000},
-               checkpoint={"out_dir": str(tmp_path / "run"), "every_n_steps": 1, "keep": 2})
+    cfg = tiny(
+        tmp_path / "run",
+        schedule={"warmup_steps": 1, "total_steps": 10_000},
+        checkpoint={"out_dir": str(tmp_path / "run"), "every_n_steps": 1, "keep": 2},
+    )
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(cfg.to_dict()))
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "gptoss_lite.cli", "train", "--config", str(path),
-                             "--no-progress", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gptoss_lite.cli", "train", "--config", str(path), "--no-progress", "--threads", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
     deadline = time.monotonic() + 120
     while not list((tmp_path / "run").glob("checkpoints/step_*")) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -191,11 +217,14 @@ def test_ctrl_c_during_training_is_one_line_with_a_resume_hint(tmp_path):
     assert "interrupted; the newest checkpoint is" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("text, match", [
-    ("1: 2\nmodel: {preset: lite-tiny}\n", r"train config: key 1 is not a name"),
-    ("model: {preset: lite-tiny}\ndata: {7: 1}\n", r"section 'data': key 7 is not a name"),
-    ("model: {preset: lite-tiny, 3: 4}\n", r"section 'model': key 3 is not a name"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("1: 2\nmodel: {preset: lite-tiny}\n", r"train config: key 1 is not a name"),
+        ("model: {preset: lite-tiny}\ndata: {7: 1}\n", r"section 'data': key 7 is not a name"),
+        ("model: {preset: lite-tiny, 3: 4}\n", r"section 'model': key 3 is not a name"),
+    ],
+)
 def test_non_string_yaml_keys_are_named(tmp_path, text, match):
     """A YAML key that parses as a number is named, not a '<' not supported TypeError from sorting."""
     with pytest.raises(ValueError, match=match):

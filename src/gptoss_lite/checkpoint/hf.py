@@ -19,24 +19,40 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
-from gptoss_lite.config import FULL, SLIDING, ModelConfig
-from gptoss_lite.checkpoint.io import CONFIG_NAME, DEFAULT_MAX_SHARD_BYTES, read_json, read_tensors, write_checkpoint_dir
+from gptoss_lite.checkpoint.io import (
+    CONFIG_NAME,
+    DEFAULT_MAX_SHARD_BYTES,
+    read_json,
+    read_tensors,
+    write_checkpoint_dir,
+)
 from gptoss_lite.checkpoint.mxfp4 import dequantize_mxfp4
 from gptoss_lite.checkpoint.state_dict import check_state_dict
+from gptoss_lite.config import FULL, SLIDING, ModelConfig
 
-SWIGLU_ALPHA = 1.702  # sigmoid gain of the gpt-oss activation, fixed in our model code (docs/model.md#gpt-oss-family-knobs)
+SWIGLU_ALPHA = (
+    1.702  # sigmoid gain of the gpt-oss activation, fixed in our model code (docs/model.md#gpt-oss-family-knobs)
+)
 # HF GptOssConfig defaults (transformers 5.23 configuration_gpt_oss.py), used for absent keys.
-_HF_DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                    "truncate": False, "original_max_position_embeddings": 4096}
+_HF_DEFAULT_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
 _HF_DEFAULT_THETA = 150_000.0
 
 
 # ---- config -----------------------------------------------------------------------------------------
+
 
 def _rope_params(hf: Mapping[str, Any]) -> dict[str, Any]:
     """The flat RoPE dict transformers would use: rope_scaling wins over rope_parameters (5.23 order)."""
@@ -52,13 +68,26 @@ def _rope_params(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # Our ModelConfig field -> the HF config.json key it comes from (for messages in HF terms).
-_HF_KEY_OF = {"vocab_size": "vocab_size", "d_model": "hidden_size", "n_layers": "num_hidden_layers",
-              "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim",
-              "n_experts": "num_local_experts", "top_k": "num_experts_per_tok", "expert_hidden": "intermediate_size",
-              "max_position_embeddings": "max_position_embeddings", "sliding_window": "sliding_window",
-              "layer_types": "layer_types", "rope_factor": "rope factor",
-              "rope_original_context": "rope original_max_position_embeddings", "rope_theta": "rope_theta",
-              "swiglu_limit": "swiglu_limit", "norm_eps": "rms_norm_eps", "initializer_range": "initializer_range"}
+_HF_KEY_OF = {
+    "vocab_size": "vocab_size",
+    "d_model": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "n_experts": "num_local_experts",
+    "top_k": "num_experts_per_tok",
+    "expert_hidden": "intermediate_size",
+    "max_position_embeddings": "max_position_embeddings",
+    "sliding_window": "sliding_window",
+    "layer_types": "layer_types",
+    "rope_factor": "rope factor",
+    "rope_original_context": "rope original_max_position_embeddings",
+    "rope_theta": "rope_theta",
+    "swiglu_limit": "swiglu_limit",
+    "norm_eps": "rms_norm_eps",
+    "initializer_range": "initializer_range",
+}
 
 
 def _hf_int(hf: Mapping[str, Any], key: str, minimum: int = 1, optional: bool = False) -> int | None:
@@ -98,10 +127,17 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     head_dim = _hf_int(hf, "head_dim", optional=True)
     expert_key = "num_local_experts" if "num_local_experts" in hf else "num_experts"
     fields = dict(
-        vocab_size=_hf_int(hf, "vocab_size"), d_model=C, n_layers=n_layers, n_heads=H,
-        n_kv_heads=H if n_kv is None else n_kv, head_dim=head_dim if head_dim is not None else C // H,
-        n_experts=_hf_int(hf, expert_key), top_k=_hf_int(hf, "num_experts_per_tok"),
-        expert_hidden=_hf_int(hf, "intermediate_size"), max_position_embeddings=_hf_int(hf, "max_position_embeddings"))
+        vocab_size=_hf_int(hf, "vocab_size"),
+        d_model=C,
+        n_layers=n_layers,
+        n_heads=H,
+        n_kv_heads=H if n_kv is None else n_kv,
+        head_dim=head_dim if head_dim is not None else C // H,
+        n_experts=_hf_int(hf, expert_key),
+        top_k=_hf_int(hf, "num_experts_per_tok"),
+        expert_hidden=_hf_int(hf, "intermediate_size"),
+        max_position_embeddings=_hf_int(hf, "max_position_embeddings"),
+    )
     if fields["head_dim"] < 1:
         raise ValueError(f"head_dim is absent and hidden_size={C} // num_attention_heads={H} is 0; give head_dim")
     alpha = hf.get("swiglu_alpha", SWIGLU_ALPHA)
@@ -109,7 +145,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         raise ValueError(f"swiglu_alpha={alpha}: this model implements only {SWIGLU_ALPHA}")
     quant = hf.get("quantization_config")
     if quant is not None and not isinstance(quant, Mapping):
-        raise ValueError(f"quantization_config={quant!r}: must be an object such as {{\"quant_method\": \"mxfp4\"}}")
+        raise ValueError(f'quantization_config={quant!r}: must be an object such as {{"quant_method": "mxfp4"}}')
     if quant is not None and quant.get("quant_method") != "mxfp4":
         raise ValueError(f"quantization_config {quant}: only MXFP4 (dequantised on load) is supported")
     layer_types = hf.get("layer_types")
@@ -126,8 +162,10 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
         raise ValueError(f"partial_rotary_factor={rope['partial_rotary_factor']}: only 1.0 is supported")
     if rope["rope_type"] == "yarn":
         if rope.get("truncate", True):
-            raise ValueError("rope truncate is true (or absent, which transformers reads as true): gpt-oss YaRN "
-                             "uses unrounded ramp bounds; set \"truncate\": false if that is what the model was trained with")
+            raise ValueError(
+                "rope truncate is true (or absent, which transformers reads as true): gpt-oss YaRN "
+                'uses unrounded ramp bounds; set "truncate": false if that is what the model was trained with'
+            )
         for key in ("factor", "original_max_position_embeddings"):
             if rope.get(key) is None:
                 raise ValueError(f"rope_scaling/rope_parameters of type yarn lacks {key!r}")
@@ -137,30 +175,48 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
             if rope.get(key):
                 raise ValueError(f"rope {key}={rope[key]}: not supported (gpt-oss uses 0.1·ln(factor) + 1)")
         if rope.get("attention_factor") is not None and not math.isclose(
-                _hf_float("rope attention_factor", rope["attention_factor"]), concentration):
-            raise ValueError(f"rope attention_factor={rope['attention_factor']}: this model uses "
-                             f"0.1·ln(factor) + 1 = {concentration}")
-        rope_fields = dict(rope_factor=factor, rope_original_context=_hf_int(rope, "original_max_position_embeddings"),
-                           rope_beta_fast=_hf_float("rope beta_fast", rope.get("beta_fast") or 32.0),
-                           rope_beta_slow=_hf_float("rope beta_slow", rope.get("beta_slow") or 1.0))
+            _hf_float("rope attention_factor", rope["attention_factor"]), concentration
+        ):
+            raise ValueError(
+                f"rope attention_factor={rope['attention_factor']}: this model uses "
+                f"0.1·ln(factor) + 1 = {concentration}"
+            )
+        rope_fields = dict(
+            rope_factor=factor,
+            rope_original_context=_hf_int(rope, "original_max_position_embeddings"),
+            rope_beta_fast=_hf_float("rope beta_fast", rope.get("beta_fast") or 32.0),
+            rope_beta_slow=_hf_float("rope beta_slow", rope.get("beta_slow") or 1.0),
+        )
     elif rope["rope_type"] == "default":
         rope_fields = dict(rope_factor=1.0, rope_original_context=fields["max_position_embeddings"])
     else:
         raise ValueError(f"rope_type={rope['rope_type']!r}: only 'yarn' and 'default' are supported")
     try:
         cfg = ModelConfig(
-            **fields, **rope_fields, sliding_window=window, layer_types=layer_types,
-            n_shared_experts=0, activation="gptoss",
+            **fields,
+            **rope_fields,
+            sliding_window=window,
+            layer_types=layer_types,
+            n_shared_experts=0,
+            activation="gptoss",
             swiglu_limit=_hf_float("swiglu_limit", hf.get("swiglu_limit", 7.0)),
-            attention_bias=bool(hf.get("attention_bias", True)), router_bias=True, expert_bias=True,
-            sink_clamp=None, rope_theta=_hf_float("rope_theta", rope["rope_theta"]), rope_pruned_pairs=0,
+            attention_bias=bool(hf.get("attention_bias", True)),
+            router_bias=True,
+            expert_bias=True,
+            sink_clamp=None,
+            rope_theta=_hf_float("rope_theta", rope["rope_theta"]),
+            rope_pruned_pairs=0,
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             norm_eps=_hf_float("rms_norm_eps", hf.get("rms_norm_eps", 1e-5)),
-            initializer_range=_hf_float("initializer_range", hf.get("initializer_range", 0.02)))
+            initializer_range=_hf_float("initializer_range", hf.get("initializer_range", 0.02)),
+        )
     except (TypeError, ValueError) as e:
         # ModelConfig speaks in our field names; say the HF keys the values came from.
-        message = re.sub(r"\b(" + "|".join(sorted(_HF_KEY_OF, key=len, reverse=True)) + r")\b(?==)",
-                         lambda m: _HF_KEY_OF[m.group(1)], str(e))
+        message = re.sub(
+            r"\b(" + "|".join(sorted(_HF_KEY_OF, key=len, reverse=True)) + r")\b(?==)",
+            lambda m: _HF_KEY_OF[m.group(1)],
+            str(e),
+        )
         raise ValueError(message) from None
     return cfg
 
@@ -186,27 +242,48 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     else:
         # NOTE: truncate must be written as false: transformers reads a missing key as true (rounded bounds).
-        rope = {"rope_type": "yarn", "rope_theta": cfg.rope_theta, "factor": cfg.rope_factor,
-                "beta_fast": cfg.rope_beta_fast, "beta_slow": cfg.rope_beta_slow,
-                "original_max_position_embeddings": cfg.rope_original_context, "truncate": False}
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": cfg.rope_theta,
+            "factor": cfg.rope_factor,
+            "beta_fast": cfg.rope_beta_fast,
+            "beta_slow": cfg.rope_beta_slow,
+            "original_max_position_embeddings": cfg.rope_original_context,
+            "truncate": False,
+        }
     return {
-        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers,
-        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
-        "sliding_window": cfg.sliding_window, "layer_types": list(cfg.layer_types),
-        "num_local_experts": cfg.n_experts, "num_experts_per_tok": cfg.top_k,
-        "intermediate_size": cfg.expert_hidden, "hidden_act": "silu",
-        "swiglu_limit": cfg.swiglu_limit, "swiglu_alpha": SWIGLU_ALPHA,
-        "attention_bias": cfg.attention_bias, "attention_dropout": 0.0,
-        "tie_word_embeddings": cfg.tie_embeddings, "rms_norm_eps": cfg.norm_eps,
-        "max_position_embeddings": cfg.max_position_embeddings, "initializer_range": cfg.initializer_range,
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "sliding_window": cfg.sliding_window,
+        "layer_types": list(cfg.layer_types),
+        "num_local_experts": cfg.n_experts,
+        "num_experts_per_tok": cfg.top_k,
+        "intermediate_size": cfg.expert_hidden,
+        "hidden_act": "silu",
+        "swiglu_limit": cfg.swiglu_limit,
+        "swiglu_alpha": SWIGLU_ALPHA,
+        "attention_bias": cfg.attention_bias,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "rms_norm_eps": cfg.norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "initializer_range": cfg.initializer_range,
         # transformers 5.x reads rope_parameters (rope_scaling wins when both exist); 4.x, vLLM and
         # other engines read rope_scaling + rope_theta. Both carry the same values.
-        "rope_theta": cfg.rope_theta, "rope_parameters": dict(rope), "rope_scaling": dict(rope),
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": dict(rope),
+        "rope_scaling": dict(rope),
     }
 
 
 # ---- tensors ----------------------------------------------------------------------------------------
+
 
 def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor name of the (unquantised) HF layout for `cfg`, with its shape."""
@@ -216,16 +293,32 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         out["lm_head.weight"] = (cfg.vocab_size, C)
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
-        out.update({p + "input_layernorm.weight": (C,), p + "post_attention_layernorm.weight": (C,),
-                    p + "self_attn.q_proj.weight": (H * D, C), p + "self_attn.k_proj.weight": (K * D, C),
-                    p + "self_attn.v_proj.weight": (K * D, C), p + "self_attn.o_proj.weight": (C, H * D),
-                    p + "self_attn.sinks": (H,),
-                    p + "mlp.router.weight": (E, C), p + "mlp.router.bias": (E,),
-                    p + "mlp.experts.gate_up_proj": (E, C, 2 * I), p + "mlp.experts.gate_up_proj_bias": (E, 2 * I),
-                    p + "mlp.experts.down_proj": (E, I, C), p + "mlp.experts.down_proj_bias": (E, C)})
+        out.update(
+            {
+                p + "input_layernorm.weight": (C,),
+                p + "post_attention_layernorm.weight": (C,),
+                p + "self_attn.q_proj.weight": (H * D, C),
+                p + "self_attn.k_proj.weight": (K * D, C),
+                p + "self_attn.v_proj.weight": (K * D, C),
+                p + "self_attn.o_proj.weight": (C, H * D),
+                p + "self_attn.sinks": (H,),
+                p + "mlp.router.weight": (E, C),
+                p + "mlp.router.bias": (E,),
+                p + "mlp.experts.gate_up_proj": (E, C, 2 * I),
+                p + "mlp.experts.gate_up_proj_bias": (E, 2 * I),
+                p + "mlp.experts.down_proj": (E, I, C),
+                p + "mlp.experts.down_proj_bias": (E, C),
+            }
+        )
         if cfg.attention_bias:
-            out.update({p + "self_attn.q_proj.bias": (H * D,), p + "self_attn.k_proj.bias": (K * D,),
-                        p + "self_attn.v_proj.bias": (K * D,), p + "self_attn.o_proj.bias": (C,)})
+            out.update(
+                {
+                    p + "self_attn.q_proj.bias": (H * D,),
+                    p + "self_attn.k_proj.bias": (K * D,),
+                    p + "self_attn.v_proj.bias": (K * D,),
+                    p + "self_attn.o_proj.bias": (C,),
+                }
+            )
     return out
 
 
@@ -334,7 +427,7 @@ def native_to_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[st
             out[p + f"self_attn.o_proj.{kind}"] = state[n + f"attn.o_proj.{kind}"]
             kv = state[n + f"attn.kv_proj.{kind}"]  # (2·K·D, …): K rows then V rows
             out[p + f"self_attn.k_proj.{kind}"] = kv[: K * D].clone()
-            out[p + f"self_attn.v_proj.{kind}"] = kv[K * D:].clone()
+            out[p + f"self_attn.v_proj.{kind}"] = kv[K * D :].clone()
         router_w = state[n + "moe.router.weight"]
         out[p + "mlp.router.weight"] = router_w
         out[p + "mlp.router.bias"] = state.get(n + "moe.router.bias", router_w.new_zeros(E))

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from gptoss_lite.validation import check_int
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+
+from gptoss_lite.validation import check_int
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -33,7 +33,8 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 def _is_checkpoint_file(name: str) -> bool:
     """Files a save owns: replaced as a set so stale shards never mix with new ones."""
     return name in (CONFIG_NAME, WEIGHTS_NAME, INDEX_NAME) or (
-        name.startswith("model-") and name.endswith(".safetensors"))
+        name.startswith("model-") and name.endswith(".safetensors")
+    )
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -60,15 +61,19 @@ def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
     """All tensors of a model directory on CPU, each exactly once (single file or sharded index)."""
     index, single = directory / INDEX_NAME, directory / WEIGHTS_NAME
     if index.is_file() and single.is_file():
-        raise ValueError(f"{directory}: holds both {WEIGHTS_NAME} and {INDEX_NAME}; "
-                         "remove the stale one so the weights are unambiguous")
+        raise ValueError(
+            f"{directory}: holds both {WEIGHTS_NAME} and {INDEX_NAME}; "
+            "remove the stale one so the weights are unambiguous"
+        )
     if single.is_file():
         return _load_safetensors(single)
     if not index.is_file():
         pickles = sorted(p.name for p in directory.iterdir() if p.suffix in _PICKLE_SUFFIXES)
         if pickles:
-            raise ValueError(f"{directory}: weights {pickles} are pickle files, which are never loaded "
-                             f"(unpickling runs arbitrary code); convert them to {WEIGHTS_NAME}")
+            raise ValueError(
+                f"{directory}: weights {pickles} are pickle files, which are never loaded "
+                f"(unpickling runs arbitrary code); convert them to {WEIGHTS_NAME}"
+            )
         raise ValueError(f"{directory}: no {WEIGHTS_NAME} or {INDEX_NAME}")
     weight_map = read_json(index).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -84,8 +89,10 @@ def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
         listed = {k for k, v in weight_map.items() if v == fname}
         if set(tensors) != listed:
             extra, missing = sorted(set(tensors) - listed), sorted(listed - set(tensors))
-            raise ValueError(f"{shard}: tensors disagree with {INDEX_NAME}: "
-                             f"in the file but not the index {extra}, in the index but not the file {missing}")
+            raise ValueError(
+                f"{shard}: tensors disagree with {INDEX_NAME}: "
+                f"in the file but not the index {extra}, in the index but not the file {missing}"
+            )
         out.update(tensors)
     return out
 
@@ -104,8 +111,12 @@ def _shard(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[
     return shards
 
 
-def write_checkpoint_dir(directory: str | Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
-                         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+def write_checkpoint_dir(
+    directory: str | Path,
+    config: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
     """Atomically (re)write `directory` with config.json and safetensors weights.
 
     Everything is written into a temporary directory beside the target, which is then renamed into
@@ -132,8 +143,9 @@ def write_checkpoint_dir(directory: str | Path, config: dict[str, Any], tensors:
                 save_file(shard, str(tmp / fname), metadata={"format": "pt"})
                 weight_map.update({k: fname for k in shard})
             total = sum(t.numel() * t.element_size() for t in tensors.values())
-            (tmp / INDEX_NAME).write_text(json.dumps(
-                {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+            (tmp / INDEX_NAME).write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+            )
         (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2))
         _swap_into_place(tmp, target)
     except BaseException:

@@ -14,8 +14,7 @@ import torch
 
 BLOCK = 32  # values per scale (OCP MX spec)
 # E2M1 code -> value. Source: OCP Microscaling Formats spec, FP4 E2M1 table; codes 8-15 are the negatives.
-FP4_VALUES = (+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0,
-              -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FP4_VALUES = (+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _SCALE_BIAS = 127
 _MAX_CODE_VALUE = 6.0
 
@@ -28,8 +27,10 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise ValueError(f"MXFP4 blocks/scales must be uint8; got {blocks.dtype} / {scales.dtype}")
     if blocks.dim() != 4 or blocks.shape[-1] != BLOCK // 2 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
-        raise ValueError(f"MXFP4 shapes: blocks {list(blocks.shape)} must be (E, out, G, 16) and scales "
-                         f"{list(scales.shape)} must be (E, out, G)")
+        raise ValueError(
+            f"MXFP4 shapes: blocks {list(blocks.shape)} must be (E, out, G, 16) and scales "
+            f"{list(scales.shape)} must be (E, out, G)"
+        )
     E, out, G, _ = blocks.shape
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
     codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).long()  # (E, out, G, 16, 2): low nibble first

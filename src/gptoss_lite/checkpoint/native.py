@@ -9,16 +9,22 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
-from gptoss_lite.config import CONFIG_FORMAT_VERSION, PRESETS, ModelConfig
 from gptoss_lite.checkpoint.hf import config_from_hf, load_hf_state_dict
-from gptoss_lite.checkpoint.io import (CONFIG_NAME, DEFAULT_MAX_SHARD_BYTES, read_json, read_tensors,
-                                       write_checkpoint_dir)
+from gptoss_lite.checkpoint.io import (
+    CONFIG_NAME,
+    DEFAULT_MAX_SHARD_BYTES,
+    read_json,
+    read_tensors,
+    write_checkpoint_dir,
+)
 from gptoss_lite.checkpoint.state_dict import check_state_dict
+from gptoss_lite.config import CONFIG_FORMAT_VERSION, PRESETS, ModelConfig
 from gptoss_lite.fixtures import FIXTURES, resolve_config, valid_names
 from gptoss_lite.model import GPTOSS, RotaryEmbedding
 
@@ -36,13 +42,20 @@ def default_model_source() -> Path | str:
     """
     if (DEFAULT_MODEL / CONFIG_NAME).is_file():
         return DEFAULT_MODEL
-    print(f"gptoss-lite: no trained demo model at {DEFAULT_MODEL}; using test config {FALLBACK_PRESET!r} "
-          "with RANDOM weights", file=sys.stderr)
+    print(
+        f"gptoss-lite: no trained demo model at {DEFAULT_MODEL}; using test config {FALLBACK_PRESET!r} "
+        "with RANDOM weights",
+        file=sys.stderr,
+    )
     return FALLBACK_PRESET
 
 
-def save_model(model: GPTOSS, directory: str | Path, extra_config: Mapping[str, Any] | None = None,
-               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+def save_model(
+    model: GPTOSS,
+    directory: str | Path,
+    extra_config: Mapping[str, Any] | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
     """Write `model` to `directory` in the native layout, atomically; returns the directory.
 
     extra_config: extra top-level config.json keys (e.g. {"tokenizer": "byte"}); "format_version"
@@ -84,8 +97,13 @@ def _resolve_dtype(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None)
     return stored.pop() if len(stored) == 1 else torch.float32
 
 
-def model_from_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor], source: str,
-                          device: str | torch.device | None = None, dtype: torch.dtype | None = None) -> GPTOSS:
+def model_from_state_dict(
+    cfg: ModelConfig,
+    state: Mapping[str, torch.Tensor],
+    source: str,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> GPTOSS:
     """A fresh GPTOSS holding `state` (native names), validated strictly before use, and prepared for
     inference (`GPTOSS.prepare_for_inference`: eval mode, decode-packed weights).
 
@@ -96,8 +114,7 @@ def model_from_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor], s
     check_state_dict({k: tuple(v.shape) for k, v in model.state_dict().items()}, state, source)
     dtype = _resolve_dtype(state, dtype)
     device = torch.device(device) if device is not None else torch.device("cpu")
-    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()},
-                          strict=True, assign=True)
+    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, strict=True, assign=True)
     # Non-persistent buffers (rotary inverse frequencies) are not in the checkpoint: rebuild them.
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
@@ -107,8 +124,9 @@ def model_from_state_dict(cfg: ModelConfig, state: Mapping[str, torch.Tensor], s
     return model.prepare_for_inference()
 
 
-def load_model(source: str | Path, device: str | torch.device | None = None,
-               dtype: torch.dtype | None = None, seed: int = 0) -> GPTOSS:
+def load_model(
+    source: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | None = None, seed: int = 0
+) -> GPTOSS:
     """Load a GPTOSS from a directory or a preset name, prepared for inference (eval mode, on
     `device`, in `dtype`, decode-packed weights: `GPTOSS.prepare_for_inference`).
 
@@ -124,15 +142,15 @@ def load_model(source: str | Path, device: str | torch.device | None = None,
         return _load_dir(path, device, dtype)
     if isinstance(source, str) and (source in PRESETS or source in FIXTURES):
         cfg = resolve_config(source)
-        warnings.warn(f"load_model({source!r}): preset with RANDOM weights (seed={seed}), not a trained model",
-                      stacklevel=2)
+        warnings.warn(
+            f"load_model({source!r}): preset with RANDOM weights (seed={seed}), not a trained model", stacklevel=2
+        )
         model = GPTOSS(cfg)
         model.reset_parameters(seed)
         return model.prepare_for_inference(device, dtype)
     if path.exists():
         raise ValueError(f"load_model: {path} is a file; pass the model directory that holds {CONFIG_NAME}")
-    raise ValueError(f"load_model: {str(source)!r} is neither a model directory nor a preset; "
-                     f"{valid_names()}")
+    raise ValueError(f"load_model: {str(source)!r} is neither a model directory nor a preset; {valid_names()}")
 
 
 def _load_dir(directory: Path, device, dtype) -> GPTOSS:
@@ -150,8 +168,10 @@ def _load_dir(directory: Path, device, dtype) -> GPTOSS:
         cfg, _ = read_native_config(directory)
         state = read_tensors(directory)
     else:
-        raise ValueError(f"{config_path}: neither a gptoss-lite config (format_version) nor an HF gpt-oss "
-                         f"config (model_type 'gpt_oss'; got model_type={data.get('model_type')!r})")
+        raise ValueError(
+            f"{config_path}: neither a gptoss-lite config (format_version) nor an HF gpt-oss "
+            f"config (model_type 'gpt_oss'; got model_type={data.get('model_type')!r})"
+        )
     return model_from_state_dict(cfg, state, str(directory), device, dtype)
 
 

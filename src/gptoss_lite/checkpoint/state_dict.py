@@ -6,13 +6,12 @@ neither: each imports it from here, and neither imports the other for it.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 
 
-def check_state_dict(expected: Mapping[str, tuple[int, ...]], state: Mapping[str, torch.Tensor],
-                     source: str) -> None:
+def check_state_dict(expected: Mapping[str, tuple[int, ...]], state: Mapping[str, torch.Tensor], source: str) -> None:
     """Raise ValueError unless `state` has exactly the expected names and shapes, all finite.
 
     Every problem is listed (missing, unexpected, mis-shaped with both shapes, non-finite), so one

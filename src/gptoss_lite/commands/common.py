@@ -12,22 +12,32 @@ MAX_THREADS = 1024
 
 
 def add_model_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="model directory (ours or a Hugging Face gpt-oss checkpoint) or a preset name "
-                             "(seeded random weights); default: the shipped demo model")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="weight/activation dtype (default: float32)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="model directory (ours or a Hugging Face gpt-oss checkpoint) or a preset name "
+        "(seeded random weights); default: the shipped demo model",
+    )
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="weight/activation dtype (default: float32)"
+    )
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
     add_threads_arg(parser)
 
 
 def add_threads_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--threads", type=int, default=None, metavar="N",
-                        help="CPU threads for torch (default: $OMP_NUM_THREADS if set, else one per "
-                             "physical core this process may use, minus cores the load average says are busy)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="CPU threads for torch (default: $OMP_NUM_THREADS if set, else one per "
+        "physical core this process may use, minus cores the load average says are busy)",
+    )
 
 
 # ---- threads -------------------------------------------------------------------------------------------
+
 
 def available_cpus() -> set[int]:
     """Logical CPUs this process may run on (its affinity mask; all CPUs where there is none)."""
@@ -86,6 +96,7 @@ def configure_threads(requested: int | None, load_aware: bool = True) -> int:
 
 # ---- devices -------------------------------------------------------------------------------------------
 
+
 def resolve_device(text: str):
     """--device as a torch.device that this torch build can use now, else a ValueError saying why."""
     import torch
@@ -98,11 +109,14 @@ def resolve_device(text: str):
         return device
     if device.type == "cuda":
         if torch.version.cuda is None:
-            raise ValueError(f"--device {text}: this torch ({torch.__version__}) is a CPU-only build; install a CUDA "
-                             "build of PyTorch (see the README) or use --device cpu")
+            raise ValueError(
+                f"--device {text}: this torch ({torch.__version__}) is a CPU-only build; install a CUDA "
+                "build of PyTorch (see the README) or use --device cpu"
+            )
         if not torch.cuda.is_available():
-            raise ValueError(f"--device {text}: no CUDA device is visible (driver or CUDA_VISIBLE_DEVICES); "
-                             "use --device cpu")
+            raise ValueError(
+                f"--device {text}: no CUDA device is visible (driver or CUDA_VISIBLE_DEVICES); use --device cpu"
+            )
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
             raise ValueError(f"--device {text}: only {count} CUDA device(s), cuda:0..cuda:{count - 1}")
@@ -115,6 +129,7 @@ def resolve_device(text: str):
 
 
 # ---- models --------------------------------------------------------------------------------------------
+
 
 def model_config_of(source):
     """The ModelConfig a --model source would load, read without building the model."""
@@ -162,9 +177,11 @@ def load_model_and_tokenizer(args: argparse.Namespace):
     cfg = model_config_of(source)
     if cfg is not None and isinstance(tokenizer, ByteTokenizer) and cfg.vocab_size != tokenizer.vocab_size:
         where = f"{source} has no tokenizer.json" if model_dir is not None else f"preset {source!r} has no tokenizer"
-        raise ValueError(f"--model {source}: vocab_size={cfg.vocab_size:,} but {where}, and the byte tokenizer "
-                         f"reads only ids 0..{tokenizer.vocab_size - 1}; put the model's tokenizer.json in its "
-                         "directory or use a byte-vocabulary model (vocab_size 264, e.g. lite-tiny)")
+        raise ValueError(
+            f"--model {source}: vocab_size={cfg.vocab_size:,} but {where}, and the byte tokenizer "
+            f"reads only ids 0..{tokenizer.vocab_size - 1}; put the model's tokenizer.json in its "
+            "directory or use a byte-vocabulary model (vocab_size 264, e.g. lite-tiny)"
+        )
     model = load_model(source, device=device, dtype=getattr(torch, args.dtype))
     return model, tokenizer, source
 
@@ -174,6 +191,7 @@ def _is_dir(source) -> bool:
 
 
 # ---- output files ---------------------------------------------------------------------------------------
+
 
 def check_output_file(flag: str, path: str) -> None:
     """Refuse, before any work, an output file that could not be written afterwards."""
@@ -202,15 +220,23 @@ def warn(command: str, message: str) -> None:
 
 
 def add_speculate_args(parser: argparse.ArgumentParser) -> None:
-    """--speculate {none,lookup,draft:PATH} and --draft-tokens K (issue 14)."""
-    parser.add_argument("--speculate", default="none", metavar="{none,lookup,draft:PATH}",
-                        help="speculative decoding: 'lookup' drafts by n-gram lookup in the prompt and the "
-                             "generated text, 'draft:PATH' with a smaller model of the same vocabulary "
-                             "(checkpoint directory or preset name); greedy output is unchanged "
-                             "(default: none)")
-    parser.add_argument("--draft-tokens", type=int, default=None, metavar="K",
-                        help="tokens drafted per step, verified in one forward (default: 8 for lookup, "
-                             "4 for a draft model)")
+    """--speculate {none,lookup,draft:PATH} and --draft-tokens K."""
+    parser.add_argument(
+        "--speculate",
+        default="none",
+        metavar="{none,lookup,draft:PATH}",
+        help="speculative decoding: 'lookup' drafts by n-gram lookup in the prompt and the "
+        "generated text, 'draft:PATH' with a smaller model of the same vocabulary "
+        "(checkpoint directory or preset name); greedy output is unchanged "
+        "(default: none)",
+    )
+    parser.add_argument(
+        "--draft-tokens",
+        type=int,
+        default=None,
+        metavar="K",
+        help="tokens drafted per step, verified in one forward (default: 8 for lookup, 4 for a draft model)",
+    )
 
 
 def build_speculation(args: argparse.Namespace, model):
@@ -228,10 +254,12 @@ def build_speculation(args: argparse.Namespace, model):
         return PromptLookup() if k is None else PromptLookup(k=k)
     from gptoss_lite.checkpoint import load_model
 
-    draft = load_model(mode[len("draft:"):], device=args.device, dtype=getattr(torch, args.dtype))
+    draft = load_model(mode[len("draft:") :], device=args.device, dtype=getattr(torch, args.dtype))
     if draft.config.vocab_size != model.config.vocab_size:
-        raise ValueError(f"--speculate {mode}: the draft's vocab_size {draft.config.vocab_size} differs "
-                         f"from the model's {model.config.vocab_size}; use a draft with the same tokenizer")
+        raise ValueError(
+            f"--speculate {mode}: the draft's vocab_size {draft.config.vocab_size} differs "
+            f"from the model's {model.config.vocab_size}; use a draft with the same tokenizer"
+        )
     return DraftModel(draft) if k is None else DraftModel(draft, k=k)
 
 
@@ -242,13 +270,16 @@ def check_speculate_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--draft-tokens {k}: must be >= 1")
     if mode == "none" and k is not None:
         raise ValueError("--draft-tokens needs --speculate lookup or --speculate draft:PATH")
-    if mode not in ("none", "lookup") and not (mode.startswith("draft:") and mode[len("draft:"):]):
-        raise ValueError(f"--speculate {mode!r}: use none, lookup or draft:PATH (a checkpoint directory or "
-                         "preset name)")
+    if mode not in ("none", "lookup") and not (mode.startswith("draft:") and mode[len("draft:") :]):
+        raise ValueError(
+            f"--speculate {mode!r}: use none, lookup or draft:PATH (a checkpoint directory or preset name)"
+        )
 
 
 def speculation_line(stats) -> str:
     """One line for --stats: acceptance rate and tokens per target forward."""
-    return (f"speculation: {stats.accepted}/{stats.drafted} drafted tokens accepted "
-            f"({100 * stats.acceptance_rate:.1f}%), {stats.tokens_per_forward:.2f} tokens per target forward "
-            f"({stats.new_tokens} tokens, {stats.target_forwards} target forwards)")
+    return (
+        f"speculation: {stats.accepted}/{stats.drafted} drafted tokens accepted "
+        f"({100 * stats.acceptance_rate:.1f}%), {stats.tokens_per_forward:.2f} tokens per target forward "
+        f"({stats.new_tokens} tokens, {stats.target_forwards} target forwards)"
+    )

@@ -11,22 +11,30 @@ import time
 def register(sub: argparse._SubParsersAction) -> None:
     from gptoss_lite.commands.common import add_model_arg, add_speculate_args
 
-    p = sub.add_parser("generate", help="generate text from a prompt",
-                       description="Generate a continuation of PROMPT (or of standard input).")
+    p = sub.add_parser(
+        "generate",
+        help="generate text from a prompt",
+        description="Generate a continuation of PROMPT (or of standard input).",
+    )
     p.add_argument("prompt", nargs="?", default=None, help="prompt text; omit or '-' to read standard input")
     add_model_arg(p)
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; <= 0 is greedy (default: 0.7)")
     p.add_argument("--top-p", type=float, default=0.9, help="nucleus mass in (0, 1] (default: 0.9)")
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling (default: none)")
-    p.add_argument("--stop", type=int, action="append", default=None,
-                   help="stop token id (repeatable; default: the tokenizer's end-of-sequence id)")
-    p.add_argument("--no-stop", action="store_true",
-                   help="no stop token: always generate --max-new-tokens tokens")
+    p.add_argument(
+        "--stop",
+        type=int,
+        action="append",
+        default=None,
+        help="stop token id (repeatable; default: the tokenizer's end-of-sequence id)",
+    )
+    p.add_argument("--no-stop", action="store_true", help="no stop token: always generate --max-new-tokens tokens")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens per prefill piece (default: 2048)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
-    p.add_argument("--stats", action="store_true",
-                   help="print prefill/decode tokens/s and KV-cache bytes to standard error")
+    p.add_argument(
+        "--stats", action="store_true", help="print prefill/decode tokens/s and KV-cache bytes to standard error"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object (text and stats) instead of text")
     add_speculate_args(p)
     p.set_defaults(handler=run)
@@ -35,8 +43,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from gptoss_lite.commands.common import (build_speculation, check_speculate_args, fmt_bytes,
-                                             load_model_and_tokenizer, speculation_line)
+    from gptoss_lite.commands.common import (
+        build_speculation,
+        check_speculate_args,
+        fmt_bytes,
+        load_model_and_tokenizer,
+        speculation_line,
+    )
     from gptoss_lite.generation import stream_generate
     from gptoss_lite.kv.mixed import MixedKVCache
     from gptoss_lite.sampling import SamplingConfig
@@ -47,8 +60,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     except (ValueError, TypeError) as exc:
-        flag = next((f for k, f in (("temperature", "--temperature"), ("top_p", "--top-p"), ("seed", "--seed"))
-                     if str(exc).startswith(k + "=")), None)
+        flag = next(
+            (
+                f
+                for k, f in (("temperature", "--temperature"), ("top_p", "--top-p"), ("seed", "--seed"))
+                if str(exc).startswith(k + "=")
+            ),
+            None,
+        )
         if flag is None:
             raise
         raise type(exc)(f"{flag}: {exc}") from None
@@ -67,17 +86,35 @@ def run(args: argparse.Namespace) -> int:
     input_ids = torch.tensor([ids], dtype=torch.long, device=args.device)
     if args.no_stop and args.stop:
         raise ValueError(f"--no-stop and --stop {args.stop[0]} contradict each other; give one of them")
-    stops = ([] if args.no_stop else args.stop if args.stop is not None
-             else [tokenizer.eos_id] if tokenizer.eos_id is not None else [])
+    stops = (
+        []
+        if args.no_stop
+        else args.stop
+        if args.stop is not None
+        else [tokenizer.eos_id]
+        if tokenizer.eos_id is not None
+        else []
+    )
     speculate = build_speculation(args, model)
     spec_stats = SpeculationStats()
-    cache = MixedKVCache(model.config, batch_size=1,
-                         rollback_tokens=0 if speculate is None else speculate.k)  # slack for rejected drafts
+    cache = MixedKVCache(
+        model.config, batch_size=1, rollback_tokens=0 if speculate is None else speculate.k
+    )  # slack for rejected drafts
 
     t0 = time.perf_counter()
-    steps = stream_generate(model, input_ids, args.max_new_tokens, args.temperature, args.top_p,
-                            seed=args.seed, stop_tokens=stops, prefill_chunk=args.prefill_chunk, cache=cache,
-                            speculate=speculate, stats=spec_stats)
+    steps = stream_generate(
+        model,
+        input_ids,
+        args.max_new_tokens,
+        args.temperature,
+        args.top_p,
+        seed=args.seed,
+        stop_tokens=stops,
+        prefill_chunk=args.prefill_chunk,
+        cache=cache,
+        speculate=speculate,
+        stats=spec_stats,
+    )
     new: list[int] = []
     t_first = None
     streamer = StreamPrinter(tokenizer, stops) if args.stream and not args.json else None
@@ -108,8 +145,9 @@ def run(args: argparse.Namespace) -> int:
         "kv_allocated_bytes": cache.nbytes,
         "kv_payload_bytes": cache.payload_bytes,
         "kv_all_global_payload_bytes": cfg.n_layers * total_tokens * per_token_layer,
-        "speculation": None if speculate is None else {"mode": args.speculate, "draft_tokens": speculate.k,
-                                                       **spec_stats.to_dict()},
+        "speculation": None
+        if speculate is None
+        else {"mode": args.speculate, "draft_tokens": speculate.k, **spec_stats.to_dict()},
     }
     if args.json:
         print(json.dumps({"text": text, **stats}, indent=2, sort_keys=True))
@@ -122,15 +160,21 @@ def run(args: argparse.Namespace) -> int:
         pf = stats["prefill_tokens_per_s"]
         dc = stats["decode_tokens_per_s"]
         print(f"prefill: {len(ids)} tokens, {pf:,.0f} tokens/s" if pf else "prefill: -", file=sys.stderr)
-        print(f"decode:  {len(new)} tokens, {dc:,.1f} tokens/s" if dc else f"decode:  {len(new)} tokens",
-              file=sys.stderr)
-        print(f"KV cache: {fmt_bytes(cache.nbytes)} allocated, {fmt_bytes(cache.payload_bytes)} payload, "
-              f"vs {fmt_bytes(stats['kv_all_global_payload_bytes'])} for an all-global cache of "
-              f"{total_tokens} tokens", file=sys.stderr)
+        print(
+            f"decode:  {len(new)} tokens, {dc:,.1f} tokens/s" if dc else f"decode:  {len(new)} tokens", file=sys.stderr
+        )
+        print(
+            f"KV cache: {fmt_bytes(cache.nbytes)} allocated, {fmt_bytes(cache.payload_bytes)} payload, "
+            f"vs {fmt_bytes(stats['kv_all_global_payload_bytes'])} for an all-global cache of "
+            f"{total_tokens} tokens",
+            file=sys.stderr,
+        )
         print(f"threads: {args.threads}", file=sys.stderr)
         if speculate is not None:
-            print(f"{speculation_line(spec_stats)}; --speculate {args.speculate}, "
-                  f"--draft-tokens {speculate.k}", file=sys.stderr)
+            print(
+                f"{speculation_line(spec_stats)}; --speculate {args.speculate}, --draft-tokens {speculate.k}",
+                file=sys.stderr,
+            )
     return 0
 
 
@@ -158,8 +202,10 @@ def _utf8_or_error(raw: bytes, where: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{where}: not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start}); "
-                         "give UTF-8 text, e.g. convert it with iconv -t UTF-8") from None
+        raise ValueError(
+            f"{where}: not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start}); "
+            "give UTF-8 text, e.g. convert it with iconv -t UTF-8"
+        ) from None
 
 
 class StreamPrinter:
@@ -178,7 +224,7 @@ class StreamPrinter:
         self.printed = ""
 
     def _emit(self, text: str) -> None:
-        chunk = text[len(self.printed):]
+        chunk = text[len(self.printed) :]
         if chunk:
             self.out.write(chunk)
             self.out.flush()

@@ -1,4 +1,5 @@
-"""`gptoss-lite kv-bench`: mixed (ring + growing) vs all-full KV payload for the 502M preset (docs/kv-cache.md#kv-arithmetic-of-the-502m-preset).
+"""`gptoss-lite kv-bench`: mixed (ring + growing) vs all-full KV payload for the 502M preset
+(docs/kv-cache.md#kv-arithmetic-of-the-502m-preset).
 
 The table is computed payload (exact bytes of K and V). With `--measured`, two more columns come from
 a real MixedKVCache of the preset's geometry filled in 2,048-token prefill chunks (BF16): the payload
@@ -10,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from gptoss_lite import plan as P
 
@@ -36,8 +37,13 @@ class KVBenchRow:
 
 def bench_rows(geometry: P.AttentionKVGeometry, contexts: tuple[int, ...] = CONTEXTS) -> list[KVBenchRow]:
     """Mixed vs all-full payload of `geometry` at each context (contexts must be >= 1)."""
-    all_full = P.AttentionKVGeometry(f"{geometry.name}-all-full", geometry.attention_layers,
-                                     geometry.kv_heads, geometry.head_dim, geometry.bytes_per_element)
+    all_full = P.AttentionKVGeometry(
+        f"{geometry.name}-all-full",
+        geometry.attention_layers,
+        geometry.kv_heads,
+        geometry.head_dim,
+        geometry.bytes_per_element,
+    )
     rows = []
     for t in contexts:
         if t < 1:
@@ -90,13 +96,17 @@ def measure_mixed_cache(contexts: tuple[int, ...], chunk: int = 2048) -> dict[in
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "kv-bench", help="mixed vs all-full KV payload of the 502M preset; PASS at >= 1.8x at 128K",
+        "kv-bench",
+        help="mixed vs all-full KV payload of the 502M preset; PASS at >= 1.8x at 128K",
         description="Computed KV payload (bytes of K and V, BF16) of the gptoss-lite-502m preset with "
-                    "ring buffers on its 6 sliding layers vs every layer full.")
+        "ring buffers on its 6 sliding layers vs every layer full.",
+    )
     p.add_argument("--json", action="store_true", help="print rows and verdict as JSON (sorted keys)")
-    p.add_argument("--measured", action="store_true",
-                   help="also fill a real MixedKVCache (BF16, ~1.2 GB at 128K) and report its payload and "
-                        "allocated bytes")
+    p.add_argument(
+        "--measured",
+        action="store_true",
+        help="also fill a real MixedKVCache (BF16, ~1.2 GB at 128K) and report its payload and allocated bytes",
+    )
     p.set_defaults(handler=run)
 
 
@@ -117,20 +127,46 @@ def run(args: argparse.Namespace) -> int:
             ("measured allocated GiB", lambda r: f"{measured[r.context_tokens][1] / P.GIB:.3f}"),
         ]
     if args.json:
-        print(json.dumps({"preset": PRESET, "quantity": "payload",
-                          "rows": [{"context_tokens": r.context_tokens, "all_full_bytes": r.all_full_bytes,
-                                    "mixed_bytes": r.mixed_bytes, "ratio": r.ratio,
-                                    **({"measured_payload_bytes": measured[r.context_tokens][0],
-                                        "measured_allocated_bytes": measured[r.context_tokens][1]}
-                                       if measured else {})} for r in rows],
-                          "pass_context_tokens": PASS_CONTEXT, "pass_ratio": PASS_RATIO, "passed": passed},
-                         sort_keys=True, indent=2))
+        print(
+            json.dumps(
+                {
+                    "preset": PRESET,
+                    "quantity": "payload",
+                    "rows": [
+                        {
+                            "context_tokens": r.context_tokens,
+                            "all_full_bytes": r.all_full_bytes,
+                            "mixed_bytes": r.mixed_bytes,
+                            "ratio": r.ratio,
+                            **(
+                                {
+                                    "measured_payload_bytes": measured[r.context_tokens][0],
+                                    "measured_allocated_bytes": measured[r.context_tokens][1],
+                                }
+                                if measured
+                                else {}
+                            ),
+                        }
+                        for r in rows
+                    ],
+                    "pass_context_tokens": PASS_CONTEXT,
+                    "pass_ratio": PASS_RATIO,
+                    "passed": passed,
+                },
+                sort_keys=True,
+                indent=2,
+            )
+        )
     else:
-        print(f"KV payload of {PRESET} (BF16, batch 1): {geometry.sliding_layers} sliding layers "
-              f"(ring, W={geometry.sliding_window}) + {geometry.full_layers} full vs all {geometry.attention_layers} "
-              "full; GiB = 2^30 B, GB = 10^9 B")
+        print(
+            f"KV payload of {PRESET} (BF16, batch 1): {geometry.sliding_layers} sliding layers "
+            f"(ring, W={geometry.sliding_window}) + {geometry.full_layers} full vs all {geometry.attention_layers} "
+            "full; GiB = 2^30 B, GB = 10^9 B"
+        )
         print(format_table(rows, columns))
         verdict = "PASS" if passed else "FAIL"
-        print(f"{verdict}: mixed cache payload is {check.ratio:.2f}x smaller than all-full at "
-              f"{PASS_CONTEXT:,} tokens (target >= {PASS_RATIO}x)")
+        print(
+            f"{verdict}: mixed cache payload is {check.ratio:.2f}x smaller than all-full at "
+            f"{PASS_CONTEXT:,} tokens (target >= {PASS_RATIO}x)"
+        )
     return 0 if passed else 1

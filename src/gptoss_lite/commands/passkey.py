@@ -24,26 +24,63 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from gptoss_lite.evals.passkey import BASE_SEED, DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_TRIALS, TEMPLATES
 
     p = subparsers.add_parser(
-        "passkey", help="passkey retrieval accuracy by context length and depth",
+        "passkey",
+        help="passkey retrieval accuracy by context length and depth",
         description="Needle-in-a-haystack passkey retrieval: greedy, cached generation of 16 tokens "
-                    "per trial; prints accuracy per length and a length x depth grid, then PASS/FAIL at the "
-                    "longest length (target >= 85%). Exits 0 either way.")
+        "per trial; prints accuracy per length and a length x depth grid, then PASS/FAIL at the "
+        "longest length (target >= 85%). Exits 0 either way.",
+    )
     add_model_arg(p)
-    p.add_argument("--lengths", type=int, nargs="+", default=None, metavar="TOKENS",
-                   help=f"context lengths in tokens (default: those of {' '.join(map(str, DEFAULT_LENGTHS))} "
-                        "that fit the model's max_position_embeddings)")
-    p.add_argument("--depths", type=_depth, nargs="+", default=list(DEFAULT_DEPTHS), metavar="FRAC",
-                   help="needle depths, fractions in [0, 1] or start/middle/end (default: 0 0.5 1)")
-    p.add_argument("--trials", type=int, default=DEFAULT_TRIALS, metavar="N",
-                   help=f"distinct passkeys per length, each asked at every depth (default: {DEFAULT_TRIALS})")
-    p.add_argument("--seed", type=int, default=BASE_SEED,
-                   help=f"base seed: keys of length L come from random.Random(seed + L) (default: {BASE_SEED})")
-    p.add_argument("--template", choices=TEMPLATES, default="default",
-                   help="prompt template; 'classic' is the grass/sky/sun template (default: default)")
-    p.add_argument("--prefill-chunk", type=int, default=2048, metavar="TOKENS",
-                   help="prompt tokens per prefill forward (default: 2048)")
-    p.add_argument("--batch-size", type=int, default=8, metavar="N",
-                   help="trials generated together (prompts of one length and depth; default: 8)")
+    p.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="TOKENS",
+        help=f"context lengths in tokens (default: those of {' '.join(map(str, DEFAULT_LENGTHS))} "
+        "that fit the model's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--depths",
+        type=_depth,
+        nargs="+",
+        default=list(DEFAULT_DEPTHS),
+        metavar="FRAC",
+        help="needle depths, fractions in [0, 1] or start/middle/end (default: 0 0.5 1)",
+    )
+    p.add_argument(
+        "--trials",
+        type=int,
+        default=DEFAULT_TRIALS,
+        metavar="N",
+        help=f"distinct passkeys per length, each asked at every depth (default: {DEFAULT_TRIALS})",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=BASE_SEED,
+        help=f"base seed: keys of length L come from random.Random(seed + L) (default: {BASE_SEED})",
+    )
+    p.add_argument(
+        "--template",
+        choices=TEMPLATES,
+        default="default",
+        help="prompt template; 'classic' is the grass/sky/sun template (default: default)",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=2048,
+        metavar="TOKENS",
+        help="prompt tokens per prefill forward (default: 2048)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=8,
+        metavar="N",
+        help="trials generated together (prompts of one length and depth; default: 8)",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--plot", default=None, metavar="PNG", help="write a length x depth accuracy heatmap")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
@@ -52,8 +89,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gptoss_lite.commands.common import (build_speculation, check_output_file, check_speculate_args,
-                                             load_model_and_tokenizer, speculation_line, warn)
+    from gptoss_lite.commands.common import (
+        build_speculation,
+        check_output_file,
+        check_speculate_args,
+        load_model_and_tokenizer,
+        speculation_line,
+        warn,
+    )
     from gptoss_lite.evals.passkey import PasskeyEvaluator
 
     if args.plot:
@@ -62,20 +105,32 @@ def run(args: argparse.Namespace) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise ValueError(f"--plot {args.plot}: needs matplotlib; pip install 'gptoss-lite[plot]' "
-                             "or drop --plot") from None
+            raise ValueError(
+                f"--plot {args.plot}: needs matplotlib; pip install 'gptoss-lite[plot]' or drop --plot"
+            ) from None
     check_speculate_args(args)
     model, tokenizer, source = load_model_and_tokenizer(args)
     if args.lengths is None:
         args.lengths = default_lengths(model.config.max_position_embeddings)
         if len(args.lengths) < len(DEFAULT_LENGTHS):
-            warn("passkey", f"default lengths capped at the model's {model.config.max_position_embeddings:,} "
-                            f"positions: {' '.join(map(str, args.lengths))}")
+            warn(
+                "passkey",
+                f"default lengths capped at the model's {model.config.max_position_embeddings:,} "
+                f"positions: {' '.join(map(str, args.lengths))}",
+            )
     speculate = build_speculation(args, model)
-    evaluator = PasskeyEvaluator(model, tokenizer=tokenizer, lengths=args.lengths,
-                                 depths=args.depths, n_trials=args.trials, base_seed=args.seed,
-                                 template=args.template, prefill_chunk=args.prefill_chunk,
-                                 batch_size=args.batch_size, speculate=speculate)
+    evaluator = PasskeyEvaluator(
+        model,
+        tokenizer=tokenizer,
+        lengths=args.lengths,
+        depths=args.depths,
+        n_trials=args.trials,
+        base_seed=args.seed,
+        template=args.template,
+        prefill_chunk=args.prefill_chunk,
+        batch_size=args.batch_size,
+        speculate=speculate,
+    )
     result = evaluator.run(progress=not args.no_progress)
     if args.plot:
         plot_heatmap(result, args.plot)
@@ -88,8 +143,10 @@ def run(args: argparse.Namespace) -> int:
         if args.plot:
             print(f"heatmap: {args.plot}")
         if speculate is not None:
-            print(f"{speculation_line(evaluator.speculation_stats)}; --speculate {args.speculate}, "
-                  f"--draft-tokens {speculate.k}")
+            print(
+                f"{speculation_line(evaluator.speculation_stats)}; --speculate {args.speculate}, "
+                f"--draft-tokens {speculate.k}"
+            )
         print(result.verdict())
     return 0
 
@@ -113,22 +170,28 @@ def format_table(result, source: str) -> str:
     from gptoss_lite.commands.common import fmt_bytes
 
     ratio = result.extrapolation
-    lines = [f"passkey retrieval: model {source}, template {result.template}, {result.n_trials} trials x "
-             f"{len(result.depths)} depths per length, train context "
-             f"{result.train_context_length if result.train_context_length else 'unknown'}", ""]
+    lines = [
+        f"passkey retrieval: model {source}, template {result.template}, {result.n_trials} trials x "
+        f"{len(result.depths)} depths per length, train context "
+        f"{result.train_context_length if result.train_context_length else 'unknown'}",
+        "",
+    ]
     header = f"{'length':>8} {'tokens':>8} {'x train':>8} {'accuracy':>9} {'KV payload':>12} {'KV alloc':>12}"
     lines += [header, "-" * len(header)]
     for n in result.lengths:
         x = f"{ratio[n]:.1f}x" if ratio else "-"
-        lines.append(f"{n:>8} {result.prompt_tokens[n]:>8} {x:>8} {100 * result.accuracy[n]:>8.1f}% "
-                     f"{fmt_bytes(result.kv_payload_bytes[n]):>12} {fmt_bytes(result.kv_allocated_bytes[n]):>12}")
+        lines.append(
+            f"{n:>8} {result.prompt_tokens[n]:>8} {x:>8} {100 * result.accuracy[n]:>8.1f}% "
+            f"{fmt_bytes(result.kv_payload_bytes[n]):>12} {fmt_bytes(result.kv_allocated_bytes[n]):>12}"
+        )
     lines += ["", "accuracy by depth (%)"]
     head = f"{'length':>8} {'x train':>8} " + " ".join(f"{d:>6g}" for d in result.depths)
     lines += [head, "-" * len(head)]
     for n in result.lengths:
         x = f"{ratio[n]:.1f}x" if ratio else "-"
-        lines.append(f"{n:>8} {x:>8} " + " ".join(f"{100 * result.accuracy_by_depth[n][d]:>6.1f}"
-                                                  for d in result.depths))
+        lines.append(
+            f"{n:>8} {x:>8} " + " ".join(f"{100 * result.accuracy_by_depth[n][d]:>6.1f}" for d in result.depths)
+        )
     return "\n".join(lines)
 
 
@@ -144,8 +207,7 @@ def plot_heatmap(result, path: str) -> None:
     im = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
     ax.set_xticks(range(len(result.depths)), [f"{d:g}" for d in result.depths])
     ratio = result.extrapolation
-    ax.set_yticks(range(len(result.lengths)),
-                  [f"{n} ({ratio[n]:.0f}x)" if ratio else str(n) for n in result.lengths])
+    ax.set_yticks(range(len(result.lengths)), [f"{n} ({ratio[n]:.0f}x)" if ratio else str(n) for n in result.lengths])
     ax.set_xlabel("needle depth")
     ax.set_ylabel("context length (tokens)")
     for i, row in enumerate(grid):

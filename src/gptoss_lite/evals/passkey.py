@@ -21,18 +21,19 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 # The phrasing shared with the training data lives in gptoss_lite.prompts; re-exported here.
 from gptoss_lite.prompts import CLASSIC_NEEDLE, CLASSIC_QUESTION, NEEDLE_TEMPLATE, QUESTION
 from gptoss_lite.validation import check_int
 
 if TYPE_CHECKING:
-    from gptoss_lite.speculative import Speculation
     import torch
 
     from gptoss_lite.kv.mixed import MixedKVCache
+    from gptoss_lite.speculative import Speculation
     from gptoss_lite.tokenizer import Tokenizer
 
 DEFAULT_LENGTHS: tuple[int, ...] = (4096, 8192, 32768, 65536, 131072)  # tokens (docs/passkey.md)
@@ -86,10 +87,17 @@ FILLER_SENTENCES: tuple[str, ...] = (
     " Waves broke.",
 )
 
-CLASSIC_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
-                 "I will quiz you about the important information there.\n")
-CLASSIC_FILLER: tuple[str, ...] = (" The grass is green.", " The sky is blue.", " The sun is yellow.",
-                                   " Here we go.", " There and back again.")
+CLASSIC_INTRO = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there.\n"
+)
+CLASSIC_FILLER: tuple[str, ...] = (
+    " The grass is green.",
+    " The sky is blue.",
+    " The sun is yellow.",
+    " Here we go.",
+    " There and back again.",
+)
 
 
 @dataclass(frozen=True)
@@ -99,8 +107,10 @@ class _Template:
     question: str
 
 
-_TEMPLATES = {"default": _Template("", NEEDLE_TEMPLATE, QUESTION),
-              "classic": _Template(CLASSIC_INTRO, CLASSIC_NEEDLE, CLASSIC_QUESTION)}
+_TEMPLATES = {
+    "default": _Template("", NEEDLE_TEMPLATE, QUESTION),
+    "classic": _Template(CLASSIC_INTRO, CLASSIC_NEEDLE, CLASSIC_QUESTION),
+}
 
 
 def extract_passkey(text: str) -> str | None:
@@ -116,7 +126,7 @@ def passkey_keys(context_length: int, n_trials: int, base_seed: int = BASE_SEED)
     return [f"{k:05d}" for k in rng.sample(range(N_KEYS), n_trials)]
 
 
-def prompt_overhead(tokenizer: "Tokenizer", template: str = "default") -> int:
+def prompt_overhead(tokenizer: Tokenizer, template: str = "default") -> int:
     """Tokens of a prompt with no filler: BOS, intro, needle, question."""
     t = _template(template)
     return 1 + sum(len(tokenizer.encode(s)) for s in (t.intro, t.needle.format(key="00000"), t.question))
@@ -128,16 +138,18 @@ def _template(name: str) -> _Template:
     return _TEMPLATES[name]
 
 
-def filler_sentences(context_length: int, tokenizer: "Tokenizer", template: str = "default") -> list[str]:
+def filler_sentences(context_length: int, tokenizer: Tokenizer, template: str = "default") -> list[str]:
     """The fixed filler of one context length: sentences totalling about length - overhead tokens."""
     target = context_length - prompt_overhead(tokenizer, template)
     if target < 0:
-        raise ValueError(f"context_length={context_length}: below the prompt overhead of "
-                         f"{context_length - target} tokens (BOS, needle, question); use a longer length")
+        raise ValueError(
+            f"context_length={context_length}: below the prompt overhead of "
+            f"{context_length - target} tokens (BOS, needle, question); use a longer length"
+        )
     return list(_filler(context_length, target, tokenizer, template))
 
 
-def _filler(seed: int, target: int, tokenizer: "Tokenizer", template: str) -> tuple[str, ...]:
+def _filler(seed: int, target: int, tokenizer: Tokenizer, template: str) -> tuple[str, ...]:
     bank = CLASSIC_FILLER if template == "classic" else FILLER_SENTENCES
     sizes = _sizes(bank, tokenizer)
     longest = max(sizes)
@@ -159,12 +171,18 @@ def _filler(seed: int, target: int, tokenizer: "Tokenizer", template: str) -> tu
     return tuple(out)
 
 
-def _sizes(bank: tuple[str, ...], tokenizer: "Tokenizer") -> list[int]:
+def _sizes(bank: tuple[str, ...], tokenizer: Tokenizer) -> list[int]:
     return [len(tokenizer.encode(s)) for s in bank]
 
 
-def build_passkey_prompt(context_length: int, key: str, depth: float, tokenizer: "Tokenizer",
-                         template: str = "default", filler: Sequence[str] | None = None) -> str:
+def build_passkey_prompt(
+    context_length: int,
+    key: str,
+    depth: float,
+    tokenizer: Tokenizer,
+    template: str = "default",
+    filler: Sequence[str] | None = None,
+) -> str:
     """Prompt text (without BOS) of about `context_length` tokens with the needle at `depth`."""
     t = _template(template)
     _check_depth(depth)
@@ -172,11 +190,10 @@ def build_passkey_prompt(context_length: int, key: str, depth: float, tokenizer:
         raise ValueError(f"key={key!r}: must be 5 digits, e.g. '04217'")
     sentences = filler_sentences(context_length, tokenizer, template) if filler is None else list(filler)
     cut = _boundary(sentences, depth, tokenizer)
-    return (t.intro + "".join(sentences[:cut]) + t.needle.format(key=key) + "".join(sentences[cut:])
-            + t.question)
+    return t.intro + "".join(sentences[:cut]) + t.needle.format(key=key) + "".join(sentences[cut:]) + t.question
 
 
-def _boundary(sentences: Sequence[str], depth: float, tokenizer: "Tokenizer") -> int:
+def _boundary(sentences: Sequence[str], depth: float, tokenizer: Tokenizer) -> int:
     """Index of the sentence boundary closest to `depth` of the filler's tokens (first on ties)."""
     size = {s: len(tokenizer.encode(s)) for s in set(sentences)}
     target = depth * sum(size[s] for s in sentences)
@@ -231,31 +248,49 @@ class PasskeyResult:
         """`PASS: 97.0% at 8192 tokens (>= 85%)` or `FAIL: ...`."""
         length, acc = self.headline
         ratio = f", {length / self.train_context_length:g}x the training context" if self.train_context_length else ""
-        return (f"{'PASS' if self.passed else 'FAIL'}: {100 * acc:.1f}% at {length} tokens "
-                f"({'>=' if self.passed else '<'} {100 * TARGET_ACCURACY:.0f}%{ratio})")
+        return (
+            f"{'PASS' if self.passed else 'FAIL'}: {100 * acc:.1f}% at {length} tokens "
+            f"({'>=' if self.passed else '<'} {100 * TARGET_ACCURACY:.0f}%{ratio})"
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"lengths": self.lengths, "depths": self.depths, "n_trials": self.n_trials,
-                "template": self.template, "accuracy": {str(k): v for k, v in self.accuracy.items()},
-                "accuracy_by_depth": {str(n): {str(d): a for d, a in row.items()}
-                                      for n, row in self.accuracy_by_depth.items()},
-                "prompt_tokens": {str(k): v for k, v in self.prompt_tokens.items()},
-                "kv_payload_bytes": {str(k): v for k, v in self.kv_payload_bytes.items()},
-                "kv_allocated_bytes": {str(k): v for k, v in self.kv_allocated_bytes.items()},
-                "train_context_length": self.train_context_length,
-                "extrapolation": None if self.extrapolation is None
-                else {str(k): v for k, v in self.extrapolation.items()},
-                "target_accuracy": TARGET_ACCURACY, "passed": self.passed, "verdict": self.verdict(),
-                "speculation": self.speculation}
+        return {
+            "lengths": self.lengths,
+            "depths": self.depths,
+            "n_trials": self.n_trials,
+            "template": self.template,
+            "accuracy": {str(k): v for k, v in self.accuracy.items()},
+            "accuracy_by_depth": {
+                str(n): {str(d): a for d, a in row.items()} for n, row in self.accuracy_by_depth.items()
+            },
+            "prompt_tokens": {str(k): v for k, v in self.prompt_tokens.items()},
+            "kv_payload_bytes": {str(k): v for k, v in self.kv_payload_bytes.items()},
+            "kv_allocated_bytes": {str(k): v for k, v in self.kv_allocated_bytes.items()},
+            "train_context_length": self.train_context_length,
+            "extrapolation": None if self.extrapolation is None else {str(k): v for k, v in self.extrapolation.items()},
+            "target_accuracy": TARGET_ACCURACY,
+            "passed": self.passed,
+            "verdict": self.verdict(),
+            "speculation": self.speculation,
+        }
 
 
 class PasskeyEvaluator:
     """Runs the docs/passkey.md protocol on a model; validate everything in the constructor, work in `run()`."""
 
-    def __init__(self, model, tokenizer: "Tokenizer | None" = None, lengths: Sequence[int] = DEFAULT_LENGTHS,
-                 depths: Sequence[float] = DEFAULT_DEPTHS, n_trials: int = DEFAULT_TRIALS,
-                 base_seed: int = BASE_SEED, template: str = "default", prefill_chunk: int = 2048,
-                 batch_size: int = 1, speculate: "Speculation | None" = None):
+    def __init__(
+        self,
+        model,
+        tokenizer: Tokenizer | None = None,
+        lengths: Sequence[int] = DEFAULT_LENGTHS,
+        depths: Sequence[float] = DEFAULT_DEPTHS,
+        n_trials: int = DEFAULT_TRIALS,
+        base_seed: int = BASE_SEED,
+        template: str = "default",
+        prefill_chunk: int = 2048,
+        batch_size: int = 1,
+        speculate: Speculation | None = None,
+    ):
         """`speculate` (a `gptoss_lite.speculative.PromptLookup` or `DraftModel`) decodes the answers
         speculatively; greedy, so the answers are the same, only faster (or not)."""
         from gptoss_lite.speculative import DraftModel, PromptLookup
@@ -276,17 +311,23 @@ class PasskeyEvaluator:
         limit = model.config.max_position_embeddings - NEW_TOKENS
         for n in lengths:
             if isinstance(n, bool) or not isinstance(n, int) or n <= overhead:
-                raise ValueError(f"context length {n!r}: below the prompt overhead of {overhead} tokens "
-                                 f"(BOS, needle, question); use lengths > {overhead}")
+                raise ValueError(
+                    f"context length {n!r}: below the prompt overhead of {overhead} tokens "
+                    f"(BOS, needle, question); use lengths > {overhead}"
+                )
             if n > limit:
-                raise ValueError(f"context length {n}: the model accepts {model.config.max_position_embeddings} "
-                                 f"positions, i.e. prompts up to {limit} tokens plus {NEW_TOKENS} new; "
-                                 f"drop the length or raise max_position_embeddings")
+                raise ValueError(
+                    f"context length {n}: the model accepts {model.config.max_position_embeddings} "
+                    f"positions, i.e. prompts up to {limit} tokens plus {NEW_TOKENS} new; "
+                    f"drop the length or raise max_position_embeddings"
+                )
         check_int("prefill_chunk", prefill_chunk, minimum=1)
         check_int("batch_size", batch_size, minimum=1)
         if self.tokenizer.vocab_size > model.config.vocab_size:
-            raise ValueError(f"tokenizer has {self.tokenizer.vocab_size} ids but the model's vocab_size is "
-                             f"{model.config.vocab_size}; use the tokenizer the model was trained with")
+            raise ValueError(
+                f"tokenizer has {self.tokenizer.vocab_size} ids but the model's vocab_size is "
+                f"{model.config.vocab_size}; use the tokenizer the model was trained with"
+            )
         self.lengths = sorted(set(int(n) for n in lengths))
         self.depths = [float(d) for d in depths]
         self.n_trials = n_trials
@@ -294,8 +335,7 @@ class PasskeyEvaluator:
         self.prefill_chunk = prefill_chunk
         self.batch_size = batch_size
         if speculate is not None and not isinstance(speculate, (PromptLookup, DraftModel)):
-            raise TypeError(f"speculate: expected None, a PromptLookup or a DraftModel, got "
-                            f"{type(speculate).__name__}")
+            raise TypeError(f"speculate: expected None, a PromptLookup or a DraftModel, got {type(speculate).__name__}")
         self.speculate = speculate
         self.speculation_stats = None  # a SpeculationStats summed over the answers() calls
 
@@ -308,7 +348,7 @@ class PasskeyEvaluator:
         text = build_passkey_prompt(length, key, depth, self.tokenizer, self.template, filler)
         return self.tokenizer.encode(text, bos=self.tokenizer.bos_id is not None)
 
-    def answers(self, ids: "torch.Tensor") -> tuple[list[str | None], "MixedKVCache"]:
+    def answers(self, ids: torch.Tensor) -> tuple[list[str | None], MixedKVCache]:
         """Score-ready answers of a (B, T) batch of equal-length prompts: greedy NEW_TOKENS tokens
         through the cached path, the first 5-digit number of each (None if none); and the cache used."""
         from gptoss_lite.generation import generate
@@ -323,10 +363,18 @@ class PasskeyEvaluator:
             if self.speculation_stats is None:
                 self.speculation_stats = SpeculationStats()
             spec = {"speculate": self.speculate, "stats": self.speculation_stats}
-        out = generate(self.model, ids, max_new_tokens=NEW_TOKENS, temperature=0.0, top_p=1.0,
-                       stop_tokens=None if eos is None else [eos],
-                       prefill_chunk=self.prefill_chunk, cache=cache, **spec)  # (B, T + n)
-        return [extract_passkey(self.tokenizer.decode(row)) for row in out[:, ids.shape[1]:].tolist()], cache
+        out = generate(
+            self.model,
+            ids,
+            max_new_tokens=NEW_TOKENS,
+            temperature=0.0,
+            top_p=1.0,
+            stop_tokens=None if eos is None else [eos],
+            prefill_chunk=self.prefill_chunk,
+            cache=cache,
+            **spec,
+        )  # (B, T + n)
+        return [extract_passkey(self.tokenizer.decode(row)) for row in out[:, ids.shape[1] :].tolist()], cache
 
     def run(self, progress: bool = False) -> PasskeyResult:
         """Every (length, depth, key) trial; a tqdm bar on stderr when `progress`."""
@@ -340,8 +388,13 @@ class PasskeyEvaluator:
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(self.lengths) * len(self.depths) * self.n_trials, desc="passkey",
-                       unit="trial", file=sys.stderr, dynamic_ncols=True)
+            bar = tqdm(
+                total=len(self.lengths) * len(self.depths) * self.n_trials,
+                desc="passkey",
+                unit="trial",
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
         acc, by_depth, tokens, payload, allocated, records = {}, {}, {}, {}, {}, []
         try:
             for length in self.lengths:
@@ -360,8 +413,9 @@ class PasskeyEvaluator:
                         for answer, i in zip(answers, group):
                             hit = answer == keys[i]
                             correct += hit
-                            records.append({"length": length, "depth": depth, "key": keys[i],
-                                            "answer": answer, "correct": hit})
+                            records.append(
+                                {"length": length, "depth": depth, "key": keys[i], "answer": answer, "correct": hit}
+                            )
                         if bar is not None:
                             bar.update(len(group))
                     by_depth[length][depth] = correct / self.n_trials
@@ -369,12 +423,20 @@ class PasskeyEvaluator:
         finally:
             if bar is not None:
                 bar.close()
-        return PasskeyResult(lengths=self.lengths, depths=self.depths, n_trials=self.n_trials,
-                             template=self.template, accuracy=acc, accuracy_by_depth=by_depth,
-                             prompt_tokens=tokens, kv_payload_bytes=payload, kv_allocated_bytes=allocated,
-                             train_context_length=self.model.config.train_context_length, trials=records,
-                             speculation=None if self.speculation_stats is None
-                             else self.speculation_stats.to_dict())
+        return PasskeyResult(
+            lengths=self.lengths,
+            depths=self.depths,
+            n_trials=self.n_trials,
+            template=self.template,
+            accuracy=acc,
+            accuracy_by_depth=by_depth,
+            prompt_tokens=tokens,
+            kv_payload_bytes=payload,
+            kv_allocated_bytes=allocated,
+            train_context_length=self.model.config.train_context_length,
+            trials=records,
+            speculation=None if self.speculation_stats is None else self.speculation_stats.to_dict(),
+        )
 
 
 def _batches(prompts: list[list[int]], batch_size: int) -> list[list[int]]:
@@ -384,5 +446,5 @@ def _batches(prompts: list[list[int]], batch_size: int) -> list[list[int]]:
         by_len.setdefault(len(p), []).append(i)
     groups = []
     for idx in by_len.values():
-        groups.extend(idx[j:j + batch_size] for j in range(0, len(idx), batch_size))
+        groups.extend(idx[j : j + batch_size] for j in range(0, len(idx), batch_size))
     return sorted(groups, key=lambda g: g[0])

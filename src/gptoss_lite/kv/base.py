@@ -56,8 +56,9 @@ class KVCache(Protocol):
         """Tokens held per row: the absolute position of the next token."""
         ...
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int
-               ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Store `layer`'s rotated keys and values of T new tokens, k and v (B, K, T, D), at positions
         start_pos … start_pos + T - 1; return (keys, values, first): (B, K, S, D) each, key j at
         position first + j, covering every key the new queries may see.
@@ -92,12 +93,19 @@ def check_rollback(position: int, num_tokens: int, lowest: int, window: int | No
     """Raise ValueError unless lowest <= position <= num_tokens (the retained interval), saying which
     limit was crossed and how to fix it. The caller has checked that position is an int >= 0."""
     if position > num_tokens:
-        raise ValueError(f"truncate(position={position}): outside the retained interval [{lowest}, "
-                         f"{num_tokens}]: the cache holds {num_tokens} tokens and truncate can only shorten")
+        raise ValueError(
+            f"truncate(position={position}): outside the retained interval [{lowest}, "
+            f"{num_tokens}]: the cache holds {num_tokens} tokens and truncate can only shorten"
+        )
     if position < lowest:
-        needs = "" if window is None else (f"; the next query at {position} needs sliding-layer keys "
-                                           f"from {max(0, position - window + 1)}")
-        raise ValueError(f"truncate(position={position}): before the retained interval [{lowest}, "
-                         f"{num_tokens}] (outside it): sliding layers no longer hold the keys before "
-                         f"{lowest - (window or 1) + 1}{needs}; truncate to >= {lowest}, or build the "
-                         "cache with a larger rollback_tokens")
+        needs = (
+            ""
+            if window is None
+            else (f"; the next query at {position} needs sliding-layer keys from {max(0, position - window + 1)}")
+        )
+        raise ValueError(
+            f"truncate(position={position}): before the retained interval [{lowest}, "
+            f"{num_tokens}] (outside it): sliding layers no longer hold the keys before "
+            f"{lowest - (window or 1) + 1}{needs}; truncate to >= {lowest}, or build the "
+            "cache with a larger rollback_tokens"
+        )

@@ -82,8 +82,9 @@ def _check_owner(owner: Any) -> None:
     try:
         hash(owner)
     except TypeError:
-        raise TypeError(f"owner={owner!r}: unhashable {type(owner).__name__}; use the pinning object "
-                        "itself, an int or a str") from None
+        raise TypeError(
+            f"owner={owner!r}: unhashable {type(owner).__name__}; use the pinning object itself, an int or a str"
+        ) from None
 
 
 def _owner_name(owner: Any) -> str:
@@ -95,8 +96,7 @@ def _check_hashable(seq_id: Any) -> None:
     try:
         hash(seq_id)
     except TypeError:
-        raise TypeError(f"seq_id={seq_id!r}: unhashable {type(seq_id).__name__}; "
-                        "use an int or str id") from None
+        raise TypeError(f"seq_id={seq_id!r}: unhashable {type(seq_id).__name__}; use an int or str id") from None
 
 
 class PagedKVPool:
@@ -127,18 +127,18 @@ class PagedKVPool:
         _check_hashable(seq_id)
         seq = self._seqs.get(seq_id)
         if seq is None:
-            raise KeyError(f"seq_id={seq_id!r}: unknown sequence; create() it first "
-                           f"({len(self._seqs)} live sequences)")
+            raise KeyError(f"seq_id={seq_id!r}: unknown sequence; create() it first ({len(self._seqs)} live sequences)")
         return seq
 
     def _check_new_id(self, seq_id: Any) -> None:
         _check_hashable(seq_id)
         if seq_id in self._seqs:
-            raise ValueError(f"seq_id={seq_id!r}: already exists; release() it first or pick "
-                             "a new id")
+            raise ValueError(f"seq_id={seq_id!r}: already exists; release() it first or pick a new id")
         if str(seq_id) in self._names:
-            raise ValueError(f"seq_id={seq_id!r}: str(seq_id) collides with a live sequence's "
-                             "id in snapshot(); pick an id with a distinct str()")
+            raise ValueError(
+                f"seq_id={seq_id!r}: str(seq_id) collides with a live sequence's "
+                "id in snapshot(); pick an id with a distinct str()"
+            )
 
     def _check_block(self, block_id: Any) -> int:
         block_id = check_int("block_id", block_id, 0)
@@ -180,14 +180,15 @@ class PagedKVPool:
         blocks = tuple(blocks)
         checked = [self._check_block(b) for b in blocks]
         if len(set(checked)) != len(checked):
-            raise ValueError(f"blocks={blocks}: a block appears twice; a page table holds each "
-                             "block at most once")
+            raise ValueError(f"blocks={blocks}: a block appears twice; a page table holds each block at most once")
         for b in checked:
             if self._refs[b] == 0:
                 raise ValueError(f"block {b} is free; only allocated blocks can be shared")
             if self._fill(b) != self.block_size:
-                raise ValueError(f"block {b} has {self._fill(b)}/{self.block_size} slots filled; "
-                                 "only full blocks can start a sequence")
+                raise ValueError(
+                    f"block {b} has {self._fill(b)}/{self.block_size} slots filled; "
+                    "only full blocks can start a sequence"
+                )
         seq = _Sequence(num_tokens=len(checked) * self.block_size, table=list(checked))
         self._seqs[seq_id] = seq
         self._names.add(str(seq_id))
@@ -223,7 +224,8 @@ class PagedKVPool:
                 f"append({seq_id!r}, {n_tokens}) needs {needed} free blocks "
                 f"({int(cow)} copy-on-write) but only {len(self._free)} of {self.total_blocks} "
                 "are free; release or truncate sequences, evict cached blocks, or use a larger "
-                "pool")
+                "pool"
+            )
         bs = self.block_size
         copies: list[tuple[int, int, int]] = []
         new_blocks: list[int] = []
@@ -260,16 +262,19 @@ class PagedKVPool:
         self._check_new_id(target_id)
         prefix_tokens = check_int("prefix_tokens", prefix_tokens, 0)
         if prefix_tokens > source.num_tokens:
-            raise ValueError(f"prefix_tokens={prefix_tokens}: longer than source {source_id!r} "
-                             f"(num_tokens {source.num_tokens}); share at most that many")
+            raise ValueError(
+                f"prefix_tokens={prefix_tokens}: longer than source {source_id!r} "
+                f"(num_tokens {source.num_tokens}); share at most that many"
+            )
         start = source.first_block_index * self.block_size
         if 0 < prefix_tokens < start:
-            raise ValueError(f"prefix_tokens={prefix_tokens}: source {source_id!r} released "
-                             f"tokens before {start} (sliding window); share 0 or >= {start}")
+            raise ValueError(
+                f"prefix_tokens={prefix_tokens}: source {source_id!r} released "
+                f"tokens before {start} (sliding window); share 0 or >= {start}"
+            )
         first = source.first_block_index if prefix_tokens else 0
         n_blocks = -(-prefix_tokens // self.block_size) - first
-        target = _Sequence(num_tokens=prefix_tokens, first_block_index=first,
-                           table=source.table[:n_blocks])
+        target = _Sequence(num_tokens=prefix_tokens, first_block_index=first, table=source.table[:n_blocks])
         self._seqs[target_id] = target
         self._names.add(str(target_id))
         for j, b in enumerate(target.table):
@@ -294,12 +299,16 @@ class PagedKVPool:
         seq = self._seq(seq_id)
         num_tokens = check_int("num_tokens", num_tokens, 0)
         if num_tokens > seq.num_tokens:
-            raise ValueError(f"num_tokens={num_tokens}: past the end of {seq_id!r} "
-                             f"(num_tokens {seq.num_tokens}); truncate can only shorten")
+            raise ValueError(
+                f"num_tokens={num_tokens}: past the end of {seq_id!r} "
+                f"(num_tokens {seq.num_tokens}); truncate can only shorten"
+            )
         start = seq.first_block_index * self.block_size
         if num_tokens < start:
-            raise ValueError(f"num_tokens={num_tokens}: tokens before {start} of {seq_id!r} were "
-                             "released by its sliding window and cannot be resurrected")
+            raise ValueError(
+                f"num_tokens={num_tokens}: tokens before {start} of {seq_id!r} were "
+                "released by its sliding window and cannot be resurrected"
+            )
         keep = -(-num_tokens // self.block_size) - seq.first_block_index
         freed: list[int] = []
         for b in seq.table[keep:]:
@@ -317,8 +326,10 @@ class PagedKVPool:
         n_blocks = check_int("n_blocks", n_blocks, 0)
         full = seq.num_tokens // self.block_size - seq.first_block_index
         if n_blocks > full:
-            raise ValueError(f"n_blocks={n_blocks}: {seq_id!r} has only {full} full resident "
-                             "blocks; a partially filled block is still being written")
+            raise ValueError(
+                f"n_blocks={n_blocks}: {seq_id!r} has only {full} full resident "
+                "blocks; a partially filled block is still being written"
+            )
         freed: list[int] = []
         for b in seq.table[:n_blocks]:
             self._detach(b, seq_id, freed)
@@ -331,8 +342,7 @@ class PagedKVPool:
         seq = self._seq(seq_id)
         token_index = check_int("token_index", token_index, 0)
         if token_index > seq.num_tokens:
-            raise ValueError(f"token_index={token_index}: past the end of {seq_id!r} "
-                             f"(num_tokens {seq.num_tokens})")
+            raise ValueError(f"token_index={token_index}: past the end of {seq_id!r} (num_tokens {seq.num_tokens})")
         n_blocks = max(0, token_index // self.block_size - seq.first_block_index)
         return self.drop_leading_blocks(seq_id, n_blocks)
 
@@ -345,8 +355,10 @@ class PagedKVPool:
         if self._refs[block_id] == 0:
             raise ValueError(f"block_id={block_id}: free; only allocated blocks can be retained")
         if self._fill(block_id) != self.block_size:
-            raise ValueError(f"block_id={block_id}: {self._fill(block_id)}/{self.block_size} "
-                             "slots filled; only full blocks can be retained")
+            raise ValueError(
+                f"block_id={block_id}: {self._fill(block_id)}/{self.block_size} "
+                "slots filled; only full blocks can be retained"
+            )
         self._pins[block_id][owner] = self._pins[block_id].get(owner, 0) + 1
         self._refs[block_id] += 1
 
@@ -356,12 +368,13 @@ class PagedKVPool:
         _check_owner(owner)
         pins = self._pins[block_id]
         if not pins:
-            raise ValueError(f"block_id={block_id}: not retained; release_block() undoes "
-                             "retain() only")
+            raise ValueError(f"block_id={block_id}: not retained; release_block() undoes retain() only")
         if owner not in pins:
             owners = ", ".join(sorted(_owner_name(o) for o in pins))
-            raise ValueError(f"block_id={block_id}: owner {_owner_name(owner)} holds no pin on it (its pins "
-                             f"belong to {owners}); only the owner that retained a block may release it")
+            raise ValueError(
+                f"block_id={block_id}: owner {_owner_name(owner)} holds no pin on it (its pins "
+                f"belong to {owners}); only the owner that retained a block may release it"
+            )
         pins[owner] -= 1
         if pins[owner] == 0:
             del pins[owner]
@@ -439,8 +452,7 @@ class PagedKVPool:
 
     @property
     def cache_only_tokens(self) -> int:
-        return self.block_size * sum(1 for b in range(self.total_blocks)
-                                     if self._pins[b] and not self._holders[b])
+        return self.block_size * sum(1 for b in range(self.total_blocks) if self._pins[b] and not self._holders[b])
 
     @property
     def logical_tokens(self) -> int:
@@ -448,8 +460,7 @@ class PagedKVPool:
 
     @property
     def internal_waste_tokens(self) -> int:
-        return (self.physical_capacity_tokens - self.physical_payload_tokens
-                - self.cache_only_tokens)
+        return self.physical_capacity_tokens - self.physical_payload_tokens - self.cache_only_tokens
 
     @property
     def sharing_savings_tokens(self) -> int:
@@ -458,8 +469,7 @@ class PagedKVPool:
     def snapshot(self) -> dict[str, Any]:
         """Deterministic, JSON-serialisable state and accounting figures."""
         sequences = {
-            str(sid): {"num_tokens": s.num_tokens, "blocks": list(s.table),
-                       "first_block_index": s.first_block_index}
+            str(sid): {"num_tokens": s.num_tokens, "blocks": list(s.table), "first_block_index": s.first_block_index}
             for sid, s in sorted(self._seqs.items(), key=lambda kv: str(kv[0]))
         }
         return {
@@ -467,10 +477,12 @@ class PagedKVPool:
             "total_blocks": self.total_blocks,
             "sequences": sequences,
             "free_list": list(self._free),
-            "pinned": {str(b): sum(self._pins[b].values()) for b in range(self.total_blocks)
-                       if self._pins[b]},
-            "pin_owners": {str(b): sorted((_owner_name(o), n) for o, n in self._pins[b].items())
-                           for b in range(self.total_blocks) if self._pins[b]},
+            "pinned": {str(b): sum(self._pins[b].values()) for b in range(self.total_blocks) if self._pins[b]},
+            "pin_owners": {
+                str(b): sorted((_owner_name(o), n) for o, n in self._pins[b].items())
+                for b in range(self.total_blocks)
+                if self._pins[b]
+            },
             "allocated_blocks": self.allocated_blocks,
             "free_blocks": self.free_blocks,
             "physical_capacity_tokens": self.physical_capacity_tokens,
@@ -498,8 +510,10 @@ class PagedKVPool:
                 fail(f"{sid!r}: first_block_index {s.first_block_index} past num_tokens {s.num_tokens}")
             expected = -(-s.num_tokens // bs) - s.first_block_index
             if len(s.table) != expected:
-                fail(f"{sid!r}: page table has {len(s.table)} blocks, expected "
-                     f"ceil({s.num_tokens}/{bs}) - {s.first_block_index} = {expected}")
+                fail(
+                    f"{sid!r}: page table has {len(s.table)} blocks, expected "
+                    f"ceil({s.num_tokens}/{bs}) - {s.first_block_index} = {expected}"
+                )
             if len(set(s.table)) != len(s.table):
                 fail(f"{sid!r}: a block appears twice in its page table {s.table}")
             for j, b in enumerate(s.table):
@@ -512,8 +526,7 @@ class PagedKVPool:
                 fail(f"block {b} has a non-positive pin count {self._pins[b]}")
             pinned = sum(self._pins[b].values())
             if self._refs[b] != len(holders[b]) + pinned:
-                fail(f"block {b}: refcount {self._refs[b]} != {len(holders[b])} page tables + "
-                     f"{pinned} pins")
+                fail(f"block {b}: refcount {self._refs[b]} != {len(holders[b])} page tables + {pinned} pins")
             if self._refs[b] == 0:
                 if b not in free:
                     fail(f"block {b} is unreferenced but not on the free list")

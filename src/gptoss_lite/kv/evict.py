@@ -11,7 +11,8 @@ loses it under both; measure quality (docs/kv-cache.md#compression-and-eviction)
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from gptoss_lite.validation import check_int as _check_int
 
@@ -42,8 +43,10 @@ def heavy_hitter_indices(attention_mass: Sequence[float], budget: int) -> tuple[
     masses = _as_masses(attention_mass)
     _check_int("budget", budget, 1)
     if budget > len(masses):
-        raise ValueError(f"budget={budget}: larger than the {len(masses)} tokens in attention_mass; "
-                         f"use budget <= {len(masses)} (or skip eviction until the cache exceeds the budget)")
+        raise ValueError(
+            f"budget={budget}: larger than the {len(masses)} tokens in attention_mass; "
+            f"use budget <= {len(masses)} (or skip eviction until the cache exceeds the budget)"
+        )
     ranked = sorted(range(len(masses)), key=lambda i: (-masses[i], i))
     return tuple(sorted(ranked[:budget]))
 

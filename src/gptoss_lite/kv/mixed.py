@@ -27,11 +27,15 @@ class _LayerStore:
     def _check(self, k: torch.Tensor, v: torch.Tensor) -> int:
         expected = (self.batch_size, self.kv_heads, k.shape[2], self.head_dim)
         if k.dim() != 4 or tuple(k.shape) != expected or v.shape != k.shape:
-            raise ValueError(f"KV append: got k {tuple(k.shape)}, v {tuple(v.shape)}; expected (B, K, T, D) = "
-                             f"({self.batch_size}, {self.kv_heads}, T, {self.head_dim}) for both")
+            raise ValueError(
+                f"KV append: got k {tuple(k.shape)}, v {tuple(v.shape)}; expected (B, K, T, D) = "
+                f"({self.batch_size}, {self.kv_heads}, T, {self.head_dim}) for both"
+            )
         if self.k is not None and (k.dtype != self.k.dtype or k.device != self.k.device):
-            raise ValueError(f"KV append: dtype/device {k.dtype}/{k.device} differs from the cache's "
-                             f"{self.k.dtype}/{self.k.device}; reset() the cache first")
+            raise ValueError(
+                f"KV append: dtype/device {k.dtype}/{k.device} differs from the cache's "
+                f"{self.k.dtype}/{self.k.device}; reset() the cache first"
+            )
         return k.shape[2]
 
     def reset(self) -> None:
@@ -85,16 +89,16 @@ class RingBuffer(_LayerStore):
             self.v = torch.empty(shape, dtype=v.dtype, device=v.device)
         kb, vb = self._buffers()
         if T >= cap:
-            kb.copy_(k[:, :, T - cap:])
-            vb.copy_(v[:, :, T - cap:])
+            kb.copy_(k[:, :, T - cap :])
+            vb.copy_(v[:, :, T - cap :])
             self.head, self.num_resident = 0, cap
         else:
             first = min(T, cap - self.head)  # slots before the wrap point
-            kb[:, :, self.head:self.head + first] = k[:, :, :first]
-            vb[:, :, self.head:self.head + first] = v[:, :, :first]
+            kb[:, :, self.head : self.head + first] = k[:, :, :first]
+            vb[:, :, self.head : self.head + first] = v[:, :, :first]
             if first < T:
-                kb[:, :, :T - first] = k[:, :, first:]
-                vb[:, :, :T - first] = v[:, :, first:]
+                kb[:, :, : T - first] = k[:, :, first:]
+                vb[:, :, : T - first] = v[:, :, first:]
             self.head = (self.head + T) % cap
             self.num_resident = min(cap, self.num_resident + T)
         self.num_tokens += T
@@ -107,9 +111,11 @@ class RingBuffer(_LayerStore):
         kb, vb = self._buffers()
         start = (self.head - n) % self.capacity
         if start + n <= self.capacity:
-            return kb[:, :, start:start + n], vb[:, :, start:start + n]
-        return (torch.cat((kb[:, :, start:], kb[:, :, :self.head]), dim=2),
-                torch.cat((vb[:, :, start:], vb[:, :, :self.head]), dim=2))
+            return kb[:, :, start : start + n], vb[:, :, start : start + n]
+        return (
+            torch.cat((kb[:, :, start:], kb[:, :, : self.head]), dim=2),
+            torch.cat((vb[:, :, start:], vb[:, :, : self.head]), dim=2),
+        )
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Valid keys and values in chronological order, each (B, K, num_resident, D)."""
@@ -160,8 +166,10 @@ class GrowingBuffer(_LayerStore):
         T = self._check(k, v)
         needed = self.num_resident + T
         if needed > self.cap_tokens:
-            raise MemoryError(f"full-layer KV cache cap exceeded: {self.num_resident} + {T} tokens > cap "
-                              f"{self.cap_tokens}; raise max_tokens_per_full_layer or shorten the sequence")
+            raise MemoryError(
+                f"full-layer KV cache cap exceeded: {self.num_resident} + {T} tokens > cap "
+                f"{self.cap_tokens}; raise max_tokens_per_full_layer or shorten the sequence"
+            )
         if self.k is None or needed > self.capacity:
             new_cap = needed if self.k is None else min(self.cap_tokens, max(needed, int(self.capacity * 1.5) + 1))
             shape = (self.batch_size, self.kv_heads, new_cap, self.head_dim)
@@ -169,12 +177,12 @@ class GrowingBuffer(_LayerStore):
             new_v = torch.empty(shape, dtype=v.dtype, device=v.device)
             if self.num_resident:
                 old_k, old_v = self._buffers()
-                new_k[:, :, :self.num_resident] = old_k[:, :, :self.num_resident]
-                new_v[:, :, :self.num_resident] = old_v[:, :, :self.num_resident]
+                new_k[:, :, : self.num_resident] = old_k[:, :, : self.num_resident]
+                new_v[:, :, : self.num_resident] = old_v[:, :, : self.num_resident]
             self.k, self.v, self.capacity = new_k, new_v, new_cap
         kb, vb = self._buffers()
-        kb[:, :, self.num_resident:needed] = k
-        vb[:, :, self.num_resident:needed] = v
+        kb[:, :, self.num_resident : needed] = k
+        vb[:, :, self.num_resident : needed] = v
         self.num_resident = needed
         self.num_tokens += T
 
@@ -183,7 +191,7 @@ class GrowingBuffer(_LayerStore):
         if self.k is None:
             return self._empty()
         kb, vb = self._buffers()
-        return kb[:, :, :self.num_resident], vb[:, :, :self.num_resident]
+        return kb[:, :, : self.num_resident], vb[:, :, : self.num_resident]
 
     def rollback_floor(self) -> int:
         """A full layer forgets nothing: it can go back to 0."""
@@ -206,15 +214,22 @@ class MixedKVCache(RollbackKVCache):
     always take back R tokens (speculative decoding drafts k tokens and needs R >= k - 1).
     """
 
-    def __init__(self, config: ModelConfig, batch_size: int = 1,
-                 max_tokens_per_full_layer: int = DEFAULT_FULL_CAP_TOKENS, *, rollback_tokens: int = 0):
+    def __init__(
+        self,
+        config: ModelConfig,
+        batch_size: int = 1,
+        max_tokens_per_full_layer: int = DEFAULT_FULL_CAP_TOKENS,
+        *,
+        rollback_tokens: int = 0,
+    ):
         self.config = config
         self._batch_size = check_int("batch_size", batch_size, minimum=1)
         check_int("max_tokens_per_full_layer", max_tokens_per_full_layer, minimum=1)
         self.rollback_tokens = check_int("rollback_tokens", rollback_tokens, minimum=0)
         K, D = config.n_kv_heads, config.head_dim
         self.layers: list[RingBuffer | GrowingBuffer] = [
-            RingBuffer(batch_size, K, D, config.sliding_window, rollback_tokens) if config.is_sliding(i)
+            RingBuffer(batch_size, K, D, config.sliding_window, rollback_tokens)
+            if config.is_sliding(i)
             else GrowingBuffer(batch_size, K, D, max_tokens_per_full_layer)
             for i in range(config.n_layers)
         ]
@@ -263,8 +278,9 @@ class MixedKVCache(RollbackKVCache):
         for store in self.layers:
             store.reset()
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int
-               ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Store new rotated (B, K, T, D) keys/values of `layer`; return (keys, values, first) as the
         `KVCache` protocol says.
 
@@ -276,8 +292,10 @@ class MixedKVCache(RollbackKVCache):
         """
         store = self.layers[layer]
         if start_pos != store.num_tokens:
-            raise ValueError(f"layer {layer}: start_pos={start_pos} but the cache holds {store.num_tokens} "
-                             f"tokens; positions must continue where the cache ends")
+            raise ValueError(
+                f"layer {layer}: start_pos={start_pos} but the cache holds {store.num_tokens} "
+                f"tokens; positions must continue where the cache ends"
+            )
         T = k.shape[2]
         if isinstance(store, GrowingBuffer):
             store.append(k, v)

@@ -53,6 +53,7 @@ from gptoss_lite.kv.block_pool import DEFAULT_BLOCK_SIZE, PagedKVPool, PoolExhau
 from gptoss_lite.kv.prefix import PrefixCache
 from gptoss_lite.validation import check_int
 
+
 def _word(kind: str) -> str:
     """'sliding-layer' or 'full-layer', for messages."""
     return "sliding-layer" if kind == SLIDING else "full-layer"
@@ -65,9 +66,16 @@ class PagedKVStore:
     same).
     """
 
-    def __init__(self, config: ModelConfig, total_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE,
-                 *, sliding_blocks: int | None = None, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        total_blocks: int,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        *,
+        sliding_blocks: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config: expected a ModelConfig, got {type(config).__name__}")
         total_blocks = check_int("total_blocks", total_blocks, minimum=0)
@@ -109,8 +117,7 @@ class PagedKVStore:
                 self.k[layer][dst, :n] = self.k[layer][src, :n]
                 self.v[layer][dst, :n] = self.v[layer][src, :n]
 
-    def write(self, layer: int, blocks: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> None:
+    def write(self, layer: int, blocks: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write token i's k[i], v[i] (N_tok, K, D) into (blocks[i], slots[i]) of `layer`."""
         self.k[layer][blocks, slots] = k
         self.v[layer][blocks, slots] = v
@@ -158,8 +165,15 @@ class PagedKVCache(RollbackKVCache):
     that far (plus the last step's tokens).
     """
 
-    def __init__(self, config: ModelConfig, store: PagedKVStore, seq_ids: Sequence[Hashable], *,
-                 rollback_tokens: int = 0, _attached: bool = False) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        store: PagedKVStore,
+        seq_ids: Sequence[Hashable],
+        *,
+        rollback_tokens: int = 0,
+        _attached: bool = False,
+    ) -> None:
         if not isinstance(store, PagedKVStore):
             raise TypeError(f"store: expected a PagedKVStore, got {type(store).__name__}")
         if config != store.config:
@@ -175,8 +189,9 @@ class PagedKVCache(RollbackKVCache):
             for kind, pool in store.pools.items():
                 taken = [s for s in seq_ids if s in pool]
                 if taken:
-                    raise ValueError(f"seq_ids {taken}: already live in the {_word(kind)} pool; "
-                                     "release them or pick new ids")
+                    raise ValueError(
+                        f"seq_ids {taken}: already live in the {_word(kind)} pool; release them or pick new ids"
+                    )
             for pool in store.pools.values():
                 for s in seq_ids:
                     pool.create(s)
@@ -196,9 +211,17 @@ class PagedKVCache(RollbackKVCache):
     # ------------------------------------------------------------------ prefix sharing
 
     @classmethod
-    def from_prefix(cls, config: ModelConfig, store: PagedKVStore, seq_ids: Sequence[Hashable],
-                    prompts: Sequence[Sequence[int]], scope: str, revision: str, *,
-                    rollback_tokens: int = 0) -> tuple[PagedKVCache, int]:
+    def from_prefix(
+        cls,
+        config: ModelConfig,
+        store: PagedKVStore,
+        seq_ids: Sequence[Hashable],
+        prompts: Sequence[Sequence[int]],
+        scope: str,
+        revision: str,
+        *,
+        rollback_tokens: int = 0,
+    ) -> tuple[PagedKVCache, int]:
         """A cache whose rows start with the prompts' cached blocks, shared in every pool.
 
         Returns (cache, n): the first n tokens of every prompt are cached (the same n for every
@@ -209,15 +232,15 @@ class PagedKVCache(RollbackKVCache):
         """
         seq_ids = tuple(seq_ids)
         if len(prompts) != len(seq_ids):
-            raise ValueError(f"prompts: {len(prompts)} prompts for {len(seq_ids)} seq_ids; "
-                             "give one prompt per row")
+            raise ValueError(f"prompts: {len(prompts)} prompts for {len(seq_ids)} seq_ids; give one prompt per row")
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"seq_ids={seq_ids}: duplicate ids; one distinct id per batch row")
         for kind, pool in store.pools.items():
             if any(s in pool for s in seq_ids):
                 raise ValueError(f"seq_ids {seq_ids}: some are already live in the {_word(kind)} pool")
-        hits = [store.prefix[kind].attach(s, p, scope, revision)
-                for kind in store.pools for s, p in zip(seq_ids, prompts)]
+        hits = [
+            store.prefix[kind].attach(s, p, scope, revision) for kind in store.pools for s, p in zip(seq_ids, prompts)
+        ]
         n = min(hits)
         for pool in store.pools.values():
             for s in seq_ids:
@@ -236,14 +259,20 @@ class PagedKVCache(RollbackKVCache):
             raise ValueError("insert_prefix: a forward pass is in progress; finish it first")
         for s, p in zip(self.seq_ids, prompts):
             if len(p) > self._num_tokens:
-                raise ValueError(f"prompt of {len(p)} tokens but the cache holds {self._num_tokens}; "
-                                 "prefill the prompt first")
+                raise ValueError(
+                    f"prompt of {len(p)} tokens but the cache holds {self._num_tokens}; prefill the prompt first"
+                )
             if SLIDING in self.store.pools and self.store.pools[SLIDING].first_block_index(s):
-                raise ValueError(f"seq {s!r}: its sliding layers already released leading blocks, "
-                                 "so the prompt cannot be cached; insert right after prefill "
-                                 "(prefill in one chunk)")
-        return sum(self.store.prefix[kind].insert(p, scope, revision, seq_id=s)
-                   for kind in self.store.pools for s, p in zip(self.seq_ids, prompts))
+                raise ValueError(
+                    f"seq {s!r}: its sliding layers already released leading blocks, "
+                    "so the prompt cannot be cached; insert right after prefill "
+                    "(prefill in one chunk)"
+                )
+        return sum(
+            self.store.prefix[kind].insert(p, scope, revision, seq_id=s)
+            for kind in self.store.pools
+            for s, p in zip(self.seq_ids, prompts)
+        )
 
     def fork(self, new_seq_ids: Sequence[Hashable]) -> PagedKVCache:
         """A cache whose row b shares every block of row b here (copy-on-write on append)."""
@@ -254,13 +283,11 @@ class PagedKVCache(RollbackKVCache):
             raise ValueError("fork: a forward pass is in progress; finish it first")
         for kind, pool in self.store.pools.items():
             if len(set(new_seq_ids)) != len(new_seq_ids) or any(s in pool for s in new_seq_ids):
-                raise ValueError(f"new_seq_ids={new_seq_ids}: duplicate or already live in the "
-                                 f"{_word(kind)} pool")
+                raise ValueError(f"new_seq_ids={new_seq_ids}: duplicate or already live in the {_word(kind)} pool")
         for pool in self.store.pools.values():
             for src, dst in zip(self.seq_ids, new_seq_ids):
                 pool.share_prefix(src, dst, self._num_tokens)
-        child = PagedKVCache(self.config, self.store, new_seq_ids,
-                             rollback_tokens=self.rollback_tokens, _attached=True)
+        child = PagedKVCache(self.config, self.store, new_seq_ids, rollback_tokens=self.rollback_tokens, _attached=True)
         return child
 
     # ------------------------------------------------------------------ the model's interface
@@ -274,8 +301,9 @@ class PagedKVCache(RollbackKVCache):
         """Tokens held per row: the absolute position of the next token."""
         return self._num_tokens
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int
-               ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Store new rotated K/V (B, K, T, D) of `layer`; return (keys, values, first) as the
         `KVCache` protocol says, chronological.
 
@@ -287,27 +315,36 @@ class PagedKVCache(RollbackKVCache):
         B, K, T, D = k.shape
         expected = (self.batch_size, self.config.n_kv_heads, T, self.config.head_dim)
         if k.dim() != 4 or tuple(k.shape) != expected or v.shape != k.shape or T < 1:
-            raise ValueError(f"KV append: got k {tuple(k.shape)}, v {tuple(v.shape)}; expected "
-                             f"(B, K, T, D) = {expected[:2] + ('T>=1',) + expected[3:]} for both")
+            raise ValueError(
+                f"KV append: got k {tuple(k.shape)}, v {tuple(v.shape)}; expected "
+                f"(B, K, T, D) = {expected[:2] + ('T>=1',) + expected[3:]} for both"
+            )
         if k.dtype != self.store.dtype or k.device != self.store.device:
-            raise ValueError(f"KV append: dtype/device {k.dtype}/{k.device} differs from the "
-                             f"store's {self.store.dtype}/{self.store.device}")
+            raise ValueError(
+                f"KV append: dtype/device {k.dtype}/{k.device} differs from the "
+                f"store's {self.store.dtype}/{self.store.device}"
+            )
         if start_pos != self._layer_tokens[layer]:
-            raise ValueError(f"layer {layer}: start_pos={start_pos} but the cache holds "
-                             f"{self._layer_tokens[layer]} tokens for it; positions must continue "
-                             "where the cache ends")
+            raise ValueError(
+                f"layer {layer}: start_pos={start_pos} but the cache holds "
+                f"{self._layer_tokens[layer]} tokens for it; positions must continue "
+                "where the cache ends"
+            )
         step = self._step
         if step is None or step.start_pos != start_pos:
             if start_pos != self._num_tokens or any(w != self._num_tokens for w in self._layer_tokens):
-                raise ValueError(f"layer {layer}: start_pos={start_pos} starts a new step but the "
-                                 f"previous one is unfinished (written per layer: {self._layer_tokens})")
+                raise ValueError(
+                    f"layer {layer}: start_pos={start_pos} starts a new step but the "
+                    f"previous one is unfinished (written per layer: {self._layer_tokens})"
+                )
             step = self._begin_step(start_pos, T)
         elif step.T != T:
             raise ValueError(f"layer {layer}: {T} new tokens but this step appends {step.T}")
         kind = self.store.kind(layer)
         blocks, slots = step.write_at[kind]
-        self.store.write(layer, blocks, slots, k.transpose(1, 2).reshape(B * T, K, D),
-                         v.transpose(1, 2).reshape(B * T, K, D))
+        self.store.write(
+            layer, blocks, slots, k.transpose(1, 2).reshape(B * T, K, D), v.transpose(1, 2).reshape(B * T, K, D)
+        )
         self._layer_tokens[layer] = start_pos + T
         table, first = step.read[kind]
         S = start_pos + T - first
@@ -335,7 +372,8 @@ class PagedKVCache(RollbackKVCache):
                     f"step at position {start_pos} (+{T} tokens x {self.batch_size} rows) needs {needed} "
                     f"free blocks in the {_word(kind)} pool but {pool.free_blocks} are free (+{freed} the "
                     "window would release); release or truncate sequences, evict prefix-cache "
-                    "blocks, or use a larger store. The cache is unchanged")
+                    "blocks, or use a larger store. The cache is unchanged"
+                )
         step = _Step(start_pos, T)
         dev = self.store.device
         for kind, pool in self.store.pools.items():
@@ -349,8 +387,10 @@ class PagedKVCache(RollbackKVCache):
                 for b, slot in plan.slots:
                     blocks.append(b)
                     slots.append(slot)
-            step.write_at[kind] = (torch.tensor(blocks, dtype=torch.long, device=dev),
-                                   torch.tensor(slots, dtype=torch.long, device=dev))
+            step.write_at[kind] = (
+                torch.tensor(blocks, dtype=torch.long, device=dev),
+                torch.tensor(slots, dtype=torch.long, device=dev),
+            )
             # Reads: all blocks (full), or from the block holding the window's first key.
             first_block = 0 if kind == FULL else max(0, start_pos - self.config.sliding_window + 1) // bs
             rows = []
@@ -433,7 +473,6 @@ class PagedKVCache(RollbackKVCache):
         bs = self.store.block_size
         total = 0
         for kind, pool in self.store.pools.items():
-            tokens = sum(pool.num_tokens(s) - pool.first_block_index(s) * bs
-                         for s in self.seq_ids)
+            tokens = sum(pool.num_tokens(s) - pool.first_block_index(s) * bs for s in self.seq_ids)
             total += tokens * self.store.block_bytes(kind) // bs
         return total

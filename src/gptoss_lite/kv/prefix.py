@@ -13,7 +13,8 @@ Two modes.
   bounds it with least-recently-used eviction.
 - Pool-backed: each cached hash names a physical block of a `PagedKVPool`, and the cache holds one
   *pin* on it (`pool.retain` / `pool.release_block`, with the cache itself as the pin's owner, so no
-  one else can drop it), so a cached block outlives the sequence that computed it. `insert(..., seq_id=)` registers a sequence's full blocks; `attach(seq_id, ...)`
+  one else can drop it), so a cached block outlives the sequence that computed it.
+  `insert(..., seq_id=)` registers a sequence's full blocks; `attach(seq_id, ...)`
   creates a sequence whose page table starts with the cached blocks (reference counts rise — the
   blocks are shared, never copied). `evict(n)` frees up to `n` blocks held by nobody but the cache,
   least recently used first; a block any sequence references is never freed. A caller that gets
@@ -49,8 +50,7 @@ def _encode_bytes(data: bytes) -> bytes:
 def _check_tokens(tokens: Sequence[int]) -> tuple[int, ...]:
     """Return the token ids as a tuple of ints, raising on anything that is not a token id."""
     if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
-        raise TypeError(f"tokens: expected a sequence of ints (list, tuple, range), got "
-                        f"{type(tokens).__name__}")
+        raise TypeError(f"tokens: expected a sequence of ints (list, tuple, range), got {type(tokens).__name__}")
     out = []
     for i, t in enumerate(tokens):
         if isinstance(t, bool) or not isinstance(t, numbers.Integral):
@@ -63,25 +63,31 @@ def _check_tokens(tokens: Sequence[int]) -> tuple[int, ...]:
 
 def _check_key(name: str, value: Any) -> str:
     if not isinstance(value, str):
-        raise TypeError(f"{name}={value!r}: must be a str (e.g. the tenant id or checkpoint "
-                        f"revision), not {type(value).__name__}")
+        raise TypeError(
+            f"{name}={value!r}: must be a str (e.g. the tenant id or checkpoint revision), not {type(value).__name__}"
+        )
     return value
 
 
-def chained_block_hashes(tokens: Sequence[int], scope: str, revision: str,
-                         block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[bytes, ...]:
+def chained_block_hashes(
+    tokens: Sequence[int], scope: str, revision: str, block_size: int = DEFAULT_BLOCK_SIZE
+) -> tuple[bytes, ...]:
     """SHA-256 chain over the full blocks of `tokens`; a trailing partial block gets no hash."""
     block_size = check_int("block_size", block_size, 1)
     tokens = _check_tokens(tokens)
-    extra = _encode_bytes(_check_key("scope", scope).encode()) + \
-        _encode_bytes(_check_key("revision", revision).encode())
+    extra = _encode_bytes(_check_key("scope", scope).encode()) + _encode_bytes(
+        _check_key("revision", revision).encode()
+    )
     parent = b""  # the first block has no parent; its extra key carries scope and revision
     hashes = []
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        block = tokens[start:start + block_size]
-        payload = (_DOMAIN + _encode_bytes(parent)
-                   + _encode_bytes(struct.pack(f"<{block_size}q", *block))
-                   + _encode_bytes(extra))
+        block = tokens[start : start + block_size]
+        payload = (
+            _DOMAIN
+            + _encode_bytes(parent)
+            + _encode_bytes(struct.pack(f"<{block_size}q", *block))
+            + _encode_bytes(extra)
+        )
         parent = hashlib.sha256(payload).digest()
         hashes.append(parent)
         extra = b""
@@ -113,18 +119,23 @@ class PrefixCacheStats:
 class PrefixCache:
     """Chained-hash prefix cache with LRU eviction, optionally sharing a `PagedKVPool`'s blocks."""
 
-    def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, pool: PagedKVPool | None = None, *,
-                 max_blocks: int | None = None) -> None:
+    def __init__(
+        self, block_size: int = DEFAULT_BLOCK_SIZE, pool: PagedKVPool | None = None, *, max_blocks: int | None = None
+    ) -> None:
         block_size = check_int("block_size", block_size, 1)
         if pool is not None:
             if not isinstance(pool, PagedKVPool):
                 raise TypeError(f"pool: expected a PagedKVPool or None, got {type(pool).__name__}")
             if pool.block_size != block_size:
-                raise ValueError(f"block_size={block_size}: differs from the pool's "
-                                 f"{pool.block_size}; pass block_size=pool.block_size")
+                raise ValueError(
+                    f"block_size={block_size}: differs from the pool's "
+                    f"{pool.block_size}; pass block_size=pool.block_size"
+                )
             if max_blocks is not None:
-                raise ValueError("max_blocks: only for the standalone cache (pool=None); a "
-                                 "pool-backed cache is bounded by the pool, use evict()")
+                raise ValueError(
+                    "max_blocks: only for the standalone cache (pool=None); a "
+                    "pool-backed cache is bounded by the pool, use evict()"
+                )
         if max_blocks is not None:
             max_blocks = check_int("max_blocks", max_blocks, 0)
         self.block_size = block_size
@@ -161,8 +172,7 @@ class PrefixCache:
         self._input_tokens += n_tokens
         self._cached_tokens += hit_blocks * self.block_size
 
-    def match(self, tokens: Sequence[int], scope: str, revision: str, *,
-              record: bool = True) -> int:
+    def match(self, tokens: Sequence[int], scope: str, revision: str, *, record: bool = True) -> int:
         """Cached leading tokens of a prompt: a block multiple, stopping at the first miss.
 
         Capped at `len(tokens) - 1` rounded down to a block multiple, so a fully cached prompt
@@ -185,8 +195,7 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ insert / attach
 
-    def insert(self, tokens: Sequence[int], scope: str, revision: str, *,
-               seq_id: Hashable | None = None) -> int:
+    def insert(self, tokens: Sequence[int], scope: str, revision: str, *, seq_id: Hashable | None = None) -> int:
         """Cache the full blocks of `tokens`; return how many blocks were newly cached.
 
         Pool-backed: `seq_id` names the pool sequence holding these tokens (its length must be at
@@ -198,19 +207,25 @@ class PrefixCache:
         table: tuple[int, ...] = ()
         if self.pool is None:
             if seq_id is not None:
-                raise ValueError(f"seq_id={seq_id!r}: a standalone cache (pool=None) tracks "
-                                 "hashes only; drop seq_id or give the cache a pool")
+                raise ValueError(
+                    f"seq_id={seq_id!r}: a standalone cache (pool=None) tracks "
+                    "hashes only; drop seq_id or give the cache a pool"
+                )
         else:
             if seq_id is None:
-                raise ValueError("seq_id: required for a pool-backed cache, naming the pool "
-                                 "sequence that holds these tokens")
+                raise ValueError(
+                    "seq_id: required for a pool-backed cache, naming the pool sequence that holds these tokens"
+                )
             length = self.pool.num_tokens(seq_id)
             if len(tokens) > length:
-                raise ValueError(f"tokens: {len(tokens)} tokens but sequence {seq_id!r} holds "
-                                 f"{length}; insert at most the sequence's tokens")
+                raise ValueError(
+                    f"tokens: {len(tokens)} tokens but sequence {seq_id!r} holds "
+                    f"{length}; insert at most the sequence's tokens"
+                )
             if self.pool.first_block_index(seq_id) != 0:
-                raise ValueError(f"seq_id={seq_id!r}: its sliding window released leading "
-                                 "blocks, so its prefix cannot be cached")
+                raise ValueError(
+                    f"seq_id={seq_id!r}: its sliding window released leading blocks, so its prefix cannot be cached"
+                )
             table = self.pool.page_table(seq_id)
         added = 0
         for i, h in enumerate(hashes):
@@ -235,8 +250,9 @@ class PrefixCache:
         `len(tokens) - cached` tokens and computes them. Counts as one request in `stats()`.
         """
         if self.pool is None:
-            raise ValueError("attach: needs a pool-backed cache; construct "
-                             "PrefixCache(pool=...) or use match() for planning")
+            raise ValueError(
+                "attach: needs a pool-backed cache; construct PrefixCache(pool=...) or use match() for planning"
+            )
         tokens = _check_tokens(tokens)
         hashes = self.block_hashes(tokens, scope, revision)
         k = self._hits(hashes, len(tokens))
@@ -301,8 +317,10 @@ class PrefixCache:
         for block, count in self._block_pins.items():
             held = self.pool.pins(block, owner=self)
             if held != count:
-                raise ValueError(f"block {block}: the pool holds {held} pin(s) of this cache, its entries "
-                                 f"{count}; the pool was changed behind the cache's back (validate() names it)")
+                raise ValueError(
+                    f"block {block}: the pool holds {held} pin(s) of this cache, its entries "
+                    f"{count}; the pool was changed behind the cache's back (validate() names it)"
+                )
 
     def __repr__(self) -> str:
         mode = "standalone" if self.pool is None else "pool-backed"
@@ -312,18 +330,23 @@ class PrefixCache:
 
     def stats(self) -> PrefixCacheStats:
         """Request-hit and reused-token statistics since construction."""
-        return PrefixCacheStats(requests=self._requests, hit_requests=self._hit_requests,
-                                input_tokens=self._input_tokens,
-                                cached_tokens=self._cached_tokens,
-                                cached_blocks=len(self._entries), evicted_blocks=self._evicted)
+        return PrefixCacheStats(
+            requests=self._requests,
+            hit_requests=self._hit_requests,
+            input_tokens=self._input_tokens,
+            cached_tokens=self._cached_tokens,
+            cached_blocks=len(self._entries),
+            evicted_blocks=self._evicted,
+        )
 
     def validate(self) -> None:
         """Check the cache's invariants against its pool; raise AssertionError on a break."""
         pins: dict[int, int] = {}
         for h, block in self._entries.items():
             if (block is None) != (self.pool is None):
-                raise AssertionError(f"PrefixCache invariant broken: entry {h.hex()[:12]} has "
-                                     f"block {block} but pool is {self.pool!r}")
+                raise AssertionError(
+                    f"PrefixCache invariant broken: entry {h.hex()[:12]} has block {block} but pool is {self.pool!r}"
+                )
             if block is not None:
                 pins[block] = pins.get(block, 0) + 1
         if pins != self._block_pins:
@@ -331,12 +354,14 @@ class PrefixCache:
         if self.pool is not None:
             for block, count in pins.items():
                 if self.pool.pins(block, owner=self) != count:
-                    raise AssertionError(f"PrefixCache invariant broken: block {block} has "
-                                         f"{self.pool.pins(block, owner=self)} pool pins of this cache "
-                                         f"!= {count} entries")
+                    raise AssertionError(
+                        f"PrefixCache invariant broken: block {block} has "
+                        f"{self.pool.pins(block, owner=self)} pool pins of this cache "
+                        f"!= {count} entries"
+                    )
                 if self.pool.block_fill(block) != self.block_size:
-                    raise AssertionError(f"PrefixCache invariant broken: cached block {block} "
-                                         "is not full")
+                    raise AssertionError(f"PrefixCache invariant broken: cached block {block} is not full")
         if self.max_blocks is not None and len(self._entries) > self.max_blocks:
-            raise AssertionError(f"PrefixCache invariant broken: {len(self._entries)} entries > "
-                                 f"max_blocks={self.max_blocks}")
+            raise AssertionError(
+                f"PrefixCache invariant broken: {len(self._entries)} entries > max_blocks={self.max_blocks}"
+            )

@@ -11,5 +11,18 @@ from gptoss_lite.model.moe import MoE
 from gptoss_lite.model.rope import RotaryEmbedding, apply_rotary, apply_rotary_tables, rotary_tables, yarn_inv_freq
 from gptoss_lite.model.transformer import GPTOSS, Block, ModelOutput, RMSNorm
 
-__all__ = ["GPTOSS", "Block", "ModelOutput", "RMSNorm", "Attention", "MoE", "RotaryEmbedding",
-           "apply_rotary", "apply_rotary_tables", "rotary_tables", "yarn_inv_freq", "attention_fast", "attention_reference"]
+__all__ = [
+    "GPTOSS",
+    "Block",
+    "ModelOutput",
+    "RMSNorm",
+    "Attention",
+    "MoE",
+    "RotaryEmbedding",
+    "apply_rotary",
+    "apply_rotary_tables",
+    "rotary_tables",
+    "yarn_inv_freq",
+    "attention_fast",
+    "attention_reference",
+]

@@ -38,8 +38,9 @@ def visible_mask(T: int, S: int, q_offset: int, window: int | None, device=None)
     return mask
 
 
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
-                        q_offset: int, window: int | None) -> torch.Tensor:
+def attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, q_offset: int, window: int | None
+) -> torch.Tensor:
     """Dense attention with an explicit sink column. q (B,H,T,D), k/v (B,K,S,D) -> (B,H,T,D)."""
     B, H, T, D = q.shape
     G = H // k.shape[1]
@@ -56,9 +57,16 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks
     return (probs @ v.float()).to(q.dtype)  # (B, H, T, D)
 
 
-def attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
-                   q_offset: int, window: int | None, q_block: int | None = None,
-                   k_block: int | None = None) -> torch.Tensor:
+def attention_fast(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor | None,
+    q_offset: int,
+    window: int | None,
+    q_block: int | None = None,
+    k_block: int | None = None,
+) -> torch.Tensor:
     """Blocked online-softmax attention; same contract as `attention_reference`."""
     B, H, T, D = q.shape
     K, S = k.shape[1], k.shape[2]
@@ -105,8 +113,9 @@ def attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: tor
     return out.view(B, H, T, D).to(q.dtype)
 
 
-def _attend_one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
-                      scale: float) -> torch.Tensor:
+def _attend_one_query(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, scale: float
+) -> torch.Tensor:
     """The decode step: one query per head that sees every key (the caller checked). q (B,H,1,D).
 
     One score row per head, so no blocking and no mask: about ten tensor ops instead of the
@@ -171,7 +180,8 @@ class Attention(nn.Module):
             buf, bias = self._qkv
             q, kv, split = self.q_proj, self.kv_proj, self.q_proj.weight.shape[0]
             if still_packed(buf, q.weight, kv.weight, split) and (
-                    bias is None or still_packed(bias, q.bias, kv.bias, split)):
+                bias is None or still_packed(bias, q.bias, kv.bias, split)
+            ):
                 return self._qkv
             self._qkv = None
         return None
@@ -193,8 +203,15 @@ class Attention(nn.Module):
             self._clamped_sinks = (key, self.sinks.detach().clamp(*self.sink_clamp))
         return self._clamped_sinks[1]
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | None = None, start_pos: int = 0, impl: str = "fast") -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None = None,
+        start_pos: int = 0,
+        impl: str = "fast",
+    ) -> torch.Tensor:
         """x (B, T, C) at absolute positions start_pos…start_pos+T-1 -> (B, T, C); cos, sin are the
         (T, D) tables of `rope.rotary_tables` for this layer's kind.
 
@@ -210,7 +227,7 @@ class Attention(nn.Module):
             kv = self.kv_proj(x)  # (B, T, 2·K·D)
         else:
             w, b = packed
-            qkv = (torch.mm(x.view(B * T, C), w) if b is None else torch.addmm(b, x.view(B * T, C), w))
+            qkv = torch.mm(x.view(B * T, C), w) if b is None else torch.addmm(b, x.view(B * T, C), w)
             q, kv = qkv.view(B, T, -1).split((H * D, 2 * K * D), dim=-1)
         q = q.reshape(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
         kv = kv.reshape(B, T, 2, K, D)

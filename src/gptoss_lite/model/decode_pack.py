@@ -25,8 +25,10 @@ def joined_view(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     strides = torch.empty(shape, device="meta").stride()
     if a.stride() != strides or b.stride() != strides:
         return None
-    if (a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
-            or b.storage_offset() != a.storage_offset() + a.shape[-1]):
+    if (
+        a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+        or b.storage_offset() != a.storage_offset() + a.shape[-1]
+    ):
         return None
     return a.as_strided(shape, strides, a.storage_offset())
 

@@ -1,4 +1,5 @@
-"""Mixture of experts: router, top-k routed experts computed per expert group, shared experts (docs/model.md#moe-and-the-training-forward)."""
+"""Mixture of experts: router, top-k routed experts computed per expert group, shared experts
+(docs/model.md#moe-and-the-training-forward)."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ class Experts(nn.Module):
             buf, bias = self._gate_up
             split = self.gate_proj.shape[1]
             if still_packed(buf, self.gate_proj, self.up_proj, split) and (
-                    bias is None or still_packed(bias, self.gate_bias, self.up_bias, split)):
+                bias is None or still_packed(bias, self.gate_bias, self.up_bias, split)
+            ):
                 return self._gate_up
             self._gate_up = None
         return None
@@ -111,8 +113,9 @@ class Experts(nn.Module):
         """Apply expert e to x (N, C) -> (N, C), down-projection bias included."""
         gate = F.linear(x, self.gate_proj[e], None if self.gate_bias is None else self.gate_bias[e])  # (N, I)
         up = F.linear(x, self.up_proj[e], None if self.up_bias is None else self.up_bias[e])  # (N, I)
-        return F.linear(self._activate(gate, up), self.down_proj[e],
-                        None if self.down_bias is None else self.down_bias[e])
+        return F.linear(
+            self._activate(gate, up), self.down_proj[e], None if self.down_bias is None else self.down_bias[e]
+        )
 
 
 FEW_TOKENS = 16  # up to this many tokens (inference), `Experts.mix_few_tokens` replaces the grouping
@@ -125,10 +128,16 @@ class MoE(nn.Module):
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
         self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=cfg.router_bias)
-        self.experts = Experts(cfg.n_experts, cfg.d_model, cfg.expert_hidden, cfg.activation,
-                               cfg.swiglu_limit, cfg.expert_bias)
-        self.shared = (Experts(cfg.n_shared_experts, cfg.d_model, cfg.expert_hidden, cfg.activation,
-                               cfg.swiglu_limit, cfg.expert_bias) if cfg.n_shared_experts else None)
+        self.experts = Experts(
+            cfg.n_experts, cfg.d_model, cfg.expert_hidden, cfg.activation, cfg.swiglu_limit, cfg.expert_bias
+        )
+        self.shared = (
+            Experts(
+                cfg.n_shared_experts, cfg.d_model, cfg.expert_hidden, cfg.activation, cfg.swiglu_limit, cfg.expert_bias
+            )
+            if cfg.n_shared_experts
+            else None
+        )
 
     def forward(self, x: torch.Tensor, need_aux: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x (B, T, C) -> (y (B, T, C), aux loss scalar or None). Only selected experts run, grouped by expert."""
@@ -159,7 +168,7 @@ class MoE(nn.Module):
         start = 0
         for e, n in enumerate(counts.tolist()):
             if n:
-                outs.append(self.experts.expert(e, sorted_x[start:start + n]))
+                outs.append(self.experts.expert(e, sorted_x[start : start + n]))
                 start += n
         expert_out = torch.cat(outs, dim=0) * sorted_w[:, None]  # (N·A, C)
         y = self._add_shared(flat, torch.zeros_like(flat).index_add_(0, token_of, expert_out))  # (N, C)

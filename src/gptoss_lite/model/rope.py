@@ -10,8 +10,9 @@ from torch import nn
 from gptoss_lite.config import ModelConfig
 
 
-def yarn_inv_freq(head_dim: int, theta: float, factor: float, original_context: int,
-                  beta_fast: float = 32.0, beta_slow: float = 1.0) -> torch.Tensor:
+def yarn_inv_freq(
+    head_dim: int, theta: float, factor: float, original_context: int, beta_fast: float = 32.0, beta_slow: float = 1.0
+) -> torch.Tensor:
     """Inverse frequencies (D/2,) blended between extrapolation and interpolation by the YaRN ramp.
 
     NOTE: `low`/`high` are not rounded (gpt-oss's `truncate = false`); rounding them changes the
@@ -48,8 +49,14 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, cfg: ModelConfig, pruned_pairs: int = 0):
         super().__init__()
-        inv_freq = yarn_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_factor,
-                                 cfg.rope_original_context, cfg.rope_beta_fast, cfg.rope_beta_slow)
+        inv_freq = yarn_inv_freq(
+            cfg.head_dim,
+            cfg.rope_theta,
+            cfg.rope_factor,
+            cfg.rope_original_context,
+            cfg.rope_beta_fast,
+            cfg.rope_beta_slow,
+        )
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # (D/2,)
         self.pruned_pairs = pruned_pairs
         self.concentration = yarn_concentration(cfg.rope_factor)

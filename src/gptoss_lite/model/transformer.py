@@ -113,8 +113,9 @@ class GPTOSS(nn.Module):
         return self
 
     @torch.no_grad()
-    def prepare_for_inference(self, device: str | torch.device | None = None,
-                              dtype: torch.dtype | None = None) -> GPTOSS:
+    def prepare_for_inference(
+        self, device: str | torch.device | None = None, dtype: torch.dtype | None = None
+    ) -> GPTOSS:
         """The one place a model is made ready to generate: weights moved to `device` / `dtype` (None
         keeps them), eval mode (no dropout), then `pack_for_decode`. `load_model` calls it;
         `generate()` checks `inference_ready` and never changes the model itself. Returns self.
@@ -127,15 +128,20 @@ class GPTOSS(nn.Module):
     def inference_ready(self) -> bool:
         """Eval mode with decode-packed weights, as `prepare_for_inference` leaves the model; a later
         .train() or .to(dtype) undoes it."""
-        return not self.training and all(
-            m.is_packed() for m in self.modules() if isinstance(m, (Attention, Experts)))
+        return not self.training and all(m.is_packed() for m in self.modules() if isinstance(m, (Attention, Experts)))
 
     def head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None,
-                cache: KVCache | None = None, start_pos: int = 0, last_only: bool = False,
-                attn_impl: str = "fast") -> ModelOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        start_pos: int = 0,
+        last_only: bool = False,
+        attn_impl: str = "fast",
+    ) -> ModelOutput:
         """input_ids (B, T) at absolute positions start_pos… -> ModelOutput.
 
         targets (B, T) are next-token labels aligned with input positions; -100 is ignored.
@@ -165,6 +171,5 @@ class GPTOSS(nn.Module):
         logits = F.linear(x, self.head_weight())  # (B, T, V)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                   ignore_index=-100)
+            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
         return ModelOutput(logits=logits, loss=loss, aux_loss=aux_total)

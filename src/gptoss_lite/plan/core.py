@@ -30,6 +30,7 @@ KB, MB, GB = 10**3, 10**6, 10**9
 
 # ---- validation helpers ---------------------------------------------------------------------------
 
+
 def _real(name: str, value: Any, *, positive: bool = True) -> float:
     """A finite real number, > 0 (or >= 0 with positive=False); booleans are rejected."""
     if isinstance(value, bool) or not isinstance(value, (int, float, Fraction)):
@@ -49,6 +50,7 @@ def _exact(value: Any) -> Fraction:
 
 
 # ---- geometry and payload (docs/plan.md#kv-geometry-and-payload) -------------------------------------------
+
 
 @dataclass(frozen=True)
 class AttentionKVGeometry:
@@ -74,15 +76,19 @@ class AttentionKVGeometry:
             _int(field_name, getattr(self, field_name), 1)
         _int("sliding_layers", self.sliding_layers, 0)
         if self.sliding_layers > self.attention_layers:
-            raise ValueError(f"sliding_layers={self.sliding_layers}: must be <= "
-                             f"attention_layers={self.attention_layers} (it counts a subset of them)")
+            raise ValueError(
+                f"sliding_layers={self.sliding_layers}: must be <= "
+                f"attention_layers={self.attention_layers} (it counts a subset of them)"
+            )
         if self.sliding_layers and self.sliding_window is None:
             raise ValueError(f"sliding_layers={self.sliding_layers} needs sliding_window=W tokens")
         if self.sliding_window is not None:
             _int("sliding_window", self.sliding_window, 1)
             if not self.sliding_layers:
-                raise ValueError(f"sliding_window={self.sliding_window} given but sliding_layers=0; "
-                                 "pass sliding_window=None for a model without sliding layers")
+                raise ValueError(
+                    f"sliding_window={self.sliding_window} given but sliding_layers=0; "
+                    "pass sliding_window=None for a model without sliding layers"
+                )
 
     @property
     def bytes_per_token_per_layer(self) -> int:
@@ -137,7 +143,7 @@ class MLAKVGeometry:
         return self.bytes_per_token * _int("context_tokens", context_tokens, 0)
 
 
-KVGeometry = Union[AttentionKVGeometry, MLAKVGeometry]
+KVGeometry = Union[AttentionKVGeometry, MLAKVGeometry]  # noqa: UP007 (a runtime alias; X | Y needs 3.10 objects)
 
 
 def _check_geometry(geometry: Any) -> KVGeometry:
@@ -146,8 +152,7 @@ def _check_geometry(geometry: Any) -> KVGeometry:
     return geometry
 
 
-def kv_payload_bytes(geometry: KVGeometry, context_tokens: int, batch_size: int = 1,
-                     kv_scale: float = 1.0) -> int:
+def kv_payload_bytes(geometry: KVGeometry, context_tokens: int, batch_size: int = 1, kv_scale: float = 1.0) -> int:
     """KV payload in bytes: sequence bytes × batch × kv_scale, an exact integer or a ValueError.
 
     `kv_scale` is a storage factor such as bits/16 (0.5 for 8-bit KV). It is read as the decimal the
@@ -160,12 +165,15 @@ def kv_payload_bytes(geometry: KVGeometry, context_tokens: int, batch_size: int 
     raw = geometry.sequence_bytes(context_tokens) * batch_size
     scaled = raw * _exact(kv_scale)
     if scaled.denominator != 1:
-        raise ValueError(f"kv_scale={kv_scale}: {raw} B x {kv_scale} = {float(scaled)} B is not a whole "
-                         "number of bytes; pick a scale (bits/16) that divides the payload exactly")
+        raise ValueError(
+            f"kv_scale={kv_scale}: {raw} B x {kv_scale} = {float(scaled)} B is not a whole "
+            "number of bytes; pick a scale (bits/16) that divides the payload exactly"
+        )
     return int(scaled)
 
 
 # ---- hardware and decode roofline (docs/plan.md#decode-roofline-knee-and-capacity) -------------------------
+
 
 @dataclass(frozen=True)
 class ServingHardware:
@@ -198,7 +206,8 @@ class ServingHardware:
             raise ValueError(
                 f"weights {self.resident_bytes} B + reserve {self.runtime_reserve_bytes} B exceed "
                 f"device_capacity_bytes={self.device_capacity_bytes}; use more devices, smaller "
-                "weights or a smaller reserve")
+                "weights or a smaller reserve"
+            )
 
     @property
     def resident_bytes(self) -> int:
@@ -229,8 +238,9 @@ class DecodeCeiling:
     per_request_tokens_per_second: float  # aggregate / B
 
 
-def decode_ceiling(hw: ServingHardware, geometry: KVGeometry, context_tokens: int, batch_size: int = 1,
-                   kv_scale: float = 1.0) -> DecodeCeiling:
+def decode_ceiling(
+    hw: ServingHardware, geometry: KVGeometry, context_tokens: int, batch_size: int = 1, kv_scale: float = 1.0
+) -> DecodeCeiling:
     """Bandwidth ceiling of decoding `batch_size` requests at `context_tokens` each (upper bound)."""
     _check_hardware(hw)
     kv = kv_payload_bytes(geometry, context_tokens, batch_size, kv_scale)
@@ -239,8 +249,9 @@ def decode_ceiling(hw: ServingHardware, geometry: KVGeometry, context_tokens: in
     return DecodeCeiling(batch_size, context_tokens, kv, total, aggregate, aggregate / batch_size)
 
 
-def arithmetic_intensity(hw: ServingHardware, geometry: KVGeometry, context_tokens: int, batch_size: int = 1,
-                         kv_scale: float = 1.0) -> float:
+def arithmetic_intensity(
+    hw: ServingHardware, geometry: KVGeometry, context_tokens: int, batch_size: int = 1, kv_scale: float = 1.0
+) -> float:
     """Projection-only FLOP per byte of one decode step: 2 · P · B / (W + KV). Compare to the ridge."""
     step = decode_ceiling(hw, geometry, context_tokens, batch_size, kv_scale)
     return 2 * hw.parameter_count * batch_size / step.total_bytes_per_step
@@ -251,24 +262,26 @@ def batch_knee(hw: ServingHardware, geometry: KVGeometry, context_tokens: int, k
     _check_hardware(hw)
     kv = kv_payload_bytes(geometry, context_tokens, 1, kv_scale)
     if kv == 0:
-        raise ValueError(f"context_tokens={context_tokens}: the KV payload is 0 B, so there is no knee; "
-                         "use context_tokens >= 1")
+        raise ValueError(
+            f"context_tokens={context_tokens}: the KV payload is 0 B, so there is no knee; use context_tokens >= 1"
+        )
     return hw.weight_bytes / kv
 
 
-def max_resident_requests(hw: ServingHardware, geometry: KVGeometry, context_tokens: int,
-                          kv_scale: float = 1.0) -> int:
+def max_resident_requests(hw: ServingHardware, geometry: KVGeometry, context_tokens: int, kv_scale: float = 1.0) -> int:
     """KV-only upper bound: (capacity − resident weights − reserve) // KV_payload(N, 1) requests."""
     _check_hardware(hw)
     kv = kv_payload_bytes(geometry, context_tokens, 1, kv_scale)
     if kv == 0:
-        raise ValueError(f"context_tokens={context_tokens}: the KV payload is 0 B, so capacity is unbounded; "
-                         "use context_tokens >= 1")
+        raise ValueError(
+            f"context_tokens={context_tokens}: the KV payload is 0 B, so capacity is unbounded; use context_tokens >= 1"
+        )
     free = hw.device_capacity_bytes - hw.resident_bytes - hw.runtime_reserve_bytes
     return free // kv
 
 
 # ---- FLOP models (docs/plan.md#flop-models; two FLOPs per multiply-add) --------------
+
 
 def _causal_pairs(queries: int, prefix: int, window: int | None) -> int:
     """Query-key pairs of `queries` causal queries after `prefix` cached keys, each seeing <= window keys."""
@@ -282,8 +295,14 @@ def _causal_pairs(queries: int, prefix: int, window: int | None) -> int:
     return growing + capped
 
 
-def attention_flops(layers: int, query_heads: int, head_dim: int, queries: int, cached_prefix: int = 0,
-                    sliding_window: int | None = None) -> int:
+def attention_flops(
+    layers: int,
+    query_heads: int,
+    head_dim: int,
+    queries: int,
+    cached_prefix: int = 0,
+    sliding_window: int | None = None,
+) -> int:
     """QK + AV FLOPs of `queries` causal queries after `cached_prefix` keys: 4·L·H_q·D per pair.
 
     Pairs are `q·p + q(q+1)/2`; with `sliding_window=W` (sliding layers) each query sees at most W keys.
@@ -334,8 +353,9 @@ class CachedInputCost:
     warm_request_cost_ratio: float  # (prefix · read + suffix) / (prefix + suffix)
 
 
-def cached_input_cost(prefix: int, suffix: int, requests: int, read_rate: float = 0.1,
-                      write_rate: float = 1.25) -> CachedInputCost:
+def cached_input_cost(
+    prefix: int, suffix: int, requests: int, read_rate: float = 0.1, write_rate: float = 1.25
+) -> CachedInputCost:
     """Cost of `requests` requests sharing a `prefix`, with and without a prefix cache.
 
     `amortized_cost_factor` is baseline / cached, so > 1 means the cache saves (3.79 for a 7,680-token
@@ -357,6 +377,7 @@ def cached_input_cost(prefix: int, suffix: int, requests: int, read_rate: float 
 
 
 # ---- waste (docs/paged.md#block-pool) ----------------------------------------------------------------------
+
 
 def naive_preallocation_waste(max_tokens: int, used_tokens: int) -> float:
     """Fraction wasted by reserving `max_tokens` slots for a request that uses `used_tokens`."""

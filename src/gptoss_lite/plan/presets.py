@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gptoss_lite.config import PRESETS, ModelConfig, count_active_parameters, count_parameters
-from gptoss_lite.plan.core import (GB, MIB, AttentionKVGeometry, KVGeometry, MLAKVGeometry, ServingHardware,
-                                   _real)
+from gptoss_lite.plan.core import GB, MIB, AttentionKVGeometry, KVGeometry, MLAKVGeometry, ServingHardware, _real
 from gptoss_lite.validation import check_int as _int
 
 
@@ -34,8 +33,9 @@ class ModelWeights:
         _int("total_parameters", self.total_parameters, 1)
         _int("active_parameters", self.active_parameters, 1)
         if self.active_parameters > self.total_parameters:
-            raise ValueError(f"active_parameters={self.active_parameters}: must be <= "
-                             f"total_parameters={self.total_parameters}")
+            raise ValueError(
+                f"active_parameters={self.active_parameters}: must be <= total_parameters={self.total_parameters}"
+            )
         _real("bytes_per_parameter", self.bytes_per_parameter)
         _int("query_heads", self.query_heads, 1)
         _int("attention_head_dim", self.attention_head_dim, 1)
@@ -52,15 +52,26 @@ class ModelWeights:
 
 # ---- our model presets: geometry and parameter counts derived from config.PRESETS --------------------
 
-def geometry_from_model_config(cfg: Any, bytes_per_element: int = 2, *, name: str = "model-config") -> AttentionKVGeometry:
+
+def geometry_from_model_config(
+    cfg: Any, bytes_per_element: int = 2, *, name: str = "model-config"
+) -> AttentionKVGeometry:
     """KV geometry of a `ModelConfig` (duck-typed: n_layers, n_kv_heads, head_dim, sliding_layers, sliding_window)."""
     sliding = len(cfg.sliding_layers)
-    return AttentionKVGeometry(name, cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, bytes_per_element,
-                               sliding, cfg.sliding_window if sliding else None)
+    return AttentionKVGeometry(
+        name,
+        cfg.n_layers,
+        cfg.n_kv_heads,
+        cfg.head_dim,
+        bytes_per_element,
+        sliding,
+        cfg.sliding_window if sliding else None,
+    )
 
 
-def weights_from_model_config(cfg: ModelConfig, bytes_per_parameter: float = 2.0, *,
-                              name: str = "model-config") -> ModelWeights:
+def weights_from_model_config(
+    cfg: ModelConfig, bytes_per_parameter: float = 2.0, *, name: str = "model-config"
+) -> ModelWeights:
     """Parameter counts of a `ModelConfig`, from `config.count_parameters` / `count_active_parameters`.
 
     Active (streamed) parameters leave out an untied input embedding: a token looks up one row of it,
@@ -68,8 +79,14 @@ def weights_from_model_config(cfg: ModelConfig, bytes_per_parameter: float = 2.0
     exclude it too). A tied embedding is also the output head, read in full every step, so it counts.
     """
     embedding = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
-    return ModelWeights(name, count_parameters(cfg), count_active_parameters(cfg) - embedding,
-                        bytes_per_parameter, cfg.n_heads, cfg.head_dim)
+    return ModelWeights(
+        name,
+        count_parameters(cfg),
+        count_active_parameters(cfg) - embedding,
+        bytes_per_parameter,
+        cfg.n_heads,
+        cfg.head_dim,
+    )
 
 
 # ---- presets ----------------------------------------------------------------------------------------
@@ -81,7 +98,8 @@ def weights_from_model_config(cfg: ModelConfig, bytes_per_parameter: float = 2.0
 # them to every digit given.
 
 GEOMETRY_PRESETS: dict[str, KVGeometry] = {
-    g.name: g for g in (
+    g.name: g
+    for g in (
         # A 70B model if it kept one KV head per query head (pre-GQA); the GQA savings baseline.
         AttentionKVGeometry("mha-70b-equivalent", 80, 64, 128),
         AttentionKVGeometry("llama-3.3-70b", 80, 8, 128),
@@ -92,7 +110,8 @@ GEOMETRY_PRESETS: dict[str, KVGeometry] = {
 }
 
 MODEL_WEIGHTS: dict[str, ModelWeights] = {
-    w.name: w for w in (
+    w.name: w
+    for w in (
         # Hypothetical, for the GQA comparison: a dense 70B.
         ModelWeights("mha-70b-equivalent", 70_000_000_000, 70_000_000_000, 2.0, 64, 128),
         # Approximate published figures (Meta model cards): 70.6B and 8.03B parameters.
@@ -128,7 +147,8 @@ class HardwareSpec:
 # context, driver and ECC take part of it, so the decimal figure is the safer capacity upper bound.
 # Bandwidth and dense BF16 FLOP/s are NVIDIA data-sheet values (SXM parts, no sparsity).
 HARDWARE_PRESETS: dict[str, HardwareSpec] = {
-    h.name: h for h in (
+    h.name: h
+    for h in (
         HardwareSpec("a100-80gb", 2.039e12, 312e12, 80 * GB),
         HardwareSpec("h100-sxm", 3.35e12, 989e12, 80 * GB),
         HardwareSpec("h200", 4.8e12, 989e12, 141 * GB),
@@ -155,8 +175,9 @@ def get_hardware(name: str) -> HardwareSpec:
     return _lookup("hardware preset", HARDWARE_PRESETS, name, (THIS_MACHINE,))
 
 
-def serving_hardware(spec: HardwareSpec, weights: ModelWeights, devices: int = 1,
-                     runtime_reserve_bytes: int = 0) -> ServingHardware:
+def serving_hardware(
+    spec: HardwareSpec, weights: ModelWeights, devices: int = 1, runtime_reserve_bytes: int = 0
+) -> ServingHardware:
     """Combine a chip with a model: streamed = active weights, resident = total weights.
 
     `devices` > 1 models ideal tensor parallelism (bandwidth, FLOP/s and memory all scale); that is
@@ -167,9 +188,11 @@ def serving_hardware(spec: HardwareSpec, weights: ModelWeights, devices: int = 1
     need = weights.resident_weight_bytes + runtime_reserve_bytes
     if need > spec.device_capacity_bytes * devices:
         fit = -(-need // spec.device_capacity_bytes)
-        raise ValueError(f"{weights.name} weights {weights.resident_weight_bytes / GB:.1f} GB + reserve "
-                         f"{runtime_reserve_bytes / GB:.1f} GB exceed {devices} x {spec.name} "
-                         f"({spec.device_capacity_bytes / GB:.1f} GB each); use more devices (at least {fit})")
+        raise ValueError(
+            f"{weights.name} weights {weights.resident_weight_bytes / GB:.1f} GB + reserve "
+            f"{runtime_reserve_bytes / GB:.1f} GB exceed {devices} x {spec.name} "
+            f"({spec.device_capacity_bytes / GB:.1f} GB each); use more devices (at least {fit})"
+        )
     return ServingHardware(
         weight_bytes=weights.streamed_weight_bytes,
         bandwidth_bytes_per_second=spec.bandwidth_bytes_per_second * devices,
@@ -178,7 +201,8 @@ def serving_hardware(spec: HardwareSpec, weights: ModelWeights, devices: int = 1
         device_capacity_bytes=spec.device_capacity_bytes * devices,
         runtime_reserve_bytes=runtime_reserve_bytes,
         resident_weight_bytes=weights.resident_weight_bytes,
-        name=spec.name if devices == 1 else f"{devices}x {spec.name}")
+        name=spec.name if devices == 1 else f"{devices}x {spec.name}",
+    )
 
 
 def measure_this_machine(copy_bytes: int = 256 * MIB, repeats: int = 5) -> HardwareSpec:
@@ -208,12 +232,18 @@ def measure_this_machine(copy_bytes: int = 256 * MIB, repeats: int = 5) -> Hardw
         best_mm = min(best_mm, time.perf_counter() - start)
     flops = 2 * n**3 / best_mm
     capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return HardwareSpec(THIS_MACHINE, bandwidth, flops, capacity,
-                        source="measured (numpy copy bandwidth, fp32 matmul FLOP/s, physical RAM)")
+    return HardwareSpec(
+        THIS_MACHINE,
+        bandwidth,
+        flops,
+        capacity,
+        source="measured (numpy copy bandwidth, fp32 matmul FLOP/s, physical RAM)",
+    )
 
 
-def geometry_from_hf_config(config: dict[str, Any], bytes_per_element: int = 2, *,
-                            name: str | None = None) -> AttentionKVGeometry:
+def geometry_from_hf_config(
+    config: dict[str, Any], bytes_per_element: int = 2, *, name: str | None = None
+) -> AttentionKVGeometry:
     """KV geometry of a Hugging Face `config.json` dict.
 
     head_dim comes from `head_dim`, else hidden_size / num_attention_heads; missing
@@ -234,8 +264,9 @@ def geometry_from_hf_config(config: dict[str, Any], bytes_per_element: int = 2, 
     if head_dim is None:
         hidden = _int("hidden_size", config.get("hidden_size"), 1)
         if hidden % heads:
-            raise ValueError(f"hidden_size={hidden} is not divisible by num_attention_heads={heads}; "
-                             "add an explicit head_dim")
+            raise ValueError(
+                f"hidden_size={hidden} is not divisible by num_attention_heads={heads}; add an explicit head_dim"
+            )
         head_dim = hidden // heads
     types = config.get("layer_types") or ()
     if types and len(types) != layers:

@@ -37,9 +37,16 @@ PRECISIONS = ("fp32", "bf16")
 LOSS_ON = ("all", "answer")
 DEVICES = ("auto", "cpu", "cuda")
 # A model section without a preset must give these: ModelConfig's own defaults are the 502M preset.
-_MODEL_SIZE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                      "n_experts", "expert_hidden")
-
+_MODEL_SIZE_FIELDS = (
+    "vocab_size",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "n_experts",
+    "expert_hidden",
+)
 
 
 def _check_float(where: str, value: Any, low: float, high: float, low_open: bool = False) -> None:
@@ -187,8 +194,10 @@ class TrainConfig:
         if self.device not in DEVICES:
             raise ValueError(f"device={self.device!r}: must be one of {DEVICES}")
         if self.data.seq_len > self.model.max_position_embeddings:
-            raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_position_embeddings="
-                             f"{self.model.max_position_embeddings}; shorten seq_len or raise the limit")
+            raise ValueError(
+                f"data.seq_len={self.data.seq_len} exceeds model.max_position_embeddings="
+                f"{self.model.max_position_embeddings}; shorten seq_len or raise the limit"
+            )
         if self.model.vocab_size < 264:
             raise ValueError(f"model.vocab_size={self.model.vocab_size}: the byte tokenizer needs >= 264")
         # The trained context is a property of the run: record it on the model config (docs/training.md).
@@ -197,13 +206,18 @@ class TrainConfig:
 
     # ---- serialisation ----------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         """Build from a parsed YAML/JSON mapping, rejecting unknown keys by name at every level."""
         if not isinstance(data, dict):
             raise ValueError(f"a train config must be a mapping of sections, got {type(data).__name__}")
         _check_keys("train config", data)
-        sections = {"data": DataConfig, "optimizer": OptimizerConfig, "schedule": ScheduleConfig,
-                    "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+        sections = {
+            "data": DataConfig,
+            "optimizer": OptimizerConfig,
+            "schedule": ScheduleConfig,
+            "checkpoint": CheckpointConfig,
+            "logging": LoggingConfig,
+        }
         scalars = {"precision", "gradient_checkpointing", "aux_loss_coef", "seed", "device", "init_from"}
         known = {"model", *sections, *scalars}
         unknown = sorted(set(data) - known)
@@ -213,8 +227,10 @@ class TrainConfig:
         for key, klass in sections.items():
             kwargs[key] = _section(key, klass, data.get(key) or {})
         if data.get("model") is None:
-            raise ValueError("no 'model' section; name the architecture, e.g. model: {preset: lite-tiny}, or give "
-                             f"every size field {list(_MODEL_SIZE_FIELDS)} (nothing falls back to the 502M preset)")
+            raise ValueError(
+                "no 'model' section; name the architecture, e.g. model: {preset: lite-tiny}, or give "
+                f"every size field {list(_MODEL_SIZE_FIELDS)} (nothing falls back to the 502M preset)"
+            )
         if not isinstance(data["model"], dict):
             raise ValueError(f"train config section 'model' must be a mapping, got {data['model']!r}")
         _check_keys("section 'model'", data["model"])
@@ -235,9 +251,11 @@ class TrainConfig:
                 raise ValueError(f"unknown ModelConfig field(s) {unknown_model}; valid fields: {sorted(known_model)}")
             missing = [k for k in _MODEL_SIZE_FIELDS if k not in model_fields]
             if missing:
-                raise ValueError(f"model section without a preset lacks {missing}; give every size field "
-                                 f"{list(_MODEL_SIZE_FIELDS)} or start from a preset (model: {{preset: lite-tiny, "
-                                 "...}); missing fields never fall back to the 502M preset")
+                raise ValueError(
+                    f"model section without a preset lacks {missing}; give every size field "
+                    f"{list(_MODEL_SIZE_FIELDS)} or start from a preset (model: {{preset: lite-tiny, "
+                    "...}); missing fields never fall back to the 502M preset"
+                )
         kwargs["model"] = ModelConfig.from_dict(model_fields)
         kwargs["model_preset"] = preset
         return cls(**kwargs)
@@ -249,11 +267,16 @@ class TrainConfig:
         for key in ("data", "optimizer", "schedule", "checkpoint", "logging"):
             out[key] = dataclasses.asdict(getattr(self, key))
         out["optimizer"]["betas"] = list(self.optimizer.betas)
-        out.update(precision=self.precision, gradient_checkpointing=self.gradient_checkpointing,
-                   aux_loss_coef=self.aux_loss_coef, seed=self.seed, device=self.device)
+        out.update(
+            precision=self.precision,
+            gradient_checkpointing=self.gradient_checkpointing,
+            aux_loss_coef=self.aux_loss_coef,
+            seed=self.seed,
+            device=self.device,
+        )
         return out
 
-    def replace(self, **changes: Any) -> "TrainConfig":
+    def replace(self, **changes: Any) -> TrainConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
@@ -261,8 +284,10 @@ class TrainConfig:
 def _check_keys(where: str, mapping: dict) -> None:
     bad = [k for k in mapping if not isinstance(k, str)]
     if bad:
-        raise ValueError(f"{where}: key {bad[0]!r} is not a name; keys are words such as 'seq_len' "
-                         "(in YAML, quote a key that looks like a number)")
+        raise ValueError(
+            f"{where}: key {bad[0]!r} is not a name; keys are words such as 'seq_len' "
+            "(in YAML, quote a key that looks like a number)"
+        )
 
 
 def _section(key: str, klass: type, values: Any) -> Any:
@@ -283,19 +308,25 @@ def load_train_config(path: str | Path) -> TrainConfig:
     """Read a TrainConfig from a .yaml/.yml or .json file."""
     path = Path(path)
     if path.is_dir():
-        raise ValueError(f"train config {str(path)!r} is a directory; pass --config PATH to a YAML or JSON file "
-                         "(e.g. configs/demo_cpu.yaml)")
+        raise ValueError(
+            f"train config {str(path)!r} is a directory; pass --config PATH to a YAML or JSON file "
+            "(e.g. configs/demo_cpu.yaml)"
+        )
     if not path.is_file():
-        raise FileNotFoundError(f"train config {str(path)!r} does not exist; pass --config PATH to a YAML or JSON file "
-                                f"(e.g. configs/demo_cpu.yaml)")
+        raise FileNotFoundError(
+            f"train config {str(path)!r} does not exist; pass --config PATH to a YAML or JSON file "
+            f"(e.g. configs/demo_cpu.yaml)"
+        )
     suffix = path.suffix.lower()
     if suffix not in (".json", ".yaml", ".yml"):
         raise ValueError(f"train config {str(path)!r}: unknown extension {path.suffix!r}; use .yaml, .yml or .json")
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"train config {str(path)!r}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at "
-                         f"offset {exc.start}); save it as UTF-8") from None
+        raise ValueError(
+            f"train config {str(path)!r}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at "
+            f"offset {exc.start}); save it as UTF-8"
+        ) from None
     except OSError as exc:
         raise ValueError(f"train config {str(path)!r}: cannot be read ({exc.strerror or exc})") from None
     if suffix == ".json":

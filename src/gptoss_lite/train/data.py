@@ -27,7 +27,8 @@ each DDP rank / gradient-accumulation micro-step draws different rows.
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -88,7 +89,7 @@ class SyntheticRetrievalData:
     `targets[:, t]` is the token after `input_ids[:, t]` (IGNORE_INDEX where not scored).
     """
 
-    def __init__(self, config: "DataConfig", rank: int = 0, world_size: int = 1, grad_accum_steps: int = 1):
+    def __init__(self, config: DataConfig, rank: int = 0, world_size: int = 1, grad_accum_steps: int = 1):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank}: must be in [0, world_size={world_size})")
         if grad_accum_steps < 1:
@@ -101,8 +102,10 @@ class SyntheticRetrievalData:
         self._sentence = sentence_generator(config.filler)
         need = self.max_overhead_tokens()
         if config.seq_len < need + 16:
-            raise ValueError(f"data.seq_len={config.seq_len}: too short for the retrieval documents, whose "
-                             f"fixed parts take up to {need} tokens; use seq_len >= {need + 16}")
+            raise ValueError(
+                f"data.seq_len={config.seq_len}: too short for the retrieval documents, whose "
+                f"fixed parts take up to {need} tokens; use seq_len >= {need + 16}"
+            )
 
     def max_overhead_tokens(self, n_facts: int = 2) -> int:
         """Upper bound on the non-filler tokens of a document (BOS, needles, question, answer, EOS).
@@ -188,8 +191,10 @@ class SyntheticRetrievalData:
     def batch(self, step: int, micro_step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids, targets), each (B, T) long, for this rank's share of optimiser step `step`."""
         if step < 0 or not 0 <= micro_step < self.grad_accum_steps:
-            raise ValueError(f"step={step}, micro_step={micro_step}: need step >= 0 and "
-                             f"0 <= micro_step < grad_accum_steps={self.grad_accum_steps}")
+            raise ValueError(
+                f"step={step}, micro_step={micro_step}: need step >= 0 and "
+                f"0 <= micro_step < grad_accum_steps={self.grad_accum_steps}"
+            )
         cfg = self.config
         B, T = cfg.batch_size, cfg.seq_len
         first_row = (micro_step * self.world_size + self.rank) * B
@@ -199,7 +204,7 @@ class SyntheticRetrievalData:
             rng = random.Random(f"gptoss-lite-train/{cfg.seed}/{step}/{first_row + i}")
             tokens, answer_start = self.document(rng)
             docs[i] = torch.tensor(tokens, dtype=torch.long)
-            mask[i, answer_start - 1:] = True  # target position t predicts token t + 1
+            mask[i, answer_start - 1 :] = True  # target position t predicts token t + 1
         inputs, targets = docs[:, :-1], docs[:, 1:].clone()  # (B, T), (B, T)
         if cfg.loss_on == "answer":
             targets[~mask] = IGNORE_INDEX

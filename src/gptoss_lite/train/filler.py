@@ -21,19 +21,90 @@ import random
 FILLERS = ("procedural", "varied")
 
 # ---- procedural (small bank; stage 1) -----------------------------------------------------------
-ADJ = ("quiet", "copper", "narrow", "patient", "crooked", "silver", "hollow", "gentle", "rusty",
-       "bright", "distant", "heavy", "tiny", "ancient", "restless", "woolen", "salty", "frozen")
-NOUN = ("fisherman", "weaver", "lantern", "goat", "carpenter", "violin", "merchant", "kettle",
-        "sailor", "beetle", "potter", "orchard", "miller", "compass", "shepherd", "ladder", "owl",
-        "blacksmith", "wagon", "falcon")
-_VERB = ("carried", "painted", "followed", "repaired", "counted", "admired", "buried", "polished",
-         "traded", "watched", "dropped", "mended", "chased", "sketched", "weighed")
-_PLACE = ("the harbor", "the mill", "a muddy lane", "the market square", "the old bridge",
-          "a windy hill", "the cellar", "the riverbank", "the workshop", "a pine forest",
-          "the village well", "the lighthouse")
+ADJ = (
+    "quiet",
+    "copper",
+    "narrow",
+    "patient",
+    "crooked",
+    "silver",
+    "hollow",
+    "gentle",
+    "rusty",
+    "bright",
+    "distant",
+    "heavy",
+    "tiny",
+    "ancient",
+    "restless",
+    "woolen",
+    "salty",
+    "frozen",
+)
+NOUN = (
+    "fisherman",
+    "weaver",
+    "lantern",
+    "goat",
+    "carpenter",
+    "violin",
+    "merchant",
+    "kettle",
+    "sailor",
+    "beetle",
+    "potter",
+    "orchard",
+    "miller",
+    "compass",
+    "shepherd",
+    "ladder",
+    "owl",
+    "blacksmith",
+    "wagon",
+    "falcon",
+)
+_VERB = (
+    "carried",
+    "painted",
+    "followed",
+    "repaired",
+    "counted",
+    "admired",
+    "buried",
+    "polished",
+    "traded",
+    "watched",
+    "dropped",
+    "mended",
+    "chased",
+    "sketched",
+    "weighed",
+)
+_PLACE = (
+    "the harbor",
+    "the mill",
+    "a muddy lane",
+    "the market square",
+    "the old bridge",
+    "a windy hill",
+    "the cellar",
+    "the riverbank",
+    "the workshop",
+    "a pine forest",
+    "the village well",
+    "the lighthouse",
+)
 _PREP = ("near", "behind", "beyond", "inside", "across", "under", "beside")
-_TIME = ("At dawn", "Later that week", "Every winter", "Before supper", "Long ago", "By noon",
-         "After the storm", "One evening")
+_TIME = (
+    "At dawn",
+    "Later that week",
+    "Every winter",
+    "Before supper",
+    "Long ago",
+    "By noon",
+    "After the storm",
+    "One evening",
+)
 SYLLABLES = ("ka", "lo", "mi", "ren", "tu", "vos", "sha", "pel", "dri", "qua", "zor", "ne", "fi")
 
 
@@ -49,7 +120,8 @@ def procedural_sentence(rng: random.Random) -> str:
 
 
 # ---- varied (large bank) ------------------------------------------------------------------------
-_V_NOUNS = tuple("""
+_V_NOUNS = tuple(
+    """
 apple anchor attic badger balcony banner barrel basket beacon beard bell bicycle blanket boat bone
 bottle boulder bowl branch brick bucket cabin cable camel candle canoe canyon captain carpet castle
 cave cellar chain chalk chapel cheese chimney circus cliff cloak clover coat comet cookie corner
@@ -65,8 +137,10 @@ scarf school shadow shell ship shovel singer skull sled slipper snail soldier sp
 stair statue stove street sugar swan sword table tailor teacher tent thimble thread tiger toad
 tower tractor tree trumpet tulip tunnel turtle umbrella valley vase village wallet walrus wheel
 whistle widow window wizard wolf wren yard zebra
-""".split())
-_V_VERBS = tuple("""
+""".split()
+)
+_V_VERBS = tuple(
+    """
 admired argued baked borrowed bounced buried carved chased cleaned climbed collected covered crossed
 dragged drew dropped dug earned emptied entered fetched filled fixed folded followed found gathered
 grabbed greeted guarded hid hugged hunted ignored inspected juggled kicked kissed knitted lifted
@@ -75,14 +149,18 @@ passed picked planted polished pulled pushed questioned raised reached read resc
 sailed scrubbed searched sewed shared shook signed sketched sold sorted spilled squeezed stacked
 stirred stole studied swept tasted threw tied tossed touched traced trimmed tugged turned unpacked
 visited wandered warmed washed watched weighed whistled wiped wrapped wrote
-""".split())
-_V_INTRANSITIVE = tuple("""
+""".split()
+)
+_V_INTRANSITIVE = tuple(
+    """
 arrived blinked coughed danced drifted faded fell flickered floated froze glowed grew hesitated
 howled hummed laughed leaned listened melted nodded paused rang rested roared rose rusted sang
 shivered shrank sighed slept slipped smiled sneezed spun stopped stumbled swayed trembled vanished
 waited walked wept whispered wobbled yawned
-""".split())
-_V_ADJS = tuple("""
+""".split()
+)
+_V_ADJS = tuple(
+    """
 amber awkward bitter blue bold brave brittle broken busy calm careful cheerful chilly clever cloudy
 clumsy crimson curious damp dark dear dim dizzy dry dusty eager early empty faint fancy fierce
 foggy fragile fresh friendly gloomy golden grand green grumpy hasty honest huge humble icy idle
@@ -91,20 +169,62 @@ old orange pale plain polite proud purple rapid rare rough royal rusty sandy sca
 shy silent simple sleepy slow smoky soft sour spare steep sticky stormy strange strict sunny sweet
 swift tall tame tender thick thin tidy tired twisted velvet violet warm weary wet wicked wild
 windy wise wooden young
-""".split())
-_V_ADVERBS = tuple("""
+""".split()
+)
+_V_ADVERBS = tuple(
+    """
 slowly quickly quietly loudly gently suddenly carefully happily sadly bravely calmly eagerly rarely
 often never always soon later again twice nearly almost barely simply softly boldly
-""".split())
-_V_PREPS = ("near", "behind", "beyond", "inside", "across", "under", "beside", "above", "below",
-            "around", "through", "past", "toward", "against", "along", "between", "over", "into")
-_V_NAMES = tuple("""
+""".split()
+)
+_V_PREPS = (
+    "near",
+    "behind",
+    "beyond",
+    "inside",
+    "across",
+    "under",
+    "beside",
+    "above",
+    "below",
+    "around",
+    "through",
+    "past",
+    "toward",
+    "against",
+    "along",
+    "between",
+    "over",
+    "into",
+)
+_V_NAMES = tuple(
+    """
 Ada Boris Clara Dmitri Elena Farid Greta Hugo Ines Jonas Keiko Leon Mira Nadia Oskar Priya Quentin
 Rosa Sven Tamsin Umar Vera Wendel Xenia Yusuf Zora
-""".split())
-_V_OPENERS = ("Then", "Meanwhile", "Still", "Afterwards", "Of course", "Perhaps", "Suddenly", "Later",
-              "Once", "Sometimes", "At last", "In the morning", "By evening", "That night", "For a while",
-              "Without a word", "Every spring", "Even so", "Outside", "Far away")
+""".split()
+)
+_V_OPENERS = (
+    "Then",
+    "Meanwhile",
+    "Still",
+    "Afterwards",
+    "Of course",
+    "Perhaps",
+    "Suddenly",
+    "Later",
+    "Once",
+    "Sometimes",
+    "At last",
+    "In the morning",
+    "By evening",
+    "That night",
+    "For a while",
+    "Without a word",
+    "Every spring",
+    "Even so",
+    "Outside",
+    "Far away",
+)
 _V_CONJ = ("and", "but", "so", "while", "because", "although", "until", "before", "after", "when")
 _V_LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
@@ -181,7 +301,7 @@ def varied_sentence(rng: random.Random) -> str:
         body = f"{rng.choice(_V_OPENERS)}, {_clause(rng)}"
     elif r < 0.86:
         speaker = rng.choice(_V_NAMES)
-        body = f"\"{_cap(_clause(rng))},\" said {speaker}"
+        body = f'"{_cap(_clause(rng))}," said {speaker}'
     elif r < 0.95:
         body = _salad(rng)
     else:

@@ -70,6 +70,7 @@ class TrainSummary:
 
 # ---- distributed helpers ---------------------------------------------------------------------------
 
+
 def _dist_env() -> tuple[int, int, int]:
     """(rank, world_size, local_rank) from the torchrun environment (1 process without it)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -102,8 +103,9 @@ def _average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
 
     device = params[0].device
     has_grad = torch.tensor([float(p.grad is not None) for p in params], device=device)
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                      for p in params] + [has_grad])
+    flat = torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params] + [has_grad]
+    )
     dist.all_reduce(flat)
     n_values = flat.numel() - len(params)
     flat[:n_values] /= world
@@ -111,11 +113,12 @@ def _average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
     offset = 0
     for p, keep in zip(params, present):
         n = p.numel()
-        p.grad = flat[offset:offset + n].view(p.shape).to(p.dtype) if keep else None
+        p.grad = flat[offset : offset + n].view(p.shape).to(p.dtype) if keep else None
         offset += n
 
 
 # ---- optimiser -------------------------------------------------------------------------------------
+
 
 def _build_optimizer(model: torch.nn.Module, config: TrainConfig) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (norm weights, biases and sinks are not decayed)."""
@@ -148,13 +151,17 @@ def _read_optimizer(optimizer: torch.optim.Optimizer, directory: Path, saved) ->
     """The optimiser state dict of a checkpoint, checked against `optimizer`; nothing is changed."""
     path = directory / OPTIMIZER_FILE
     tensors = _read_safetensors(path)
-    if not (isinstance(saved, dict) and isinstance(saved.get("param_groups"), list)
-            and isinstance(saved.get("scalars"), dict)):
+    if not (
+        isinstance(saved, dict)
+        and isinstance(saved.get("param_groups"), list)
+        and isinstance(saved.get("scalars"), dict)
+    ):
         raise ValueError(f"{directory / STATE_FILE}: 'optimizer' must hold 'param_groups' and 'scalars'")
     current = optimizer.state_dict()["param_groups"]
     groups = saved["param_groups"]
-    if len(groups) != len(current) or any(not isinstance(g, dict) or g.get("params") != c["params"]
-                                          or set(g) != set(c) for g, c in zip(groups, current)):
+    if len(groups) != len(current) or any(
+        not isinstance(g, dict) or g.get("params") != c["params"] or set(g) != set(c) for g, c in zip(groups, current)
+    ):
         raise ValueError(f"{directory / STATE_FILE}: optimizer param_groups do not match this model's parameters")
     params = [p for group in optimizer.param_groups for p in group["params"]]
     per_param: dict[int, dict] = {}
@@ -162,16 +169,19 @@ def _read_optimizer(optimizer: torch.optim.Optimizer, directory: Path, saved) ->
         for key, value in items:
             idx, _, name = key.partition(".")
             if not idx.isdigit() or not name or int(idx) >= len(params):
-                raise ValueError(f"{source}: entry {key!r} names no parameter of this model "
-                                 f"(expected '<0..{len(params) - 1}>.<name>')")
+                raise ValueError(
+                    f"{source}: entry {key!r} names no parameter of this model "
+                    f"(expected '<0..{len(params) - 1}>.<name>')"
+                )
             per_param.setdefault(int(idx), {})[name] = value
     for idx, entries in per_param.items():
         for name in ("exp_avg", "exp_avg_sq"):
             value = entries.get(name)
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(params[idx].shape):
                 got = tuple(value.shape) if isinstance(value, torch.Tensor) else value
-                raise ValueError(f"{path}: {idx}.{name} is {got}, expected a tensor of shape "
-                                 f"{tuple(params[idx].shape)}")
+                raise ValueError(
+                    f"{path}: {idx}.{name} is {got}, expected a tensor of shape {tuple(params[idx].shape)}"
+                )
         if "step" not in entries:
             raise ValueError(f"{path}: {idx}.step is missing")
     return {"state": per_param, "param_groups": groups}
@@ -191,6 +201,7 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 # ---- checkpoints -----------------------------------------------------------------------------------
 
+
 def _checkpoint_name(step: int) -> str:
     return f"step_{step:07d}"
 
@@ -200,9 +211,12 @@ def checkpoints_newest_first(out_dir: str | Path) -> list[Path]:
     root = Path(out_dir) / CHECKPOINT_DIR
     if not root.is_dir():
         return []
-    done = [d for d in root.iterdir() if d.is_dir() and d.name.startswith("step_")
-            and d.name[len("step_"):].isdigit() and (d / STATE_FILE).is_file()]
-    return sorted(done, key=lambda d: int(d.name[len("step_"):]), reverse=True)
+    done = [
+        d
+        for d in root.iterdir()
+        if d.is_dir() and d.name.startswith("step_") and d.name[len("step_") :].isdigit() and (d / STATE_FILE).is_file()
+    ]
+    return sorted(done, key=lambda d: int(d.name[len("step_") :]), reverse=True)
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
@@ -225,14 +239,14 @@ def _save_checkpoint(model, optimizer, config: TrainConfig, step: int, out_dir: 
     from safetensors.torch import save_file
 
     save_file({"cpu_rng": torch.get_rng_state()}, str(tmp / RNG_FILE))
-    state = {"format_version": STATE_FORMAT_VERSION, "step": step, "optimizer": opt_state,
-             "config": config.to_dict()}
+    state = {"format_version": STATE_FORMAT_VERSION, "step": step, "optimizer": opt_state, "config": config.to_dict()}
     (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
-    kept = sorted((d for d in root.iterdir() if d.is_dir() and d.name.startswith("step_")
-                   and d.name[len("step_"):].isdigit()),
-                  key=lambda d: int(d.name[len("step_"):]))
+    kept = sorted(
+        (d for d in root.iterdir() if d.is_dir() and d.name.startswith("step_") and d.name[len("step_") :].isdigit()),
+        key=lambda d: int(d.name[len("step_") :]),
+    )
     for old in kept[: -config.checkpoint.keep]:
         # Renamed out of the step_* namespace first: a kill mid-delete leaves hidden debris, never a
         # half-deleted directory that still looks like a checkpoint.
@@ -255,8 +269,10 @@ def _read_checkpoint(model, optimizer, directory: Path) -> dict:
     if not isinstance(state, dict):
         raise ValueError(f"{path}: expected a JSON object, got {type(state).__name__}")
     if state.get("format_version") != STATE_FORMAT_VERSION:
-        raise ValueError(f"{path}: trainer state format {state.get('format_version')!r}, "
-                         f"expected {STATE_FORMAT_VERSION}; start a new run without --resume")
+        raise ValueError(
+            f"{path}: trainer state format {state.get('format_version')!r}, "
+            f"expected {STATE_FORMAT_VERSION}; start a new run without --resume"
+        )
     step = state.get("step")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"{path}: 'step' is {step!r}; expected the int step the checkpoint was written at")
@@ -267,8 +283,9 @@ def _read_checkpoint(model, optimizer, directory: Path) -> dict:
     rng = _read_safetensors(directory / RNG_FILE).get("cpu_rng")
     expected = torch.get_rng_state()
     if not isinstance(rng, torch.Tensor) or rng.dtype != expected.dtype or rng.shape != expected.shape:
-        raise ValueError(f"{directory / RNG_FILE}: 'cpu_rng' must be a {expected.dtype} tensor of shape "
-                         f"{tuple(expected.shape)}")
+        raise ValueError(
+            f"{directory / RNG_FILE}: 'cpu_rng' must be a {expected.dtype} tensor of shape {tuple(expected.shape)}"
+        )
     return {"step": step, "weights": weights, "optimizer": optim, "rng": rng}
 
 
@@ -295,8 +312,10 @@ def _resume_from_newest_intact(model, optimizer, out_dir: Path, is_main: bool) -
         except ValueError as e:
             problems.append(f"{directory.name}: {e}")
             if is_main:
-                print(f"train: warning: checkpoint {directory} is unusable, trying the previous one ({e})",
-                      file=sys.stderr)
+                print(
+                    f"train: warning: checkpoint {directory} is unusable, trying the previous one ({e})",
+                    file=sys.stderr,
+                )
             continue
         return directory, step
     raise ValueError(f"--resume: no usable checkpoint under {out_dir / CHECKPOINT_DIR}: " + "; ".join(problems))
@@ -304,8 +323,10 @@ def _resume_from_newest_intact(model, optimizer, out_dir: Path, is_main: bool) -
 
 # ---- the loop --------------------------------------------------------------------------------------
 
-def train(config: TrainConfig, resume: bool = False, max_steps: int | None = None,
-          progress: bool = True) -> TrainSummary:
+
+def train(
+    config: TrainConfig, resume: bool = False, max_steps: int | None = None, progress: bool = True
+) -> TrainSummary:
     """Train `config.model` on synthetic retrieval data; see the module docstring for outputs.
 
     `resume`: continue from the newest checkpoint in `config.checkpoint.out_dir` (error when none).
@@ -321,8 +342,9 @@ def train(config: TrainConfig, resume: bool = False, max_steps: int | None = Non
     check_out_dir(out_dir)
     resume_dir = latest_checkpoint(out_dir) if resume else None
     if resume and resume_dir is None:
-        raise FileNotFoundError(f"--resume: no checkpoint under {out_dir / CHECKPOINT_DIR}; "
-                                f"run once without --resume first")
+        raise FileNotFoundError(
+            f"--resume: no checkpoint under {out_dir / CHECKPOINT_DIR}; run once without --resume first"
+        )
 
     rank, world, local_rank = _dist_env()
     distributed = world > 1
@@ -366,23 +388,25 @@ def train(config: TrainConfig, resume: bool = False, max_steps: int | None = Non
 
     accum = config.optimizer.grad_accum_steps
     data = SyntheticRetrievalData(config.data, rank=rank, world_size=world, grad_accum_steps=accum)
-    autocast = (torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-                if config.precision == "bf16" else nullcontext())
+    autocast = (
+        torch.autocast(device_type=device.type, dtype=torch.bfloat16) if config.precision == "bf16" else nullcontext()
+    )
     tokens_per_step = config.data.batch_size * config.data.seq_len * accum * world
     if is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
-        print(f"train: {sum(p.numel() for p in model.parameters()):,} parameters, seq_len {config.data.seq_len}, "
-              f"{tokens_per_step:,} tokens/step, {world} process(es) on {device}, precision {config.precision}, "
-              f"steps {start_step}->{end_step}" + (f" (resumed from {resume_dir})" if resume_dir else ""),
-              file=sys.stderr)
+        print(
+            f"train: {sum(p.numel() for p in model.parameters()):,} parameters, seq_len {config.data.seq_len}, "
+            f"{tokens_per_step:,} tokens/step, {world} process(es) on {device}, precision {config.precision}, "
+            f"steps {start_step}->{end_step}" + (f" (resumed from {resume_dir})" if resume_dir else ""),
+            file=sys.stderr,
+        )
 
     summary = TrainSummary(start_step=start_step, end_step=start_step, out_dir=str(out_dir))
     bar = None
     if is_main and progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=end_step, initial=start_step, desc="train", unit="step", file=sys.stderr,
-                   dynamic_ncols=True)
+        bar = tqdm(total=end_step, initial=start_step, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True)
     metrics = open(out_dir / METRICS_FILE, "a") if is_main else None
     t_start = time.perf_counter()
     try:
@@ -419,8 +443,10 @@ def train(config: TrainConfig, resume: bool = False, max_steps: int | None = Non
                 loss_sum, aux_sum = stats[0] / world, stats[1] / world
             loss_value, aux_value = float(loss_sum), float(aux_sum)
             if not math.isfinite(loss_value):
-                raise FloatingPointError(f"step {step}: loss is {loss_value}; lower optimizer.lr "
-                                         f"(now {config.optimizer.lr}) or use precision: fp32")
+                raise FloatingPointError(
+                    f"step {step}: loss is {loss_value}; lower optimizer.lr "
+                    f"(now {config.optimizer.lr}) or use precision: fp32"
+                )
             done = step + 1
             dt = time.perf_counter() - t0
             summary.losses.append(loss_value)
@@ -428,12 +454,27 @@ def train(config: TrainConfig, resume: bool = False, max_steps: int | None = Non
             summary.end_step = done
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss_value:.4f}", aux=f"{aux_value:.3f}", lr=f"{lr:.2e}",
-                                tok_s=f"{tokens_per_step / dt:,.0f}")
+                bar.set_postfix(
+                    loss=f"{loss_value:.4f}",
+                    aux=f"{aux_value:.3f}",
+                    lr=f"{lr:.2e}",
+                    tok_s=f"{tokens_per_step / dt:,.0f}",
+                )
             if metrics is not None and (done % config.logging.every_n_steps == 0 or done == end_step):
-                metrics.write(json.dumps({"step": done, "loss": loss_value, "aux_loss": aux_value, "lr": lr,
-                                          "grad_norm": float(grad_norm), "tokens_per_s": tokens_per_step / dt,
-                                          "elapsed_s": time.perf_counter() - t_start}) + "\n")
+                metrics.write(
+                    json.dumps(
+                        {
+                            "step": done,
+                            "loss": loss_value,
+                            "aux_loss": aux_value,
+                            "lr": lr,
+                            "grad_norm": float(grad_norm),
+                            "tokens_per_s": tokens_per_step / dt,
+                            "elapsed_s": time.perf_counter() - t_start,
+                        }
+                    )
+                    + "\n"
+                )
                 metrics.flush()
             if is_main and done % config.checkpoint.every_n_steps == 0 and done < end_step:
                 _save_checkpoint(model, optimizer, config, done, out_dir)
@@ -448,8 +489,11 @@ def train(config: TrainConfig, resume: bool = False, max_steps: int | None = Non
             final = out_dir / FINAL_DIR
             save_model(model, final, extra_config=_extra_config(config, summary.end_step))
             summary.final_dir = str(final)
-            print(f"train: done at step {summary.end_step}; final loss {summary.final_loss}; "
-                  f"{summary.tokens_per_s:,.0f} tokens/s; model in {final}", file=sys.stderr)
+            print(
+                f"train: done at step {summary.end_step}; final loss {summary.final_loss}; "
+                f"{summary.tokens_per_s:,.0f} tokens/s; model in {final}",
+                file=sys.stderr,
+            )
     finally:
         if lock is not None:
             lock.close()  # releases the flock
@@ -468,8 +512,15 @@ def train(config: TrainConfig, resume: bool = False, max_steps: int | None = Non
 
 def _extra_config(config: TrainConfig, step: int) -> dict:
     """config.json keys beside the model: the tokenizer and how the weights were trained."""
-    return {"tokenizer": "byte", "training": {"step": step, "seq_len": config.data.seq_len,
-                                              "data_seed": config.data.seed, "precision": config.precision}}
+    return {
+        "tokenizer": "byte",
+        "training": {
+            "step": step,
+            "seq_len": config.data.seq_len,
+            "data_seed": config.data.seed,
+            "precision": config.precision,
+        },
+    }
 
 
 def _truncate_metrics(path: Path, step: int) -> None:
@@ -499,13 +550,16 @@ def _truncate_metrics(path: Path, step: int) -> None:
             if number == len(complete) and not tail.strip():
                 tail = line  # the last line, damaged: same as a partial one
                 continue
-            raise ValueError(f"{path}:{number}: not a metrics line ({line[:60]!r}); repair or delete the "
-                             "line, then resume again") from None
+            raise ValueError(
+                f"{path}:{number}: not a metrics line ({line[:60]!r}); repair or delete the line, then resume again"
+            ) from None
         if line_step <= step:
             kept.append(line)
     if tail.strip():
-        print(f"train: warning: {path}: dropped a partial last line ({tail[:60]!r}) left by an interrupted write",
-              file=sys.stderr)
+        print(
+            f"train: warning: {path}: dropped a partial last line ({tail[:60]!r}) left by an interrupted write",
+            file=sys.stderr,
+        )
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, path)
@@ -527,8 +581,10 @@ def _lock_out_dir(out_dir: Path):
         lock.seek(0)
         holder = lock.read().strip() or "?"
         lock.close()
-        raise ValueError(f"{out_dir}: another train run (pid {holder}) is writing this directory; wait for it, "
-                         "stop it, or choose another --out") from None
+        raise ValueError(
+            f"{out_dir}: another train run (pid {holder}) is writing this directory; wait for it, "
+            "stop it, or choose another --out"
+        ) from None
     lock.seek(0)
     lock.truncate()
     lock.write(f"{os.getpid()}\n")
@@ -539,13 +595,16 @@ def _lock_out_dir(out_dir: Path):
 def check_out_dir(out_dir: Path) -> None:
     """Refuse an output directory that cannot be created, before anything is written."""
     if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"output directory {out_dir}: exists and is a file; choose another --out "
-                         "(or checkpoint.out_dir)")
+        raise ValueError(
+            f"output directory {out_dir}: exists and is a file; choose another --out (or checkpoint.out_dir)"
+        )
     for parent in (out_dir, *out_dir.parents):
         if parent.exists():
             if not parent.is_dir():
-                raise ValueError(f"output directory {out_dir}: {parent} is a file, not a directory; "
-                                 "choose another --out (or checkpoint.out_dir)")
+                raise ValueError(
+                    f"output directory {out_dir}: {parent} is a file, not a directory; "
+                    "choose another --out (or checkpoint.out_dir)"
+                )
             if not os.access(parent, os.W_OK | os.X_OK):
                 raise ValueError(f"output directory {out_dir}: {parent} is not writable; choose another --out")
             break
