@@ -94,3 +94,41 @@ def test_package_has_no_import_cycle():
     """No chain of imports among gptoss_lite modules leads back to where it started."""
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+# Which sub-packages a layer may never import (docs/architecture.md#who-imports-whom).
+FORBIDDEN = {
+    "gptoss_lite.kv": (
+        "gptoss_lite.model",
+        "gptoss_lite.generation",
+        "gptoss_lite.speculative",
+        "gptoss_lite.engine",
+        "gptoss_lite.server",
+        "gptoss_lite.commands",
+    ),
+    "gptoss_lite.model": (
+        "gptoss_lite.generation",
+        "gptoss_lite.speculative",
+        "gptoss_lite.checkpoint",
+        "gptoss_lite.evals",
+        "gptoss_lite.train",
+        "gptoss_lite.commands",
+    ),
+    "gptoss_lite.plan": ("gptoss_lite.model", "gptoss_lite.kv", "gptoss_lite.generation"),
+    "gptoss_lite.config": ("gptoss_lite.model", "gptoss_lite.kv"),
+}
+
+
+def test_layers_import_only_downwards():
+    """kv never imports the model, generation or the engine; the model never imports what runs it;
+    plan and config stay below both (the arrows of docs/architecture.md)."""
+    graph = import_graph()
+    broken = [
+        f"{m} -> {dep}"
+        for m, deps in graph.items()
+        for layer, banned in FORBIDDEN.items()
+        if m == layer or m.startswith(layer + ".")
+        for dep in deps
+        if any(dep == b or dep.startswith(b + ".") for b in banned)
+    ]
+    assert not broken, broken
