@@ -1,7 +1,13 @@
 import pytest
 import torch
 
-from gptoss_lite.model.attention import attention_fast, attention_reference, visible_mask
+from gptoss_lite.model.attention import (
+    MIN_UNMASKED_KEYS,
+    _key_blocks,
+    attention_fast,
+    attention_reference,
+    visible_mask,
+)
 
 
 def _qkv(B=2, H=4, K=2, T=7, S=19, D=16, seed=0):
@@ -20,6 +26,8 @@ CASES = [  # (T, S) : full prefill, single-token decode (past the window and ins
     (7, 23),
     (5, 300),
     (64, 64),
+    (9, 700),  # a few queries over a long past: the always-visible band gets its own unmasked blocks
+    (40, 900),
 ]
 
 
@@ -35,6 +43,29 @@ def test_fast_matches_reference(T, S, window, with_sinks, blocks):
     fast = attention_fast(q, k, v, sinks, S - T, window, q_block=blocks[0], k_block=blocks[1])
     assert fast.shape == (2, 4, T, 16)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "lo,hi,k_block,first_q,last_q,window",
+    [
+        (0, 1000, 128, 990, 999, None),  # long band: cut at the causal edge
+        (0, 1000, 4096, 990, 999, None),
+        (0, 300, 4096, 290, 299, None),
+        (872, 1000, 4096, 990, 999, 128),  # window band shorter than MIN_UNMASKED_KEYS: one block
+        (0, 2000, 512, 1500, 1999, 1024),  # window band long enough: cut at both edges
+        (0, 64, 16, 0, 63, None),  # prefill block: no band
+    ],
+)
+def test_key_blocks_tile_the_range_and_respect_the_band(lo, hi, k_block, first_q, last_q, window):
+    """Key blocks tile [lo, hi) in order, each at most k_block keys; when the band every query sees
+    is long enough, no block straddles its edges (so only edge blocks are masked)."""
+    blocks = _key_blocks(lo, hi, k_block, first_q, last_q, window)
+    assert blocks[0][0] == lo and blocks[-1][1] == hi
+    assert all(a < b <= a + k_block for a, b in blocks) and all(p[1] == n[0] for p, n in zip(blocks, blocks[1:]))
+    band_lo = lo if window is None else max(lo, last_q - window + 1)
+    band_hi = first_q + 1
+    if band_hi - band_lo >= MIN_UNMASKED_KEYS:
+        assert not any(a < edge < b for a, b in blocks for edge in (band_lo, band_hi))
 
 
 def test_mask_matches_spec_rule():

@@ -24,6 +24,9 @@ from gptoss_lite.kv.base import KVCache
 from gptoss_lite.model.decode_pack import pack_pair, still_packed
 from gptoss_lite.model.rope import apply_rotary_tables
 
+# A band of keys every query sees gets its own unmasked blocks only from this length on: below it, the
+# ops of the extra blocks cost more than masking (a sliding window of 128 stays one block).
+MIN_UNMASKED_KEYS = 256
 # Budget for one score block (elements of B·H·Tq·Sk); 4M fp32 elements = 16 MiB.
 SCORE_BLOCK_ELEMENTS = 1 << 22
 
@@ -95,8 +98,7 @@ def attention_fast(
         m = sink_init.expand(B, K, G, Tb, 1).reshape(B, K, G * Tb, 1)  # running max (B, K, G·Tb, 1)
         l = torch.ones_like(m) if sinks is not None else torch.zeros_like(m)  # running sum
         acc = torch.zeros(B, K, G * Tb, D, device=q.device, dtype=torch.float32)
-        for ks in range(lo, hi, k_block):
-            ke = min(hi, ks + k_block)
+        for ks, ke in _key_blocks(lo, hi, k_block, first_q, last_q, window):
             s = (rows @ k[:, :, ks:ke].transpose(-1, -2)).float()  # (B, K, G·Tb, Sb)
             fully_visible = ke - 1 <= first_q and (window is None or last_q - ks < window)
             if not fully_visible:
@@ -111,6 +113,20 @@ def attention_fast(
         out_blocks.append((acc / l).view(B, K, G, Tb, D))
     out = out_blocks[0] if len(out_blocks) == 1 else torch.cat(out_blocks, dim=3)  # (B, K, G, T, D)
     return out.view(B, H, T, D).to(q.dtype)
+
+
+def _key_blocks(lo: int, hi: int, k_block: int, first_q: int, last_q: int, window: int | None) -> list[tuple[int, int]]:
+    """Key blocks [ks, ke) covering [lo, hi) for queries at key indices first_q … last_q, at most
+    k_block keys each, cut at the edges of the band that every one of those queries sees (keys <=
+    first_q, and with a window keys >= last_q - window + 1). Blocks inside the band need no mask, so
+    only the few keys at its edges are masked: a handful of queries over a long past (a speculative
+    verification, a prefill chunk after a long prompt) no longer masks the whole history."""
+    cuts = {lo, hi}
+    band_lo = lo if window is None else max(lo, last_q - window + 1)
+    if min(hi, first_q + 1) - band_lo >= MIN_UNMASKED_KEYS:  # else one masked block costs fewer ops
+        cuts.update(edge for edge in (band_lo, first_q + 1) if lo < edge < hi)
+    edges = sorted(cuts)
+    return [(ks, min(end, ks + k_block)) for start, end in zip(edges, edges[1:]) for ks in range(start, end, k_block)]
 
 
 def _attend_one_query(
