@@ -206,6 +206,9 @@ def test_ctrl_c_during_training_is_one_line_with_a_resume_hint(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=env,
+        # NOTE: a runner started in the background inherits SIGINT ignored, and Python installs its
+        # KeyboardInterrupt handler only over the default disposition: restore it for the child.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 120
     while not list((tmp_path / "run").glob("checkpoints/step_*")) and time.monotonic() < deadline:
