@@ -108,7 +108,7 @@ def stream_generate(
     _validate(model, input_ids, max_new_tokens, attn_impl, need_packed=True)
     check_int("prefill_chunk", prefill_chunk, minimum=1)
     B, T = input_ids.shape
-    _validate_speculation(model, input_ids, max_new_tokens, speculate, cache, stats)
+    _validate_speculation(model, input_ids, max_new_tokens, attn_impl, speculate, cache, stats)
     if cache is None:
         cache = MixedKVCache(model.config, batch_size=B, rollback_tokens=0 if speculate is None else speculate.k)
     elif not isinstance(cache, KVCache):
@@ -142,6 +142,7 @@ def _validate_speculation(
     model: GPTOSS,
     input_ids: torch.Tensor,
     max_new_tokens: int,
+    attn_impl: str,
     speculate: Speculation | None,
     cache: KVCache | None,
     stats: SpeculationStats | None,
@@ -164,38 +165,16 @@ def _validate_speculation(
             f"MixedKVCache(..., rollback_tokens={speculate.k}) or pass cache=None"
         )
     if isinstance(speculate, DraftModel):
-        draft, B_T = speculate.model, input_ids.shape
+        draft = speculate.model
         if draft.config.vocab_size != model.config.vocab_size:
             raise ValueError(
                 f"draft model vocab_size={draft.config.vocab_size} differs from the target's "
                 f"{model.config.vocab_size}; a draft must share the target's tokenizer"
             )
-        if not draft.inference_ready:
-            raise ValueError(
-                "draft model is not prepared for inference; call "
-                "draft.prepare_for_inference() first (load_model does it)"
-            )
-        if next(draft.parameters()).device != input_ids.device:
-            raise ValueError(
-                f"draft model is on {next(draft.parameters()).device} but input_ids are on "
-                f"{input_ids.device}; move one of them"
-            )
-        if B_T[1] + max_new_tokens > draft.config.max_position_embeddings:
-            raise ValueError(
-                f"prompt of {B_T[1]} tokens + max_new_tokens={max_new_tokens} exceeds the draft "
-                f"model's maximum of {draft.config.max_position_embeddings} positions"
-            )
-
-
-def _prefill(
-    model: GPTOSS, input_ids: torch.Tensor, cache: KVCache, prefill_chunk: int, attn_impl: str
-) -> torch.Tensor:
-    """Run the prompt's uncached part through the model in chunks; the last position's logits (B, 1, V)."""
-    logits = None
-    for start in range(cache.num_tokens, input_ids.shape[1], prefill_chunk):  # skip a cached prefix
-        piece = input_ids[:, start : start + prefill_chunk]
-        logits = model(piece, cache=cache, start_pos=start, last_only=True, attn_impl=attn_impl).logits
-    return logits
+        try:  # the draft runs the same prompt: the target's checks apply to it too
+            _validate(draft, input_ids, max_new_tokens, attn_impl, need_packed=True)
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"draft model: {err}") from None
 
 
 @torch.inference_mode()
@@ -216,7 +195,7 @@ def _cached_steps(
     done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
     if max_new_tokens == 0:
         return
-    logits = _prefill(model, input_ids, cache, prefill_chunk, attn_impl)
+    logits = model.prefill(input_ids, cache, prefill_chunk, attn_impl)
     prev = None
     for step in range(max_new_tokens):
         token = sample(logits[:, -1], sampling, generator)
@@ -256,7 +235,7 @@ def _speculative_steps(
     if max_new_tokens == 0:
         return
     drafter = make_drafter(speculate, input_ids, prefill_chunk, attn_impl)
-    logits = _prefill(model, input_ids, cache, prefill_chunk, attn_impl)
+    logits = model.prefill(input_ids, cache, prefill_chunk, attn_impl)
     stats.target_forwards += 1
     pending = sample(logits[:, -1], sampling, generator)  # (B,) chosen, not yet in the cache
     new, accepted, prev = pending[:, None], 0, None

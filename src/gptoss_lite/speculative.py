@@ -186,12 +186,8 @@ class _ModelDrafter:
         B = self.seq.shape[0]
         if k == 0:
             return self.seq.new_zeros(B, 0), self.seq.new_zeros(B), None
-        logits = None
-        for start in range(self.cache.num_tokens, self.seq.shape[1], self.prefill_chunk):  # catch up
-            piece = self.seq[:, start : start + self.prefill_chunk]
-            logits = self.model(
-                piece, cache=self.cache, start_pos=start, last_only=True, attn_impl=self.attn_impl
-            ).logits[:, -1]
+        # Catch up on the tokens committed since the last proposal (at least the pending one).
+        logits = self.model.prefill(self.seq, self.cache, self.prefill_chunk, self.attn_impl)[:, -1]
         drafts, dists = [], []
         for i in range(k):
             if sampling.greedy:

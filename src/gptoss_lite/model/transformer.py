@@ -130,6 +130,17 @@ class GPTOSS(nn.Module):
         .train() or .to(dtype) undoes it."""
         return not self.training and all(m.is_packed() for m in self.modules() if isinstance(m, (Attention, Experts)))
 
+    def prefill(self, input_ids: torch.Tensor, cache: KVCache, chunk: int, attn_impl: str = "fast") -> torch.Tensor:
+        """Run the part of input_ids (B, T) that `cache` does not hold yet (positions cache.num_tokens
+        … T - 1) through the model in pieces of at most `chunk` tokens; the last position's logits
+        (B, 1, V). The caller makes sure at least one token is left to run."""
+        logits = None
+        for start in range(cache.num_tokens, input_ids.shape[1], chunk):  # skip what the cache holds
+            piece = input_ids[:, start : start + chunk]
+            logits = self(piece, cache=cache, start_pos=start, last_only=True, attn_impl=attn_impl).logits
+        assert logits is not None, f"prefill: the cache already holds all {input_ids.shape[1]} tokens"
+        return logits
+
     def head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
