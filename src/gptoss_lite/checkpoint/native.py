@@ -137,42 +137,44 @@ def load_model(
       (announced with a warning).
     Loading is strict (see check_state_dict) and never unpickles.
     """
-    path = Path(source)
-    if path.is_dir():
-        return _load_dir(path, device, dtype)
-    if isinstance(source, str) and (source in PRESETS or source in FIXTURES):
-        cfg = resolve_config(source)
+    cfg, layout = read_model_config(source)
+    if layout == "preset":
         warnings.warn(
             f"load_model({source!r}): preset with RANDOM weights (seed={seed}), not a trained model", stacklevel=2
         )
         model = GPTOSS(cfg)
         model.reset_parameters(seed)
         return model.prepare_for_inference(device, dtype)
-    if path.exists():
-        raise ValueError(f"load_model: {path} is a file; pass the model directory that holds {CONFIG_NAME}")
-    raise ValueError(f"load_model: {str(source)!r} is neither a model directory nor a preset; {valid_names()}")
+    directory = Path(source)
+    state = load_hf_state_dict(directory, cfg) if layout == "hf" else read_tensors(directory)
+    return model_from_state_dict(cfg, state, str(directory), device, dtype)
 
 
-def _load_dir(directory: Path, device, dtype) -> GPTOSS:
-    config_path = directory / CONFIG_NAME
-    if not config_path.is_file():
-        raise ValueError(f"{directory}: no {CONFIG_NAME}; not a model directory")
-    data = read_json(config_path)
-    if data.get("model_type") == "gpt_oss":
-        try:
-            cfg = config_from_hf(data)
-        except ValueError as e:
-            raise ValueError(f"{config_path}: {e}") from None
-        state = load_hf_state_dict(directory, cfg)
-    elif "format_version" in data:
-        cfg, _ = read_native_config(directory)
-        state = read_tensors(directory)
-    else:
+def read_model_config(source: str | Path) -> tuple[ModelConfig, str]:
+    """(the ModelConfig `load_model(source)` builds, its layout: "native", "hf" or "preset"), read
+    without touching any weight; raises the errors load_model would, naming the file."""
+    path = Path(source)
+    if path.is_dir():
+        config_path = path / CONFIG_NAME
+        if not config_path.is_file():
+            raise ValueError(f"{path}: no {CONFIG_NAME}; not a model directory")
+        data = read_json(config_path)
+        if data.get("model_type") == "gpt_oss":
+            try:
+                return config_from_hf(data), "hf"
+            except ValueError as e:
+                raise ValueError(f"{config_path}: {e}") from None
+        if "format_version" in data:
+            return read_native_config(path)[0], "native"
         raise ValueError(
             f"{config_path}: neither a gptoss-lite config (format_version) nor an HF gpt-oss "
             f"config (model_type 'gpt_oss'; got model_type={data.get('model_type')!r})"
         )
-    return model_from_state_dict(cfg, state, str(directory), device, dtype)
+    if isinstance(source, str) and (source in PRESETS or source in FIXTURES):
+        return resolve_config(source), "preset"
+    if path.exists():
+        raise ValueError(f"load_model: {path} is a file; pass the model directory that holds {CONFIG_NAME}")
+    raise ValueError(f"load_model: {str(source)!r} is neither a model directory nor a preset; {valid_names()}")
 
 
 def read_weights_for(model: GPTOSS, directory: str | Path) -> dict[str, torch.Tensor]:

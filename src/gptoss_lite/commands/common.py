@@ -131,33 +131,6 @@ def resolve_device(text: str):
 # ---- models --------------------------------------------------------------------------------------------
 
 
-def model_config_of(source):
-    """The ModelConfig a --model source would load, read without building the model."""
-    from gptoss_lite.checkpoint.hf import config_from_hf
-    from gptoss_lite.checkpoint.io import CONFIG_NAME, read_json
-    from gptoss_lite.checkpoint.native import read_native_config
-    from gptoss_lite.config import PRESETS
-    from gptoss_lite.fixtures import FIXTURES, resolve_config
-
-    path = Path(str(source))
-    if path.is_dir():
-        config_path = path / CONFIG_NAME
-        if not config_path.is_file():
-            return None  # load_model says what is wrong with the directory
-        data = read_json(config_path)
-        if data.get("model_type") == "gpt_oss":
-            try:
-                return config_from_hf(data)
-            except ValueError as exc:
-                raise ValueError(f"{config_path}: {exc}") from None
-        if "format_version" in data:
-            return read_native_config(path)[0]
-        return None
-    if isinstance(source, str) and (source in PRESETS or source in FIXTURES):
-        return resolve_config(source)
-    return None
-
-
 def load_model_and_tokenizer(args: argparse.Namespace):
     """Resolve --model (default: the shipped demo model), its tokenizer, --device and --threads.
 
@@ -167,6 +140,7 @@ def load_model_and_tokenizer(args: argparse.Namespace):
     import torch
 
     from gptoss_lite.checkpoint import default_model_source, load_model
+    from gptoss_lite.checkpoint.native import read_model_config
     from gptoss_lite.tokenizer import ByteTokenizer, load_tokenizer
 
     device = resolve_device(args.device)
@@ -174,8 +148,8 @@ def load_model_and_tokenizer(args: argparse.Namespace):
     source = args.model if args.model is not None else default_model_source()
     model_dir = source if _is_dir(source) else None
     tokenizer = load_tokenizer(model_dir)
-    cfg = model_config_of(source)
-    if cfg is not None and isinstance(tokenizer, ByteTokenizer) and cfg.vocab_size != tokenizer.vocab_size:
+    cfg, _ = read_model_config(source)  # the same errors load_model gives, before any weight is read
+    if isinstance(tokenizer, ByteTokenizer) and cfg.vocab_size != tokenizer.vocab_size:
         where = f"{source} has no tokenizer.json" if model_dir is not None else f"preset {source!r} has no tokenizer"
         raise ValueError(
             f"--model {source}: vocab_size={cfg.vocab_size:,} but {where}, and the byte tokenizer "
