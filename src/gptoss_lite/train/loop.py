@@ -206,17 +206,17 @@ def _checkpoint_name(step: int) -> str:
     return f"step_{step:07d}"
 
 
-def checkpoints_newest_first(out_dir: str | Path) -> list[Path]:
-    """Checkpoint directories under `out_dir/checkpoints` holding a trainer state, newest first."""
-    root = Path(out_dir) / CHECKPOINT_DIR
+def _step_dirs(root: Path) -> list[Path]:
+    """The `step_<n>` directories directly under `root`, oldest first (hidden temp and trash dirs excluded)."""
     if not root.is_dir():
         return []
-    done = [
-        d
-        for d in root.iterdir()
-        if d.is_dir() and d.name.startswith("step_") and d.name[len("step_") :].isdigit() and (d / STATE_FILE).is_file()
-    ]
-    return sorted(done, key=lambda d: int(d.name[len("step_") :]), reverse=True)
+    steps = {d: d.name.removeprefix("step_") for d in root.iterdir() if d.is_dir() and d.name.startswith("step_")}
+    return sorted((d for d, n in steps.items() if n.isdigit()), key=lambda d: int(steps[d]))
+
+
+def checkpoints_newest_first(out_dir: str | Path) -> list[Path]:
+    """Checkpoint directories under `out_dir/checkpoints` holding a trainer state, newest first."""
+    return [d for d in reversed(_step_dirs(Path(out_dir) / CHECKPOINT_DIR)) if (d / STATE_FILE).is_file()]
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
@@ -243,11 +243,7 @@ def _save_checkpoint(model, optimizer, config: TrainConfig, step: int, out_dir: 
     (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
-    kept = sorted(
-        (d for d in root.iterdir() if d.is_dir() and d.name.startswith("step_") and d.name[len("step_") :].isdigit()),
-        key=lambda d: int(d.name[len("step_") :]),
-    )
-    for old in kept[: -config.checkpoint.keep]:
+    for old in _step_dirs(root)[: -config.checkpoint.keep]:
         # Renamed out of the step_* namespace first: a kill mid-delete leaves hidden debris, never a
         # half-deleted directory that still looks like a checkpoint.
         trash = root / f".old-{old.name}"
