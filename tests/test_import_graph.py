@@ -107,6 +107,8 @@ FORBIDDEN = {
         "gptoss_lite.commands",
     ),
     "gptoss_lite.model": (
+        "gptoss_lite.engine",
+        "gptoss_lite.server",
         "gptoss_lite.generation",
         "gptoss_lite.speculative",
         "gptoss_lite.checkpoint",
@@ -116,6 +118,8 @@ FORBIDDEN = {
     ),
     "gptoss_lite.plan": ("gptoss_lite.model", "gptoss_lite.kv", "gptoss_lite.generation"),
     "gptoss_lite.config": ("gptoss_lite.model", "gptoss_lite.kv"),
+    # the engine runs the model; it is not a command and never knows about HTTP
+    "gptoss_lite.engine": ("gptoss_lite.server", "gptoss_lite.commands", "gptoss_lite.generation"),
 }
 
 
