@@ -52,12 +52,14 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.long, device=self.device), batch, samplers
 
     @torch.inference_mode()
-    def execute(self, step: ScheduledStep) -> list[tuple[Request, int]]:
-        """Run the step; return (request, sampled token) for every request that samples."""
+    def forward(self, step: ScheduledStep) -> tuple[torch.Tensor, list[Request]]:
+        """Run the step's one forward: (logits (M, V), the requests they belong to, in order)."""
         input_ids, batch, samplers = self.build_batch(step)
-        logits = self.model.forward_batch(input_ids, batch)  # (M, V)
-        if not samplers:
-            return []
+        return self.model.forward_batch(input_ids, batch), samplers
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, samplers: list[Request]) -> list[int]:
+        """One token per row of logits (M, V), by each request's own sampling rule."""
         greedy = [i for i, r in enumerate(samplers) if r.config.greedy]
         tokens: list[int] = [0] * len(samplers)
         if greedy:
@@ -67,4 +69,9 @@ class ModelRunner:
         for i, request in enumerate(samplers):
             if not request.config.greedy:
                 tokens[i] = int(sample(logits[i : i + 1], request.config, request.generator)[0])
-        return list(zip(samplers, tokens))
+        return tokens
+
+    def execute(self, step: ScheduledStep) -> list[tuple[Request, int]]:
+        """Run the step; return (request, sampled token) for every request that samples."""
+        logits, samplers = self.forward(step)
+        return list(zip(samplers, self.sample(logits, samplers))) if samplers else []
