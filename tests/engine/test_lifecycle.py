@@ -50,7 +50,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.live: set[str] = set()
         self.expected: dict[str, int] = {}
 
-    @rule(length=st.integers(1, 300), max_tokens=st.integers(1, 8), seed=st.integers(0, 5))
+    @rule(length=st.integers(1, 200), max_tokens=st.integers(1, 6), seed=st.integers(0, 5))
     def add(self, length, max_tokens, seed):
         prompt = [(seed * 31 + i * 7) % self.model.config.vocab_size for i in range(length)]
         rid = self.llm.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
@@ -89,7 +89,7 @@ def test_engine_state_machine(models):
     run_state_machine_as_test(
         EngineMachine,
         settings=settings(
-            max_examples=25, stateful_step_count=25, deadline=None, suppress_health_check=list(HealthCheck)
+            max_examples=15, stateful_step_count=20, deadline=None, suppress_health_check=list(HealthCheck)
         ),
     )
 

@@ -35,8 +35,9 @@ def test_random_arrivals_match_generate(models, name, n, max_len):
 def test_preemption_keeps_outputs(models, name):
     """A pool that fits only a few requests: newer requests are preempted and recomputed, outputs unchanged."""
     model = models(name)
-    work = random_workload(random.Random(7), model.config.vocab_size, 12, 500, 24, 3)
-    llm = LLM(model, kv_blocks=90, max_batch_tokens=128, max_running=12)
+    # Admission reserves only the prompt: long outputs then outgrow the pool and force preemption.
+    work = random_workload(random.Random(7), model.config.vocab_size, 12, 200, 120, 3)
+    llm = LLM(model, kv_blocks=60, max_batch_tokens=128, max_running=12)
     recording(llm)
     done = run(llm, work)
     assert llm.stats().preemptions > 0, "the pool was meant to force preemption"

@@ -104,6 +104,16 @@ class KVManager:
         if n < self.block_size:
             return
         tokens = request.prompt_token_ids[: n - n % self.block_size]
+        if SLIDING in self.store.pools:
+            # Blocks the window released can be cached no more; if the cache evicted one of them under
+            # pressure, the chain of hashes is broken there and nothing after it can be cached.
+            released = self.store.pools[SLIDING].first_block_index(request.request_id) * self.block_size
+            if (
+                released
+                and self.store.prefix[SLIDING].match(tokens[: released + 1], request.scope, self.revision, record=False)
+                < released
+            ):
+                return
         for kind in self.store.pools:
             self.store.prefix[kind].insert(tokens, request.scope, self.revision, seq_id=request.request_id)
 

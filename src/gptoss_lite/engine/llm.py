@@ -119,9 +119,12 @@ class LLM:
         self.tokenizer = tokenizer
         limit = self.config.max_position_embeddings
         self.max_model_len = limit if max_model_len is None else check_int("max_model_len", max_model_len, 1, limit)
+        self.enable_prefix_caching = enable_prefix_caching
         if kv_blocks is None:
             kv_blocks = self._default_blocks(block_size, max_running, param.dtype)
         kv_blocks = check_int("kv_blocks", kv_blocks, 1)
+        if sliding_blocks is None:
+            sliding_blocks = self._default_sliding_blocks(kv_blocks, block_size, max_running, max_batch_tokens)
         store = PagedKVStore(
             self.config, kv_blocks, block_size, sliding_blocks=sliding_blocks, dtype=param.dtype, device=param.device
         )
@@ -148,6 +151,16 @@ class LLM:
         by_memory = DEFAULT_KV_CACHE_BYTES // (token_bytes * block_size)
         by_need = max_running * math.ceil(self.max_model_len / block_size)
         return max(1, min(by_memory, by_need))
+
+    def _default_sliding_blocks(self, kv_blocks: int, block_size: int, max_running: int, max_batch_tokens: int) -> int:
+        """The sliding-layer pool: as large as the full-layer pool while the prefix cache is on (a cached
+        prompt pins its sliding-layer blocks too); without it, what the running requests can hold at
+        once: ceil(W / bs) + 1 blocks each in decode, plus the window and one chunk for a prefill."""
+        if self.enable_prefix_caching or not self.config.sliding_layers:
+            return kv_blocks
+        W = self.config.sliding_window
+        per_request = math.ceil(W / block_size) + 1
+        return min(kv_blocks, max_running * per_request + math.ceil((W + max_batch_tokens) / block_size) + 1)
 
     def _check_pool_fits(self, max_batch_tokens: int) -> None:
         bs = self.kv.block_size

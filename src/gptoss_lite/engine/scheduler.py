@@ -6,8 +6,9 @@ budget as is left). Waiting requests are then admitted, oldest first, while budg
 and free blocks allow. So a long prompt never holds running requests back for more than the one
 chunk that shares their step, and requests join and leave between any two steps.
 
-Admission never over-commits the pool: a request is admitted only when the blocks for its first chunk
-are free (or held only by the prefix cache, which gives them up). When a running request cannot get
+Admission never over-commits the pool: a request is admitted only when the blocks for its whole prompt
+are free (or held only by the prefix cache, which gives them up) beside what the running prompts
+still need. When a running request cannot get
 a block for its next tokens, the newest running request is *preempted by recompute*: its blocks are
 freed and it goes back to the front of the queue, to run its prompt and output so far again later
 (most of it usually comes back from the prefix cache). Its output is unchanged: the tokens it
@@ -19,6 +20,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from gptoss_lite.config import SLIDING
 from gptoss_lite.engine.kv_manager import KVManager
 from gptoss_lite.engine.request import Request, RequestStatus
 from gptoss_lite.kv.block_pool import AppendPlan
@@ -70,14 +72,27 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _admissible(self, request: Request, n_tokens: int) -> bool:
-        """Whether the first chunk surely fits, ignoring any prefix hit (which only needs fewer blocks)."""
+    def _prompt_blocks(self, kind: str, n_tokens: int) -> int:
+        """Blocks of `kind` a request needs to run n_tokens of prompt from scratch (no prefix hit):
+        all of them on full layers; on sliding layers at most a window plus one step's tokens."""
         bs = self.kv.block_size
+        if kind == SLIDING:
+            n_tokens = min(n_tokens, self.kv.config.sliding_window + self.max_batch_tokens)
+        return -(-n_tokens // bs) + 1
+
+    def _admissible(self, request: Request) -> bool:
+        """Whether the request's whole prompt surely fits beside what the running requests still need
+        to finish theirs (a prefix hit only needs fewer blocks). Admitting on the first chunk alone would
+        let new prompts take the blocks running ones are about to need, and preempt in circles."""
         for kind, pool in self.kv.store.pools.items():
             spare = pool.free_blocks
             if self.kv.enable_prefix_caching:
                 spare += self.kv.store.prefix[kind].evictable_blocks
-            if -(-n_tokens // bs) + 1 > spare:
+            for running in self.running:
+                left = running.num_tokens - running.num_computed
+                if left > 1:  # still in its prompt
+                    spare -= self._prompt_blocks(kind, left)
+            if self._prompt_blocks(kind, request.num_tokens) > spare:
                 return False
         return True
 
@@ -103,8 +118,7 @@ class Scheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_running and not step.preempted:
             request = self.waiting[0]
-            n = min(request.num_tokens, budget)
-            if not self._admissible(request, n):
+            if not self._admissible(request):
                 break
             hit = self.kv.start(request)
             if request.num_preemptions == 0:
