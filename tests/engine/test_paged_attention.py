@@ -24,7 +24,7 @@ def _batch(config, store, plan, gen):
             keys = torch.randn(past + new, K, D, generator=gen)
             values = torch.randn(past + new, K, D, generator=gen)
             for i, (b, s) in enumerate(before.slots):
-                store.k[layer][b, s], store.v[layer][b, s] = keys[i], values[i]
+                store.k[layer][:, b, s], store.v[layer][:, b, s] = keys[i], values[i]
             if kind == SLIDING:  # drop what no new query can see, as the engine does
                 pool.release_before(sid, max(0, past - config.sliding_window + 1))
             after = pool.append(sid, new)
@@ -78,7 +78,7 @@ def test_attend_masks_keys_outside_the_window():
     visible_from = 200 - config.sliding_window + 1
     assert first < visible_from  # the first resident block holds invisible keys
     block, slot = table[0], 0
-    store.k[layer][block, slot : visible_from - first] = 1e4
+    store.k[layer][:, block, slot : visible_from - first] = 1e4
     batch._masks.clear()
     after = batch.attend(layer, q, k, v, None, config.sliding_window)
     torch.testing.assert_close(after, before)

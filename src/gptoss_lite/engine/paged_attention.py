@@ -4,8 +4,8 @@
 step's N new tokens sit in one flat batch; each belongs to a *segment* (one request's run of tokens
 at consecutive positions). Per layer, `attend`:
 
-1. writes the N new keys and values into their (block, slot) of the layer's block tensors with one
-   `index_copy_` each;
+1. writes the N new keys and values into their (block, slot) of the layer's head-major block tensors
+   (K, blocks, bs, D) with one `index_copy_` each;
 2. attends the *decode* segments (one token each) together: their block tables, padded to the
    longest, gather the keys of all of them at once, and one additive mask per (layer kind, window)
    and step hides padding, future and out-of-window keys; scores, sinks, softmax and the weighted sum
@@ -77,7 +77,7 @@ class PagedBatch:
                 firsts = torch.tensor([s.tables[kind][1] for s in self.decode], dtype=torch.long)
                 key_pos = firsts[:, None] + torch.arange(width * bs)[None, :]  # (Bd, S)
                 query_pos = torch.tensor([s.start_pos for s in self.decode], dtype=torch.long)[:, None]
-                self._decode_tables[kind] = (table.to(dev), (query_pos - key_pos).to(dev))  # distance (Bd, S)
+                self._decode_tables[kind] = (table.view(-1).to(dev), (query_pos - key_pos).to(dev))  # distance (Bd, S)
             for i, s in enumerate(self.prefill):
                 self._prefill_tables[(i, kind)] = torch.tensor(s.tables[kind][0], dtype=torch.long, device=dev)
 
@@ -105,11 +105,9 @@ class PagedBatch:
         kind = store.kind(layer)
         H, N, D = q.shape
         K = k.shape[0]
-        k_cache = store.k[layer].view(-1, K, D)  # (blocks·bs, K, D)
-        v_cache = store.v[layer].view(-1, K, D)
         slots = self.write_slots[kind]
-        k_cache.index_copy_(0, slots, k.transpose(0, 1))
-        v_cache.index_copy_(0, slots, v.transpose(0, 1))
+        store.k[layer].view(K, -1, D).index_copy_(1, slots, k)  # (K, blocks·bs, D) <- (K, N, D)
+        store.v[layer].view(K, -1, D).index_copy_(1, slots, v)
         if self.all_decode:
             return self._attend_decode(layer, kind, q, sinks, window)
         out = q.new_empty(H, N, D)
@@ -119,8 +117,8 @@ class PagedBatch:
             table = self._prefill_tables[(i, kind)]
             first = s.tables[kind][1]
             n_keys = s.start_pos + s.length - first
-            keys = store.k[layer][table].view(1, -1, K, D)[:, :n_keys].transpose(1, 2)  # (1, K, S, D)
-            values = store.v[layer][table].view(1, -1, K, D)[:, :n_keys].transpose(1, 2)
+            keys = store.k[layer].index_select(1, table).view(1, K, -1, D)[:, :, :n_keys]  # (1, K, S, D)
+            values = store.v[layer].index_select(1, table).view(1, K, -1, D)[:, :, :n_keys]
             rows = q[None, :, s.offset : s.offset + s.length]  # (1, H, T, D)
             out[:, s.offset : s.offset + s.length] = attention_fast(
                 rows, keys, values, sinks, s.start_pos - first, window
@@ -128,7 +126,7 @@ class PagedBatch:
         return out
 
     def _mask(self, kind: str, window: int | None) -> torch.Tensor:
-        """Additive (Bd, 1, 1, S) mask of the decode rows: 0 where visible, -inf elsewhere (built once
+        """Additive (1, Bd, 1, S) mask of the decode rows: 0 where visible, -inf elsewhere (built once
         per layer kind and window per step, shared by the layers)."""
         key = (kind, window)
         if key not in self._masks:
@@ -137,30 +135,33 @@ class PagedBatch:
             if window is not None:
                 visible &= distance < window
             bias = torch.zeros(distance.shape, dtype=torch.float32, device=distance.device)
-            self._masks[key] = bias.masked_fill_(~visible, float("-inf"))[:, None, None, :]
+            self._masks[key] = bias.masked_fill_(~visible, float("-inf"))[None, :, None, :]
         return self._masks[key]
 
     def _attend_decode(
         self, layer: int, kind: str, q: torch.Tensor, sinks: torch.Tensor | None, window: int | None
     ) -> torch.Tensor:
-        """The decode segments: q (H, Bd, D) -> (H, Bd, D), one query each over its padded blocks."""
+        """The decode segments: q (H, Bd, D) -> (H, Bd, D), one query each over its padded blocks.
+
+        One `index_select` per tensor gathers every row's blocks of the head-major store as (K, Bd, S, D);
+        the G query heads of a KV head are rows of one matmul per (KV head, request)."""
         H, Bd, D = q.shape
         store = self.store
         K = store.config.n_kv_heads
         G = H // K
-        table = self._decode_tables[kind][0]  # (Bd, nb)
-        keys = store.k[layer][table].view(Bd, -1, K, D)  # (Bd, S, K, D)
-        values = store.v[layer][table].view(Bd, -1, K, D)
-        rows = q.transpose(0, 1).reshape(Bd, K, G, D)  # head h = kv head h // G, as in attention_fast
-        scores = torch.matmul(rows, keys.permute(0, 2, 3, 1)).float() * D**-0.5  # (Bd, K, G, S)
-        scores = scores + self._mask(kind, window)
+        flat = self._decode_tables[kind][0]  # (Bd·nb,) block ids, row by row
+        keys = store.k[layer].index_select(1, flat).view(K, Bd, -1, D)  # (K, Bd, S, D)
+        values = store.v[layer].index_select(1, flat).view(K, Bd, -1, D)
+        rows = q.view(K, G, Bd, D).transpose(1, 2)  # (K, Bd, G, D): head h = kv head h // G
+        scores = torch.matmul(rows, keys.transpose(-1, -2))  # (K, Bd, G, S)
+        scores = scores.float() * D**-0.5 + self._mask(kind, window)
         m = scores.amax(dim=-1, keepdim=True)
         if sinks is not None:
-            sink = sinks.float().view(1, K, G, 1)
+            sink = sinks.float().view(K, 1, G, 1)
             m = torch.maximum(m, sink)
         p = torch.exp(scores - m)
         denom = p.sum(dim=-1, keepdim=True)
         if sinks is not None:
             denom = denom + torch.exp(sink - m)
-        out = torch.matmul(p.to(values.dtype), values.permute(0, 2, 1, 3)).float() / denom  # (Bd, K, G, D)
-        return out.to(q.dtype).view(Bd, H, D).transpose(0, 1)
+        out = torch.matmul(p.to(values.dtype), values).float() / denom  # (K, Bd, G, D)
+        return out.to(q.dtype).transpose(1, 2).reshape(H, Bd, D)
