@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from gptoss_lite.checkpoint import load_model
 from gptoss_lite.engine.kv_manager import KVManager
 from gptoss_lite.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from gptoss_lite.engine.runner import ModelRunner
@@ -32,6 +33,7 @@ from gptoss_lite.engine.scheduler import Scheduler
 from gptoss_lite.kv.block_pool import DEFAULT_BLOCK_SIZE
 from gptoss_lite.kv.paged_cache import PagedKVStore
 from gptoss_lite.model.transformer import GPTOSS
+from gptoss_lite.tokenizer import ByteTokenizer, load_tokenizer
 from gptoss_lite.validation import check_int
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # both pools together, when kv_blocks is not given
@@ -66,7 +68,7 @@ def _weights_revision(model: GPTOSS) -> str:
     h.update(repr(model.config).encode())
     with torch.no_grad():
         for name, p in model.state_dict().items():
-            h.update(f"{name}{tuple(p.shape)}{p.dtype}{float(p.double().sum())!r}".encode())
+            h.update(f"{name}{tuple(p.shape)}{p.dtype}{float(torch.sum(p, dtype=torch.float64))!r}".encode())
     return h.hexdigest()
 
 
@@ -89,9 +91,6 @@ class LLM:
         enable_prefix_caching: bool = True,
         max_model_len: int | None = None,
     ) -> None:
-        from gptoss_lite.checkpoint import load_model
-        from gptoss_lite.tokenizer import ByteTokenizer, load_tokenizer
-
         block_size = check_int("block_size", block_size, 1)
         max_batch_tokens = check_int("max_batch_tokens", max_batch_tokens, 1)
         max_running = check_int("max_running", max_running, 1)
