@@ -65,3 +65,14 @@ def serve():
     yield start
     for live in started:
         live.__exit__(None, None, None)
+
+
+def tiny_llm(**kwargs):
+    """The engine's LLM on the lite-tiny fixture (seeded random weights, byte tokenizer)."""
+    try:
+        from gptoss_lite.engine import LLM
+    except ImportError:  # TEMPORARY until the engine lands: the fake keeps the same contract
+        from fake_engine import FakeLLM
+
+        return FakeLLM(**kwargs)
+    return LLM("lite-tiny", **kwargs)

@@ -37,7 +37,7 @@ from gptoss_lite.server.metrics import ServerMetrics
 STATIC = Path(__file__).resolve().parent / "static"
 DEFAULT_TENANT = "default"
 MAX_BODY_BYTES = 8 << 20  # a request body over this is a 413 (a prompt this long is over any context anyway)
-DISCONNECT_POLL_S = 0.5  # how often a non-streaming handler checks whether its client is still there
+_CLIENT_GONE = object()  # put on a request's output queue when its client disconnects
 
 
 class ServerState:
@@ -271,8 +271,17 @@ class _Run:
         self.delta = DeltaText(stops)
         self.done = False  # the engine finished it (or failed): nothing to abort
 
+    async def _watch(self, request: Request) -> None:
+        """Wake the reader with _CLIENT_GONE when the server reports that the client disconnected
+        (the body is already read, so the next ASGI message is the disconnect)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.outputs.put_nowait(_CLIENT_GONE)
+
     async def _next(self):
         item = await self.outputs.get()
+        if item is _CLIENT_GONE:
+            return item
         if isinstance(item, EngineFailure):
             self.done = True
             raise P.APIError(500, item.message, type="server_error")
@@ -292,18 +301,16 @@ class _Run:
 
     async def collect(self, request: Request, chat: bool) -> dict:
         """Wait for the whole answer (non-streaming); abort if the client disconnects meanwhile."""
+        watcher = asyncio.ensure_future(self._watch(request))
         try:
             while True:
-                try:
-                    out = await asyncio.wait_for(self._next(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        self._abort()
-                        return {}
-                    continue
+                out = await self._next()
+                if out is _CLIENT_GONE:
+                    return {}  # nobody to answer; the finally aborts the request
                 if out.finished:
                     break
         finally:
+            watcher.cancel()
             self._abort()
         body = P.chat_body if chat else P.completion_body
         return body(self.rid, self.state.model_name, out.text, out.finish_reason, self._usage(out))

@@ -176,8 +176,8 @@ def parse_request(cls: type[_Strict], body: bytes) -> Any:
     try:
         req = cls.model_validate_json(body)
     except ValidationError as exc:
-        err = exc.errors(include_url=False)[0]
-        loc = ".".join(str(p) for p in err["loc"])
+        err = _most_telling(exc.errors(include_url=False))
+        loc = ".".join(str(p) for p in err["loc"] if _is_field(p))
         if err["type"] == "json_invalid":
             raise APIError(400, f"request body is not valid JSON: {err['msg']}") from None
         if err["type"] == "model_type" or not loc:
@@ -189,6 +189,19 @@ def parse_request(cls: type[_Strict], body: bytes) -> Any:
         raise APIError(400, f"{loc}: {err['msg']} (got {err.get('input')!r:.80})", param=loc) from None
     req.check()
     return req
+
+
+def _most_telling(errors: list[dict]) -> dict:
+    """Of the errors for the first bad field, one that says more than "wrong type": a value of the
+    union member whose type matched (a list that is too long) beats "not a string"."""
+    first = errors[0]
+    same_field = [e for e in errors if e["loc"][:1] == first["loc"][:1]]
+    return next((e for e in same_field if not e["type"].endswith("_type")), first)
+
+
+def _is_field(part) -> bool:
+    """Location parts that name a field or an index, not a union member ('list[int]', 'constrained-str')."""
+    return isinstance(part, int) or (part.isidentifier() and part not in ("str", "int", "float", "bool", "list"))
 
 
 # ---- responses -------------------------------------------------------------------------------------------
