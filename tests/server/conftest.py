@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import socket
-import sys
 import threading
 import time
 
 import pytest
+import uvicorn
 
-if importlib.util.find_spec("gptoss_lite.engine") is None:  # TEMPORARY until the engine lands
-    import engine_stub
-
-    sys.modules["gptoss_lite.engine"] = engine_stub
-
-import uvicorn  # noqa: E402
-
-from gptoss_lite.server import create_app  # noqa: E402
+from gptoss_lite.engine import LLM
+from gptoss_lite.server import create_app
 
 
 class LiveServer:
@@ -69,10 +62,4 @@ def serve():
 
 def tiny_llm(**kwargs):
     """The engine's LLM on the lite-tiny fixture (seeded random weights, byte tokenizer)."""
-    try:
-        from gptoss_lite.engine import LLM
-    except ImportError:  # TEMPORARY until the engine lands: the fake keeps the same contract
-        from fake_engine import FakeLLM
-
-        return FakeLLM(**kwargs)
     return LLM("lite-tiny", **kwargs)

@@ -54,6 +54,13 @@ class _Abort:
 
 
 @dataclass
+class _Call:
+    fn: Any  # fn(llm) -> result, run on the engine thread between steps
+    done: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
 class _Stop:
     pass
 
@@ -114,6 +121,15 @@ class EngineLoop:
             raise
         return out
 
+    async def call(self, fn):
+        """Run fn(llm) on the engine thread between two steps and return its result (or raise)."""
+        if not self.alive:
+            raise ShuttingDown("the server is shutting down")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._commands.put(_Call(fn, done, loop))
+        return await done
+
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already finished); its blocks are freed on the engine thread."""
         self._commands.put(_Abort(request_id))
@@ -160,6 +176,13 @@ class EngineLoop:
                 return
             self._routes[cmd.request_id] = (cmd.loop, cmd.out)
             cmd.loop.call_soon_threadsafe(_settle, cmd.done, None)
+        elif isinstance(cmd, _Call):
+            try:
+                result = cmd.fn(llm)
+            except Exception as exc:  # noqa: BLE001 - raised again in the caller
+                cmd.loop.call_soon_threadsafe(_settle, cmd.done, exc)
+                return
+            cmd.loop.call_soon_threadsafe(_settle, cmd.done, None, result)
         elif isinstance(cmd, _Abort):
             if self._routes.pop(cmd.request_id, None) is not None:
                 llm.abort(cmd.request_id)
@@ -195,11 +218,11 @@ class EngineLoop:
         self._routes.clear()
 
 
-def _settle(fut: asyncio.Future, exc: BaseException | None) -> None:
-    if fut.done():  # the handler was cancelled (client gone) while the add was queued
+def _settle(fut: asyncio.Future, exc: BaseException | None, value=None) -> None:
+    if fut.done():  # the handler was cancelled (client gone) while the command was queued
         return
     if exc is None:
-        fut.set_result(None)
+        fut.set_result(value)
     else:
         fut.set_exception(exc)
 

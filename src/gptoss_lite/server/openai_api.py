@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API: `create_app(llm, ...)` returns a FastAPI app.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE with `stream: true`),
-GET /v1/models, GET /health, GET /metrics (Prometheus), GET /stats (engine figures as JSON) and
-GET / (the playground page). The LLM runs on one EngineLoop thread; handlers only queue commands.
+GET /v1/models, GET /health, GET /metrics (Prometheus), GET /stats (engine figures as JSON),
+POST /admin/reset_prefix_cache and GET / (the playground page). The LLM runs on one EngineLoop
+thread; handlers only queue commands.
 
 Tenancy: with `api_keys` ({key: tenant}) every /v1 request needs `Authorization: Bearer KEY`, and
 the prefix-cache scope of its request is its tenant plus any `cache_salt` it sent, so a prefix that
@@ -43,8 +44,9 @@ _CLIENT_GONE = object()  # put on a request's output queue when its client disco
 class ServerState:
     """Everything one app holds: the engine loop, metrics, the served name, the chat template, keys."""
 
-    def __init__(self, llm, *, api_keys, max_waiting, served_model_name, max_body_bytes):
+    def __init__(self, llm, *, api_keys, admin_key, max_waiting, served_model_name, max_body_bytes):
         self.llm = llm
+        self.admin_key = admin_key
         self.model_name = served_model_name or llm.model_name
         self.api_keys = dict(api_keys) if api_keys else None
         self.max_body_bytes = max_body_bytes
@@ -56,6 +58,19 @@ class ServerState:
 
     def _finished(self, output) -> None:
         self.metrics.record_finished(output)
+
+    def admin(self, request: Request) -> None:
+        """Admin routes: open on a server without API keys, else only for `admin_key` (401 otherwise;
+        404 when keys are set and no admin key is)."""
+        if self.api_keys is None:
+            return
+        if self.admin_key is None:
+            raise P.APIError(404, "Not Found", code="not_found")
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.admin_key.encode()):
+            raise P.APIError(
+                401, "admin routes need the admin key", type="authentication_error", code="invalid_api_key"
+            )
 
     def tenant(self, request: Request) -> str:
         """The tenant of the request's API key (APIError 401 for a missing or unknown key)."""
@@ -89,6 +104,7 @@ def create_app(
     llm,
     *,
     api_keys: dict[str, str] | None = None,
+    admin_key: str | None = None,
     max_waiting: int = 256,
     served_model_name: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
@@ -96,11 +112,13 @@ def create_app(
     """A FastAPI app serving `llm`; the engine thread starts and stops with the app's lifespan.
 
     api_keys: {API key: tenant name}, or None for an open server (one tenant, "default").
+    admin_key: the key for /admin routes when api_keys is set (without api_keys they are open).
     max_waiting: requests allowed to wait for a slot; beyond it a request gets 429.
     """
     state = ServerState(
         llm,
         api_keys=api_keys,
+        admin_key=admin_key,
         max_waiting=max_waiting,
         served_model_name=served_model_name,
         max_body_bytes=max_body_bytes,
@@ -138,6 +156,19 @@ def create_app(
     async def stats():
         s = state.engine.snapshot.stats
         return {"model": state.model_name, **(dataclasses.asdict(s) if s is not None else {})}
+
+    @app.post("/admin/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request):
+        """Drop every cached prefix (all tenants); answers the KV figures afterwards, so an idle server
+        must then report every block free (the leak check of the load and disconnect tests)."""
+        state.admin(request)
+
+        def reset(llm):
+            llm.clear_prefix_cache()
+            return llm.stats()
+
+        s = await state.engine.call(reset)
+        return {"cleared": True, **dataclasses.asdict(s)}
 
     @app.get("/v1/models")
     async def list_models(request: Request):
@@ -352,9 +383,10 @@ def _sse(obj: dict) -> str:
 class DeltaText:
     """Turns the engine's whole-text updates into stream deltas that never need taking back.
 
-    Held back until more text arrives: trailing U+FFFD (a multi-byte character cut mid-way) and a
-    tail that could be the start of a stop string (the engine cuts the text before a stop string once
-    it is complete). So the concatenated deltas equal the final non-streamed text.
+    Held back until more text arrives: one trailing U+FFFD (what a multi-byte character cut mid-way
+    decodes to; it may become that character) and a tail that could be the start of a stop string
+    (the engine cuts the text before a stop string once it is complete). So the concatenated deltas
+    equal the final non-streamed text.
     """
 
     def __init__(self, stops=()):
@@ -364,7 +396,7 @@ class DeltaText:
     def push(self, text: str, finished: bool) -> str:
         ready = text
         if not finished:
-            ready = ready.rstrip("\ufffd")
+            ready = ready[:-1] if ready.endswith("\ufffd") else ready
             hold = 0
             for stop in self.stops:
                 for k in range(min(len(stop) - 1, len(ready)), hold, -1):
