@@ -20,6 +20,7 @@ COMMANDS: tuple[str, ...] = (
     "train",
     "passkey",
     "bench_serve",
+    "serve",
 )
 
 
