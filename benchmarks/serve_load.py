@@ -3,7 +3,8 @@
 Each of --clients clients sends --requests streaming completions one after another, with prompt
 lengths drawn (seeded) from --prompt-lengths; it records the time to the first streamed text (TTFT),
 the generated tokens (from the usage chunk), and any error. At the end it waits for the server to go
-idle and reads /stats: every KV block must be free again. Prints p50/p99 TTFT, generated tokens/s
+idle, drops the prefix cache (POST /admin/reset_prefix_cache) and checks that every KV block is
+free. Prints p50/p99 TTFT, generated tokens/s
 and the leak check; --json prints one JSON object instead.
 
     gptoss-lite serve --model lite-tiny --port 8000 &
@@ -95,6 +96,7 @@ async def run_load(
     prompt_lengths: tuple[int, ...] = (8, 64, 256),
     max_tokens: int = 16,
     key: str | None = None,
+    admin_key: str | None = None,
     seed: int = 0,
     timeout: float = 300.0,
 ) -> dict:
@@ -123,6 +125,14 @@ async def run_load(
             if stats["num_running"] == 0 and stats["num_waiting"] == 0 or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.05)
+        # Blocks still counted as used now are prefix-cache pins: drop the cache, then all must be free.
+        admin = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+        reset = await client.post("/admin/reset_prefix_cache", headers=admin)
+        if reset.status_code != 200:
+            raise RuntimeError(
+                f"/admin/reset_prefix_cache: HTTP {reset.status_code} {reset.text[:200]}; pass --admin-key"
+            )
+        after = reset.json()
     ttfts = [r["ttft"] for r in results if r.get("ttft") is not None]
     errors = [r["error"] for r in results if r.get("error")]
     tokens = sum(r.get("tokens", 0) for r in results)
@@ -136,9 +146,12 @@ async def run_load(
         "generated_tokens": tokens,
         "wall_s": wall,
         "generated_tokens_per_s": tokens / wall if wall > 0 else math.nan,
-        "kv_blocks_used_after": stats["kv_blocks_used"],
-        "kv_blocks_free_after": stats["kv_blocks_free"],
-        "kv_blocks_total": stats["kv_blocks_total"],
+        "kv_blocks_used_idle": stats["kv_blocks_used"],
+        "kv_blocks_used_after": after["kv_blocks_used"],
+        "kv_blocks_free_after": after["kv_blocks_free"],
+        "kv_blocks_total": after["kv_blocks_total"],
+        "prefix_hit_rate": after["prefix_hit_rate"],
+        "preemptions": after["preemptions"],
     }
 
 
@@ -152,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per request (EOS ignored) (default: 16)")
     p.add_argument("--api-key", default=None, help="API key, if the server needs one")
+    p.add_argument("--admin-key", default=None, help="admin key for the leak check, if the server has API keys")
     p.add_argument("--seed", type=int, default=0, help="seed for the prompt mix (default: 0)")
     p.add_argument("--timeout", type=float, default=300.0, help="give up after this many seconds (default: 300)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -164,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             prompt_lengths=tuple(args.prompt_lengths),
             max_tokens=args.max_tokens,
             key=args.api_key,
+            admin_key=args.admin_key,
             seed=args.seed,
             timeout=args.timeout,
         )
@@ -176,9 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"TTFT p50 {1000 * out['ttft_p50_s']:.1f} ms, p99 {1000 * out['ttft_p99_s']:.1f} ms")
         print(f"generated: {out['generated_tokens']} tokens, {out['generated_tokens_per_s']:.1f} tokens/s")
         print(
-            f"KV blocks after: {out['kv_blocks_used_after']} used, "
-            f"{out['kv_blocks_free_after']}/{out['kv_blocks_total']} free"
+            f"KV blocks when idle: {out['kv_blocks_used_idle']} held (prefix cache); after dropping the cache "
+            f"{out['kv_blocks_used_after']} used, {out['kv_blocks_free_after']}/{out['kv_blocks_total']} free"
         )
+        print(f"prefix-cache hit rate {100 * out['prefix_hit_rate']:.1f}%, preemptions {out['preemptions']}")
     leaked = out["kv_blocks_used_after"] != 0
     return 1 if out["errors"] or leaked else 0
 
