@@ -3,9 +3,15 @@ cached for one key is a hit for that key only."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
+import pytest
 
 from conftest import tiny_llm
 from gptoss_lite.server.openai_api import cache_scope
@@ -55,3 +61,17 @@ def test_scope_encoding_cannot_collide():
     pairs = [("a", None), ("a", "b"), ("a/b", None), ('a", "b', None), ("a", 'b"'), ("", "a"), ("a", "")]
     scopes = [cache_scope(t, s) for t, s in pairs]
     assert len(set(scopes)) == len(pairs)
+
+
+@pytest.mark.slow
+def test_timing_shows_the_hit_for_the_same_key_only():
+    """benchmarks/serve_tenancy.py on the demo model, 2,000-token prefixes: key A's repeat is at least
+    twice as fast to its first token as A's first request; key B's identical request is not."""
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, str(root / "benchmarks" / "serve_tenancy.py"), "--trials", "3", "--json"]
+    env = {**os.environ, "PYTHONPATH": str(root / "src")}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr
+    med = json.loads(out.stdout.splitlines()[-1])
+    assert med["a_again"] < 0.5 * med["a_first"]
+    assert med["b_same"] > 0.5 * med["a_first"]
