@@ -86,14 +86,14 @@ class _EngineCollector:
             ("requests_running", "Requests being generated", s.num_running),
             ("requests_waiting", "Requests waiting to be scheduled", s.num_waiting),
             ("kv_blocks_total", "Blocks in the KV pool", s.kv_blocks_total),
-            ("kv_blocks_used", "KV blocks held by running requests", s.kv_blocks_used),
-            ("kv_blocks_free", "KV blocks free for new requests", s.kv_blocks_free),
+            ("kv_blocks_used", "KV blocks held, by requests or pinned by the prefix cache", s.kv_blocks_used),
+            ("kv_blocks_free", "KV blocks held by nobody", s.kv_blocks_free),
             ("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / tokens looked up", s.prefix_hit_rate),
         )
         for name, doc, value in gauges:
             yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
         counters = (
-            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prefix_queries),
+            ("prefix_cache_queries", "Prefix-cache lookups (admissions and resumptions)", s.prefix_queries),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_hits),
             ("preemptions", "Requests preempted to free KV blocks", s.preemptions),
             ("requests_finished", "Requests the engine finished", s.finished),
