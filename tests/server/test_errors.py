@@ -163,3 +163,24 @@ def test_engine_failure_is_a_500_and_the_server_recovers(serve):
         assert "error" in json.loads(events[-2]) and events[-1] == "[DONE]"
         assert c.post(C, json=completion()).status_code == 200
         assert c.get("/stats").json()["kv_blocks_used"] == 0
+
+
+def test_admin_routes_need_the_admin_key(serve):
+    """With API keys, /admin needs the admin key (a tenant's key is a 401); without an admin key it is a 404."""
+    live = serve(FakeLLM(), api_keys={KEY: "alice"}, admin_key="root")
+    url = live.url + "/admin/reset_prefix_cache"
+    assert httpx.post(url, headers=AUTH).status_code == 401
+    r = httpx.post(url, headers={"Authorization": "Bearer root"})
+    assert r.status_code == 200 and r.json()["cleared"] and r.json()["kv_blocks_used"] == 0
+    closed = serve(FakeLLM(), api_keys={KEY: "alice"})
+    r = httpx.post(closed.url + "/admin/reset_prefix_cache", headers=AUTH)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_chat_template_refusal_is_a_400(serve):
+    """A checkpoint template's raise_exception reaches the client as a 400 with the template's words."""
+    template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first message must be user') }}{% endif %}x"
+    live = serve(FakeLLM(chat_template=template))
+    r = httpx.post(live.url + CH, json=chat(messages=[{"role": "assistant", "content": "hi"}]))
+    assert r.status_code == 400 and "first message must be user" in r.json()["error"]["message"]
+    assert httpx.post(live.url + CH, json=chat()).status_code == 200

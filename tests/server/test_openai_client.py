@@ -98,3 +98,23 @@ def test_seeded_sampling_is_reproducible_and_errors_raise(setup):
         c.completions.create(model="no-such-model", prompt="abc")
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=live.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_stop_string_streamed_equals_plain(setup):
+    """With a stop string taken from the greedy text, streamed and plain answers are equal, cut
+    before it, and end with finish_reason 'stop'."""
+    live, want, _ = setup
+    stop = next((want[i : i + 2] for i in range(3, len(want) - 1) if "\ufffd" not in want[i : i + 2]), None)
+    if stop is None:
+        pytest.skip(f"no usable stop string in {want!r}")
+    c = client(live)
+    name = live.state.model_name
+    plain = c.completions.create(model=name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stop=[stop])
+    streamed = "".join(
+        ch.choices[0].text
+        for ch in c.completions.create(
+            model=name, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stop=[stop], stream=True
+        )
+    )
+    assert plain.choices[0].text == streamed == want[: want.index(stop)]
+    assert plain.choices[0].finish_reason == "stop"
