@@ -155,7 +155,10 @@ class EngineLoop:
                     self._abort_all("the server stopped")
                     self.snapshot = Snapshot(llm.stats(), self.snapshot.steps)
                     return
-                self._handle(cmd)
+                try:
+                    self._handle(cmd)
+                except Exception:  # noqa: BLE001 - one bad command must not end the engine thread
+                    traceback.print_exc()
                 try:
                     cmd = self._commands.get_nowait()
                 except queue.Empty:
