@@ -9,8 +9,10 @@ import threading
 import time
 
 import httpx
+import live_server
+from live_server import tiny_llm
 
-from conftest import tiny_llm
+serve = live_server.serve  # the fixture
 
 N_CLIENTS = 20
 

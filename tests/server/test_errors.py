@@ -6,8 +6,11 @@ import json
 import time
 
 import httpx
+import live_server
 import pytest
 from fake_engine import FakeLLM
+
+serve = live_server.serve  # the fixture
 
 KEY = "key-a"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -75,7 +78,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def live():
-    from conftest import LiveServer, create_app
+    from live_server import LiveServer, create_app
 
     with LiveServer(create_app(FakeLLM(max_model_len=512), api_keys={KEY: "alice"}, max_body_bytes=MAX_BODY)) as s:
         yield s

@@ -4,8 +4,8 @@ streamed text equals non-streamed text and the engine's own generate()."""
 from __future__ import annotations
 
 import pytest
+from live_server import tiny_llm
 
-from conftest import tiny_llm
 from gptoss_lite.engine import SamplingParams
 from gptoss_lite.server.chat import ChatTemplate
 
@@ -23,7 +23,7 @@ MAX_TOKENS = 12
 def setup():
     """(live server, expected completion text, expected chat text); expectations come from generate()
     on the same LLM before the server owns it."""
-    from conftest import LiveServer, create_app
+    from live_server import LiveServer, create_app
 
     llm = tiny_llm()
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)

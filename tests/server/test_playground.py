@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 import shutil
 
+import live_server
 import pytest
+from live_server import tiny_llm
 
-from conftest import tiny_llm
+serve = live_server.serve  # the fixture
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
 

@@ -11,10 +11,13 @@ import sys
 from pathlib import Path
 
 import httpx
+import live_server
 import pytest
+from live_server import tiny_llm
 
-from conftest import tiny_llm
 from gptoss_lite.server.openai_api import cache_scope
+
+serve = live_server.serve  # the fixture
 
 KEYS = {"key-a": "alice", "key-b": "bob"}
 PREFIX = "Shared context: " + "the quick brown fox jumps over the lazy dog. " * 6  # ~280 bytes = tokens

@@ -1,4 +1,9 @@
-"""Server test fixtures: an app over a fake or real LLM, served by uvicorn on a loopback port."""
+"""Server test helpers: an app over a fake or real LLM, served by uvicorn on a loopback port.
+
+Not a conftest.py: the root conftest is imported by name (`from conftest import make_model`), and a
+second conftest module would shadow it. Test modules bind the `serve` fixture with
+`serve = live_server.serve` (importing it by name would read as shadowed by the test parameter).
+"""
 
 from __future__ import annotations
 
