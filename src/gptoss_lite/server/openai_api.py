@@ -286,11 +286,11 @@ async def _serve(state: ServerState, request: Request, tenant: str, req, prompt,
         raise P.APIError(429, busy, type="server_error", code="queue_full") from None
     except ShuttingDown as exc:
         raise P.APIError(503, str(exc), type="server_error", code="shutting_down") from None
-    except ValueError as exc:  # the engine refused the request (nothing was queued)
+    except (ValueError, TypeError) as exc:  # the engine refused the request (nothing was queued)
         raise P.APIError(400, str(exc)) from None
     run = _Run(state, tenant, rid, outputs, sampling.stop)
     if req.stream:
-        return _SSEResponse(run.events(chat, req.include_usage), media_type="text/event-stream")
+        return _SSEResponse(run.events(chat, req.include_usage), on_close=run.abort, media_type="text/event-stream")
     return JSONResponse(await run.collect(request, chat))
 
 
@@ -321,7 +321,7 @@ class _Run:
             self.state.metrics.record_usage(self.tenant, len(item.prompt_token_ids), item.num_cached_tokens)
         return item
 
-    def _abort(self) -> None:
+    def abort(self) -> None:
         if not self.done:
             self.done = True
             self.state.engine.abort(self.rid)
@@ -342,7 +342,7 @@ class _Run:
                     break
         finally:
             watcher.cancel()
-            self._abort()
+            self.abort()
         body = P.chat_body if chat else P.completion_body
         return body(self.rid, self.state.model_name, out.text, out.finish_reason, self._usage(out))
 
@@ -373,7 +373,7 @@ class _Run:
                     break
             yield "data: [DONE]\n\n"
         finally:
-            self._abort()  # a no-op unless the client left before the end
+            self.abort()  # a no-op unless the client left before the end
 
 
 def _sse(obj: dict) -> str:
@@ -418,6 +418,10 @@ class _SSEResponse(StreamingResponse):
     cancelled as soon as the server reports the disconnect, and the generator's `finally` aborts it.
     """
 
+    def __init__(self, content, *, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close  # runs even if the stream never started (client gone before the first send)
+
     async def __call__(self, scope, receive, send) -> None:
         try:
             async with anyio.create_task_group() as tg:
@@ -437,6 +441,7 @@ class _SSEResponse(StreamingResponse):
                 tg.start_soon(watch)
         finally:
             await self.body_iterator.aclose()
+            self.on_close()
 
 
 # ---- errors and request counting -----------------------------------------------------------------------
