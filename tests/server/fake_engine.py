@@ -138,6 +138,7 @@ class FakeLLM:
             kv_blocks_total=self.kv_blocks,
             kv_blocks_used=used,
             kv_blocks_free=self.kv_blocks - used,
+            kv_blocks_cached=0,
             prefix_queries=q,
             prefix_hits=self._counts["prefix_hits"],
             prefix_hit_rate=self._counts["prefix_hits"] / q if q else 0.0,

@@ -52,6 +52,7 @@ class EngineStats:
     kv_blocks_total: int
     kv_blocks_used: int
     kv_blocks_free: int
+    kv_blocks_cached: int  # of the used blocks, those held by nobody but the prefix cache (reclaimable)
     prefix_queries: int
     prefix_hits: int  # prompt tokens served from the cache
     prefix_hit_rate: float  # prefix_hits / prompt tokens looked up
@@ -338,6 +339,7 @@ class LLM:
             kv_blocks_total=total,
             kv_blocks_used=used,
             kv_blocks_free=total - used,
+            kv_blocks_cached=sum(cache.evictable_blocks for cache in kv.store.prefix.values()),
             prefix_queries=kv.lookups,
             prefix_hits=kv.hit_tokens,
             prefix_hit_rate=kv.hit_tokens / kv.lookup_tokens if kv.lookup_tokens else 0.0,

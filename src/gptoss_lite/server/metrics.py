@@ -88,6 +88,7 @@ class _EngineCollector:
             ("kv_blocks_total", "Blocks in the KV pool", s.kv_blocks_total),
             ("kv_blocks_used", "KV blocks held, by requests or pinned by the prefix cache", s.kv_blocks_used),
             ("kv_blocks_free", "KV blocks held by nobody", s.kv_blocks_free),
+            ("kv_blocks_cached", "KV blocks held only by the prefix cache (reclaimable)", s.kv_blocks_cached),
             ("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / tokens looked up", s.prefix_hit_rate),
         )
         for name, doc, value in gauges:
