@@ -1,0 +1,91 @@
+"""gptoss-lite worker for `serve_vs_vllm.py`, in one of two modes (speaks the protocol of worker_protocol.py).
+
+    python benchmarks/ours_worker.py MODEL_DIR --mode engine --dtype float32 --threads 2 \\
+        --max-running 16 --max-batch-tokens 2048 --max-model-len 384
+
+- `engine`: the serving engine, `gptoss_lite.engine.LLM(MODEL_DIR, dtype=..., max_batch_tokens=...,
+  max_running=..., max_model_len=..., enable_prefix_caching=False)` and `llm.generate(prompts,
+  SamplingParams(max_tokens=N, temperature=0, ignore_eos=True))`: requests are scheduled, prefilled in
+  chunks of the token budget and decoded together in one ragged batch per step. Prefix caching is off
+  because the driver sends the same prompts every round (vLLM's is off too).
+- `static`: the baseline before the engine, `gptoss_lite.generation.generate` on one (B, T) tensor of the
+  equal-length prompts: one static batch (no padding), prefilled together, decoded in lockstep.
+
+Both run greedy with the end-of-text token ignored, so every request generates exactly N tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from worker_protocol import protocol_stream, serve
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="model directory (HF gpt-oss or native layout)")
+    ap.add_argument("--mode", default="engine", choices=["engine", "static"])
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    ap.add_argument("--max-running", type=int, default=16, help="engine: requests decoded together (default 16)")
+    ap.add_argument("--max-batch-tokens", type=int, default=2048, help="engine: tokens per step (default 2048)")
+    ap.add_argument("--max-model-len", type=int, default=384, help="engine: prompt + new tokens (default 384)")
+    args = ap.parse_args()
+    channel = protocol_stream()
+
+    import torch
+
+    import gptoss_lite
+
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    info = {"dtype": args.dtype, "threads": torch.get_num_threads(), "torch": torch.__version__}
+    if args.mode == "engine":
+        from gptoss_lite.engine import LLM, SamplingParams
+
+        llm = LLM(
+            args.model,
+            dtype=dtype,
+            max_batch_tokens=args.max_batch_tokens,
+            max_running=args.max_running,
+            max_model_len=args.max_model_len,
+            enable_prefix_caching=False,
+        )
+        info.update(
+            engine=f"gptoss-lite {gptoss_lite.__version__} engine",
+            max_running=args.max_running,
+            max_batch_tokens=args.max_batch_tokens,
+            max_model_len=llm.max_model_len,
+            kv_blocks=llm.stats().kv_blocks_total,
+        )
+
+        def run(prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]], dict]:
+            params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            before = llm.stats()
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            wall = time.perf_counter() - t0
+            after = llm.stats()
+            extra = {"preemptions": after.preemptions - before.preemptions, "prefix_hits": after.prefix_hits}
+            return wall, [list(o.token_ids) for o in outs], extra
+
+    else:
+        from gptoss_lite.checkpoint import load_model
+        from gptoss_lite.generation import generate
+
+        model = load_model(args.model, dtype=dtype)
+        info["engine"] = f"gptoss-lite {gptoss_lite.__version__} static batch (generation.generate)"
+
+        def run(prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]], dict]:
+            ids = torch.tensor(prompts, dtype=torch.long)  # (B, T): the prompts must have one length
+            t0 = time.perf_counter()
+            out = generate(model, ids, max_tokens, temperature=0)  # (B, T + max_tokens): no stop token given
+            wall = time.perf_counter() - t0
+            return wall, out[:, ids.shape[1] :].tolist(), {}
+
+    serve(channel, info, run)
+
+
+if __name__ == "__main__":
+    main()
