@@ -324,7 +324,8 @@ class QuantizedKVCache(MixedKVCache, BlockKVCache):
         if value_group is None:
             value_group = 64 if D % 64 == 0 else D
         check_int("residual", residual, minimum=0)
-        self.spec = QuantSpec(bits, key_group, value_group, max(residual, rollback_tokens + 1 if rollback_tokens else 0))
+        residual = max(residual, rollback_tokens + 1) if rollback_tokens else residual
+        self.spec = QuantSpec(bits, key_group, value_group, residual)
         self.spec.check_head_dim(D)
         for i in range(config.n_layers):
             if not config.is_sliding(i):

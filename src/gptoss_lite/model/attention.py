@@ -325,8 +325,8 @@ class Attention(nn.Module):
         if cache is None:
             keys, values, q_offset = k, v, 0
         elif isinstance(cache, BlockKVCache) and cache.is_blocked(self.layer):
-            # A quantised or evicting layer: read block by block (docs/kv-cache.md#block-reads-quantised-and-evicting-caches);
-            # the reference impl attends densely over the materialised keys (the oracle).
+            # A quantised or evicting layer, read block by block (docs/kv-cache.md, "Block reads"); the
+            # reference impl attends densely over the materialised keys (the oracle).
             blocks, first = cache.update_blocks(self.layer, k, v, start_pos)
             if impl == "fast":
                 y = attention_blocks(q, blocks, self.sink_logits(), start_pos - first, self.window)
