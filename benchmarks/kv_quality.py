@@ -134,7 +134,13 @@ def run_fidelity(args, model, tok) -> None:
     print(f"fidelity: last {args.scored} tokens teacher-forced, {len(args.depths)} texts per length", flush=True)
     for n in args.lengths:
         filler = filler_sentences(n, tok)
-        texts = [build_passkey_prompt(n, "31415", d, tok, filler=filler) for d in args.depths]
+        # Each text ends with its passkey answer, so the scored tokens include the retrieval itself.
+        keys = ["31415", "27182", "16180", "14142"]
+        texts = [
+            build_passkey_prompt(n, keys[i % 4], d, tok, filler=filler) + f" {keys[i % 4]}."
+            for i, d in enumerate(args.depths)
+        ]
+        answer_tokens = len(tok.encode(" 31415."))
         runs = {}
         for kv in settings:
             t0 = time.perf_counter()
@@ -147,14 +153,17 @@ def run_fidelity(args, model, tok) -> None:
         ref = runs["16-bit"]
         out = {}
         for label, per_text in runs.items():
-            agree, nll, count = 0, 0.0, 0
+            agree, nll, count, answer_nll, answer_count = 0, 0.0, 0, 0.0, 0
             err_num = [0.0] * len(model.blocks)
             err_den = [0.0] * len(model.blocks)
             for (ids, logits, attn, _bytes), (_, ref_logits, ref_attn, _) in zip(per_text, ref):
                 targets = ids[0, -args.scored + 1 :]  # the text's own next tokens
                 lp = torch.log_softmax(logits[:-1], dim=-1)
-                nll += -lp.gather(1, targets[:, None]).sum().item()
+                token_nll = -lp.gather(1, targets[:, None])[:, 0]  # (scored - 1,)
+                nll += token_nll.sum().item()
                 count += targets.numel()
+                answer_nll += token_nll[-answer_tokens:].sum().item()  # ' NNNNN.' given the haystack
+                answer_count += answer_tokens
                 agree += (logits.argmax(-1) == ref_logits.argmax(-1)).sum().item()
                 for i, (y, yr) in enumerate(zip(attn, ref_attn)):
                     err_num[i] += (y - yr).pow(2).sum().item()
@@ -162,18 +171,23 @@ def run_fidelity(args, model, tok) -> None:
             out[label] = {
                 "next_token_agreement": agree / (args.scored * len(per_text)),
                 "perplexity": math.exp(nll / count),
+                "answer_perplexity": math.exp(answer_nll / answer_count),
                 "attention_rel_error_by_layer": [math.sqrt(a / b) for a, b in zip(err_num, err_den)],
                 "full_layer_kv_bytes": per_text[0][3],
             }
         section[str(n)] = out
         _save(args.out, data)
-        print(f"length {n}: setting, next-token agreement, perplexity (delta vs 16-bit), attention rel. error by layer")
-        base = out["16-bit"]["perplexity"]
+        print(
+            f"length {n}: setting, next-token agreement, perplexity (delta vs 16-bit), answer perplexity "
+            "(delta), attention rel. error by layer, full-layer KV bytes"
+        )
+        base, base_answer = out["16-bit"]["perplexity"], out["16-bit"]["answer_perplexity"]
         for label, r in out.items():
             errs = " ".join(f"{e:.2e}" for e in r["attention_rel_error_by_layer"])
             print(
-                f"  {label:>16}  {100 * r['next_token_agreement']:6.2f}%  {r['perplexity']:.4f} "
-                f"({r['perplexity'] - base:+.4f})  [{errs}]  full-layer KV {r['full_layer_kv_bytes']:,} B"
+                f"  {label:>16}  {100 * r['next_token_agreement']:6.2f}%  {r['perplexity']:.2f} "
+                f"({r['perplexity'] - base:+.2f})  {r['answer_perplexity']:.4f} "
+                f"({r['answer_perplexity'] - base_answer:+.4f})  [{errs}]  {r['full_layer_kv_bytes']:,} B"
             )
 
 
