@@ -11,10 +11,13 @@ figure (docs/kv-cache.md#measured-quality):
   through each setting's cache. Against the 16-bit cache: the relative error of every layer's
   attention output (||y - y16|| / ||y16|| over the scored steps), next-token agreement (argmax equal)
   and perplexity of the text's own next tokens.
-- `--plot PNG`: passkey accuracy and next-token agreement against full-layer KV bytes per sequence.
+- `needle`: after the whole prompt is prefilled under a budget, the fraction of the needle's key digits
+  each full layer still holds (per KV head, averaged): why StreamingLLM fails and what H2O keeps.
+- `plot`: passkey accuracy and next-token agreement against full-layer KV bytes per sequence.
 
     python benchmarks/kv_quality.py passkey --trials 30 --out docs/img/kv_quality_passkey.json
     python benchmarks/kv_quality.py fidelity --out docs/img/kv_quality_fidelity.json
+    python benchmarks/kv_quality.py needle --depths 0 0.5 1 --out docs/img/kv_quality_needle.json
     python benchmarks/kv_quality.py plot --inputs docs/img/kv_quality_*.json --plot docs/img/kv_quality.png
 
 Settings (`--settings`): 16, 8, 4 (bits), streaming@N and h2o@N (a budget of N tokens per full layer).
@@ -33,6 +36,7 @@ import torch
 from gptoss_lite.checkpoint import default_model_source, load_model
 from gptoss_lite.evals.passkey import PasskeyEvaluator, build_passkey_prompt, filler_sentences
 from gptoss_lite.kv.settings import KVSettings
+from gptoss_lite.prompts import NEEDLE_TEMPLATE
 from gptoss_lite.tokenizer import load_tokenizer
 
 DEFAULT_SETTINGS = ("16", "8", "4", "streaming@1024", "h2o@1024")
@@ -191,6 +195,42 @@ def run_fidelity(args, model, tok) -> None:
             )
 
 
+def run_needle(args, model, tok) -> None:
+    """Which of the needle's key digits does each budget policy still hold after the whole prompt
+    (question included) is prefilled? Fraction of the 5 digit tokens kept, per full layer, averaged over
+    KV heads, per (length, depth): the mechanism behind the passkey results."""
+    data = _load(args.out)
+    section = data.setdefault("needle_kept", {})
+    settings = [parse_setting(s) for s in args.settings if "@" in s]
+    print("needle digits still held after prefill (fraction, per full layer, mean over KV heads)", flush=True)
+    for n in args.lengths:
+        filler = filler_sentences(n, tok)
+        for depth in args.depths:
+            key = "27182"
+            text = build_passkey_prompt(n, key, depth, tok, filler=filler)
+            needle = NEEDLE_TEMPLATE.format(key=key)
+            bos = tok.bos_id is not None
+            before = text.index(needle) + needle.index(key)
+            first = len(tok.encode(text[:before], bos=bos))  # token position of the first key digit
+            last = len(tok.encode(text[: before + len(key)], bos=bos))  # one past the last digit
+            ids = torch.tensor([tok.encode(text, bos=bos)], dtype=torch.long)
+            for kv in settings:
+                cache = kv.build(model.config)
+                with torch.inference_mode():
+                    model.prefill(ids, cache, kv.prefill_chunk(args.prefill_chunk))
+                kept = {}
+                for layer in range(model.config.n_layers):
+                    if model.config.is_sliding(layer):
+                        continue
+                    pos = cache.positions(layer)[0]  # (K, held)
+                    digits = ((pos >= first) & (pos < last)).sum(dim=1).float() / (last - first)  # (K,)
+                    kept[str(layer)] = digits.mean().item()
+                section.setdefault(kv.label, {}).setdefault(str(n), {})[str(depth)] = kept
+                cells = " ".join(f"layer {k}: {v:.2f}" for k, v in kept.items())
+                print(f"  {n:>6} depth {depth:<4} {kv.label:>16}  digits at {first}..{last - 1}: {cells}", flush=True)
+    _save(args.out, data)
+
+
 def run_plot(args) -> None:
     import matplotlib
 
@@ -234,7 +274,7 @@ def run_plot(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("part", choices=("passkey", "fidelity", "plot"))
+    ap.add_argument("part", choices=("passkey", "fidelity", "needle", "plot"))
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the shipped demo model)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
     ap.add_argument("--trials", type=int, default=30, help="passkey keys per length, each at 3 depths")
@@ -259,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {source}, {args.threads} thread(s)", flush=True)
     if args.part == "passkey":
         run_passkey(args, model, tok)
+    elif args.part == "needle":
+        run_needle(args, model, tok)
     else:
         run_fidelity(args, model, tok)
     return 0
