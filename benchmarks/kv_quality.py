@@ -231,6 +231,11 @@ def run_needle(args, model, tok) -> None:
     _save(args.out, data)
 
 
+def _shown(label: str) -> str:
+    """Plot label: '16-bit' is the unquantised cache in the model's own dtype (fp32 for the shipped model)."""
+    return "unquantised" if label == "16-bit" else label
+
+
 def run_plot(args) -> None:
     import matplotlib
 
@@ -239,7 +244,8 @@ def run_plot(args) -> None:
 
     data: dict = {}
     for path in args.inputs or [args.out]:
-        data.update(_load(path))
+        for part, section in _load(path).items():  # several files may hold parts of one section
+            data.setdefault(part, {}).update(section)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     passkey = {k: v for k, v in data.get("passkey", {}).items() if k != "meta"}
     ax = axes[0]
@@ -249,7 +255,7 @@ def run_plot(args) -> None:
         )
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", label=f"{n} tokens")
         for x, y, label in pts:
-            ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            ax.annotate(_shown(label), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xlabel("KV bytes per sequence, all layers (MiB)")
     ax.set_ylabel("passkey accuracy (%)")
     ax.set_title("passkey (3 depths) vs KV bytes")
@@ -261,10 +267,10 @@ def run_plot(args) -> None:
         pts = sorted((r["full_layer_kv_bytes"] / 2**20, 100 * r["next_token_agreement"], k) for k, r in rows.items())
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "s", label=f"{n} tokens")
         for x, y, label in pts:
-            ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            ax.annotate(_shown(label), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xlabel("full-layer KV bytes per sequence (MiB)")
-    ax.set_ylabel("next-token agreement with 16-bit (%)")
-    ax.set_title("teacher-forced decode vs the 16-bit cache")
+    ax.set_ylabel("next-token agreement with unquantised (%)")
+    ax.set_title("teacher-forced decode vs the unquantised cache")
     ax.legend()
     fig.tight_layout()
     Path(args.plot).parent.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,11 @@ DEFAULT_SINK_TOKENS = 4  # StreamingLLM keeps 4 initial tokens as attention sink
 
 
 class EvictingBuffer(_LayerStore):
-    """A full layer holding at most `budget` tokens per (row, KV head), chosen by `policy`."""
+    """A full layer holding at most `budget` tokens per (row, KV head), chosen by `policy`.
+
+    `nbytes` counts the K and V slots (`budget` of them); the bookkeeping beside them, an int64
+    position per slot and under h2o an fp32 mass, adds 8 or 12 bytes per slot and head and is not in it.
+    """
 
     def __init__(
         self, batch_size: int, kv_heads: int, head_dim: int, budget: int, policy: str, sink_tokens: int, recent: int
@@ -155,11 +159,6 @@ class EvictingBuffer(_LayerStore):
     def reset(self) -> None:
         super().reset()
         self._held, self.pos, self.mass, self._pending = 0, None, None, None
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes allocated for K and V: `budget` slots (positions and masses are bookkeeping, not KV)."""
-        return super().nbytes
 
 
 class EvictingKVCache(MixedKVCache, BlockKVCache):
