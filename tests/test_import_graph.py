@@ -107,6 +107,8 @@ FORBIDDEN = {
         "gptoss_lite.commands",
     ),
     "gptoss_lite.model": (
+        "gptoss_lite.engine",
+        "gptoss_lite.server",
         "gptoss_lite.generation",
         "gptoss_lite.speculative",
         "gptoss_lite.checkpoint",
@@ -116,6 +118,8 @@ FORBIDDEN = {
     ),
     "gptoss_lite.plan": ("gptoss_lite.model", "gptoss_lite.kv", "gptoss_lite.generation"),
     "gptoss_lite.config": ("gptoss_lite.model", "gptoss_lite.kv"),
+    # the engine runs the model; it is not a command and never knows about HTTP
+    "gptoss_lite.engine": ("gptoss_lite.server", "gptoss_lite.commands", "gptoss_lite.generation"),
 }
 
 
@@ -132,3 +136,40 @@ def test_layers_import_only_downwards():
         if any(dep == b or dep.startswith(b + ".") for b in banned)
     ]
     assert not broken, broken
+
+
+# What a layer may import from the package, when that is shorter to say than what it may not.
+ALLOWED_ONLY = {
+    "gptoss_lite.server": ("gptoss_lite.server", "gptoss_lite.engine"),
+}
+
+
+def allowlist_violations(graph: dict[str, set[str]]) -> list[str]:
+    """'module -> dep' for every import of a package module outside its layer's allowlist."""
+    return [
+        f"{m} -> {dep}"
+        for m, deps in sorted(graph.items())
+        for layer, allowed in ALLOWED_ONLY.items()
+        if m == layer or m.startswith(layer + ".")
+        for dep in sorted(deps)
+        if not any(dep == a or dep.startswith(a + ".") for a in allowed)
+    ]
+
+
+def test_server_imports_only_the_engine():
+    """The HTTP server talks to the model only through the engine: its modules import nothing else
+    of the package (stdlib and third-party libraries are not in the graph)."""
+    graph = import_graph()
+    assert "gptoss_lite.engine" in graph["gptoss_lite.server.openai_api"]
+    broken = allowlist_violations(graph)
+    assert not broken, broken
+
+
+def test_allowlist_rule_catches_a_stray_import(tmp_path):
+    """The allowlist check itself: a server module importing the model is reported, the engine is not."""
+    pkg = tmp_path / "gptoss_lite"
+    for d in (pkg, pkg / "server", pkg / "engine", pkg / "model"):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "__init__.py").write_text("")
+    (pkg / "server" / "api.py").write_text("from gptoss_lite.engine import LLM\nfrom gptoss_lite.model import GPTOSS\n")
+    assert allowlist_violations(import_graph(pkg)) == ["gptoss_lite.server.api -> gptoss_lite.model"]

@@ -19,6 +19,8 @@ COMMANDS: tuple[str, ...] = (
     "kv_bench",
     "train",
     "passkey",
+    "bench_serve",
+    "serve",
 )
 
 

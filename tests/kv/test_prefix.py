@@ -271,6 +271,25 @@ def test_scope_and_revision_must_be_strings():
     assert len(cache) == 0 and cache.stats().requests == 0
 
 
+def test_insert_after_the_window_released_blocks_that_are_cached():
+    """A prompt prefilled in chunks is cached chunk by chunk: blocks a sliding window released may be
+    skipped when they are cached already, and the next blocks land at their absolute index."""
+    pool = PagedKVPool(8, block_size=4)
+    cache = PrefixCache(block_size=4, pool=pool)
+    pool.create("w")
+    pool.append("w", 4)
+    assert cache.insert(A, "t", "r", seq_id="w") == 1
+    pool.append("w", 4)
+    pool.drop_leading_blocks("w", 1)  # the cache's pin keeps block 0 alive
+    assert cache.insert(A + B, "t", "r", seq_id="w") == 1
+    pool.release("w")
+    pool.create("x")
+    assert cache.attach("y", A + B + [1], "t", "r") == 8
+    assert pool.page_table("y") == (0, 1)
+    pool.validate()
+    cache.validate()
+
+
 def test_pool_mode_insert_and_attach_errors_leave_everything_unchanged():
     """Every insert/attach/evict error path raises clearly; pool and cache stay as they were."""
     pool = PagedKVPool(8, block_size=4)
@@ -287,7 +306,7 @@ def test_pool_mode_insert_and_attach_errors_leave_everything_unchanged():
             r"tokens: 13 tokens but sequence 's' holds 9",
             lambda: cache.insert(A + B + C + [1], "t", "r", seq_id="s"),
         ),
-        (ValueError, r"seq_id='w': its sliding window released", lambda: cache.insert(A + B, "t", "r", seq_id="w")),
+        (ValueError, r"seq_id='w': its sliding window released", lambda: cache.insert(C + B, "t", "r", seq_id="w")),
         (ValueError, r"seq_id='s': already exists", lambda: cache.attach("s", A + B + [1], "t", "r")),
         (TypeError, r"unhashable", lambda: cache.attach(["x"], A + B + [1], "t", "r")),
         (ValueError, r"n_blocks=-1: must be >= 0", lambda: cache.evict(-1)),

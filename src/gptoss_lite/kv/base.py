@@ -47,6 +47,14 @@ earlier positions (an evicting cache), as long as the new tokens come last and i
 then `start_pos - P` with P past keys returned. Every past key is visible to every new query on a
 full layer, so which positions they were does not change the mask, and each key carries its own
 rotation (RoPE at its original position).
+
+Ragged batches (`RaggedBatch`, continuous batching). A serving engine runs the new tokens of many
+sequences, each at its own position and with its own history, as one flat batch of N tokens. There
+is no common `start_pos` and no rectangular (B, K, S, D) key tensor to return, so such a batch does
+not implement `update`; it carries the per-token `positions` explicitly and `attend`s for the layer:
+the layer still rotates (at `positions`) and still supplies its own window and sinks, and the batch
+applies exactly the visibility rule above to each token against its own sequence's keys. Tests pin
+every ragged kernel to `attention_reference` run on each sequence alone.
 """
 
 from __future__ import annotations
@@ -205,4 +213,32 @@ class BlockKVCache(KVCache, Protocol):
     def update_blocks(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> tuple[KVBlocks, int]:
         """`update` for a blocked layer: store the new tokens and return (KVBlocks, first), the same
         keys and values `update` would return, unmaterialised."""
+
+
+@runtime_checkable
+class RaggedBatch(Protocol):
+    """The new tokens of several sequences as one flat batch of N tokens (see "Ragged batches")."""
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """(N,) int64: the absolute position of each token of the flat batch in its own sequence."""
+        ...
+
+    @property
+    def logits_index(self) -> torch.Tensor:
+        """(M,) int64: the flat-batch rows whose next-token logits the caller wants."""
+        ...
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sinks: torch.Tensor | None,
+        window: int | None,
+    ) -> torch.Tensor:
+        """Store `layer`'s rotated k, v (K, N, D) and return the attention output (H, N, D) of the
+        rotated queries q (H, N, D): token i of sequence s attends over the keys of s at positions
+        <= its own (and > its own - `window`), with `sinks` as the layer would apply them."""
         ...

@@ -1,7 +1,9 @@
 """Paged KV tensors driven by `PagedKVPool` bookkeeping, and a paged drop-in for MixedKVCache.
 
-Layout. Every layer owns K and V tensors of shape (N, bs, K, D): N physical blocks of bs token
-slots, token-major so one token's (K, D) slab is contiguous (vLLM's layout). Block ids are not
+Layout. Every layer owns K and V tensors of shape (K, N, bs, D): for each KV head, N physical blocks
+of bs token slots. Head-major, so the blocks of a table gathered with one `index_select` are already
+the (K, S, D) keys attention multiplies, with no transposing copy (the batched engine's decode
+attention is 1.7-4x faster this way than with token-major (N, bs, K, D) blocks). Block ids are not
 per layer: **one pool per layer kind** hands them out, and a block id names the same slots in the
 tensors of every layer of that kind.
 
@@ -60,7 +62,7 @@ def _word(kind: str) -> str:
 
 
 class PagedKVStore:
-    """Per-layer K/V block tensors (N, bs, K, D) plus one `PagedKVPool` per layer kind.
+    """Per-layer K/V block tensors (K, N, bs, D) plus one `PagedKVPool` per layer kind.
 
     `total_blocks` sizes the full-layer pool, `sliding_blocks` the sliding-layer pool (default: the
     same).
@@ -98,7 +100,7 @@ class PagedKVStore:
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         for layer in range(config.n_layers):
-            shape = (self.pools[self.kind(layer)].total_blocks, block_size, K, D)  # (N, bs, K, D)
+            shape = (K, self.pools[self.kind(layer)].total_blocks, block_size, D)  # (K, N, bs, D)
             self.k.append(torch.zeros(shape, dtype=dtype, device=self.device))
             self.v.append(torch.zeros(shape, dtype=dtype, device=self.device))
 
@@ -114,13 +116,13 @@ class PagedKVStore:
         """Copy-on-write: slots [0, n) of block src -> dst, in every layer of `kind`."""
         for src, dst, n in copies:
             for layer in self.layers_of[kind]:
-                self.k[layer][dst, :n] = self.k[layer][src, :n]
-                self.v[layer][dst, :n] = self.v[layer][src, :n]
+                self.k[layer][:, dst, :n] = self.k[layer][:, src, :n]
+                self.v[layer][:, dst, :n] = self.v[layer][:, src, :n]
 
     def write(self, layer: int, blocks: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write token i's k[i], v[i] (N_tok, K, D) into (blocks[i], slots[i]) of `layer`."""
-        self.k[layer][blocks, slots] = k
-        self.v[layer][blocks, slots] = v
+        """Write token i's k[:, i], v[:, i] (K, N_tok, D) into (blocks[i], slots[i]) of `layer`."""
+        self.k[layer][:, blocks, slots] = k
+        self.v[layer][:, blocks, slots] = v
 
     def gather(self, seq_id: Hashable, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's resident K and V in `layer`, chronological, each (K, n, D).
@@ -132,9 +134,9 @@ class PagedKVStore:
         table = torch.tensor(pool.page_table(seq_id), dtype=torch.long, device=self.device)
         n = pool.num_tokens(seq_id) - pool.first_block_index(seq_id) * self.block_size
         K, D = self.config.n_kv_heads, self.config.head_dim
-        keys = self.k[layer][table].reshape(-1, K, D)[:n]  # (n, K, D)
-        values = self.v[layer][table].reshape(-1, K, D)[:n]
-        return keys.transpose(0, 1), values.transpose(0, 1)  # (K, n, D)
+        keys = self.k[layer].index_select(1, table).view(K, -1, D)[:, :n]  # (K, n, D)
+        values = self.v[layer].index_select(1, table).view(K, -1, D)[:, :n]
+        return keys, values
 
     def block_bytes(self, kind: str) -> int:
         """Bytes of one block id across every layer of `kind`, K and V."""
@@ -343,13 +345,14 @@ class PagedKVCache(RollbackKVCache):
         kind = self.store.kind(layer)
         blocks, slots = step.write_at[kind]
         self.store.write(
-            layer, blocks, slots, k.transpose(1, 2).reshape(B * T, K, D), v.transpose(1, 2).reshape(B * T, K, D)
+            layer, blocks, slots, k.transpose(0, 1).reshape(K, B * T, D), v.transpose(0, 1).reshape(K, B * T, D)
         )
         self._layer_tokens[layer] = start_pos + T
         table, first = step.read[kind]
         S = start_pos + T - first
-        keys = self.store.k[layer][table].view(B, -1, K, D)[:, :S].transpose(1, 2)  # (B, K, S, D)
-        values = self.store.v[layer][table].view(B, -1, K, D)[:, :S].transpose(1, 2)
+        rows = table.view(-1)
+        keys = self.store.k[layer].index_select(1, rows).view(K, B, -1, D)[:, :, :S].transpose(0, 1)  # (B, K, S, D)
+        values = self.store.v[layer].index_select(1, rows).view(K, B, -1, D)[:, :, :S].transpose(0, 1)
         return keys, values, first
 
     def _release_target(self, start_pos: int) -> int:

@@ -199,12 +199,13 @@ class PrefixCache:
         """Cache the full blocks of `tokens`; return how many blocks were newly cached.
 
         Pool-backed: `seq_id` names the pool sequence holding these tokens (its length must be at
-        least `len(tokens)`, with no blocks released by a sliding window); the cache pins each
-        newly cached block. Blocks already cached keep their existing physical block.
+        least `len(tokens)`; leading blocks a sliding window released must be cached already, so a
+        prompt prefilled in chunks can be inserted chunk by chunk); the cache pins each newly cached
+        block. Blocks already cached keep their existing physical block.
         """
         tokens = _check_tokens(tokens)
         hashes = self.block_hashes(tokens, scope, revision)
-        table: tuple[int, ...] = ()
+        table: tuple[int | None, ...] = ()
         if self.pool is None:
             if seq_id is not None:
                 raise ValueError(
@@ -222,11 +223,14 @@ class PrefixCache:
                     f"tokens: {len(tokens)} tokens but sequence {seq_id!r} holds "
                     f"{length}; insert at most the sequence's tokens"
                 )
-            if self.pool.first_block_index(seq_id) != 0:
+            first = self.pool.first_block_index(seq_id)
+            missing = [i for i, h in enumerate(hashes[:first]) if h not in self._entries]
+            if missing:
                 raise ValueError(
-                    f"seq_id={seq_id!r}: its sliding window released leading blocks, so its prefix cannot be cached"
+                    f"seq_id={seq_id!r}: its sliding window released leading blocks ({len(missing)} of them "
+                    "not cached), so its prefix cannot be cached; insert before the window releases them"
                 )
-            table = self.pool.page_table(seq_id)
+            table = (None,) * first + self.pool.page_table(seq_id)  # index i -> absolute block i
         added = 0
         for i, h in enumerate(hashes):
             if h in self._entries:
@@ -234,6 +238,7 @@ class PrefixCache:
             block = None
             if self.pool is not None:
                 block = table[i]
+                assert block is not None  # released leading blocks are all cached (checked above)
                 self.pool.retain(block, owner=self)
                 self._block_pins[block] = self._block_pins.get(block, 0) + 1
             self._entries[h] = block

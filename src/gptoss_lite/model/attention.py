@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from gptoss_lite.config import ModelConfig
-from gptoss_lite.kv.base import BlockKVCache, KVBlocks, KVCache
+from gptoss_lite.kv.base import BlockKVCache, KVBlocks, KVCache, RaggedBatch
 from gptoss_lite.model.decode_pack import pack_pair, still_packed
 from gptoss_lite.model.rope import apply_rotary_tables
 
@@ -307,13 +307,16 @@ class Attention(nn.Module):
         cache: KVCache | None = None,
         start_pos: int = 0,
         impl: str = "fast",
+        batch: RaggedBatch | None = None,
     ) -> torch.Tensor:
         """x (B, T, C) at absolute positions start_pos…start_pos+T-1 -> (B, T, C); cos, sin are the
         (T, D) tables of `rope.rotary_tables` for this layer's kind.
 
         With a cache (`gptoss_lite.kv.base.KVCache`), new keys are rotated once at their absolute
         positions and stored; queries attend over what the cache returns, with this layer's own
-        window and sinks.
+        window and sinks. With a `RaggedBatch` instead of a cache (x is (1, N, C), the new tokens of
+        several sequences, cos/sin at `batch.positions`), the batch stores the keys and attends with
+        this layer's window and sinks.
         """
         B, T, C = x.shape
         H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
@@ -331,6 +334,9 @@ class Attention(nn.Module):
         v = kv[:, :, 1].transpose(1, 2).contiguous()  # (B, K, T, D)
         q = apply_rotary_tables(q, cos, sin)
         k = apply_rotary_tables(k, cos, sin)
+        if batch is not None:  # B == 1: the flat batch of several sequences
+            y = batch.attend(self.layer, q[0], k[0], v[0], self.sink_logits(), self.window)  # (H, T, D)
+            return self.o_proj(y.transpose(0, 1).reshape(B, T, H * D))
         if cache is None:
             keys, values, q_offset = k, v, 0
         elif _blocked(cache, self.layer):

@@ -80,6 +80,12 @@ class RotaryEmbedding(nn.Module):
         pos = torch.arange(start, start + length, device=self.inv_freq.device, dtype=torch.float32)
         return self._finish(torch.outer(pos, self.inv_freq))  # (T, D/2)
 
+    def at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape (N, D/2) for arbitrary absolute positions (N,), e.g. a ragged batch;
+        each row equals the row `forward(p, 1)` gives for its position."""
+        pos = positions.to(device=self.inv_freq.device, dtype=torch.float32)
+        return self._finish(pos[:, None] * self.inv_freq)  # (N, D/2)
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x (..., T, D) by half-split pairs: (x1 cos - x2 sin, x2 cos + x1 sin); cos/sin (T, D/2).

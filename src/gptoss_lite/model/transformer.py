@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gptoss_lite.config import ModelConfig
-from gptoss_lite.kv.base import KVCache
+from gptoss_lite.kv.base import KVCache, RaggedBatch
 from gptoss_lite.model.attention import Attention
 from gptoss_lite.model.decode_pack import store_input_major
 from gptoss_lite.model.moe import Experts, MoE
@@ -44,8 +44,8 @@ class Block(nn.Module):
         self.moe = MoE(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, cos, sin, cache=None, start_pos=0, impl="fast", need_aux=True):
-        h = self.attn(self.norm1(x), cos, sin, cache, start_pos, impl)
+    def forward(self, x, cos, sin, cache=None, start_pos=0, impl="fast", need_aux=True, batch=None):
+        h = self.attn(self.norm1(x), cos, sin, cache, start_pos, impl, batch)
         x = x + (self.drop(h) if self.training else h)
         h, aux = self.moe(self.norm2(x), need_aux)
         return x + (self.drop(h) if self.training else h), aux
@@ -140,6 +140,19 @@ class GPTOSS(nn.Module):
             logits = self(piece, cache=cache, start_pos=start, last_only=True, attn_impl=attn_impl).logits
         assert logits is not None, f"prefill: the cache already holds all {input_ids.shape[1]} tokens"
         return logits
+
+    def forward_batch(self, input_ids: torch.Tensor, batch: RaggedBatch) -> torch.Tensor:
+        """One forward over a ragged batch (continuous batching, `gptoss_lite.kv.base.RaggedBatch`):
+        input_ids (N,) are the new tokens of several sequences at `batch.positions`; returns the
+        logits (M, V) of the rows `batch.logits_index`. Inference only; the batch stores the keys."""
+        x = self.embed(input_ids)[None]  # (1, N, C)
+        rope_w = rotary_tables(*self.rope_sliding.at(batch.positions))  # (N, D) each
+        rope_g = rotary_tables(*self.rope_full.at(batch.positions))
+        for block in self.blocks:
+            cos, sin = rope_w if block.attn.window is not None else rope_g
+            x, _ = block(x, cos, sin, None, 0, "fast", False, batch)
+        x = self.norm(x[0, batch.logits_index])  # (M, C)
+        return F.linear(x, self.head_weight())  # (M, V)
 
     def head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight

@@ -1,0 +1,12 @@
+"""The batched serving engine: continuous batching over the paged block pool (docs/engine.md).
+
+`LLM` is the facade; `SamplingParams`, `RequestOutput` and `EngineStats` are what callers exchange
+with it. The parts: request.py (request state), kv_manager.py (blocks per layer kind + prefix cache),
+scheduler.py (token budget, chunked prefill, preemption), paged_attention.py (attention over block
+tables for a ragged batch), runner.py (one forward per step), llm.py (the facade).
+"""
+
+from gptoss_lite.engine.llm import LLM, EngineStats
+from gptoss_lite.engine.request import RequestMetrics, RequestOutput, SamplingParams
+
+__all__ = ["LLM", "EngineStats", "RequestMetrics", "RequestOutput", "SamplingParams"]

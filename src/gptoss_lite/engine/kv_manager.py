@@ -1,0 +1,148 @@
+"""KV blocks for the engine's requests: one sequence per request in each layer kind's pool.
+
+`KVManager` owns a `PagedKVStore` (per-layer block tensors, one `PagedKVPool` and one `PrefixCache`
+per layer kind) and keeps every request's sequences in step:
+
+- `start(request)`: create the request's sequence in every pool, attached to the prompt's cached
+  blocks when the prefix cache has them (the hit is the shorter of the two kinds' hits, so that every
+  layer holds the same tokens); the request then starts computing at the hit.
+- `allocate(request, n)`: room for the next n tokens in every pool, or False with nothing changed.
+  Sliding-layer blocks that left the window of every future query are released first; blocks only
+  the prefix cache holds are evicted (least recently used) when a pool is short.
+- `cache_prompt(request)`: pin the prompt's computed full blocks in the prefix cache. Called after
+  every step, so a prompt prefilled in chunks is cached before the sliding layers release its
+  leading blocks.
+- `free(request)`: release everything the request holds (finish, abort, preemption).
+
+Prefix-cache keys carry the request's scope (a tenant) and the engine's revision (the weights), so a
+prefix cached for one tenant or one set of weights is never a hit for another.
+"""
+
+from __future__ import annotations
+
+from gptoss_lite.config import SLIDING, ModelConfig
+from gptoss_lite.engine.request import Request
+from gptoss_lite.kv.block_pool import AppendPlan
+from gptoss_lite.kv.paged_cache import PagedKVStore
+
+
+class KVManager:
+    """Per-request block allocation over the store's pools and prefix caches (module docstring)."""
+
+    def __init__(self, store: PagedKVStore, *, revision: str, enable_prefix_caching: bool = True) -> None:
+        self.store = store
+        self.config: ModelConfig = store.config
+        self.block_size = store.block_size
+        self.revision = revision
+        self.enable_prefix_caching = enable_prefix_caching
+        self.evicted_blocks = 0
+        self.lookups = self.lookup_tokens = self.hit_tokens = 0  # prefix-cache lookups by start()
+
+    # ------------------------------------------------------------------ lifetime
+
+    def start(self, request: Request) -> int:
+        """Create the request's sequences; return the prompt tokens served by the prefix cache."""
+        rid = request.request_id
+        tokens = request.all_token_ids
+        if not self.enable_prefix_caching:
+            for pool in self.store.pools.values():
+                pool.create(rid)
+            return 0
+        hits = [self.store.prefix[kind].attach(rid, tokens, request.scope, self.revision) for kind in self.store.pools]
+        hit = min(hits)
+        for pool in self.store.pools.values():
+            pool.truncate(rid, hit)  # a longer hit in one pool is cut back to the common one
+        self.lookups += 1
+        self.lookup_tokens += len(tokens)
+        self.hit_tokens += hit
+        return hit
+
+    def free(self, request: Request) -> None:
+        """Release the request's sequences in every pool (blocks the prefix cache pins stay cached)."""
+        for pool in self.store.pools.values():
+            if request.request_id in pool:
+                pool.release(request.request_id)
+
+    def holds(self, request: Request) -> bool:
+        return any(request.request_id in pool for pool in self.store.pools.values())
+
+    # ------------------------------------------------------------------ allocation
+
+    def _release_window(self, request: Request) -> None:
+        """Sliding-layer blocks every slot of which precedes the next query's window are released."""
+        if SLIDING in self.store.pools:
+            target = max(0, request.num_computed - self.config.sliding_window + 1)
+            self.store.pools[SLIDING].release_before(request.request_id, target)
+
+    def can_allocate(self, request: Request, n_tokens: int) -> bool:
+        """Whether `allocate(request, n_tokens)` would succeed now (evicting cached blocks if needed)."""
+        self._release_window(request)
+        for kind, pool in self.store.pools.items():
+            short = pool.blocks_needed(request.request_id, n_tokens) - pool.free_blocks
+            if short > 0 and (not self.enable_prefix_caching or self.store.prefix[kind].evictable_blocks < short):
+                return False
+        return True
+
+    def allocate(self, request: Request, n_tokens: int) -> dict[str, AppendPlan] | None:
+        """Append n_tokens to the request in every pool; None (nothing appended) if they do not fit."""
+        if not self.can_allocate(request, n_tokens):
+            return None
+        plans = {}
+        for kind, pool in self.store.pools.items():
+            short = pool.blocks_needed(request.request_id, n_tokens) - pool.free_blocks
+            if short > 0:
+                self.evicted_blocks += self.store.prefix[kind].evict(short)
+            plans[kind] = pool.append(request.request_id, n_tokens)
+            self.store.apply_copies(kind, plans[kind].copies)
+        return plans
+
+    def cache_prompt(self, request: Request) -> None:
+        """Pin the computed full blocks of the prompt in every kind's prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        n = min(request.num_computed, len(request.prompt_token_ids))
+        if n < self.block_size:
+            return
+        tokens = request.prompt_token_ids[: n - n % self.block_size]
+        if SLIDING in self.store.pools:
+            # Blocks the window released can be cached no more; if the cache evicted one of them under
+            # pressure, the chain of hashes is broken there and nothing after it can be cached.
+            released = self.store.pools[SLIDING].first_block_index(request.request_id) * self.block_size
+            if (
+                released
+                and self.store.prefix[SLIDING].match(tokens[: released + 1], request.scope, self.revision, record=False)
+                < released
+            ):
+                return
+        for kind in self.store.pools:
+            self.store.prefix[kind].insert(tokens, request.scope, self.revision, seq_id=request.request_id)
+
+    # ------------------------------------------------------------------ reads
+
+    def resident(self, request: Request, kind: str) -> tuple[tuple[int, ...], int]:
+        """(resident blocks, position of the first resident token) of the request in `kind`'s pool."""
+        pool = self.store.pools[kind]
+        rid = request.request_id
+        return pool.page_table(rid), pool.first_block_index(rid) * self.block_size
+
+    # ------------------------------------------------------------------ accounting
+
+    def blocks_used(self) -> dict[str, int]:
+        return {kind: pool.allocated_blocks for kind, pool in self.store.pools.items()}
+
+    def blocks_total(self) -> dict[str, int]:
+        return {kind: pool.total_blocks for kind, pool in self.store.pools.items()}
+
+    def clear_prefix_cache(self) -> None:
+        for cache in self.store.prefix.values():
+            cache.clear()
+
+    def validate(self) -> None:
+        """Every pool's and prefix cache's own consistency checks."""
+        for kind, pool in self.store.pools.items():
+            pool.validate()
+            self.store.prefix[kind].validate()
+
+    def all_free(self) -> bool:
+        """No block held by anyone (prefix-cache pins included)."""
+        return all(pool.free_blocks == pool.total_blocks for pool in self.store.pools.values())

@@ -1,0 +1,379 @@
+"""`LLM`: the engine's facade, for a batch of prompts (`generate`) or a stream of them
+(`add_request` / `step` / `abort`).
+
+```python
+from gptoss_lite.engine import LLM, SamplingParams
+
+llm = LLM("path/to/model")
+outs = llm.generate(["Hello", "The passkey is"], SamplingParams(max_tokens=32, temperature=0))
+```
+
+Each `step()` schedules (`Scheduler`), runs one forward over every scheduled token (`ModelRunner`),
+appends the sampled tokens, finishes requests that hit a stop rule and frees their blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gptoss_lite.checkpoint import load_model
+from gptoss_lite.engine.kv_manager import KVManager
+from gptoss_lite.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
+from gptoss_lite.engine.runner import ModelRunner
+from gptoss_lite.engine.scheduler import Scheduler
+from gptoss_lite.kv.block_pool import DEFAULT_BLOCK_SIZE
+from gptoss_lite.kv.paged_cache import PagedKVStore
+from gptoss_lite.model.transformer import GPTOSS
+from gptoss_lite.tokenizer import ByteTokenizer, load_tokenizer
+from gptoss_lite.validation import check_int
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # both pools together, when kv_blocks is not given
+DEFAULT_MAX_BATCH_TOKENS = 512
+DEFAULT_MAX_RUNNING = 64
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine for metrics and benchmarks. Blocks count the full-layer pool and the
+    sliding-layer pool together; prefix figures count the engine's lookups (a request's first
+    admission and every resumption after preemption) and the prompt tokens they reused."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_cached: int  # of the used blocks, those held by nobody but the prefix cache (reclaimable)
+    prefix_queries: int
+    prefix_hits: int  # prompt tokens served from the cache
+    prefix_hit_rate: float  # prefix_hits / prompt tokens looked up
+    preemptions: int
+    finished: int
+    aborted: int
+    generated_tokens: int
+
+
+def _weights_revision(model: GPTOSS) -> str:
+    """A fingerprint of the weights (config, names, shapes and a checksum of every tensor), so that a
+    prefix cached under one set of weights is never a hit under another."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(repr(model.config).encode())
+    with torch.no_grad():
+        for name, p in model.state_dict().items():
+            h.update(f"{name}{tuple(p.shape)}{p.dtype}{float(torch.sum(p, dtype=torch.float64))!r}".encode())
+    return h.hexdigest()
+
+
+class LLM:
+    """Continuous-batching engine over a paged KV pool (see the module docstring and docs/engine.md)."""
+
+    def __init__(
+        self,
+        model: GPTOSS | str | Path,
+        *,
+        tokenizer=None,
+        kv_blocks: int | None = None,
+        sliding_blocks: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+        max_running: int = DEFAULT_MAX_RUNNING,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        revision: str | None = None,
+        enable_prefix_caching: bool = True,
+        max_model_len: int | None = None,
+    ) -> None:
+        block_size = check_int("block_size", block_size, 1)
+        max_batch_tokens = check_int("max_batch_tokens", max_batch_tokens, 1)
+        max_running = check_int("max_running", max_running, 1)
+        self.chat_template: str | None = None
+        if isinstance(model, GPTOSS):
+            if dtype is not None or device is not None:
+                model.prepare_for_inference(device, dtype)
+            elif not model.inference_ready:
+                raise ValueError("model is not prepared for inference; call model.prepare_for_inference() first")
+            self.model_name = "model"
+            model_dir = None
+        else:
+            source = str(model)
+            model_dir = Path(source) if Path(source).is_dir() else None
+            self.model_name = model_dir.name if model_dir is not None else source
+            model = load_model(source, device=device, dtype=dtype)
+            self.chat_template = _read_chat_template(model_dir)
+        self.model = model
+        self.config = model.config
+        param = next(model.parameters())
+        if tokenizer is None:
+            tokenizer = load_tokenizer(model_dir)
+            if isinstance(tokenizer, ByteTokenizer) and self.config.vocab_size != tokenizer.vocab_size:
+                tokenizer = None  # ids only: a model without a tokenizer.json of its own
+        self.tokenizer = tokenizer
+        limit = self.config.max_position_embeddings
+        self.max_model_len = limit if max_model_len is None else check_int("max_model_len", max_model_len, 1, limit)
+        self.enable_prefix_caching = enable_prefix_caching
+        if kv_blocks is None:
+            kv_blocks = self._default_blocks(block_size, max_running, param.dtype)
+        kv_blocks = check_int("kv_blocks", kv_blocks, 1)
+        if sliding_blocks is None:
+            sliding_blocks = self._default_sliding_blocks(kv_blocks, block_size, max_running, max_batch_tokens)
+        store = PagedKVStore(
+            self.config, kv_blocks, block_size, sliding_blocks=sliding_blocks, dtype=param.dtype, device=param.device
+        )
+        self.max_model_len = min(self.max_model_len, store.pools[next(iter(store.pools))].total_blocks * block_size)
+        self.kv = KVManager(
+            store,
+            revision=revision if revision is not None else _weights_revision(model),
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(self.kv, max_batch_tokens=max_batch_tokens, max_running=max_running)
+        self.runner = ModelRunner(model, self.kv)
+        self._requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._finished = self._aborted = self._generated = 0
+        self._check_pool_fits(max_batch_tokens)
+
+    # ------------------------------------------------------------------ setup helpers
+
+    def _default_blocks(self, block_size: int, max_running: int, dtype: torch.dtype) -> int:
+        """Blocks per pool: DEFAULT_KV_CACHE_BYTES over both pools, but no more than max_running
+        requests of max_model_len tokens need."""
+        cfg = self.config
+        token_bytes = 2 * cfg.n_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size() * cfg.n_layers
+        by_memory = DEFAULT_KV_CACHE_BYTES // (token_bytes * block_size)
+        by_need = max_running * math.ceil(self.max_model_len / block_size)
+        return max(1, min(by_memory, by_need))
+
+    def _default_sliding_blocks(self, kv_blocks: int, block_size: int, max_running: int, max_batch_tokens: int) -> int:
+        """The sliding-layer pool: as large as the full-layer pool while the prefix cache is on (a cached
+        prompt pins its sliding-layer blocks too); without it, what the running requests can hold at
+        once: ceil(W / bs) + 1 blocks each in decode, plus the window and one chunk for a prefill."""
+        if self.enable_prefix_caching or not self.config.sliding_layers:
+            return kv_blocks
+        W = self.config.sliding_window
+        per_request = math.ceil(W / block_size) + 1
+        return min(kv_blocks, max_running * per_request + math.ceil((W + max_batch_tokens) / block_size) + 1)
+
+    def _check_pool_fits(self, max_batch_tokens: int) -> None:
+        bs = self.kv.block_size
+        need = math.ceil(max_batch_tokens / bs) + 1
+        for kind, pool in self.kv.store.pools.items():
+            window = self.config.sliding_window if kind == "sliding" else 0
+            if pool.total_blocks < need + math.ceil(window / bs) + 1:
+                raise ValueError(
+                    f"the {kind}-layer pool has {pool.total_blocks} blocks of {bs} tokens, too few for one step of "
+                    f"max_batch_tokens={max_batch_tokens}; use more kv_blocks/sliding_blocks or a smaller "
+                    "max_batch_tokens"
+                )
+
+    # ------------------------------------------------------------------ requests
+
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 1):
+            ids = [check_int("prompt token id", int(t), 0) for t in prompt]
+        else:
+            raise TypeError(f"prompt: expected a str or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("empty prompt: need at least one token")
+        bad = [t for t in ids if t >= self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token id(s) {bad[:5]} out of vocabulary (vocab_size={self.config.vocab_size})")
+        return ids
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        sampling: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        scope: str = "default",
+    ) -> str:
+        """Queue a request; return its id. Raises (nothing queued) on a bad prompt or parameters."""
+        sampling = SamplingParams() if sampling is None else sampling
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
+        if not isinstance(scope, str) or not scope:
+            raise ValueError(f"scope={scope!r}: expected a non-empty string")
+        ids = self._encode(prompt)
+        if len(ids) + sampling.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens + max_tokens={sampling.max_tokens} exceeds max_model_len="
+                f"{self.max_model_len}; shorten the prompt or lower max_tokens"
+            )
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+            while request_id in self._requests:
+                request_id = f"req-{next(self._ids)}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id={request_id!r}: expected a non-empty string")
+        elif request_id in self._requests:
+            raise ValueError(f"request_id={request_id!r}: already in use")
+        eos = None if self.tokenizer is None else getattr(self.tokenizer, "eos_id", None)
+        request = Request(request_id, ids, sampling, scope, eos)
+        self._requests[request_id] = request
+        self.scheduler.add(request)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; False if it is unknown or already finished."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = "abort"
+        self._aborted += 1
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling round and one forward; the requests that got a token or finished."""
+        step = self.scheduler.schedule()
+        if not step.scheduled:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError(
+                    "engine stuck: requests are waiting but none can be scheduled (the KV pool cannot hold "
+                    "their first chunk); use more kv_blocks or a smaller max_batch_tokens"
+                )
+            return []
+        sampled = self.runner.execute(step)
+        for request, _, _ in step.scheduled:
+            self.kv.cache_prompt(request)
+        now = time.monotonic()
+        outputs = []
+        for request, token in sampled:
+            self._append(request, token, now)
+            outputs.append(request.output([token]))
+        return outputs
+
+    def _append(self, request: Request, token: int, now: float) -> None:
+        request.output_token_ids.append(token)
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        request.metrics.token_times.append(now)
+        self._generated += 1
+        reason = None
+        if token in request.stop_ids:
+            reason = "stop"
+        if self.tokenizer is not None:
+            request.text = self.tokenizer.decode(request.output_token_ids)
+        if request.sampling.stop and reason is None:
+            cut = min((i for i in (request.text.find(s) for s in request.sampling.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                request.text = request.text[:cut]
+                reason = "stop"
+        if reason is None and len(request.output_token_ids) >= request.sampling.max_tokens:
+            reason = "length"
+        if reason is not None:
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = reason
+            self.scheduler.remove(request)
+            del self._requests[request.request_id]
+            self._finished += 1
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        scope: str = "default",
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order."""
+        if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, Sequence):
+            raise TypeError("prompts: expected a list of prompts (texts or token-id lists)")
+        if sampling is None or isinstance(sampling, SamplingParams):
+            params = [sampling] * len(prompts)
+        else:
+            params = list(sampling)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling: {len(params)} SamplingParams for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.add_request(prompt, p, scope=scope))
+        except Exception:
+            for rid in ids:
+                self.abort(rid)
+            raise
+        final: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        while self.has_unfinished() and wanted - final.keys():
+            for out in self.step():
+                if out.finished and out.request_id in wanted:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+    # ------------------------------------------------------------------ introspection
+
+    def stats(self) -> EngineStats:
+        used = sum(self.kv.blocks_used().values())
+        total = sum(self.kv.blocks_total().values())
+        kv = self.kv
+        return EngineStats(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            kv_blocks_total=total,
+            kv_blocks_used=used,
+            kv_blocks_free=total - used,
+            kv_blocks_cached=sum(cache.evictable_blocks for cache in kv.store.prefix.values()),
+            prefix_queries=kv.lookups,
+            prefix_hits=kv.hit_tokens,
+            prefix_hit_rate=kv.hit_tokens / kv.lookup_tokens if kv.lookup_tokens else 0.0,
+            preemptions=self.scheduler.num_preemptions,
+            finished=self._finished,
+            aborted=self._aborted,
+            generated_tokens=self._generated,
+        )
+
+    def validate(self) -> None:
+        """The pools' and prefix caches' consistency checks, plus: every block a live sequence holds
+        belongs to a queued request."""
+        self.kv.validate()
+        live = {r.request_id for r in self.scheduler.running} | {r.request_id for r in self.scheduler.waiting}
+        for pool in self.kv.store.pools.values():
+            orphans = set(pool.sequences) - live
+            assert not orphans, f"pool sequences without a request: {sorted(map(str, orphans))}"
+
+    def clear_prefix_cache(self) -> None:
+        self.kv.clear_prefix_cache()
+
+    def all_blocks_free(self) -> bool:
+        """Nothing held (after clearing the prefix cache, every block should be free)."""
+        return self.kv.all_free()
+
+
+def _read_chat_template(model_dir: Path | None) -> str | None:
+    if model_dir is None:
+        return None
+    path = model_dir / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    try:
+        template = json.loads(path.read_text()).get("chat_template")
+    except (OSError, ValueError):
+        return None
+    return template if isinstance(template, str) else None

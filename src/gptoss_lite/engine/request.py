@@ -1,0 +1,171 @@
+"""A request's life in the engine: its prompt, sampling rules, output so far, timings and status.
+
+The engine computes a request's tokens in order. `num_computed` tokens of `all_token_ids` have their
+K/V in the cache; a step runs the next n of them (a prefill chunk, or the one token a decode step
+feeds back) and, when that reaches the end of `all_token_ids`, samples one new token. Preemption by
+recompute frees the request's blocks and sets `num_computed` back to 0 (or to a prefix-cache hit):
+its prompt and output so far are simply run again, as one longer prompt.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from gptoss_lite.sampling import MAX_SEED, SamplingConfig
+from gptoss_lite.validation import check_int
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request generates. temperature <= 0 is greedy; generation stops after `max_tokens`,
+    at the tokenizer's end-of-sequence token (unless `ignore_eos`), at any of `stop_token_ids`, or
+    when the text contains one of the `stop` strings (the text is cut before it)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        check_int("max_tokens", self.max_tokens, minimum=1)
+        if self.seed is not None:
+            check_int("seed", self.seed, 0, MAX_SEED)
+        self.sampling_config()  # temperature and top_p checks live there
+        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Sequence):
+            raise TypeError(f"stop_token_ids={self.stop_token_ids!r}: expected a sequence of ints")
+        ids = tuple(check_int("stop_token_ids", t, 0) for t in self.stop_token_ids)
+        object.__setattr__(self, "stop_token_ids", ids)
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, Sequence) or not all(isinstance(s, str) and s for s in stop):
+            raise TypeError(f"stop={self.stop!r}: expected a non-empty string or a sequence of them")
+        object.__setattr__(self, "stop", tuple(stop))
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos={self.ignore_eos!r}: expected a bool")
+
+    def sampling_config(self) -> SamplingConfig:
+        """The `gptoss_lite.sampling` config these parameters draw with (raises on bad values)."""
+        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and queued again
+    RUNNING = "running"  # holds blocks and is scheduled every step
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps from `time.monotonic()`: arrival, first token, and every generated token."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token, seconds."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def itl(self) -> list[float]:
+        """Inter-token latencies, seconds (one fewer than the generated tokens)."""
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+@dataclass
+class RequestOutput:
+    """A request as a caller sees it after a step: `new_token_ids` came in this step."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    new_token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None  # None while running; "stop", "length" or "abort"
+    num_cached_tokens: int
+    metrics: RequestMetrics
+
+
+class Request:
+    """Engine-side state of one request (see the module docstring)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        scope: str,
+        eos_id: int | None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling = sampling
+        self.scope = scope
+        self.output_token_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.num_computed = 0  # tokens whose K/V the cache holds
+        self.num_cached_tokens = 0  # prompt tokens the first prefix-cache hit supplied
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.text = ""
+        self.metrics = RequestMetrics(arrival_time=time.monotonic())
+        self.config = sampling.sampling_config()
+        self.stop_ids = set(sampling.stop_token_ids)
+        if eos_id is not None and not sampling.ignore_eos:
+            self.stop_ids.add(eos_id)
+        # The same generator `generate()` seeds for a one-row batch, so a seeded request draws the
+        # same tokens alone or in a batch.
+        self.generator: torch.Generator | None = None
+        if not self.config.greedy and sampling.seed is not None:
+            self.generator = torch.Generator().manual_seed(sampling.seed)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Positions the request can reach: prompt + max_tokens."""
+        return len(self.prompt_token_ids) + self.sampling.max_tokens
+
+    def output(self, new_token_ids: list[int]) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=list(self.prompt_token_ids),
+            token_ids=list(self.output_token_ids),
+            new_token_ids=new_token_ids,
+            text=self.text,
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            num_cached_tokens=self.num_cached_tokens,
+            metrics=self.metrics,
+        )
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation; nan for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(rank)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)

@@ -1,0 +1,235 @@
+"""One background thread that owns the LLM: it takes add/abort commands from a queue, runs
+`llm.step()` while there is work, and hands each request's updates to that request's asyncio queue.
+
+The LLM is not thread-safe, so nothing else calls it: the HTTP handlers (on the asyncio event loop)
+only put commands on `_commands` and await what comes back. Results cross back with
+`loop.call_soon_threadsafe`, once per engine step for the whole batch.
+
+A request's queue receives RequestOutput objects, then (never both) either a final one with
+`finished=True`, or an EngineFailure if the engine raised while it was running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from gptoss_lite.engine import EngineStats, SamplingParams
+
+
+class QueueFull(Exception):
+    """The waiting queue already holds max_waiting requests."""
+
+
+class ShuttingDown(Exception):
+    """The engine loop has stopped (or is stopping) and takes no new requests."""
+
+
+@dataclass
+class EngineFailure:
+    """Put on a request's queue when the engine raised during a step; the request is gone."""
+
+    message: str
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: Any
+    sampling: SamplingParams
+    scope: str
+    out: asyncio.Queue
+    done: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Call:
+    fn: Any  # fn(llm) -> result, run on the engine thread between steps
+    done: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _Stop:
+    pass
+
+
+@dataclass
+class Snapshot:
+    """What the HTTP side may read without touching the LLM: the stats after the last step."""
+
+    stats: EngineStats | None = None
+    steps: int = 0
+    last_step_time: float = field(default_factory=time.monotonic)
+
+
+class EngineLoop:
+    """Owns `llm` on one thread. Use from the event loop: `await add(...)`, `abort(...)`, `stop()`.
+
+    `on_finished(output)` is called on the engine thread for each request that finishes (not for
+    aborted ones), e.g. to record latency histograms.
+    """
+
+    def __init__(self, llm, *, max_waiting: int, on_finished=None):
+        if max_waiting < 1:
+            raise ValueError(f"max_waiting={max_waiting}: must be >= 1")
+        self.llm = llm
+        self.max_waiting = max_waiting
+        self.on_finished = on_finished
+        self.snapshot = Snapshot(stats=llm.stats())
+        self.error: str | None = None  # the last engine failure, for /health
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._routes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="gptoss-engine", daemon=True)
+
+    # ---- event-loop side -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    async def add(self, request_id: str, prompt, sampling: SamplingParams, scope: str) -> asyncio.Queue:
+        """Queue a request; returns its output queue once the engine accepted it.
+
+        Raises the engine's ValueError for a request it refuses, QueueFull, or ShuttingDown.
+        """
+        if not self.alive:
+            raise ShuttingDown("the server is shutting down")
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue = asyncio.Queue()
+        done = loop.create_future()
+        self._commands.put(_Add(request_id, prompt, sampling, scope, out, done, loop))
+        try:
+            await done  # raises what add_request raised
+        except asyncio.CancelledError:  # the client left while the add was queued: undo it
+            self.abort(request_id)
+            raise
+        return out
+
+    async def call(self, fn):
+        """Run fn(llm) on the engine thread between two steps and return its result (or raise)."""
+        if not self.alive:
+            raise ShuttingDown("the server is shutting down")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._commands.put(_Call(fn, done, loop))
+        return await done
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if it already finished); its blocks are freed on the engine thread."""
+        self._commands.put(_Abort(request_id))
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Abort everything still running, end the thread, and wait for it."""
+        self._stopping = True
+        self._commands.put(_Stop())
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ---- engine thread --------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        llm = self.llm
+        while True:
+            try:  # block only when there is nothing to step
+                cmd = self._commands.get_nowait() if llm.has_unfinished() else self._commands.get()
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                if isinstance(cmd, _Stop):
+                    self._abort_all("the server stopped")
+                    self.snapshot = Snapshot(llm.stats(), self.snapshot.steps)
+                    return
+                try:
+                    self._handle(cmd)
+                except Exception:  # noqa: BLE001 - one bad command must not end the engine thread
+                    traceback.print_exc()
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if llm.has_unfinished():
+                self._step()
+            self.snapshot = Snapshot(llm.stats(), self.snapshot.steps + 1)
+
+    def _handle(self, cmd) -> None:
+        llm = self.llm
+        if isinstance(cmd, _Add):
+            try:
+                if llm.num_waiting >= self.max_waiting:
+                    raise QueueFull(f"{llm.num_waiting} requests are already waiting (max_waiting={self.max_waiting})")
+                llm.add_request(cmd.prompt, cmd.sampling, request_id=cmd.request_id, scope=cmd.scope)
+            except Exception as exc:  # noqa: BLE001 - handed to the waiting handler, which maps it to a status
+                cmd.loop.call_soon_threadsafe(_settle, cmd.done, exc)
+                return
+            self._routes[cmd.request_id] = (cmd.loop, cmd.out)
+            cmd.loop.call_soon_threadsafe(_settle, cmd.done, None)
+        elif isinstance(cmd, _Call):
+            try:
+                result = cmd.fn(llm)
+            except Exception as exc:  # noqa: BLE001 - raised again in the caller
+                cmd.loop.call_soon_threadsafe(_settle, cmd.done, exc)
+                return
+            cmd.loop.call_soon_threadsafe(_settle, cmd.done, None, result)
+        elif isinstance(cmd, _Abort):
+            if self._routes.pop(cmd.request_id, None) is not None:
+                llm.abort(cmd.request_id)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.llm.step()
+        except Exception:  # noqa: BLE001 - a bug in the engine: fail the running requests, keep serving
+            self.error = traceback.format_exc(limit=5)
+            self._abort_all("the engine failed during a step; see the server log")
+            traceback.print_exc()
+            return
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for out in outputs:
+            route = self._routes.get(out.request_id)
+            if route is None:  # aborted by its client after this step began
+                continue
+            if out.finished:
+                del self._routes[out.request_id]
+                if self.on_finished is not None:
+                    self.on_finished(out)
+            batches.setdefault(route[0], []).append((route[1], out))
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_deliver, items)
+
+    def _abort_all(self, why: str) -> None:
+        for rid, (loop, out) in list(self._routes.items()):
+            try:
+                self.llm.abort(rid)
+            except Exception:  # noqa: BLE001 - keep freeing the others
+                traceback.print_exc()
+            loop.call_soon_threadsafe(_deliver, [(out, EngineFailure(why))])
+        self._routes.clear()
+
+
+def _settle(fut: asyncio.Future, exc: BaseException | None, value=None) -> None:
+    if fut.done():  # the handler was cancelled (client gone) while the command was queued
+        return
+    if exc is None:
+        fut.set_result(value)
+    else:
+        fut.set_exception(exc)
+
+
+def _deliver(items) -> None:
+    for q, item in items:
+        q.put_nowait(item)

@@ -1,0 +1,105 @@
+"""Prometheus metrics of one server (its own registry, so two apps in one process never mix figures).
+
+Request counts and latency histograms are recorded as requests end; engine figures (running and
+waiting requests, KV blocks, prefix-cache hits, preemptions) are read at scrape time from the
+engine loop's last stats snapshot, so a scrape never waits for, or touches, the engine.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PREFIX = "gptoss"
+
+# Bucket edges in seconds: a CPU-served tiny model answers in milliseconds, a large one in seconds.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ServerMetrics:
+    """The metrics of one app. `snapshot()` returns the engine's latest EngineStats (or None)."""
+
+    def __init__(self, snapshot):
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            f"{PREFIX}_requests",
+            "HTTP requests to the API endpoints, by endpoint and response status",
+            ("endpoint", "status"),
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "Seconds from a request's arrival in the engine to its first generated token",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            f"{PREFIX}_inter_token_latency_seconds",
+            "Seconds between consecutive generated tokens of one request",
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            f"{PREFIX}_prompt_tokens",
+            "Prompt tokens of finished requests, by tenant",
+            ("tenant",),
+            registry=self.registry,
+        )
+        self.cached_tokens = Counter(
+            f"{PREFIX}_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache, by tenant",
+            ("tenant",),
+            registry=self.registry,
+        )
+        self.aborted = Counter(
+            f"{PREFIX}_client_aborts",
+            "Requests aborted because their client disconnected",
+            registry=self.registry,
+        )
+        self.registry.register(_EngineCollector(snapshot))
+
+    def record_finished(self, output) -> None:
+        """Latency histograms of one finished request (called on the engine thread)."""
+        m = output.metrics
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        for gap in m.itl:
+            self.itl.observe(gap)
+
+    def record_usage(self, tenant: str, prompt_tokens: int, cached_tokens: int) -> None:
+        self.prompt_tokens.labels(tenant).inc(prompt_tokens)
+        self.cached_tokens.labels(tenant).inc(cached_tokens)
+
+
+class _EngineCollector:
+    """Engine gauges and counters, read from the latest snapshot at scrape time."""
+
+    def __init__(self, snapshot):
+        self.snapshot = snapshot
+
+    def collect(self):
+        s = self.snapshot()
+        if s is None:
+            return
+        gauges = (
+            ("requests_running", "Requests being generated", s.num_running),
+            ("requests_waiting", "Requests waiting to be scheduled", s.num_waiting),
+            ("kv_blocks_total", "Blocks in the KV pool", s.kv_blocks_total),
+            ("kv_blocks_used", "KV blocks held, by requests or pinned by the prefix cache", s.kv_blocks_used),
+            ("kv_blocks_free", "KV blocks held by nobody", s.kv_blocks_free),
+            ("kv_blocks_cached", "KV blocks held only by the prefix cache (reclaimable)", s.kv_blocks_cached),
+            ("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / tokens looked up", s.prefix_hit_rate),
+        )
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+        counters = (
+            ("prefix_cache_queries", "Prefix-cache lookups (admissions and resumptions)", s.prefix_queries),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_hits),
+            ("preemptions", "Requests preempted to free KV blocks", s.preemptions),
+            ("requests_finished", "Requests the engine finished", s.finished),
+            ("requests_aborted", "Requests the engine aborted", s.aborted),
+            ("generation_tokens", "Tokens generated", s.generated_tokens),
+        )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)

@@ -1,0 +1,494 @@
+"""The OpenAI-compatible HTTP API: `create_app(llm, ...)` returns a FastAPI app.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE with `stream: true`),
+GET /v1/models, GET /health, GET /metrics (Prometheus), GET /stats (engine figures as JSON),
+POST /admin/reset_prefix_cache and GET / (the playground page). The LLM runs on one EngineLoop
+thread; handlers only queue commands.
+
+Tenancy: with `api_keys` ({key: tenant}) every /v1 request needs `Authorization: Bearer KEY`, and
+the prefix-cache scope of its request is its tenant plus any `cache_salt` it sent, so a prefix that
+one key cached is never a hit for another (docs/server.md#tenancy). Without keys everyone is the
+tenant "default".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gptoss_lite.engine import SamplingParams
+from gptoss_lite.server import protocol as P
+from gptoss_lite.server.chat import ChatTemplate, ChatTemplateError
+from gptoss_lite.server.engine_loop import EngineFailure, EngineLoop, QueueFull, ShuttingDown
+from gptoss_lite.server.metrics import ServerMetrics
+
+STATIC = Path(__file__).resolve().parent / "static"
+DEFAULT_TENANT = "default"
+MAX_BODY_BYTES = 8 << 20  # a request body over this is a 413 (a prompt this long is over any context anyway)
+_CLIENT_GONE = object()  # put on a request's output queue when its client disconnects
+
+
+class ServerState:
+    """Everything one app holds: the engine loop, metrics, the served name, the chat template, keys."""
+
+    def __init__(self, llm, *, api_keys, admin_key, max_waiting, served_model_name, max_body_bytes):
+        self.llm = llm
+        self.admin_key = admin_key
+        self.model_name = served_model_name or llm.model_name
+        self.api_keys = dict(api_keys) if api_keys else None
+        self.max_body_bytes = max_body_bytes
+        self.template = ChatTemplate(llm.chat_template)
+        self.engine = EngineLoop(llm, max_waiting=max_waiting, on_finished=self._finished)
+        self.metrics = ServerMetrics(lambda: self.engine.snapshot.stats)
+        self.draining = False
+        self.created = int(time.time())
+
+    def _finished(self, output) -> None:
+        self.metrics.record_finished(output)
+
+    def admin(self, request: Request) -> None:
+        """Admin routes: open on a server without API keys, else only for `admin_key` (401 otherwise;
+        404 when keys are set and no admin key is)."""
+        if self.api_keys is None:
+            return
+        if self.admin_key is None:
+            raise P.APIError(404, "Not Found", code="not_found")
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.admin_key.encode()):
+            raise P.APIError(
+                401, "admin routes need the admin key", type="authentication_error", code="invalid_api_key"
+            )
+
+    def tenant(self, request: Request) -> str:
+        """The tenant of the request's API key (APIError 401 for a missing or unknown key)."""
+        if self.api_keys is None:
+            return DEFAULT_TENANT
+        auth = request.headers.get("authorization", "")
+        scheme, _, key = auth.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise P.APIError(
+                401,
+                "Missing API key: send 'Authorization: Bearer KEY'",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
+        key = key.strip()
+        found = None
+        for known, tenant in self.api_keys.items():  # compare with every key, in constant time each
+            if hmac.compare_digest(known.encode(), key.encode()):
+                found = tenant
+        if found is None:
+            raise P.APIError(401, "Incorrect API key provided", type="authentication_error", code="invalid_api_key")
+        return found
+
+
+def cache_scope(tenant: str, cache_salt: str | None) -> str:
+    """The prefix-cache scope: tenant and salt, encoded so no (tenant, salt) pair can spell another's."""
+    return json.dumps([tenant, cache_salt])
+
+
+def create_app(
+    llm,
+    *,
+    api_keys: dict[str, str] | None = None,
+    admin_key: str | None = None,
+    max_waiting: int = 256,
+    served_model_name: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> FastAPI:
+    """A FastAPI app serving `llm`; the engine thread starts and stops with the app's lifespan.
+
+    api_keys: {API key: tenant name}, or None for an open server (one tenant, "default").
+    admin_key: the key for /admin routes when api_keys is set (without api_keys they are open).
+    max_waiting: requests allowed to wait for a slot; beyond it a request gets 429.
+    """
+    state = ServerState(
+        llm,
+        api_keys=api_keys,
+        admin_key=admin_key,
+        max_waiting=max_waiting,
+        served_model_name=served_model_name,
+        max_body_bytes=max_body_bytes,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(state.engine.stop)
+
+    app = FastAPI(title="gptoss-lite", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    app.add_middleware(_CountRequests, metrics=state.metrics)
+    _add_error_handlers(app)
+
+    @app.get("/", include_in_schema=False)
+    async def playground():
+        return FileResponse(STATIC / "index.html", media_type="text/html")
+
+    @app.get("/health")
+    async def health():
+        if state.draining or not state.engine.alive:
+            why = "draining" if state.draining else "engine stopped"
+            return JSONResponse({"status": why}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/stats")
+    async def stats():
+        s = state.engine.snapshot.stats
+        return {"model": state.model_name, **(dataclasses.asdict(s) if s is not None else {})}
+
+    @app.post("/admin/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request):
+        """Drop every cached prefix (all tenants); answers the KV figures afterwards, so an idle server
+        must then report every block free (the leak check of the load and disconnect tests)."""
+        state.admin(request)
+
+        def reset(llm):
+            llm.clear_prefix_cache()
+            return llm.stats()
+
+        s = await state.engine.call(reset)
+        return {"cleared": True, **dataclasses.asdict(s)}
+
+    @app.get("/v1/models")
+    async def list_models(request: Request):
+        state.tenant(request)
+        return {"object": "list", "data": [_model_card(state)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str, request: Request):
+        state.tenant(request)
+        _check_model(state, model_id)
+        return _model_card(state)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        tenant = state.tenant(request)
+        req = P.parse_request(P.CompletionRequest, await _read_body(request, state.max_body_bytes))
+        _check_model(state, req.model)
+        return await _serve(state, request, tenant, req, req.single_prompt(), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        tenant = state.tenant(request)
+        req = P.parse_request(P.ChatCompletionRequest, await _read_body(request, state.max_body_bytes))
+        _check_model(state, req.model)
+        try:
+            prompt = state.template.render([{"role": m.role, "content": m.text()} for m in req.messages])
+        except ChatTemplateError as exc:
+            raise P.APIError(400, str(exc), param="messages") from None
+        return await _serve(state, request, tenant, req, prompt, chat=True)
+
+    return app
+
+
+# ---- request handling ------------------------------------------------------------------------------------
+
+
+def _model_card(state: ServerState) -> dict:
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "gptoss-lite",
+        "max_model_len": state.llm.max_model_len,
+    }
+
+
+def _check_model(state: ServerState, name: str) -> None:
+    if name != state.model_name:
+        raise P.APIError(
+            404,
+            f"The model '{name}' does not exist; this server serves '{state.model_name}'",
+            param="model",
+            code="model_not_found",
+        )
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed `limit` bytes."""
+    too_big = P.APIError(413, f"request body is larger than {limit:,} bytes", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _sampling(state: ServerState, req, prompt) -> SamplingParams:
+    """SamplingParams for `req`, after checking that prompt + max_tokens fits the context (400 if not)."""
+    limit = state.llm.max_model_len
+    if isinstance(prompt, list):
+        n_prompt = len(prompt)
+    elif state.llm.tokenizer is None:
+        raise P.APIError(400, "this model has no tokenizer: send the prompt as a list of token ids", param="prompt")
+    else:
+        n_prompt = len(state.llm.tokenizer.encode(prompt))
+    max_tokens = req.token_limit if isinstance(req, P.ChatCompletionRequest) else req.max_tokens
+    if max_tokens is None:
+        max_tokens = limit - n_prompt
+    if n_prompt + max_tokens > limit or max_tokens < 1:
+        raise P.APIError(
+            400,
+            f"This model's maximum context length is {limit} tokens; the prompt has {n_prompt} tokens and "
+            f"{max_tokens} more were requested ({n_prompt + max_tokens} in all); shorten the prompt or lower "
+            "max_tokens",
+            param="messages" if isinstance(req, P.ChatCompletionRequest) else "prompt",
+            code="context_length_exceeded",
+        )
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            seed=req.seed,
+            stop=req.stop_strings(),
+            ignore_eos=req.ignore_eos,
+        )
+    except (ValueError, TypeError) as exc:
+        raise P.APIError(400, str(exc)) from None
+
+
+async def _serve(state: ServerState, request: Request, tenant: str, req, prompt, *, chat: bool):
+    if state.draining:
+        raise P.APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+    sampling = _sampling(state, req, prompt)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    try:
+        outputs = await state.engine.add(rid, prompt, sampling, cache_scope(tenant, req.cache_salt))
+    except QueueFull as exc:
+        busy = f"the server is busy: {exc}; retry later"
+        raise P.APIError(429, busy, type="server_error", code="queue_full") from None
+    except ShuttingDown as exc:
+        raise P.APIError(503, str(exc), type="server_error", code="shutting_down") from None
+    except (ValueError, TypeError) as exc:  # the engine refused the request (nothing was queued)
+        raise P.APIError(400, str(exc)) from None
+    run = _Run(state, tenant, rid, outputs, sampling.stop)
+    if req.stream:
+        return _SSEResponse(run.events(chat, req.include_usage), on_close=run.abort, media_type="text/event-stream")
+    return JSONResponse(await run.collect(request, chat))
+
+
+class _Run:
+    """One accepted request: reads its output queue, aborts it if its client goes away."""
+
+    def __init__(self, state: ServerState, tenant: str, rid: str, outputs: asyncio.Queue, stops):
+        self.state, self.tenant, self.rid, self.outputs = state, tenant, rid, outputs
+        self.delta = DeltaText(stops)
+        self.done = False  # the engine finished it (or failed): nothing to abort
+
+    async def _watch(self, request: Request) -> None:
+        """Wake the reader with _CLIENT_GONE when the server reports that the client disconnected
+        (the body is already read, so the next ASGI message is the disconnect)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.outputs.put_nowait(_CLIENT_GONE)
+
+    async def _next(self):
+        item = await self.outputs.get()
+        if item is _CLIENT_GONE:
+            return item
+        if isinstance(item, EngineFailure):
+            self.done = True
+            raise P.APIError(500, item.message, type="server_error")
+        if item.finished:
+            self.done = True
+            self.state.metrics.record_usage(self.tenant, len(item.prompt_token_ids), item.num_cached_tokens)
+        return item
+
+    def abort(self) -> None:
+        if not self.done:
+            self.done = True
+            self.state.engine.abort(self.rid)
+            self.state.metrics.aborted.inc()
+
+    def _usage(self, out) -> dict:
+        return P.usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
+
+    async def collect(self, request: Request, chat: bool) -> dict:
+        """Wait for the whole answer (non-streaming); abort if the client disconnects meanwhile."""
+        watcher = asyncio.ensure_future(self._watch(request))
+        try:
+            while True:
+                out = await self._next()
+                if out is _CLIENT_GONE:
+                    return {}  # nobody to answer; the finally aborts the request
+                if out.finished:
+                    break
+        finally:
+            watcher.cancel()
+            self.abort()
+        body = P.chat_body if chat else P.completion_body
+        return body(self.rid, self.state.model_name, out.text, out.finish_reason, self._usage(out))
+
+    async def events(self, chat: bool, include_usage: bool):
+        """SSE events: deltas as tokens arrive, the finish reason, usage if asked, then [DONE]."""
+        name = self.state.model_name
+        try:
+            if chat:
+                yield _sse(P.chat_chunk(self.rid, name, {"role": "assistant", "content": ""}, None))
+            while True:
+                try:
+                    out = await self._next()
+                except P.APIError as exc:
+                    yield _sse(exc.body())
+                    break
+                text = self.delta.push(out.text, out.finished)
+                reason = out.finish_reason if out.finished else None
+                if text or reason:
+                    if chat:
+                        delta = {"content": text} if text else {}
+                        yield _sse(P.chat_chunk(self.rid, name, delta, reason))
+                    else:
+                        yield _sse(P.completion_chunk(self.rid, name, text, reason))
+                if out.finished:
+                    if include_usage:
+                        chunk = P.chat_chunk if chat else P.completion_chunk
+                        yield _sse(chunk(self.rid, name, None, None, self._usage(out)))
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            self.abort()  # a no-op unless the client left before the end
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class DeltaText:
+    """Turns the engine's whole-text updates into stream deltas that never need taking back.
+
+    Held back until more text arrives: one trailing U+FFFD (what a multi-byte character cut mid-way
+    decodes to; it may become that character) and a tail that could be the start of a stop string
+    (the engine cuts the text before a stop string once it is complete). So the concatenated deltas
+    equal the final non-streamed text.
+    """
+
+    def __init__(self, stops=()):
+        self.stops = tuple(stops)
+        self.sent = ""
+
+    def push(self, text: str, finished: bool) -> str:
+        ready = text
+        if not finished:
+            ready = ready[:-1] if ready.endswith("\ufffd") else ready
+            hold = 0
+            for stop in self.stops:
+                for k in range(min(len(stop) - 1, len(ready)), hold, -1):
+                    if ready.endswith(stop[:k]):
+                        hold = k
+                        break
+            ready = ready[: len(ready) - hold]
+        if not ready.startswith(self.sent):
+            return ""  # the text changed behind what was sent; cannot happen with the holds above
+        out, self.sent = ready[len(self.sent) :], ready
+        return out
+
+
+class _SSEResponse(StreamingResponse):
+    """A StreamingResponse that also watches for the client going away while no token is due.
+
+    Starlette's own, under an ASGI 2.4 server, notices a disconnect only when a send fails, so a
+    request still queued behind others would keep its slot until its first token; here the stream is
+    cancelled as soon as the server reports the disconnect, and the generator's `finally` aborts it.
+    """
+
+    def __init__(self, content, *, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close  # runs even if the stream never started (client gone before the first send)
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client went away mid-send
+                        pass
+                    tg.cancel_scope.cancel()
+
+                async def watch() -> None:
+                    await self.listen_for_disconnect(receive)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                tg.start_soon(watch)
+        finally:
+            await self.body_iterator.aclose()
+            self.on_close()
+
+
+# ---- errors and request counting -----------------------------------------------------------------------
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(P.APIError)
+    async def api_error(request: Request, exc: P.APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found" if exc.status_code == 404 else None
+        return JSONResponse(P.error_body(str(exc.detail), code=kind), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        return JSONResponse(P.error_body(str(exc.errors()[0].get("msg"))), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        return JSONResponse(
+            P.error_body(f"internal error: {type(exc).__name__}: {exc}", type="server_error"), status_code=500
+        )
+
+
+class _CountRequests:
+    """ASGI middleware: counts /v1 requests by endpoint and response status (streams count at start)."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        status = {"code": 500}
+
+        async def send_counting(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counting)
+        finally:
+            path = scope["path"] if scope["path"] in KNOWN_PATHS else "other"
+            self.metrics.requests.labels(path, str(status["code"])).inc()
+
+
+KNOWN_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")

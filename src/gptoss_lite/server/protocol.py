@@ -1,0 +1,271 @@
+"""The OpenAI wire format: request bodies (pydantic, strict), response bodies, and error bodies.
+
+Requests are parsed in strict mode with unknown fields forbidden, as the OpenAI API does: a string
+where a number belongs (`"max_tokens": "8"`) or a misspelt field (`"max_token": 8`) is a 400 naming
+the field, never silently coerced or ignored. Fields the API defines but this server does not
+implement (`logprobs`, `tools`, penalties, ...) are accepted at their neutral value and refused with a
+400 otherwise, so a client never gets an answer computed without the option it asked for.
+
+Two extensions beyond the OpenAI fields: `cache_salt` (a client-chosen string that further splits the
+prefix-cache scope of its tenant) and `ignore_eos` (generate exactly `max_tokens`, for benchmarks).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_STOP_STRINGS = 4  # the OpenAI API's limit on `stop`
+MAX_SEED = 2**63 - 1  # a JSON integer every client library can send
+
+
+class APIError(Exception):
+    """An error the HTTP layer turns into an OpenAI-shaped body with this status."""
+
+    def __init__(
+        self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None, code=None
+    ):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None, code=None) -> dict:
+    """{"error": {"message", "type", "param", "code"}}: the shape every OpenAI client library parses."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+Stop = Annotated[str, Field(min_length=1)]
+
+
+class _SamplingFields(_Strict):
+    """Fields both endpoints share."""
+
+    model: str
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
+    stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored, as a label for abuse tracking is elsewhere
+    # Accepted at their neutral values only (see _check_unsupported).
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # Extensions.
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    ignore_eos: bool = False
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def check(self) -> None:
+        """Refuse what parses but this server cannot do (raises APIError 400)."""
+        if self.n != 1:
+            raise APIError(400, f"n={self.n}: only n=1 is supported", param="n")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if value not in (None, 0, 0.0):
+                raise APIError(400, f"{name}={value}: not supported by this server (use 0)", param=name)
+        if self.logit_bias:
+            raise APIError(400, "logit_bias: not supported by this server", param="logit_bias")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions. One prompt: a string, a list of token ids, or a one-element list of either."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # the OpenAI default for completions
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.echo:
+            raise APIError(400, "echo=true: not supported by this server", param="echo")
+        if self.logprobs is not None:
+            raise APIError(400, "logprobs: not supported by this server", param="logprobs")
+        if self.best_of not in (None, 1):
+            raise APIError(400, f"best_of={self.best_of}: only 1 is supported", param="best_of")
+        if self.suffix:
+            raise APIError(400, "suffix: not supported by this server", param="suffix")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt of this request (APIError 400 for a batch or an empty prompt)."""
+        p = self.prompt
+        if isinstance(p, list) and p and not isinstance(p[0], int):
+            if len(p) != 1:
+                raise APIError(400, f"prompt: {len(p)} prompts in one request; send one per request", param="prompt")
+            p = p[0]
+        if len(p) == 0:
+            raise APIError(400, "prompt: must not be empty", param="prompt")
+        return p
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None  # None: up to the context limit
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    def check(self) -> None:
+        super().check()
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
+        if self.logprobs or self.top_logprobs is not None:
+            raise APIError(400, "logprobs: not supported by this server", param="logprobs")
+        if self.tools:
+            raise APIError(400, "tools: not supported by this server", param="tools")
+        if self.tool_choice not in (None, "none"):
+            raise APIError(400, "tool_choice: not supported by this server", param="tool_choice")
+        if self.response_format not in (None, {"type": "text"}):
+            raise APIError(400, "response_format: only {'type': 'text'} is supported", param="response_format")
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def parse_request(cls: type[_Strict], body: bytes) -> Any:
+    """Validate a JSON body into `cls`; any problem is an APIError 400 naming the first bad field."""
+    try:
+        req = cls.model_validate_json(body)
+    except ValidationError as exc:
+        err = _most_telling(exc.errors(include_url=False))
+        loc = ".".join(str(p) for p in err["loc"] if _is_field(p))
+        if err["type"] == "json_invalid":
+            raise APIError(400, f"request body is not valid JSON: {err['msg']}") from None
+        if err["type"] == "model_type" or not loc:
+            raise APIError(400, "request body must be a JSON object") from None
+        if err["type"] == "extra_forbidden":
+            raise APIError(400, f"Unrecognized request argument supplied: {loc}", param=loc) from None
+        if err["type"] == "missing":
+            raise APIError(400, f"{loc}: required field is missing", param=loc) from None
+        raise APIError(400, f"{loc}: {err['msg']} (got {err.get('input')!r:.80})", param=loc) from None
+    req.check()
+    return req
+
+
+def _most_telling(errors: list[dict]) -> dict:
+    """Of the errors for the first bad field, one that says more than "wrong type": a value of the
+    union member whose type matched (a list that is too long) beats "not a string"."""
+    first = errors[0]
+    same_field = [e for e in errors if e["loc"][:1] == first["loc"][:1]]
+    return next((e for e in same_field if not e["type"].endswith("_type")), first)
+
+
+def _is_field(part) -> bool:
+    """Location parts that name a field or an index, not a union member ('list[int]', 'constrained-str')."""
+    return isinstance(part, int) or (part.isidentifier() and part not in ("str", "int", "float", "bool", "list"))
+
+
+# ---- responses -------------------------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def completion_body(rid: str, model: str, text: str, finish_reason: str | None, use: dict | None) -> dict:
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": use,
+    }
+
+
+def chat_body(rid: str, model: str, text: str, finish_reason: str | None, use: dict | None) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+        ],
+        "usage": use,
+    }
+
+
+def completion_chunk(rid: str, model: str, text: str | None, finish_reason: str | None, use=None) -> dict:
+    """A streamed completion event; text None gives the usage-only chunk (empty choices)."""
+    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": use,
+    }
+
+
+def chat_chunk(rid: str, model: str, delta: dict | None, finish_reason: str | None, use=None) -> dict:
+    """A streamed chat event; delta None gives the usage-only chunk (empty choices)."""
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": use,
+    }

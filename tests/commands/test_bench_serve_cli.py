@@ -1,0 +1,65 @@
+"""`gptoss-lite bench-serve`: a small workload's report, the sequential ratio and the head-of-line run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gptoss_lite.cli import main
+
+
+def run_json(capsys, *argv: str) -> dict:
+    assert main(["bench-serve", "--model", "lite-tiny", "--threads", "1", "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_workload_report_counts_what_ran(capsys):
+    # one request at a time, so every later prompt finds the shared 32 tokens (2 blocks) cached
+    out = run_json(
+        capsys,
+        "--requests",
+        "6",
+        "--prompt-len",
+        "8:40",
+        "--max-tokens",
+        "4",
+        "--shared-prefix",
+        "32",
+        "--max-running",
+        "1",
+    )
+    engine = out["engine"]
+    assert engine["requests"] == 6 and engine["generated_tok_s"] > 0
+    assert engine["steps"] >= 4  # at least max_tokens steps
+    assert engine["prefix_hit_rate"] > 0.3
+    assert 0 < engine["kv_blocks_peak"] <= engine["kv_blocks_total"]
+    assert engine["ttft_p50_ms"] <= engine["ttft_p99_ms"]
+    assert out["planner"]["max_resident_requests"] > 0
+
+
+def test_sequential_ratio(capsys):
+    out = run_json(capsys, "--requests", "4", "--prompt-len", "8", "--max-tokens", "3", "--sequential")
+    assert out["sequential"]["generated_tok_s"] > 0
+    ratio = out["engine"]["generated_tok_s"] / out["sequential"]["generated_tok_s"]
+    assert out["speedup_vs_sequential"] == pytest.approx(ratio, rel=0.02)
+
+
+def test_head_of_line_run(capsys):
+    out = run_json(capsys, "--long-prompt", "300", "--decoders", "2", "--max-batch-tokens", "64")
+    assert out["chunks"] >= 300 // 64
+    assert out["chunk_prefill_ms_max"] > 0 and "itl_p99_rise_ms" in out
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--prompt-len", "0:4"], "LO <= HI"),
+        (["--prompt-len", "a"], "expected N or LO:HI"),
+        (["--rate", "0"], "--rate"),
+    ],
+)
+def test_bad_flags(capsys, argv, match):
+    with pytest.raises(SystemExit) if argv[0] == "--prompt-len" else pytest.raises(AssertionError):
+        run_json(capsys, *argv)
+    assert match in capsys.readouterr().err

@@ -1,0 +1,102 @@
+"""`gptoss-lite serve`: flags checked before the model loads; SIGTERM drains running requests, then exits 0."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gptoss_lite.cli import main
+from gptoss_lite.commands.serve import parse_api_keys
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--port", "70000"], "--port"),
+        (["--max-waiting", "0"], "--max-waiting"),
+        (["--admin-key", "x"], "--admin-key needs --api-key"),
+        (["--api-key", "a=k1", "--api-key", "b=k1"], "two tenants"),
+        (["--api-key", "a="], "non-empty"),
+        (["--drain-timeout", "-1"], "--drain-timeout"),
+        (["--api-key-file", "/no/such/file"], "No such file"),
+    ],
+)
+def test_bad_flags_fail_before_loading(argv, match, capsys):
+    """A bad flag is one clear error line and exit status 2 (nothing is loaded or bound)."""
+    assert main(["serve", "--model", "no-such-model-is-loaded", *argv]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_api_keys_map_to_tenants(tmp_path):
+    """TENANT=KEY names the tenant; a bare key gets a stable tenant of its own, not the key itself."""
+    keys = parse_api_keys(["alice=k1", "bob=k2", "k3"])
+    assert keys["k1"] == "alice" and keys["k2"] == "bob"
+    assert keys["k3"].startswith("key-") and "k3" not in keys["k3"]
+    assert parse_api_keys(["k3"]) == {"k3": keys["k3"]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_drains_then_exits(tmp_path):
+    """After SIGTERM the running stream still gets every token and [DONE], the listening socket is
+    closed to new connections, and the process exits 0."""
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gptoss_lite.cli", "serve", "--model", "lite-tiny", "--port", str(port)]
+        + ["--threads", "1", "--log-level", "warning"],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.ConnectError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.1)
+        body = {"model": "lite-tiny", "prompt": "drain me", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        body["stream_options"] = {"include_usage": True}
+        events = []
+        with httpx.Client(timeout=120) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    break
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(url + "/health")
+            after = [line[6:] for line in lines if line.startswith("data: ")]
+        assert len(after) > 10  # tokens still came after the signal: the request was running when it came
+        events += after
+        assert events[-1] == "[DONE]"
+        usage = json.loads(events[-2])["usage"]
+        assert usage["completion_tokens"] == 200
+        assert proc.wait(60) == 0
+        assert "draining" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
