@@ -162,3 +162,20 @@ def test_plan_kv_bits_without_the_native_width_prints(capsys):
     """--kv-bits that omit the native width leave an empty capacity table, not a TypeError."""
     assert main(["plan", "--kv-bits", "8", "--context", "4096"]) == 0
     assert "Prefill" in capsys.readouterr().out
+
+
+def test_plan_measured_bytes_beside_the_scenarios(capsys):
+    """`plan --measured` fills real caches: the JSON carries measured_bytes per (kv-bits, context), int8/int4
+    within 5% of with_scales_bytes (scales counted), and the text table a measured column."""
+    argv = ["plan", "--model", "lite-tiny", "--context", "8192", "--batch", "1", "--kv-bits", "16", "8", "4"]
+    assert main([*argv, "--measured", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["capacity"]
+    for row in rows:
+        assert row["measured_bytes"] > 0
+        if row["kv_bits"] != 16:
+            assert row["with_scales_bytes"] > row["payload_bytes"]
+            assert abs(row["measured_bytes"] - row["with_scales_bytes"]) <= 0.05 * row["with_scales_bytes"]
+    assert main([*argv, "--measured"]) == 0
+    assert "measured GiB" in capsys.readouterr().out
+    assert main(["plan", "--model", "llama-3.3-70b", "--devices", "2", "--measured"]) == 2
+    assert "not one of our model presets" in capsys.readouterr().err

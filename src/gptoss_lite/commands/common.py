@@ -257,3 +257,47 @@ def speculation_line(stats) -> str:
         f"({100 * stats.acceptance_rate:.1f}%), {stats.tokens_per_forward:.2f} tokens per target forward "
         f"({stats.new_tokens} tokens, {stats.target_forwards} target forwards)"
     )
+
+
+def add_kv_args(parser: argparse.ArgumentParser) -> None:
+    """--kv-bits, --kv-budget, --kv-policy, --kv-sinks (docs/kv-cache.md#kv-settings-and-the-command-line)."""
+    parser.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=(16, 8, 4),
+        default=16,
+        help="bits per K/V element on full layers: 16 keeps the model's dtype, 8 or 4 quantise "
+        "(KIVI-style, scales counted) (default: 16)",
+    )
+    parser.add_argument(
+        "--kv-budget",
+        type=int,
+        default=None,
+        metavar="N",
+        help="keep at most N tokens per full layer, evicting by --kv-policy; prefill pieces are cut to N "
+        "(default: no budget)",
+    )
+    parser.add_argument(
+        "--kv-policy",
+        choices=("streaming", "h2o"),
+        default="streaming",
+        help="eviction under --kv-budget: streaming (sink tokens + most recent) or h2o (heavy hitters + "
+        "recent half) (default: streaming)",
+    )
+    parser.add_argument(
+        "--kv-sinks", type=int, default=4, metavar="N", help="streaming: initial tokens always kept (default: 4)"
+    )
+
+
+def kv_settings(args: argparse.Namespace):
+    """KVSettings from the --kv-* flags (checked before the model loads); errors name the flag."""
+    from gptoss_lite.kv.settings import KVSettings
+
+    if args.kv_budget is not None and getattr(args, "speculate", "none") != "none":
+        raise ValueError("--kv-budget cannot be combined with --speculate: an evicting cache cannot roll back")
+    if args.kv_budget is None and (args.kv_policy != "streaming" or args.kv_sinks != 4):
+        raise ValueError("--kv-policy / --kv-sinks need --kv-budget N")
+    try:
+        return KVSettings(bits=args.kv_bits, budget=args.kv_budget, policy=args.kv_policy, sink_tokens=args.kv_sinks)
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"--kv-bits/--kv-budget/--kv-sinks: {exc}") from None

@@ -9,7 +9,7 @@ import time
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from gptoss_lite.commands.common import add_model_arg, add_speculate_args
+    from gptoss_lite.commands.common import add_kv_args, add_model_arg, add_speculate_args
 
     p = sub.add_parser(
         "generate",
@@ -37,6 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object (text and stats) instead of text")
     add_speculate_args(p)
+    add_kv_args(p)
     p.set_defaults(handler=run)
 
 
@@ -47,11 +48,11 @@ def run(args: argparse.Namespace) -> int:
         build_speculation,
         check_speculate_args,
         fmt_bytes,
+        kv_settings,
         load_model_and_tokenizer,
         speculation_line,
     )
     from gptoss_lite.generation import stream_generate
-    from gptoss_lite.kv.mixed import MixedKVCache
     from gptoss_lite.sampling import SamplingConfig
     from gptoss_lite.speculative import SpeculationStats
     from gptoss_lite.validation import check_int
@@ -74,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     check_int("--max-new-tokens", args.max_new_tokens, 0)
     check_int("--prefill-chunk", args.prefill_chunk, 1)
     check_speculate_args(args)
+    kv = kv_settings(args)
     prompt = read_prompt(args.prompt)
     model, tokenizer, source = load_model_and_tokenizer(args)
     ids = tokenizer.encode(prompt)
@@ -97,9 +99,7 @@ def run(args: argparse.Namespace) -> int:
     )
     speculate = build_speculation(args, model)
     spec_stats = SpeculationStats()
-    cache = MixedKVCache(
-        model.config, batch_size=1, rollback_tokens=0 if speculate is None else speculate.k
-    )  # slack for rejected drafts
+    cache = kv.build(model.config, batch_size=1, rollback_tokens=0 if speculate is None else speculate.k)
 
     t0 = time.perf_counter()
     steps = stream_generate(
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         args.top_p,
         seed=args.seed,
         stop_tokens=stops,
-        prefill_chunk=args.prefill_chunk,
+        prefill_chunk=kv.prefill_chunk(args.prefill_chunk),
         cache=cache,
         speculate=speculate,
         stats=spec_stats,
@@ -144,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
         "decode_tokens_per_s": decode_steps / decode_s if decode_steps and decode_s > 0 else None,
         "kv_allocated_bytes": cache.nbytes,
         "kv_payload_bytes": cache.payload_bytes,
+        "kv_setting": kv.label,
         "kv_all_global_payload_bytes": cfg.n_layers * total_tokens * per_token_layer,
         "speculation": None
         if speculate is None
@@ -166,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"KV cache: {fmt_bytes(cache.nbytes)} allocated, {fmt_bytes(cache.payload_bytes)} payload, "
             f"vs {fmt_bytes(stats['kv_all_global_payload_bytes'])} for an all-global cache of "
-            f"{total_tokens} tokens",
+            f"{total_tokens} tokens ({kv.label} full layers)",
             file=sys.stderr,
         )
         print(f"threads: {args.threads}", file=sys.stderr)

@@ -94,6 +94,67 @@ def measure_mixed_cache(contexts: tuple[int, ...], chunk: int = 2048) -> dict[in
     return out
 
 
+def measure_cache_bytes(config, settings, contexts: tuple[int, ...], chunk: int = 2048) -> dict[int, tuple[int, int]]:
+    """{context: (payload bytes, allocated bytes)} of a real cache of `settings` (a KVSettings) for a
+    model `config`, filled with random BF16 K/V in `chunk`-token prefill pieces (quantised full layers
+    store codes, scales and zero points; the bytes do not depend on the values)."""
+    import torch
+
+    K, D = config.n_kv_heads, config.head_dim
+    block = torch.randn(1, K, chunk, D, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)  # (B, K, T, D)
+    out = {}
+    for t in contexts:
+        cache = settings.build(config)
+        for start in range(0, t, chunk):
+            piece = block[:, :, : min(chunk, t - start)]
+            for layer in range(config.n_layers):
+                if cache_is_blocked(cache, layer):
+                    cache.update_blocks(layer, piece, piece, start)
+                else:
+                    cache.update(layer, piece, piece, start)
+        out[t] = (cache.payload_bytes, cache.nbytes)
+        cache.reset()
+    return out
+
+
+def cache_is_blocked(cache, layer: int) -> bool:
+    """Whether `layer` of `cache` is read block by block (filled through update_blocks, no materialising)."""
+    from gptoss_lite.kv.base import BlockKVCache
+
+    return isinstance(cache, BlockKVCache) and cache.is_blocked(layer)
+
+
+def measure_quantized_cache(contexts: tuple[int, ...], bits: int, chunk: int = 2048) -> dict[int, tuple[int, int]]:
+    """{context: (payload bytes, allocated bytes)} of a real 502M-geometry QuantizedKVCache (int8/int4 full
+    layers, scales and zero points included) after prefill in `chunk`-token pieces."""
+    from gptoss_lite.config import get_preset
+    from gptoss_lite.kv.settings import KVSettings
+
+    return measure_cache_bytes(get_preset(PRESET), KVSettings(bits=bits), contexts, chunk)
+
+
+def quantized_rows(geometry: P.AttentionKVGeometry, contexts: tuple[int, ...]) -> list[dict]:
+    """Planned (incl. scales) vs measured bytes of int8 / int4 full layers at each context."""
+    rows = []
+    for bits in (8, 4):
+        measured = measure_quantized_cache(contexts, bits)
+        for t in contexts:
+            planned = P.quantized_kv_bytes(geometry, t, bits)
+            if measured[t][0] != planned:
+                raise AssertionError(f"int{bits} payload at {t} tokens: measured {measured[t][0]} != planned {planned}")
+            rows.append(
+                {
+                    "context_tokens": t,
+                    "kv_bits": bits,
+                    "planned_bytes": planned,
+                    "measured_payload_bytes": measured[t][0],
+                    "measured_allocated_bytes": measured[t][1],
+                    "vs_16_bit": P.kv_payload_bytes(geometry, t) / measured[t][1],
+                }
+            )
+    return rows
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "kv-bench",
@@ -105,7 +166,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--measured",
         action="store_true",
-        help="also fill a real MixedKVCache (BF16, ~1.2 GB at 128K) and report its payload and allocated bytes",
+        help="also fill real caches (BF16 MixedKVCache, ~1.2 GB at 128K, and int8/int4 QuantizedKVCache) and "
+        "report their payload and allocated bytes",
     )
     p.set_defaults(handler=run)
 
@@ -117,7 +179,9 @@ def run(args: argparse.Namespace) -> int:
     passed = check.ratio >= PASS_RATIO
     columns = COLUMNS
     measured = {}
+    quantized: list[dict] = []
     if args.measured:
+        quantized = quantized_rows(geometry, tuple(r.context_tokens for r in rows))
         measured = measure_mixed_cache(tuple(r.context_tokens for r in rows))
         mismatched = [t for t, r in zip(measured, rows) if measured[t][0] != r.mixed_bytes]
         if mismatched:
@@ -152,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
                     "pass_context_tokens": PASS_CONTEXT,
                     "pass_ratio": PASS_RATIO,
                     "passed": passed,
+                    **({"quantized": quantized} if quantized else {}),
                 },
                 sort_keys=True,
                 indent=2,
@@ -164,6 +229,24 @@ def run(args: argparse.Namespace) -> int:
             "full; GiB = 2^30 B, GB = 10^9 B"
         )
         print(format_table(rows, columns))
+        if quantized:
+            print(
+                "\nQuantised full layers (KIVI-style, scales and zero points counted; sliding layers BF16), "
+                "planned vs measured (a real QuantizedKVCache filled in 2,048-token pieces)"
+            )
+            print(
+                format_table(
+                    quantized,  # type: ignore[arg-type]
+                    [
+                        ("context", lambda r: f"{r['context_tokens']:,}"),  # type: ignore[index]
+                        ("kv-bits", lambda r: str(r["kv_bits"])),  # type: ignore[index]
+                        ("planned B", lambda r: f"{r['planned_bytes']:,}"),  # type: ignore[index]
+                        ("measured payload B", lambda r: f"{r['measured_payload_bytes']:,}"),  # type: ignore[index]
+                        ("measured allocated B", lambda r: f"{r['measured_allocated_bytes']:,}"),  # type: ignore[index]
+                        ("vs 16-bit mixed", lambda r: f"{r['vs_16_bit']:.2f}x"),  # type: ignore[index]
+                    ],
+                )
+            )
         verdict = "PASS" if passed else "FAIL"
         print(
             f"{verdict}: mixed cache payload is {check.ratio:.2f}x smaller than all-full at "

@@ -20,7 +20,7 @@ def _depth(text: str) -> float:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from gptoss_lite.commands.common import add_model_arg, add_speculate_args
+    from gptoss_lite.commands.common import add_kv_args, add_model_arg, add_speculate_args
     from gptoss_lite.evals.passkey import BASE_SEED, DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_TRIALS, TEMPLATES
 
     p = subparsers.add_parser(
@@ -85,6 +85,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", default=None, metavar="PNG", help="write a length x depth accuracy heatmap")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     add_speculate_args(p)
+    add_kv_args(p)
     p.set_defaults(handler=run)
 
 
@@ -93,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
         build_speculation,
         check_output_file,
         check_speculate_args,
+        kv_settings,
         load_model_and_tokenizer,
         speculation_line,
         warn,
@@ -109,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
                 f"--plot {args.plot}: needs matplotlib; pip install 'gptoss-lite[plot]' or drop --plot"
             ) from None
     check_speculate_args(args)
+    kv = kv_settings(args)
     model, tokenizer, source = load_model_and_tokenizer(args)
     if args.lengths is None:
         args.lengths = default_lengths(model.config.max_position_embeddings)
@@ -130,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         prefill_chunk=args.prefill_chunk,
         batch_size=args.batch_size,
         speculate=speculate,
+        kv=kv,
     )
     result = evaluator.run(progress=not args.no_progress)
     if args.plot:

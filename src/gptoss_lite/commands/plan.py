@@ -72,6 +72,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="KV storage bits per element for the compression scenarios (default: 16 8 4)",
     )
     p.add_argument("--chunk", type=int, default=2048, help="chunked-prefill chunk size in tokens (default: 2048)")
+    p.add_argument(
+        "--measured",
+        action="store_true",
+        help="fill a real cache (16-bit, int8, int4 full layers; needs torch and one of our model presets) for "
+        "each compression scenario and print its allocated bytes beside the computed ones",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON (sorted keys)")
     p.add_argument(
         "--plot",
@@ -95,6 +101,30 @@ def resolve_model(name: str) -> tuple[P.KVGeometry, P.ModelWeights]:
         cfg = FIXTURES[name]
         return P.geometry_from_model_config(cfg, name=name), P.weights_from_model_config(cfg, name=name)
     raise ValueError(f"unknown model {name!r}; valid: {', '.join(sorted(P.GEOMETRY_PRESETS))}")
+
+
+def _measure(
+    model: str, geometry: P.KVGeometry, kv_bits: list[int], contexts: list[int], native_bits: int
+) -> dict[tuple[int, int], int]:
+    """{(kv_bits, context): allocated bytes} of real caches of `model` (one of our presets or fixtures)
+    filled to each context, for the bits a cache can store (16, 8, 4); torch is imported only here."""
+    from gptoss_lite.commands.kv_bench import measure_cache_bytes
+    from gptoss_lite.config import PRESETS
+    from gptoss_lite.fixtures import FIXTURES
+    from gptoss_lite.kv.settings import KVSettings
+
+    config = PRESETS.get(model) or FIXTURES.get(model)
+    if config is None or native_bits != 16:
+        raise ValueError(
+            f"--measured: {model!r} is not one of our model presets with a 16-bit cache "
+            f"({', '.join(sorted(PRESETS))}); drop --measured"
+        )
+    out = {}
+    for bits in kv_bits:
+        if bits in (16, 8, 4):
+            for n, (_, allocated) in measure_cache_bytes(config, KVSettings(bits=bits), tuple(contexts)).items():
+                out[(bits, n)] = allocated
+    return out
 
 
 def _attention_split(geometry: P.KVGeometry) -> tuple[int, int, int | None]:
@@ -167,8 +197,10 @@ def build_report(
     chunk: int,
     devices: int = 1,
     weight_bits: float = 16.0,
+    measure: bool = False,
 ) -> dict[str, Any]:
-    """Every figure `plan` prints, as a JSON-ready dict (schema: docs/plan.md)."""
+    """Every figure `plan` prints, as a JSON-ready dict (schema: docs/plan.md). `measure` fills real
+    caches for the compression scenarios (`measured_bytes`)."""
     for name, values in (("--context", contexts), ("--batch", batches), ("--kv-bits", kv_bits)):
         if not values:
             raise ValueError(f"{name}: give at least one value")
@@ -223,10 +255,14 @@ def build_report(
             )
 
     capacity = []
+    measured = _measure(model, geometry, kv_bits, contexts, native_bits) if measure else {}
     for bits in kv_bits:
         scale = Fraction(bits, native_bits)
         for n in contexts:
             payload = P.kv_payload_bytes(geometry, n, 1, scale)
+            with_scales = payload if bits == native_bits else None
+            if bits in (8, 4) and isinstance(geometry, P.AttentionKVGeometry) and native_bits == 16:
+                with_scales = P.quantized_kv_bytes(geometry, n, bits)
             resident = P.max_resident_requests(hw, geometry, n, scale) if payload else None
             at_capacity = (
                 P.decode_ceiling(hw, geometry, n, resident, scale).aggregate_tokens_per_second if resident else None
@@ -240,6 +276,8 @@ def build_report(
                     "batch_knee": P.batch_knee(hw, geometry, n, scale) if payload else None,
                     "max_resident_requests": resident,
                     "aggregate_tokens_per_second_at_capacity": at_capacity,
+                    "with_scales_bytes": with_scales,
+                    **({"measured_bytes": measured.get((bits, n))} if measure else {}),
                 }
             )
 
@@ -307,6 +345,7 @@ def _opt(value: Any, fmt: str) -> str:
 
 def format_text(r: dict[str, Any]) -> str:
     m, h, g = r["model"], r["hardware"], r["model"]["geometry"]
+    measured_col = any("measured_bytes" in x for x in r["capacity"])
     label = "measured" if h["source"].startswith("measured") else "spec sheet"
     if g["kind"] == "mla":
         shape = f"MLA, {g['attention_layers']} layers, latent {g['latent_dim']} + rope {g['rope_dim']}"
@@ -394,15 +433,27 @@ def format_text(r: dict[str, Any]) -> str:
             ],
         ),
         "",
-        "Compression scenarios (payload only: quantisation scales/zero points not counted; "
-        "capacity and ceilings are upper bounds)",
+        "Compression scenarios (KV/request: payload only, scales/zero points not counted; with scales: "
+        "KIVI-style int8/int4 full layers incl. scales, zero points and the 64-token residual window"
+        + ("; measured: allocated bytes of a real filled cache" if measured_col else "")
+        + "; capacity and ceilings are upper bounds)",
         _table(
-            ["context", "kv-bits", "KV/request GiB", "knee B*", "max resident", "agg tok/s at capacity"],
+            ["context", "kv-bits", "KV/request GiB", "with scales GiB"]
+            + (["measured GiB"] if measured_col else [])
+            + ["knee B*", "max resident", "agg tok/s at capacity"],
             [
                 [
                     f"{x['context_tokens']:,}",
                     str(x["kv_bits"]),
                     f"{x['payload_bytes'] / P.GIB:.3f}",
+                    "-" if x["with_scales_bytes"] is None else f"{x['with_scales_bytes'] / P.GIB:.3f}",
+                ]
+                + (
+                    ["-" if x["measured_bytes"] is None else f"{x['measured_bytes'] / P.GIB:.3f}"]
+                    if measured_col
+                    else []
+                )
+                + [
                     _opt(x["batch_knee"], ".2f"),
                     _opt(x["max_resident_requests"], ","),
                     _opt(x["aggregate_tokens_per_second_at_capacity"], ",.0f"),
@@ -477,7 +528,15 @@ def write_plot(r: dict[str, Any], path: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     report = build_report(
-        args.model, args.hardware, args.context, args.batch, args.kv_bits, args.chunk, args.devices, args.weight_bits
+        args.model,
+        args.hardware,
+        args.context,
+        args.batch,
+        args.kv_bits,
+        args.chunk,
+        args.devices,
+        args.weight_bits,
+        measure=args.measured,
     )
     if args.json:
         print(json.dumps(report, sort_keys=True, indent=2))

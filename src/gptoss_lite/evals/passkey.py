@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     import torch
 
     from gptoss_lite.kv.mixed import MixedKVCache
+    from gptoss_lite.kv.settings import KVSettings
     from gptoss_lite.speculative import Speculation
     from gptoss_lite.tokenizer import Tokenizer
 
@@ -290,9 +291,12 @@ class PasskeyEvaluator:
         prefill_chunk: int = 2048,
         batch_size: int = 1,
         speculate: Speculation | None = None,
+        kv: KVSettings | None = None,
     ):
         """`speculate` (a `gptoss_lite.speculative.PromptLookup` or `DraftModel`) decodes the answers
-        speculatively; greedy, so the answers are the same, only faster (or not)."""
+        speculatively; greedy, so the answers are the same, only faster (or not). `kv`
+        (`gptoss_lite.kv.settings.KVSettings`) sets the full layers' storage: bits or a token budget
+        (prefill pieces are then cut to the budget)."""
         from gptoss_lite.speculative import DraftModel, PromptLookup
         from gptoss_lite.tokenizer import ByteTokenizer
 
@@ -337,6 +341,13 @@ class PasskeyEvaluator:
         if speculate is not None and not isinstance(speculate, (PromptLookup, DraftModel)):
             raise TypeError(f"speculate: expected None, a PromptLookup or a DraftModel, got {type(speculate).__name__}")
         self.speculate = speculate
+        from gptoss_lite.kv.settings import KVSettings
+
+        if kv is not None and not isinstance(kv, KVSettings):
+            raise TypeError(f"kv: expected None or a KVSettings, got {type(kv).__name__}")
+        if kv is not None and kv.budget is not None and speculate is not None:
+            raise ValueError("kv budget and speculate: an evicting cache cannot roll back; give one of them")
+        self.kv = KVSettings() if kv is None else kv
         self.speculation_stats = None  # a SpeculationStats summed over the answers() calls
 
     def keys(self, length: int) -> list[str]:
@@ -352,12 +363,11 @@ class PasskeyEvaluator:
         """Score-ready answers of a (B, T) batch of equal-length prompts: greedy NEW_TOKENS tokens
         through the cached path, the first 5-digit number of each (None if none); and the cache used."""
         from gptoss_lite.generation import generate
-        from gptoss_lite.kv.mixed import MixedKVCache
         from gptoss_lite.speculative import SpeculationStats
 
         eos = self.tokenizer.eos_id
         slack = 0 if self.speculate is None else self.speculate.k
-        cache = MixedKVCache(self.model.config, batch_size=ids.shape[0], rollback_tokens=slack)
+        cache = self.kv.build(self.model.config, batch_size=ids.shape[0], rollback_tokens=slack)
         spec = {}  # only when on, so the plain call is unchanged
         if self.speculate is not None:
             if self.speculation_stats is None:
@@ -370,7 +380,7 @@ class PasskeyEvaluator:
             temperature=0.0,
             top_p=1.0,
             stop_tokens=None if eos is None else [eos],
-            prefill_chunk=self.prefill_chunk,
+            prefill_chunk=self.kv.prefill_chunk(self.prefill_chunk),
             cache=cache,
             **spec,
         )  # (B, T + n)

@@ -34,6 +34,20 @@ interval* `[lowest, num_tokens]`; anything outside raises ValueError naming the 
 interval, and leaves the cache unchanged (`check_rollback`). A cache built with rollback slack R
 keeps R tokens more than one window on sliding layers, so a rollback of R tokens is always allowed.
 
+Block-read caches (`BlockKVCache`, optional; docs/kv-cache.md#block-reads-quantised-and-evicting-caches):
+a cache that stores a layer in a form other than one (B, K, S, D) tensor (quantised codes, or a subset
+of the past under a token budget) may say so with `is_blocked(layer)`. The layer then calls
+`update_blocks` instead of `update` and gets a `KVBlocks`: the same keys and values as `update`
+would return, in segments that are read (dequantised) one block at a time, so no full-history
+full-precision copy is ever built. `update` keeps working on such a cache (it returns the
+materialised tensors), so every consumer of the plain protocol still runs on it.
+
+A second freedom, for full layers (window None) only: the past keys returned may be a subset of the
+earlier positions (an evicting cache), as long as the new tokens come last and in order; `first` is
+then `start_pos - P` with P past keys returned. Every past key is visible to every new query on a
+full layer, so which positions they were does not change the mask, and each key carries its own
+rotation (RoPE at its original position).
+
 Ragged batches (`RaggedBatch`, continuous batching). A serving engine runs the new tokens of many
 sequences, each at its own position and with its own history, as one flat batch of N tokens. There
 is no common `start_pos` and no rectangular (B, K, S, D) key tensor to return, so such a batch does
@@ -45,6 +59,7 @@ every ragged kernel to `attention_reference` run on each sequence alone.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -117,6 +132,87 @@ def check_rollback(position: int, num_tokens: int, lowest: int, window: int | No
             f"{lowest - (window or 1) + 1}{needs}; truncate to >= {lowest}, or build the "
             "cache with a larger rollback_tokens"
         )
+
+
+class KVSegment(Protocol):
+    """A run of consecutive keys of one layer that can be read as full-precision tensors."""
+
+    @property
+    def num_tokens(self) -> int:
+        """Keys in the segment."""
+        ...
+
+    def read(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values start … end - 1 of the segment, each (B, K, end - start, D), full precision."""
+        ...
+
+
+class TensorSegment:
+    """A segment that already is full precision: (B, K, n, D) keys and values; `read` returns views."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        assert k.shape == v.shape and k.dim() == 4, f"TensorSegment: k {tuple(k.shape)} / v {tuple(v.shape)}"
+        self.k, self.v = k, v
+
+    @property
+    def num_tokens(self) -> int:
+        return self.k.shape[2]
+
+    def read(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[:, :, start:end], self.v[:, :, start:end]
+
+
+class KVBlocks:
+    """The keys and values `update` would return for one layer, as consecutive segments read block by
+    block: key j of the concatenation is key j of what `update` returns (position `first + j`, or
+    under the full-layer freedom the j-th kept key).
+
+    `block_tokens` is the storage granule (a quantised cache's group); readers should cut blocks at
+    multiples of it. `mass`, when the cache sets it to a zero (B, K, S) fp32 tensor, asks the kernel
+    to add the attention each key received, summed over the new queries and the G query heads of its
+    KV head (H2O's accumulated attention); None (the default) asks for nothing.
+    """
+
+    def __init__(
+        self, segments: list[KVSegment], kv_heads: int, block_tokens: int = 1, mass: torch.Tensor | None = None
+    ):
+        self.segments = [s for s in segments if s.num_tokens > 0]
+        self.kv_heads = kv_heads  # K
+        self.block_tokens = block_tokens
+        self.num_keys = sum(s.num_tokens for s in self.segments)
+        self.mass = mass
+
+    def blocks(self, max_tokens: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(first key index, keys, values) of consecutive blocks of at most max(max_tokens, block_tokens)
+        keys, each (B, K, n, D) full precision, never crossing a segment's end."""
+        step = max(self.block_tokens, max_tokens // self.block_tokens * self.block_tokens)
+        offset = 0
+        for seg in self.segments:
+            n = seg.num_tokens
+            for s in range(0, n, step):
+                e = min(n, s + step)
+                k, v = seg.read(s, e)
+                yield offset + s, k, v
+            offset += n
+
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All keys and values as one (B, K, S, D) pair each: the dequantise-then-attend oracle (this is
+        the full-history copy the blocked kernel avoids)."""
+        parts = [seg.read(0, seg.num_tokens) for seg in self.segments]
+        return torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2)
+
+
+@runtime_checkable
+class BlockKVCache(KVCache, Protocol):
+    """A cache whose layers may be read block by block (see "Block-read caches" above)."""
+
+    def is_blocked(self, layer: int) -> bool:
+        """Whether `layer` is stored in blocks (the layer then calls `update_blocks`)."""
+        ...
+
+    def update_blocks(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> tuple[KVBlocks, int]:
+        """`update` for a blocked layer: store the new tokens and return (KVBlocks, first), the same
+        keys and values `update` would return, unmaterialised."""
 
 
 @runtime_checkable

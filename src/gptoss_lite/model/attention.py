@@ -16,11 +16,13 @@ iff j <= i + q_offset and, with a window W, (i + q_offset) - j < W.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
 from gptoss_lite.config import ModelConfig
-from gptoss_lite.kv.base import KVCache, RaggedBatch
+from gptoss_lite.kv.base import BlockKVCache, KVBlocks, KVCache, RaggedBatch
 from gptoss_lite.model.decode_pack import pack_pair, still_packed
 from gptoss_lite.model.rope import apply_rotary_tables
 
@@ -158,6 +160,84 @@ def _attend_one_query(
     return out.view(B, H, 1, D).to(q.dtype)
 
 
+def attention_blocks(
+    q: torch.Tensor, blocks: KVBlocks, sinks: torch.Tensor | None, q_offset: int, window: int | None
+) -> torch.Tensor:
+    """Online-softmax attention over keys read block by block from a `KVBlocks` (a quantised or
+    evicting cache): same contract and result as `attention_reference` over `blocks.materialize()`,
+    but only one block of keys and values is ever full precision. When `blocks.mass` is set, a second
+    pass over the blocks adds to it the attention each key received (B, K, S), summed over queries and
+    the G heads of its group, without a (T, S) matrix larger than one block. q (B, H, T, D) -> (B, H, T, D).
+    """
+    B, H, T, D = q.shape
+    K = blocks.kv_heads
+    G = H // K
+    rows = q.view(B, K, G, T, D).reshape(B, K, G * T, D).float() * D**-0.5  # (B, K, G·T, D); row = g·T + t
+    k_block = max(64, SCORE_BLOCK_ELEMENTS // max(1, B * H * T))
+    first_q, last_q = q_offset, q_offset + T - 1
+    lo = 0 if window is None else max(0, first_q - window + 1)
+
+    def scores(ks: int, k: torch.Tensor) -> torch.Tensor | None:
+        ke = ks + k.shape[2]
+        if ke <= lo or ks > last_q:
+            return None  # no query of this call sees the block
+        s = rows @ k.float().transpose(-1, -2)  # (B, K, G·T, Sb)
+        if not (ke - 1 <= first_q and (window is None or last_q - ks < window)):
+            mask = visible_mask(T, ke - ks, first_q - ks, window, q.device)  # (T, Sb)
+            s = s.masked_fill(~mask.repeat(G, 1), float("-inf"))
+        return s
+
+    if sinks is None:
+        m = torch.full((B, K, G * T, 1), -1e30, device=q.device)  # finite: a fully masked block stays NaN-free
+        l = torch.zeros_like(m)
+    else:
+        m = sinks.float().view(1, K, G, 1, 1).expand(B, K, G, T, 1).reshape(B, K, G * T, 1)
+        l = torch.ones_like(m)
+    acc = torch.zeros(B, K, G * T, D, device=q.device, dtype=torch.float32)
+    for ks, k, v in blocks.blocks(k_block):
+        s = scores(ks, k)
+        if s is None:
+            continue
+        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))  # (B, K, G·T, 1)
+        p = torch.exp(s - m_new)
+        corr = torch.exp(m - m_new)
+        l = l * corr + p.sum(dim=-1, keepdim=True)
+        acc = acc * corr + p @ v.float()  # (B, K, G·T, D)
+        m = m_new
+    if blocks.mass is not None:
+        for ks, k, _ in blocks.blocks(k_block):
+            s = scores(ks, k)
+            if s is not None:
+                p = torch.exp(s - m) / l  # (B, K, G·T, Sb): final probabilities of this block
+                blocks.mass[:, :, ks : ks + k.shape[2]] += p.sum(dim=2)
+    return (acc / l).view(B, K, G, T, D).reshape(B, H, T, D).to(q.dtype)
+
+
+def attention_mass_reference(
+    q: torch.Tensor, k: torch.Tensor, sinks: torch.Tensor | None, q_offset: int, window: int | None
+) -> torch.Tensor:
+    """Dense oracle of the attention mass: the (B, H, T, S) probabilities of `attention_reference`
+    summed over queries and the G heads of each KV head -> (B, K, S) fp32."""
+    B, H, T, D = q.shape
+    K, S = k.shape[1], k.shape[2]
+    kr = k.repeat_interleave(H // K, dim=1).float()  # (B, H, S, D)
+    scores = (q.float() @ kr.transpose(-1, -2)) / D**0.5  # (B, H, T, S)
+    scores = scores.masked_fill(~visible_mask(T, S, q_offset, window, q.device), float("-inf"))
+    if sinks is not None:
+        sink_col = sinks.float().view(1, H, 1, 1).expand(B, H, T, 1)
+        probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return probs.sum(dim=2).view(B, K, H // K, S).sum(dim=2)  # (B, K, S)
+
+
+def _blocked(cache: KVCache, layer: int) -> bool:
+    """Whether `cache` reads `layer` block by block (a `BlockKVCache` saying so). NOTE: a getattr, not
+    isinstance on the runtime-checkable protocol, which costs ~100x more on every layer of every step."""
+    is_blocked = getattr(cache, "is_blocked", None)
+    return is_blocked is not None and is_blocked(layer)
+
+
 class Attention(nn.Module):
     """GQA attention block: q_proj, fused kv_proj (K then V), o_proj, per-head sink logits."""
 
@@ -259,6 +339,18 @@ class Attention(nn.Module):
             return self.o_proj(y.transpose(0, 1).reshape(B, T, H * D))
         if cache is None:
             keys, values, q_offset = k, v, 0
+        elif _blocked(cache, self.layer):
+            # A quantised or evicting layer, read block by block (docs/kv-cache.md, "Block reads"); the
+            # reference impl attends densely over the materialised keys (the oracle).
+            blocks, first = cast(BlockKVCache, cache).update_blocks(self.layer, k, v, start_pos)
+            if impl == "fast":
+                y = attention_blocks(q, blocks, self.sink_logits(), start_pos - first, self.window)
+            else:
+                keys, values = blocks.materialize()
+                y = attention_reference(q, keys, values, self.sink_logits(), start_pos - first, self.window)
+                if blocks.mass is not None:
+                    blocks.mass += attention_mass_reference(q, keys, self.sink_logits(), start_pos - first, self.window)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
         else:
             keys, values, first = cache.update(self.layer, k, v, start_pos)  # (B, K, S, D) each
             q_offset = start_pos - first  # key index of the first new query

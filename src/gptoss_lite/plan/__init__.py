@@ -37,6 +37,7 @@ from gptoss_lite.plan.core import (
     naive_preallocation_waste,
     prefill_floor_seconds,
     prefill_flops,
+    quantized_kv_bytes,
 )
 from gptoss_lite.plan.presets import (
     GEOMETRY_PRESETS,
@@ -79,6 +80,7 @@ __all__ = [
     "naive_preallocation_waste",
     "prefill_floor_seconds",
     "prefill_flops",
+    "quantized_kv_bytes",
     "GEOMETRY_PRESETS",
     "HARDWARE_PRESETS",
     "MODEL_WEIGHTS",

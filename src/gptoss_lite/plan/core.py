@@ -172,6 +172,44 @@ def kv_payload_bytes(geometry: KVGeometry, context_tokens: int, batch_size: int 
     return int(scaled)
 
 
+def quantized_kv_bytes(
+    geometry: AttentionKVGeometry,
+    context_tokens: int,
+    bits: int,
+    batch_size: int = 1,
+    key_group: int = 64,
+    value_group: int | None = None,
+    residual: int = 64,
+    scale_bytes: int = 2,
+) -> int:
+    """Bytes of one batch of sequences whose full layers store KIVI-style quantised K/V, scales and
+    zero points included (docs/plan.md#quantised-kv-bytes); sliding layers keep min(W, T) tokens at
+    `bytes_per_element`.
+
+    Per full layer, of T tokens the first `Q = max(0, (T - residual) // key_group) · key_group` are
+    quantised: codes 2·K·D·bits/8 B per token, one scale and one zero (`scale_bytes` each) per channel
+    per key group (keys) and per value group per token (values); the other T - Q stay at
+    `bytes_per_element`. `value_group` defaults to 64 when it divides D, else D (as `QuantizedKVCache`).
+    """
+    t = _int("context_tokens", context_tokens, 0)
+    _int("batch_size", batch_size, 1)
+    if bits not in (8, 4):
+        raise ValueError(f"bits={bits!r}: quantised KV is 8 or 4 bits")
+    _int("key_group", key_group, 1)
+    _int("residual", residual, 0)
+    K, D = geometry.kv_heads, geometry.head_dim
+    vg = (64 if D % 64 == 0 else D) if value_group is None else _int("value_group", value_group, 1)
+    if D % vg:
+        raise ValueError(f"value_group={vg}: must divide head_dim={D}")
+    q = max(0, (t - residual) // key_group) * key_group
+    codes = 2 * K * q * D * bits // 8
+    scales = 2 * scale_bytes * K * (q // key_group * D + q * D // vg)
+    residual_bytes = (t - q) * geometry.bytes_per_token_per_layer
+    windowed = min(geometry.sliding_window, t) if geometry.sliding_window is not None else 0
+    sliding = geometry.sliding_layers * windowed * geometry.bytes_per_token_per_layer
+    return batch_size * (geometry.full_layers * (codes + scales + residual_bytes) + sliding)
+
+
 # ---- hardware and decode roofline (docs/plan.md#decode-roofline-knee-and-capacity) -------------------------
 
 
