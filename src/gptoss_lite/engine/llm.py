@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from gptoss_lite.checkpoint import load_model
+from gptoss_lite.config import SLIDING
 from gptoss_lite.engine.kv_manager import KVManager
 from gptoss_lite.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from gptoss_lite.engine.runner import ModelRunner
@@ -166,7 +167,7 @@ class LLM:
         bs = self.kv.block_size
         need = math.ceil(max_batch_tokens / bs) + 1
         for kind, pool in self.kv.store.pools.items():
-            window = self.config.sliding_window if kind == "sliding" else 0
+            window = self.config.sliding_window if kind == SLIDING else 0
             if pool.total_blocks < need + math.ceil(window / bs) + 1:
                 raise ValueError(
                     f"the {kind}-layer pool has {pool.total_blocks} blocks of {bs} tokens, too few for one step of "
