@@ -169,3 +169,14 @@ def test_outputs_report_timings_and_request_ids(models):
     final = outs[-1]
     assert final.finished and final.metrics.ttft > 0 and len(final.metrics.itl) == 4
     assert all(t >= 0 for t in final.metrics.itl)
+
+
+def test_token_range_is_a_slice_of_all_tokens():
+    from gptoss_lite.engine.request import Request
+
+    request = Request("r", [1, 2, 3, 4], SamplingParams(), "default", None)
+    request.output_token_ids = [5, 6, 7]
+    everything = request.all_token_ids
+    for start in range(len(everything) + 1):
+        for n in range(len(everything) - start + 1):
+            assert request.token_range(start, n) == everything[start : start + n]

@@ -74,24 +74,21 @@ class KVManager:
             target = max(0, request.num_computed - self.config.sliding_window + 1)
             self.store.pools[SLIDING].release_before(request.request_id, target)
 
-    def can_allocate(self, request: Request, n_tokens: int) -> bool:
-        """Whether `allocate(request, n_tokens)` would succeed now (evicting cached blocks if needed)."""
+    def allocate(self, request: Request, n_tokens: int) -> dict[str, AppendPlan] | None:
+        """Append n_tokens to the request in every pool; None (nothing appended) if they do not fit even
+        after evicting blocks only the prefix cache holds. Sliding-layer blocks that left the window are
+        released first either way (they are never needed again)."""
         self._release_window(request)
+        shortfall = {}
         for kind, pool in self.store.pools.items():
             short = pool.blocks_needed(request.request_id, n_tokens) - pool.free_blocks
             if short > 0 and (not self.enable_prefix_caching or self.store.prefix[kind].evictable_blocks < short):
-                return False
-        return True
-
-    def allocate(self, request: Request, n_tokens: int) -> dict[str, AppendPlan] | None:
-        """Append n_tokens to the request in every pool; None (nothing appended) if they do not fit."""
-        if not self.can_allocate(request, n_tokens):
-            return None
+                return None
+            shortfall[kind] = short
         plans = {}
         for kind, pool in self.store.pools.items():
-            short = pool.blocks_needed(request.request_id, n_tokens) - pool.free_blocks
-            if short > 0:
-                self.evicted_blocks += self.store.prefix[kind].evict(short)
+            if shortfall[kind] > 0:
+                self.evicted_blocks += self.store.prefix[kind].evict(shortfall[kind])
             plans[kind] = pool.append(request.request_id, n_tokens)
             self.store.apply_copies(kind, plans[kind].copies)
         return plans

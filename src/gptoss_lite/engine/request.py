@@ -133,6 +133,14 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_range(self, start: int, n: int) -> list[int]:
+        """Tokens start … start + n - 1 of `all_token_ids`, without building the whole list (the runner
+        calls this for every request on every step)."""
+        P = len(self.prompt_token_ids)
+        if start >= P:
+            return self.output_token_ids[start - P : start - P + n]
+        return self.prompt_token_ids[start : start + n] + self.output_token_ids[: max(0, start + n - P)]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
@@ -149,7 +157,7 @@ class Request:
     def output(self, new_token_ids: list[int]) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
-            prompt_token_ids=list(self.prompt_token_ids),
+            prompt_token_ids=self.prompt_token_ids,  # never changed by the engine: shared, not copied
             token_ids=list(self.output_token_ids),
             new_token_ids=new_token_ids,
             text=self.text,

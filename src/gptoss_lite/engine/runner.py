@@ -42,8 +42,7 @@ class ModelRunner:
             tables = {kind: self.kv.resident(request, kind) for kind in self.kv.store.pools}
             start = request.num_computed
             segments.append(Segment(offset=len(ids), length=n, start_pos=start, tables=tables))
-            tokens = request.all_token_ids
-            ids.extend(tokens[start : start + n])
+            ids.extend(request.token_range(start, n))
             request.num_computed = start + n
             if request.num_computed == request.num_tokens:
                 logits_index.append(len(ids) - 1)
