@@ -26,19 +26,10 @@ from urllib.parse import urlparse
 
 import httpx
 
+from gptoss_lite.engine.request import percentile
+
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 WORDS = "the pass key is remember it grass sky sun water tree river stone cloud wind".split()
-
-
-def percentile(values: list[float], q: float) -> float:
-    """q-th percentile (0..100), linear interpolation; nan for no values."""
-    if not values:
-        return math.nan
-    v = sorted(values)
-    rank = (len(v) - 1) * q / 100
-    lo = math.floor(rank)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (rank - lo)
 
 
 def make_prompt(rng: random.Random, n_chars: int) -> str:
