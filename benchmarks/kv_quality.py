@@ -13,11 +13,15 @@ figure (docs/kv-cache.md#measured-quality):
   and perplexity of the text's own next tokens.
 - `needle`: after the whole prompt is prefilled under a budget, the fraction of the needle's key digits
   each full layer still holds (per KV head, averaged): why StreamingLLM fails and what H2O keeps.
+- `engine`: the passkey grid through the batched engine (`gptoss_lite.engine.LLM`) on its paged blocks:
+  settings 16 / 8 / 4 (int8 / int4 blocks) and window@N (the engine's KV budget: full layers attend to
+  their last N keys), with the full-layer block bytes per request and the wall time.
 - `plot`: passkey accuracy and next-token agreement against full-layer KV bytes per sequence.
 
     python benchmarks/kv_quality.py passkey --trials 30 --out docs/img/kv_quality_passkey.json
     python benchmarks/kv_quality.py fidelity --out docs/img/kv_quality_fidelity.json
     python benchmarks/kv_quality.py needle --depths 0 0.5 1 --out docs/img/kv_quality_needle.json
+    python benchmarks/kv_quality.py engine --settings 16 8 4 window@1024 --out docs/img/kv_quality_engine.json
     python benchmarks/kv_quality.py plot --inputs docs/img/kv_quality_*.json --plot docs/img/kv_quality.png
 
 Settings (`--settings`): 16, 8, 4 (bits), streaming@N and h2o@N (a budget of N tokens per full layer).
@@ -43,7 +47,10 @@ DEFAULT_SETTINGS = ("16", "8", "4", "streaming@1024", "h2o@1024")
 
 
 def parse_setting(text: str) -> KVSettings:
-    """'16' / '8' / '4' -> bits; 'streaming@N' / 'h2o@N' -> a budget of N tokens."""
+    """'16' / '8' / '4' -> bits; 'streaming@N' / 'h2o@N' -> a budget of N tokens ('window@N': the
+    engine's budget, checked here as a streaming one)."""
+    if text.startswith("window@"):
+        return KVSettings(budget=int(text.split("@", 1)[1]), sink_tokens=0)
     if "@" in text:
         policy, budget = text.split("@", 1)
         return KVSettings(budget=int(budget), policy=policy)
@@ -87,6 +94,47 @@ def run_passkey(args, model, tok) -> None:
             for n in result.lengths
         )
         print(f"{kv.label:>16}  {cells}  [{time.perf_counter() - t0:.0f} s]", flush=True)
+
+
+def run_engine(args, model, tok) -> None:
+    """The passkey grid through the engine, every trial of a length submitted at once."""
+    from gptoss_lite.config import FULL
+    from gptoss_lite.engine import LLM, SamplingParams
+    from gptoss_lite.evals.passkey import NEW_TOKENS, extract_passkey
+
+    data = _load(args.out)
+    section = data.setdefault("engine", {})
+    depths = [0.0, 0.5, 1.0]
+    section["meta"] = {"lengths": args.lengths, "trials": args.trials, "depths": depths, "threads": args.threads}
+    evaluator = PasskeyEvaluator(model, tok, lengths=args.lengths, n_trials=args.trials)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    print(f"engine passkey: {args.trials} keys x 3 depths per length, lengths {args.lengths}", flush=True)
+    for text in args.settings:
+        bits, budget = (16, int(text.split("@", 1)[1])) if text.startswith("window@") else (int(text), None)
+        label = f"window@{budget}" if budget else ("16-bit" if bits == 16 else f"int{bits}")
+        entry = {"accuracy": {}, "accuracy_by_depth": {}, "full_layer_bytes": {}, "seconds": {}}
+        for n in args.lengths:
+            llm = LLM(model, kv_bits=bits, kv_budget=budget, enable_prefix_caching=budget is None)
+            cases = [(key, d) for key in evaluator.keys(n) for d in depths]
+            t0 = time.perf_counter()
+            outs = llm.generate([evaluator.prompt_ids(n, key, d) for key, d in cases], params)
+            seconds = time.perf_counter() - t0
+            hits = [extract_passkey(tok.decode(o.token_ids)) == key for o, (key, _) in zip(outs, cases)]
+            by_depth = {str(d): sum(h for h, (_, dd) in zip(hits, cases) if dd == d) / args.trials for d in depths}
+            held = n if budget is None else min(n, budget)  # tokens a request's full layers hold (+ < 1 block)
+            blocks = math.ceil(held / llm.kv.block_size)
+            entry["accuracy"][str(n)] = sum(hits) / len(hits)
+            entry["accuracy_by_depth"][str(n)] = by_depth
+            entry["full_layer_bytes"][str(n)] = blocks * llm.kv.store.block_bytes(FULL)
+            entry["seconds"][str(n)] = seconds
+            print(
+                f"{label:>14}  {n}: {100 * sum(hits) / len(hits):5.1f}% ("
+                + "/".join(f"{100 * a:.0f}" for a in by_depth.values())
+                + f")  full-layer blocks {entry['full_layer_bytes'][str(n)] / 2**20:.2f} MiB  [{seconds:.0f} s]",
+                flush=True,
+            )
+        section[label] = entry
+        _save(args.out, data)
 
 
 class _AttentionTap:
@@ -280,7 +328,7 @@ def run_plot(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("part", choices=("passkey", "fidelity", "needle", "plot"))
+    ap.add_argument("part", choices=("passkey", "fidelity", "needle", "engine", "plot"))
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the shipped demo model)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
     ap.add_argument("--trials", type=int, default=30, help="passkey keys per length, each at 3 depths")
@@ -307,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         run_passkey(args, model, tok)
     elif args.part == "needle":
         run_needle(args, model, tok)
+    elif args.part == "engine":
+        run_engine(args, model, tok)
     else:
         run_fidelity(args, model, tok)
     return 0

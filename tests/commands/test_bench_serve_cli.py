@@ -63,3 +63,31 @@ def test_bad_flags(capsys, argv, match):
     with pytest.raises(SystemExit) if argv[0] == "--prompt-len" else pytest.raises(AssertionError):
         run_json(capsys, *argv)
     assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags,expect",
+    [(["--kv-bits", "8"], (8, None)), (["--kv-budget", "40", "--no-prefix-caching"], (16, 40))],
+)
+def test_kv_flags_reach_the_engine(capsys, flags, expect):
+    out = run_json(capsys, "--requests", "3", "--prompt-len", "8:60", "--max-tokens", "4", *flags)
+    assert (out["kv_bits"], out["kv_budget"]) == expect
+    assert out["engine"]["requests"] == 3
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--kv-budget", "64"], "--no-prefix-caching"),
+        (["--kv-budget", "64", "--no-prefix-caching", "--kv-bits", "4"], "give one of them"),
+        (["--kv-budget", "0", "--no-prefix-caching"], "--kv-budget"),
+        (["--kv-bits", "3"], "invalid choice"),
+    ],
+)
+def test_bad_kv_flags_are_refused_before_loading(capsys, flags, message):
+    try:
+        code = main(["bench-serve", "--model", "/nonexistent/model", *flags])
+    except SystemExit as exc:  # argparse's own checks
+        code = exc.code
+    assert code == 2
+    assert message in capsys.readouterr().err

@@ -28,7 +28,7 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from gptoss_lite.commands.common import add_model_arg
+    from gptoss_lite.commands.common import add_engine_kv_args, add_model_arg
 
     p = sub.add_parser(
         "bench-serve",
@@ -48,6 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=512, help="token budget per step (default: 512)")
     p.add_argument("--max-running", type=int, default=64, help="most requests running at once (default: 64)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    add_engine_kv_args(p)
     p.add_argument("--sequential", action="store_true", help="also run the requests one by one through generate()")
     p.add_argument("--long-prompt", type=int, default=0, help="head-of-line experiment: this many prompt tokens")
     p.add_argument("--decoders", type=int, default=8, help="decoding requests for --long-prompt (default: 8)")
@@ -58,7 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from gptoss_lite.commands.common import configure_threads, resolve_device
+    from gptoss_lite.commands.common import configure_threads, engine_kv_kwargs, resolve_device
     from gptoss_lite.engine import LLM
     from gptoss_lite.validation import check_int
 
@@ -68,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     check_int("--decoders", args.decoders, 1)
     if not args.rate > 0:
         raise ValueError(f"--rate={args.rate}: must be > 0 (inf: all at once)")
+    kv_kwargs = engine_kv_kwargs(args)
     args.threads = configure_threads(args.threads)
     from gptoss_lite.checkpoint import default_model_source
 
@@ -81,9 +83,10 @@ def run(args: argparse.Namespace) -> int:
         dtype=getattr(torch, args.dtype),
         device=resolve_device(args.device),
         enable_prefix_caching=not args.no_prefix_caching,
+        **kv_kwargs,
     )
     result = _head_of_line(llm, args) if args.long_prompt else _workload(llm, args)
-    result = {"model": str(source), "dtype": args.dtype, "threads": args.threads, **result}
+    result = {"model": str(source), "dtype": args.dtype, "threads": args.threads, **kv_kwargs, **result}
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -214,11 +217,16 @@ def _print(result: dict) -> None:
     if "engine" not in result:
         print(f"head-of-line: {result['decoders']} decoding requests, one {result['long_prompt']:,}-token prompt")
         for key, value in result.items():
-            if key not in ("model", "dtype", "threads"):
+            if key not in ("model", "dtype", "threads", "kv_bits", "kv_budget"):
                 print(f"  {key:32s} {value}")
         return
     e, p = result["engine"], result["planner"]
-    print(f"bench-serve: {e['requests']} requests, {result['model']} ({result['dtype']}, {result['threads']} threads)")
+    kv = f"int{result['kv_bits']} KV" if result["kv_bits"] != 16 else "16-bit KV"
+    if result["kv_budget"] is not None:
+        kv += f", budget {result['kv_budget']:,} tokens"
+    print(
+        f"bench-serve: {e['requests']} requests, {result['model']} ({result['dtype']}, {result['threads']} threads, {kv})"
+    )
     rows = [
         ("generated tok/s", f"{e['generated_tok_s']:,.1f}"),
         ("prompt tok/s", f"{e['prompt_tok_s']:,.1f}"),

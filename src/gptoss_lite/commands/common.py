@@ -301,3 +301,35 @@ def kv_settings(args: argparse.Namespace):
         return KVSettings(bits=args.kv_bits, budget=args.kv_budget, policy=args.kv_policy, sink_tokens=args.kv_sinks)
     except (ValueError, TypeError) as exc:
         raise type(exc)(f"--kv-bits/--kv-budget/--kv-sinks: {exc}") from None
+
+
+def add_engine_kv_args(parser: argparse.ArgumentParser) -> None:
+    """--kv-bits and --kv-budget for the engine (docs/engine.md#kv-bits and #kv-budget)."""
+    parser.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=(16, 8, 4),
+        default=16,
+        help="full-layer KV blocks: 16 keeps the model's dtype, 8 or 4 stores int8 / int4 codes (default: 16)",
+    )
+    parser.add_argument(
+        "--kv-budget",
+        type=int,
+        default=None,
+        metavar="N",
+        help="full layers attend to their last N tokens and release older blocks (a sliding window; the "
+        "model's learned sinks stand in for sink tokens); needs --no-prefix-caching (default: no budget)",
+    )
+
+
+def engine_kv_kwargs(args: argparse.Namespace) -> dict:
+    """LLM keyword arguments from --kv-bits / --kv-budget, checked before the model loads."""
+    from gptoss_lite.validation import check_int
+
+    if args.kv_budget is not None:
+        check_int("--kv-budget", args.kv_budget, 1)
+        if args.kv_bits != 16:
+            raise ValueError(f"--kv-budget {args.kv_budget} with --kv-bits {args.kv_bits}: give one of them")
+        if not args.no_prefix_caching:
+            raise ValueError("--kv-budget releases prompt blocks the prefix cache would need; add --no-prefix-caching")
+    return {"kv_bits": args.kv_bits, "kv_budget": args.kv_budget}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from gptoss_lite.commands.common import add_model_arg
+    from gptoss_lite.commands.common import add_engine_kv_args, add_model_arg
 
     p = sub.add_parser(
         "serve",
@@ -50,6 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks in the pool (default: sized by the engine)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     p.add_argument("--no-prefix-caching", action="store_true", help="never reuse cached prompt prefixes")
+    add_engine_kv_args(p)
     p.add_argument(
         "--drain-timeout",
         type=float,
@@ -80,6 +81,7 @@ def parse_api_keys(entries: list[str]) -> dict[str, str]:
 
 def check_args(args: argparse.Namespace) -> dict[str, str] | None:
     """Everything checkable before the model loads; returns the {key: tenant} map (None: open server)."""
+    from gptoss_lite.commands.common import engine_kv_kwargs
     from gptoss_lite.validation import check_int
 
     check_int("--port", args.port, 0, 65535)
@@ -91,6 +93,7 @@ def check_args(args: argparse.Namespace) -> dict[str, str] | None:
         check_int("--kv-blocks", args.kv_blocks, 1)
     if args.max_model_len is not None:
         check_int("--max-model-len", args.max_model_len, 1)
+    engine_kv_kwargs(args)
     if not args.drain_timeout >= 0:
         raise ValueError(f"--drain-timeout {args.drain_timeout}: must be >= 0 seconds")
     entries = list(args.api_key or [])
@@ -108,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gptoss_lite.checkpoint import default_model_source
-    from gptoss_lite.commands.common import configure_threads, resolve_device
+    from gptoss_lite.commands.common import configure_threads, engine_kv_kwargs, resolve_device
     from gptoss_lite.engine import LLM
     from gptoss_lite.server import create_app
 
@@ -126,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         device=device,
         enable_prefix_caching=not args.no_prefix_caching,
         max_model_len=args.max_model_len,
+        **engine_kv_kwargs(args),
     )
     app = create_app(
         llm,

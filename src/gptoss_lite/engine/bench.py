@@ -20,7 +20,7 @@ import torch
 
 from gptoss_lite.engine.llm import LLM
 from gptoss_lite.engine.request import SamplingParams, percentile
-from gptoss_lite.plan.core import ServingHardware, batch_knee, max_resident_requests
+from gptoss_lite.plan.core import ServingHardware, batch_knee, max_resident_requests, quantized_kv_bytes
 from gptoss_lite.plan.presets import geometry_from_model_config, weights_from_model_config
 
 
@@ -157,8 +157,13 @@ def planner_figures(llm: LLM, context_tokens: int) -> dict[str, float]:
         device_capacity_bytes=llm.kv.store.nbytes + weights.resident_weight_bytes,
         resident_weight_bytes=weights.resident_weight_bytes,
     )
+    resident = max_resident_requests(hw, geometry, context_tokens)
+    if llm.kv_bits != 16:  # the planner's quantised bytes: key group = the block, no residual beyond it
+        per_request = quantized_kv_bytes(geometry, context_tokens, llm.kv_bits, key_group=llm.kv.block_size, residual=0)
+        tails = llm.kv.store.tail_bytes  # full-precision staging for blocks being filled, not KV payload
+        resident = (hw.device_capacity_bytes - hw.resident_bytes - tails) // per_request
     return {
         "context_tokens": context_tokens,
-        "max_resident_requests": max_resident_requests(hw, geometry, context_tokens),
+        "max_resident_requests": resident,
         "batch_knee": round(batch_knee(hw, geometry, context_tokens), 1),
     }

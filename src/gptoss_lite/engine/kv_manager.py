@@ -20,7 +20,7 @@ prefix cached for one tenant or one set of weights is never a hit for another.
 
 from __future__ import annotations
 
-from gptoss_lite.config import SLIDING, ModelConfig
+from gptoss_lite.config import FULL, SLIDING, ModelConfig
 from gptoss_lite.engine.request import Request
 from gptoss_lite.kv.block_pool import AppendPlan
 from gptoss_lite.kv.paged_cache import PagedKVStore
@@ -29,9 +29,22 @@ from gptoss_lite.kv.paged_cache import PagedKVStore
 class KVManager:
     """Per-request block allocation over the store's pools and prefix caches (module docstring)."""
 
-    def __init__(self, store: PagedKVStore, *, revision: str, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        store: PagedKVStore,
+        *,
+        revision: str,
+        enable_prefix_caching: bool = True,
+        kv_budget: int | None = None,
+    ) -> None:
         self.store = store
         self.config: ModelConfig = store.config
+        if kv_budget is not None and enable_prefix_caching:
+            raise ValueError("a KV budget releases prompt blocks, so it cannot be combined with prefix caching")
+        self.kv_budget = kv_budget
+        # the window each layer kind's keys are kept for: sliding layers the model's W, full layers the
+        # KV budget (docs/engine.md#kv-budget) or everything
+        self.windows: dict[str, int | None] = {SLIDING: self.config.sliding_window, FULL: kv_budget}
         self.block_size = store.block_size
         self.revision = revision
         self.enable_prefix_caching = enable_prefix_caching
@@ -69,10 +82,12 @@ class KVManager:
     # ------------------------------------------------------------------ allocation
 
     def _release_window(self, request: Request) -> None:
-        """Sliding-layer blocks every slot of which precedes the next query's window are released."""
-        if SLIDING in self.store.pools:
-            target = max(0, request.num_computed - self.config.sliding_window + 1)
-            self.store.pools[SLIDING].release_before(request.request_id, target)
+        """Blocks every slot of which precedes the next query's window are released (sliding layers, and
+        full layers under a KV budget)."""
+        for kind, pool in self.store.pools.items():
+            window = self.windows[kind]
+            if window is not None:
+                pool.release_before(request.request_id, max(0, request.num_computed - window + 1))
 
     def allocate(self, request: Request, n_tokens: int) -> dict[str, AppendPlan] | None:
         """Append n_tokens to the request in every pool; None (nothing appended) if they do not fit even

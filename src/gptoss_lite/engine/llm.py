@@ -26,13 +26,14 @@ from pathlib import Path
 import torch
 
 from gptoss_lite.checkpoint import load_model
-from gptoss_lite.config import SLIDING
 from gptoss_lite.engine.kv_manager import KVManager
 from gptoss_lite.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from gptoss_lite.engine.runner import ModelRunner
 from gptoss_lite.engine.scheduler import Scheduler
 from gptoss_lite.kv.block_pool import DEFAULT_BLOCK_SIZE
 from gptoss_lite.kv.paged_cache import PagedKVStore
+from gptoss_lite.kv.paged_quant import QuantizedPagedStore, quantized_block_bytes
+from gptoss_lite.kv.quant import KV_BITS
 from gptoss_lite.model.transformer import GPTOSS
 from gptoss_lite.tokenizer import ByteTokenizer, load_tokenizer
 from gptoss_lite.validation import check_int
@@ -61,6 +62,8 @@ class EngineStats:
     finished: int
     aborted: int
     generated_tokens: int
+    kv_bits: int = 16  # full-layer K/V storage: 16 (the model's dtype), 8 or 4
+    kv_bytes: int = 0  # bytes allocated for K/V (both pools, scales and full-precision tails included)
 
 
 def _weights_revision(model: GPTOSS) -> str:
@@ -75,7 +78,14 @@ def _weights_revision(model: GPTOSS) -> str:
 
 
 class LLM:
-    """Continuous-batching engine over a paged KV pool (see the module docstring and docs/engine.md)."""
+    """Continuous-batching engine over a paged KV pool (see the module docstring and docs/engine.md).
+
+    KV memory: `kv_blocks` (and `sliding_blocks`) size the pools directly; otherwise they are what
+    `kv_cache_bytes` (default 1 GiB) holds, capped by what `max_running` requests of `max_model_len`
+    tokens need. `kv_bits` 8 or 4 stores full-layer blocks as int8 / int4 codes (kv/paged_quant.py),
+    so the same bytes hold about 2x / 3.5x the blocks of BF16. `kv_budget` N keeps only the last N
+    keys of every full layer for each query, as a sliding window of N (docs/engine.md#kv-budget).
+    """
 
     def __init__(
         self,
@@ -92,6 +102,9 @@ class LLM:
         revision: str | None = None,
         enable_prefix_caching: bool = True,
         max_model_len: int | None = None,
+        kv_bits: int = 16,
+        kv_cache_bytes: int | None = None,
+        kv_budget: int | None = None,
     ) -> None:
         block_size = check_int("block_size", block_size, 1)
         max_batch_tokens = check_int("max_batch_tokens", max_batch_tokens, 1)
@@ -121,19 +134,52 @@ class LLM:
         limit = self.config.max_position_embeddings
         self.max_model_len = limit if max_model_len is None else check_int("max_model_len", max_model_len, 1, limit)
         self.enable_prefix_caching = enable_prefix_caching
+        if isinstance(kv_bits, bool) or kv_bits not in KV_BITS:
+            raise ValueError(f"kv_bits={kv_bits!r}: must be one of {KV_BITS}")
+        self.kv_bits = kv_bits
+        if kv_budget is not None:
+            kv_budget = check_int("kv_budget", kv_budget, 1)
+            if kv_bits != 16:
+                raise ValueError(f"kv_budget={kv_budget} with kv_bits={kv_bits}: give one of them")
+            if enable_prefix_caching:
+                raise ValueError(
+                    f"kv_budget={kv_budget} releases prompt blocks the prefix cache would need; "
+                    "pass enable_prefix_caching=False"
+                )
+        self.kv_budget = kv_budget
+        budget = DEFAULT_KV_CACHE_BYTES if kv_cache_bytes is None else check_int("kv_cache_bytes", kv_cache_bytes, 1)
         if kv_blocks is None:
-            kv_blocks = self._default_blocks(block_size, max_running, param.dtype)
+            kv_blocks = self._default_blocks(block_size, max_running, max_batch_tokens, param.dtype, budget)
         kv_blocks = check_int("kv_blocks", kv_blocks, 1)
         if sliding_blocks is None:
             sliding_blocks = self._default_sliding_blocks(kv_blocks, block_size, max_running, max_batch_tokens)
-        store = PagedKVStore(
-            self.config, kv_blocks, block_size, sliding_blocks=sliding_blocks, dtype=param.dtype, device=param.device
-        )
-        self.max_model_len = min(self.max_model_len, store.pools[next(iter(store.pools))].total_blocks * block_size)
+        if kv_bits == 16 or not self.config.full_layers:
+            store = PagedKVStore(
+                self.config,
+                kv_blocks,
+                block_size,
+                sliding_blocks=sliding_blocks,
+                dtype=param.dtype,
+                device=param.device,
+            )
+        else:
+            store = QuantizedPagedStore(
+                self.config,
+                kv_blocks,
+                block_size,
+                sliding_blocks=sliding_blocks,
+                dtype=param.dtype,
+                device=param.device,
+                bits=kv_bits,
+                tail_blocks=2 * max_running + math.ceil(max_batch_tokens / block_size) + 2,
+            )
+        if kv_budget is None:  # a request's whole length must fit in the (first) pool
+            self.max_model_len = min(self.max_model_len, store.pools[next(iter(store.pools))].total_blocks * block_size)
         self.kv = KVManager(
             store,
             revision=revision if revision is not None else _weights_revision(model),
             enable_prefix_caching=enable_prefix_caching,
+            kv_budget=kv_budget,
         )
         self.scheduler = Scheduler(self.kv, max_batch_tokens=max_batch_tokens, max_running=max_running)
         self.runner = ModelRunner(model, self.kv)
@@ -144,13 +190,23 @@ class LLM:
 
     # ------------------------------------------------------------------ setup helpers
 
-    def _default_blocks(self, block_size: int, max_running: int, dtype: torch.dtype) -> int:
-        """Blocks per pool: DEFAULT_KV_CACHE_BYTES over both pools, but no more than max_running
-        requests of max_model_len tokens need."""
+    def _default_blocks(
+        self, block_size: int, max_running: int, max_batch_tokens: int, dtype: torch.dtype, budget: int
+    ) -> int:
+        """Blocks per pool: `budget` bytes over both pools, but no more than max_running
+        requests of max_model_len tokens need (under a KV budget, of the budget plus one step)."""
         cfg = self.config
-        token_bytes = 2 * cfg.n_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size() * cfg.n_layers
-        by_memory = DEFAULT_KV_CACHE_BYTES // (token_bytes * block_size)
-        by_need = max_running * math.ceil(self.max_model_len / block_size)
+        layer_block = 2 * cfg.n_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size() * block_size
+        if self.kv_bits == 16:
+            block_bytes = layer_block * cfg.n_layers
+        else:
+            full = quantized_block_bytes(cfg, block_size, self.kv_bits)
+            block_bytes = full + layer_block * len(cfg.sliding_layers)
+        by_memory = budget // block_bytes
+        held = (
+            self.max_model_len if self.kv_budget is None else min(self.max_model_len, self.kv_budget + max_batch_tokens)
+        )
+        by_need = max_running * (math.ceil(held / block_size) + (self.kv_budget is not None))
         return max(1, min(by_memory, by_need))
 
     def _default_sliding_blocks(self, kv_blocks: int, block_size: int, max_running: int, max_batch_tokens: int) -> int:
@@ -167,7 +223,7 @@ class LLM:
         bs = self.kv.block_size
         need = math.ceil(max_batch_tokens / bs) + 1
         for kind, pool in self.kv.store.pools.items():
-            window = self.config.sliding_window if kind == SLIDING else 0
+            window = self.kv.windows[kind] or 0
             if pool.total_blocks < need + math.ceil(window / bs) + 1:
                 raise ValueError(
                     f"the {kind}-layer pool has {pool.total_blocks} blocks of {bs} tokens, too few for one step of "
@@ -348,6 +404,8 @@ class LLM:
             finished=self._finished,
             aborted=self._aborted,
             generated_tokens=self._generated,
+            kv_bits=self.kv_bits,
+            kv_bytes=kv.store.nbytes,
         )
 
     def validate(self) -> None:

@@ -47,7 +47,7 @@ class ModelRunner:
             if request.num_computed == request.num_tokens:
                 logits_index.append(len(ids) - 1)
                 samplers.append(request)
-        batch = PagedBatch(self.kv.store, segments, write_slots, logits_index)
+        batch = PagedBatch(self.kv.store, segments, write_slots, logits_index, full_window=self.kv.kv_budget)
         return torch.tensor(ids, dtype=torch.long, device=self.device), batch, samplers
 
     @torch.inference_mode()

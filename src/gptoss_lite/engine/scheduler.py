@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from gptoss_lite.config import SLIDING
 from gptoss_lite.engine.kv_manager import KVManager
 from gptoss_lite.engine.request import Request, RequestStatus
 from gptoss_lite.kv.block_pool import AppendPlan
@@ -74,10 +73,12 @@ class Scheduler:
 
     def _prompt_blocks(self, kind: str, n_tokens: int) -> int:
         """Blocks of `kind` a request needs to run n_tokens of prompt from scratch (no prefix hit):
-        all of them on full layers; on sliding layers at most a window plus one step's tokens."""
+        all of them on full layers; on sliding layers (and full layers under a KV budget) at most a
+        window plus one step's tokens."""
         bs = self.kv.block_size
-        if kind == SLIDING:
-            n_tokens = min(n_tokens, self.kv.config.sliding_window + self.max_batch_tokens)
+        window = self.kv.windows[kind]
+        if window is not None:
+            n_tokens = min(n_tokens, window + self.max_batch_tokens)
         return -(-n_tokens // bs) + 1
 
     def _admissible(self, request: Request) -> bool:

@@ -100,9 +100,14 @@ class PagedKVStore:
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         for layer in range(config.n_layers):
-            shape = (K, self.pools[self.kind(layer)].total_blocks, block_size, D)  # (K, N, bs, D)
+            blocks = self.pools[self.kind(layer)].total_blocks if self.kind(layer) in self.dense_kinds else 0
+            shape = (K, blocks, block_size, D)  # (K, N, bs, D)
             self.k.append(torch.zeros(shape, dtype=dtype, device=self.device))
             self.v.append(torch.zeros(shape, dtype=dtype, device=self.device))
+
+    #: layer kinds whose blocks are the dense (K, N, bs, D) tensors `k` / `v` (a subclass may store a
+    #: kind another way and leave its tensors empty)
+    dense_kinds: frozenset[str] = frozenset((FULL, SLIDING))
 
     def kind(self, layer: int) -> str:
         """SLIDING for a sliding layer, FULL otherwise."""

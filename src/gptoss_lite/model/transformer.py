@@ -40,6 +40,7 @@ class Block(nn.Module):
         super().__init__()
         self.norm1 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg, layer)
+        self.sliding = cfg.is_sliding(layer)  # picks the rotary table (the window is the attention's)
         self.norm2 = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.moe = MoE(cfg)
         self.drop = nn.Dropout(cfg.dropout)
@@ -149,7 +150,7 @@ class GPTOSS(nn.Module):
         rope_w = rotary_tables(*self.rope_sliding.at(batch.positions))  # (N, D) each
         rope_g = rotary_tables(*self.rope_full.at(batch.positions))
         for block in self.blocks:
-            cos, sin = rope_w if block.attn.window is not None else rope_g
+            cos, sin = rope_w if block.sliding else rope_g
             x, _ = block(x, cos, sin, None, 0, "fast", False, batch)
         x = self.norm(x[0, batch.logits_index])  # (M, C)
         return F.linear(x, self.head_weight())  # (M, V)
@@ -182,7 +183,7 @@ class GPTOSS(nn.Module):
         need_aux = cache is None
         use_ckpt = self.gradient_checkpointing and self.training and cache is None and torch.is_grad_enabled()
         for block in self.blocks:
-            cos, sin = rope_w if block.attn.window is not None else rope_g
+            cos, sin = rope_w if block.sliding else rope_g
             if use_ckpt:
                 x, aux = checkpoint(block, x, cos, sin, None, start_pos, attn_impl, use_reentrant=False)
             else:

@@ -1,0 +1,281 @@
+"""Quantised blocks for the engine's full layers: int8 / int4 K/V per block, full-precision tails
+(docs/kv-cache.md#quantised-paged-blocks).
+
+`QuantizedPagedStore` is a `PagedKVStore` whose full-layer blocks hold codes instead of the model's
+dtype; sliding layers keep their dense blocks (O(W) per request, quantising them would save little).
+
+- A *complete* block (all bs slots written) stores KIVI-style codes: keys per channel over the
+  block's bs tokens (one float16 scale and zero point per channel per block), values per token over
+  groups of `value_group` channels; int4 packs two codes per byte. The key group is the block, so a
+  block is quantised once, when its last slot is written, and never again.
+- A block still being filled lives in a full-precision *tail* (K, bs, D) of the model's dtype, taken
+  from a small pool of tails (`tail_blocks`); it is quantised from the tail when it completes, and the
+  tail goes back to the pool at the start of the next step. So the residual window of full-precision
+  tokens is a sequence's unfilled last block (0 to bs - 1 tokens).
+- A step is planned once for all full layers (`plan_writes`: which tail slot each new token goes to,
+  which blocks complete) and then carried out per layer (`write`): tokens go into their tails, the
+  completed tails are quantised in one batched call into their blocks.
+- Reads dequantise only the blocks asked for (`dequantize_blocks`); `gather` (the reference path)
+  dequantises a whole sequence.
+
+A block's tail leaves `tail_of` as soon as a plan completes it (from then on it is read from its
+codes) and returns to the free list at the next plan. Tails of blocks that no sequence holds any more
+(a finished, aborted or preempted request's partial last block) are reclaimed at the next plan too.
+Copy-on-write (`apply_copies`) copies codes for a whole block and dequantises into the destination's
+tail for a partial one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gptoss_lite.config import FULL, SLIDING, ModelConfig
+from gptoss_lite.kv.block_pool import DEFAULT_BLOCK_SIZE
+from gptoss_lite.kv.paged_cache import PagedKVStore
+from gptoss_lite.kv.quant import (
+    SCALE_DTYPE,
+    QuantSpec,
+    dequantize_keys,
+    dequantize_values,
+    quantize_keys,
+    quantize_values,
+)
+from gptoss_lite.validation import check_int
+
+
+def default_value_group(head_dim: int) -> int:
+    """Channels per value group: 64 when it divides D, else D (as `QuantizedKVCache`)."""
+    return 64 if head_dim % 64 == 0 else head_dim
+
+
+@dataclass
+class WritePlan:
+    """Where one step's new full-layer tokens go: `tail_slots` (N,) flat index tail · bs + slot of
+    every token; `blocks` / `tails` (nc,) the blocks completed by the step and the tails they are
+    quantised from."""
+
+    tail_slots: torch.Tensor
+    blocks: torch.Tensor
+    tails: torch.Tensor
+
+
+class QuantizedPagedStore(PagedKVStore):
+    """A `PagedKVStore` with int8 / int4 full-layer blocks (see the module docstring)."""
+
+    dense_kinds = frozenset((SLIDING,))
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        total_blocks: int,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        *,
+        sliding_blocks: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        bits: int = 8,
+        value_group: int | None = None,
+        tail_blocks: int = 64,
+    ) -> None:
+        super().__init__(config, total_blocks, block_size, sliding_blocks=sliding_blocks, dtype=dtype, device=device)
+        K, D = config.n_kv_heads, config.head_dim
+        vg = default_value_group(D) if value_group is None else value_group
+        self.spec = QuantSpec(bits=bits, key_group=block_size, value_group=vg, residual=0)
+        self.spec.check_head_dim(D)
+        self.tail_blocks = check_int("tail_blocks", tail_blocks, minimum=1)
+        n = self.pools[FULL].total_blocks if FULL in self.pools else 0
+        bs, Dc = block_size, D * bits // 8
+        dev = self.device
+        self.kq: dict[int, torch.Tensor] = {}
+        self.ks: dict[int, torch.Tensor] = {}
+        self.kz: dict[int, torch.Tensor] = {}
+        self.vq: dict[int, torch.Tensor] = {}
+        self.vs: dict[int, torch.Tensor] = {}
+        self.vz: dict[int, torch.Tensor] = {}
+        self.tk: dict[int, torch.Tensor] = {}
+        self.tv: dict[int, torch.Tensor] = {}
+        for layer in self.layers_of.get(FULL, ()):
+            self.kq[layer] = torch.zeros(K, n, bs, Dc, dtype=torch.uint8, device=dev)
+            self.vq[layer] = torch.zeros(K, n, bs, Dc, dtype=torch.uint8, device=dev)
+            self.ks[layer] = torch.zeros(K, n, 1, D, dtype=SCALE_DTYPE, device=dev)
+            self.kz[layer] = torch.zeros(K, n, 1, D, dtype=SCALE_DTYPE, device=dev)
+            self.vs[layer] = torch.zeros(K, n, bs, D // vg, dtype=SCALE_DTYPE, device=dev)
+            self.vz[layer] = torch.zeros(K, n, bs, D // vg, dtype=SCALE_DTYPE, device=dev)
+            self.tk[layer] = torch.zeros(K, self.tail_blocks, bs, D, dtype=dtype, device=dev)
+            self.tv[layer] = torch.zeros(K, self.tail_blocks, bs, D, dtype=dtype, device=dev)
+        self.tail_of: dict[int, int] = {}  # block id -> tail index, for blocks being filled
+        self._free_tails = list(range(self.tail_blocks - 1, -1, -1))
+        self._pending_tails: list[int] = []  # tails of blocks completed by the last plan: free from the next one
+
+    @property
+    def bits(self) -> int:
+        return self.spec.bits
+
+    # ------------------------------------------------------------------ tails
+
+    def _take_tail(self, block: int) -> int:
+        tail = self.tail_of.get(block)
+        if tail is None:
+            if not self._free_tails:
+                raise RuntimeError(
+                    f"quantised KV: all {self.tail_blocks} full-precision tail blocks are in use; "
+                    "build the store with more tail_blocks (running requests + one step's blocks)"
+                )
+            tail = self._free_tails.pop()
+            self.tail_of[block] = tail
+        return tail
+
+    def _drop_tail(self, block: int) -> None:
+        tail = self.tail_of.pop(block, None)
+        if tail is not None:
+            self._free_tails.append(tail)
+
+    def _reclaim_tails(self) -> None:
+        """Tails of blocks completed by the previous step, or that no sequence holds any more."""
+        self._free_tails.extend(self._pending_tails)
+        self._pending_tails = []
+        pool = self.pools[FULL]
+        for block in [b for b in self.tail_of if pool.refcount(b) == 0]:
+            self._drop_tail(block)
+
+    @property
+    def tails_in_use(self) -> int:
+        return len(self.tail_of)
+
+    # ------------------------------------------------------------------ writes
+
+    def plan_writes(self, flat_slots: Sequence[int]) -> WritePlan:
+        """Plan one step's full-layer writes (flat slot = block · bs + slot, in write order)."""
+        self._reclaim_tails()
+        bs = self.block_size
+        tail_slots: list[int] = []
+        completed: list[int] = []
+        for flat in flat_slots:
+            block, slot = divmod(flat, bs)
+            if slot and block not in self.tail_of:
+                raise RuntimeError(f"quantised KV: block {block} is written at slot {slot} but has no tail")
+            tail_slots.append(self._take_tail(block) * bs + slot)
+            if slot == bs - 1:
+                completed.append(block)
+        tails = [self.tail_of.pop(b) for b in completed]  # complete blocks are read from their codes
+        self._pending_tails.extend(tails)  # ... but every layer quantises from the tail during this step
+        dev = self.device
+        return WritePlan(
+            tail_slots=torch.tensor(tail_slots, dtype=torch.long, device=dev),
+            blocks=torch.tensor(completed, dtype=torch.long, device=dev),
+            tails=torch.tensor(tails, dtype=torch.long, device=dev),
+        )
+
+    def write_planned(self, layer: int, plan: WritePlan, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Carry out `plan` on a full layer: k / v (K, N, D) into their tails, then quantise the tails of
+        the completed blocks into them."""
+        K, _, D = k.shape
+        self.tk[layer].view(K, -1, D).index_copy_(1, plan.tail_slots, k)
+        self.tv[layer].view(K, -1, D).index_copy_(1, plan.tail_slots, v)
+        if plan.blocks.numel():
+            self._quantize_into(layer, plan.blocks, self.tk[layer][:, plan.tails], self.tv[layer][:, plan.tails])
+
+    def _quantize_into(self, layer: int, blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k / v (K, nb, bs, D) full precision -> the codes, scales and zeros of `blocks` (nb,)."""
+        kq, ks, kz = quantize_keys(k, self.spec)  # key group = the block's bs tokens
+        vq, vs, vz = quantize_values(v, self.spec)
+        for store, x in ((self.kq, kq), (self.ks, ks), (self.kz, kz)):  # ks, kz (K, nb, 1, D)
+            store[layer].index_copy_(1, blocks, x)
+        for store, x in ((self.vq, vq), (self.vs, vs), (self.vz, vz)):
+            store[layer].index_copy_(1, blocks, x)
+
+    def write(self, layer: int, blocks: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.kind(layer) == FULL:
+            raise TypeError("QuantizedPagedStore: full layers are written through plan_writes / write_planned")
+        super().write(layer, blocks, slots, k, v)
+
+    def apply_copies(self, kind: str, copies: Sequence[tuple[int, int, int]]) -> None:
+        if kind != FULL:
+            super().apply_copies(kind, copies)
+            return
+        bs = self.block_size
+        for src, dst, n in copies:
+            if n == bs and src not in self.tail_of:  # a complete block: copy its codes
+                for layer in self.layers_of[FULL]:
+                    for store in (self.kq, self.ks, self.kz, self.vq, self.vs, self.vz):
+                        store[layer][:, dst] = store[layer][:, src]
+                continue
+            tail = self._take_tail(dst)
+            for layer in self.layers_of[FULL]:
+                k, v = self._block_contents(layer, src)
+                self.tk[layer][:, tail, :n] = k[:, :n]
+                self.tv[layer][:, tail, :n] = v[:, :n]
+            if n == bs:  # a complete copy of a block being filled: quantise it now
+                blocks = torch.tensor([dst], dtype=torch.long, device=self.device)
+                for layer in self.layers_of[FULL]:
+                    self._quantize_into(
+                        layer, blocks, self.tk[layer][:, tail : tail + 1], self.tv[layer][:, tail : tail + 1]
+                    )
+                self._drop_tail(dst)
+
+    # ------------------------------------------------------------------ reads
+
+    def _block_contents(self, layer: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One full-layer block as (K, bs, D) full precision: its tail while it has one, else its codes."""
+        tail = self.tail_of.get(block)
+        if tail is not None:
+            return self.tk[layer][:, tail], self.tv[layer][:, tail]
+        k, v = self.dequantize_blocks(layer, torch.tensor([block], dtype=torch.long, device=self.device))
+        return k[:, 0], v[:, 0]
+
+    def dequantize_blocks(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Complete blocks (nb,) of a full layer -> keys and values (K, nb, bs, D) in the store's dtype."""
+        sel = {name: store[layer].index_select(1, blocks) for name, store in self._code_stores()}
+        k = dequantize_keys(sel["kq"], sel["ks"], sel["kz"], self.spec, self.dtype)
+        v = dequantize_values(sel["vq"], sel["vs"], sel["vz"], self.spec, self.dtype)
+        return k, v
+
+    def _code_stores(self):
+        return (("kq", self.kq), ("ks", self.ks), ("kz", self.kz), ("vq", self.vq), ("vs", self.vs), ("vz", self.vz))
+
+    def gather(self, seq_id: Hashable, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sequence's resident K and V, each (K, n, D); full layers dequantised (the reference read)."""
+        if self.kind(layer) != FULL:
+            return super().gather(seq_id, layer)
+        pool = self.pools[FULL]
+        table = pool.page_table(seq_id)
+        n = pool.num_tokens(seq_id)
+        parts = [self._block_contents(layer, block) for block in table]
+        K, D = self.config.n_kv_heads, self.config.head_dim
+        if not parts:
+            empty = torch.zeros(K, 0, D, dtype=self.dtype, device=self.device)
+            return empty, empty.clone()
+        keys = torch.cat([k for k, _ in parts], dim=1)[:, :n]
+        values = torch.cat([v for _, v in parts], dim=1)[:, :n]
+        return keys, values
+
+    # ------------------------------------------------------------------ bytes
+
+    def block_bytes(self, kind: str) -> int:
+        if kind != FULL:
+            return super().block_bytes(kind)
+        return quantized_block_bytes(self.config, self.block_size, self.spec.bits, self.spec.value_group)
+
+    @property
+    def tail_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in list(self.tk.values()) + list(self.tv.values()))
+
+    @property
+    def nbytes(self) -> int:
+        codes = sum(t.numel() * t.element_size() for _, store in self._code_stores() for t in store.values())
+        return super().nbytes + codes + self.tail_bytes
+
+
+def quantized_block_bytes(config: ModelConfig, block_size: int, bits: int, value_group: int | None = None) -> int:
+    """Bytes of one quantised block id across every full layer: codes for K and V, one float16 scale
+    and zero per key channel and per value group of each token."""
+    K, D = config.n_kv_heads, config.head_dim
+    vg = default_value_group(D) if value_group is None else value_group
+    scale = torch.empty((), dtype=SCALE_DTYPE).element_size()
+    codes = 2 * K * block_size * D * bits // 8
+    key_scales = 2 * K * D * scale
+    value_scales = 2 * K * block_size * (D // vg) * scale
+    return (codes + key_scales + value_scales) * len(config.full_layers)
