@@ -30,6 +30,8 @@ SRC = Path(__file__).resolve().parents[2] / "src"
         (["--api-key", "a="], "non-empty"),
         (["--drain-timeout", "-1"], "--drain-timeout"),
         (["--api-key-file", "/no/such/file"], "No such file"),
+        (["--kv-budget", "512"], "--no-prefix-caching"),
+        (["--kv-budget", "512", "--no-prefix-caching", "--kv-bits", "8"], "give one of them"),
     ],
 )
 def test_bad_flags_fail_before_loading(argv, match, capsys):
