@@ -224,9 +224,8 @@ def _print(result: dict) -> None:
     kv = f"int{result['kv_bits']} KV" if result["kv_bits"] != 16 else "16-bit KV"
     if result["kv_budget"] is not None:
         kv += f", budget {result['kv_budget']:,} tokens"
-    print(
-        f"bench-serve: {e['requests']} requests, {result['model']} ({result['dtype']}, {result['threads']} threads, {kv})"
-    )
+    setup = f"{result['dtype']}, {result['threads']} threads, {kv}"
+    print(f"bench-serve: {e['requests']} requests, {result['model']} ({setup})")
     rows = [
         ("generated tok/s", f"{e['generated_tok_s']:,.1f}"),
         ("prompt tok/s", f"{e['prompt_tok_s']:,.1f}"),
