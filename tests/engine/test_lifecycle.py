@@ -180,3 +180,25 @@ def test_token_range_is_a_slice_of_all_tokens():
     for start in range(len(everything) + 1):
         for n in range(len(everything) - start + 1):
             assert request.token_range(start, n) == everything[start : start + n]
+
+
+def test_prompt_is_inserted_once_per_new_block_not_every_step(models, monkeypatch):
+    """cache_prompt hashes the prompt only when a step completed prompt blocks: a 200-token prompt in
+    64-token chunks is inserted 3 times per layer kind (64, 128 and 192 tokens of whole blocks), and
+    its last chunk and 50 decode steps add nothing."""
+    from gptoss_lite.kv.prefix import PrefixCache
+
+    calls = []
+    original = PrefixCache.insert
+
+    def counting(self, tokens, *args, **kwargs):
+        calls.append(len(tokens))
+        return original(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(PrefixCache, "insert", counting)
+    model = models("shipped")
+    llm = LLM(model, max_batch_tokens=64)
+    llm.generate([list(range(1, 201))], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    kinds = len(llm.kv.store.pools)
+    assert sorted(set(calls)) == [64, 128, 192]
+    assert len(calls) == 3 * kinds

@@ -72,6 +72,7 @@ class KVManager:
 
     def free(self, request: Request) -> None:
         """Release the request's sequences in every pool (blocks the prefix cache pins stay cached)."""
+        request.num_prompt_inserted = 0  # a preempted request inserts again as it recomputes
         for pool in self.store.pools.values():
             if request.request_id in pool:
                 pool.release(request.request_id)
@@ -109,13 +110,16 @@ class KVManager:
         return plans
 
     def cache_prompt(self, request: Request) -> None:
-        """Pin the computed full blocks of the prompt in every kind's prefix cache."""
+        """Pin the computed full blocks of the prompt in every kind's prefix cache. A no-op unless the
+        step completed prompt blocks not inserted yet: hashing the prompt again on every decode step
+        would cost O(prompt) per request per step."""
         if not self.enable_prefix_caching:
             return
         n = min(request.num_computed, len(request.prompt_token_ids))
-        if n < self.block_size:
+        n -= n % self.block_size
+        if n <= request.num_prompt_inserted:
             return
-        tokens = request.prompt_token_ids[: n - n % self.block_size]
+        tokens = request.prompt_token_ids[:n]
         if SLIDING in self.store.pools:
             # Blocks the window released can be cached no more; if the cache evicted one of them under
             # pressure, the chain of hashes is broken there and nothing after it can be cached.
@@ -125,9 +129,11 @@ class KVManager:
                 and self.store.prefix[SLIDING].match(tokens[: released + 1], request.scope, self.revision, record=False)
                 < released
             ):
+                request.num_prompt_inserted = len(request.prompt_token_ids)  # broken for good: stop trying
                 return
         for kind in self.store.pools:
             self.store.prefix[kind].insert(tokens, request.scope, self.revision, seq_id=request.request_id)
+        request.num_prompt_inserted = n
 
     # ------------------------------------------------------------------ reads
 

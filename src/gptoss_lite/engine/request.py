@@ -115,6 +115,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed = 0  # tokens whose K/V the cache holds
         self.num_cached_tokens = 0  # prompt tokens the first prefix-cache hit supplied
+        self.num_prompt_inserted = 0  # prompt tokens this request's blocks put in the prefix cache so far
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.text = ""
