@@ -1,8 +1,11 @@
 import pytest
 import torch
 
+from gptoss_lite.model import attention as attention_module
 from gptoss_lite.model.attention import (
     MIN_UNMASKED_KEYS,
+    _attend_blocked,
+    _band_blocks,
     _key_blocks,
     attention_fast,
     attention_reference,
@@ -134,3 +137,60 @@ def test_no_repeated_kv_in_fast_kernel(monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "repeat_interleave", boom)
     attention_fast(q, k, v, sinks, 5, None)
+
+
+@pytest.mark.parametrize(
+    "T,S,window",
+    [
+        (16, 16, None),
+        (300, 300, 128),
+        (300, 1300, None),
+        (300, 1300, 128),
+        (2100, 2100, None),
+        (2100, 2100, 8),
+        (40, 41, 8),
+    ],
+)
+@pytest.mark.parametrize("with_sinks", [True, False])
+def test_flash_path_matches_reference(T, S, window, with_sinks, monkeypatch):
+    """Prompts (T >= FLASH_MIN_QUERIES) go through the fused CPU kernel, block results merged by their
+    log-sum-exp (several query blocks at T = 2,100, masked window edges, a cached past): within 1e-5 of
+    dense attention in fp32."""
+    calls = []
+    flash = attention_module._FLASH
+    monkeypatch.setattr(attention_module, "_FLASH", lambda *a, **kw: calls.append(1) or flash(*a, **kw))
+    q, k, v, sinks = _qkv(B=1, T=T, S=S)
+    sinks = sinks if with_sinks else None
+    ref = attention_reference(q, k, v, sinks, S - T, window)
+    torch.testing.assert_close(attention_fast(q, k, v, sinks, S - T, window), ref, atol=1e-5, rtol=1e-5)
+    assert calls, "the flash kernel was not used"
+
+
+def test_flash_path_in_bf16_is_as_close_as_the_blocked_kernel():
+    q, k, v, sinks = (t.bfloat16() for t in _qkv(B=1, T=200, S=260))
+    ref = attention_reference(q.float(), k.float(), v.float(), sinks.float(), 60, 64)
+    flash = attention_fast(q, k, v, sinks, 60, 64).float()
+    blocked = _attend_blocked(q, k, v, sinks, 60, 64).float()
+    assert (flash - ref).abs().max() <= max(2e-2, 1.5 * (blocked - ref).abs().max())
+
+
+@pytest.mark.parametrize(
+    "lo,hi,k_block,first_q,last_q,window",
+    [
+        (0, 300, 128, 100, 299, None),
+        (0, 2000, 512, 1500, 1999, None),
+        (0, 40, 16, 20, 39, 8),
+        (172, 428, 64, 300, 427, 128),
+    ],
+)
+def test_band_blocks_tile_the_range(lo, hi, k_block, first_q, last_q, window):
+    """`_band_blocks` tiles [lo, hi) in order; masked blocks hold at most k_block keys, and a band of
+    MIN_UNMASKED_KEYS keys or more is one unmasked block."""
+    blocks = _band_blocks(lo, hi, k_block, first_q, last_q, window)
+    assert blocks[0][0] == lo and blocks[-1][1] == hi
+    assert all(p[1] == n[0] for p, n in zip(blocks, blocks[1:]))
+    band_lo = lo if window is None else max(lo, last_q - window + 1)
+    band = (band_lo, min(hi, first_q + 1))
+    if band[1] - band[0] >= MIN_UNMASKED_KEYS:
+        assert band in blocks
+    assert all(b - a <= k_block for a, b in blocks if (a, b) != band)

@@ -7,7 +7,10 @@ Two kernels that must agree:
   the sink logit (max = sink, sum = exp(0) = 1, acc = 0), so the sink costs nothing extra. It never
   builds a (T, S) matrix larger than one block, never repeats KV heads (queries of one KV group are
   stacked as rows), skips key blocks outside the causal/window band, and only builds a mask for
-  blocks that straddle the band's edge.
+  blocks that straddle the band's edge. On CPU a prompt's queries (T >= FLASH_MIN_QUERIES) go through
+  PyTorch's fused flash-attention kernel instead (`_attend_flash`): the same blocks, each one call
+  that also returns its log-sum-exp, merged exactly across blocks, the sink being a first "block"
+  of log-sum-exp = sink logit and value 0. One decode query keeps its ten-op path.
 
 Both take queries (B, H, T, D) whose first row sits at key index `q_offset` (query i has key-array
 index i + q_offset) and keys/values (B, K, S, D) in chronological order. Key j is visible to query i
@@ -31,6 +34,9 @@ from gptoss_lite.model.rope import apply_rotary_tables
 MIN_UNMASKED_KEYS = 256
 # Budget for one score block (elements of B·H·Tq·Sk); 4M fp32 elements = 16 MiB.
 SCORE_BLOCK_ELEMENTS = 1 << 22
+# From this many queries on, CPU attention uses the fused flash kernel (`_attend_flash`).
+FLASH_MIN_QUERIES = 16
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def visible_mask(T: int, S: int, q_offset: int, window: int | None, device=None) -> torch.Tensor:
@@ -72,13 +78,45 @@ def attention_fast(
     q_block: int | None = None,
     k_block: int | None = None,
 ) -> torch.Tensor:
-    """Blocked online-softmax attention; same contract as `attention_reference`."""
+    """Blocked online-softmax attention; same contract as `attention_reference`. One decode query:
+    `_attend_one_query`; a prompt on CPU: `_attend_flash`; otherwise (or with explicit blocks)
+    `_attend_blocked`."""
+    T, D = q.shape[2], q.shape[3]
+    S = k.shape[2]
+    scale = D**-0.5
+    if T == 1 and q_offset == S - 1 and (window is None or S <= window) and k_block is None:
+        return _attend_one_query(q, k, v, sinks, scale)
+    if T >= FLASH_MIN_QUERIES and flash_applies(q, k, v) and q_block is None and k_block is None:
+        return _attend_flash(q, k, v, sinks, q_offset, window)
+    return _attend_blocked(q, k, v, sinks, q_offset, window, q_block, k_block)
+
+
+def flash_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether PyTorch's CPU flash-attention kernel takes these tensors (CPU, one float dtype)."""
+    return (
+        _FLASH is not None
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.bfloat16)
+        and k.dtype == q.dtype
+        and v.dtype == q.dtype
+    )
+
+
+def _attend_blocked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor | None,
+    q_offset: int,
+    window: int | None,
+    q_block: int | None = None,
+    k_block: int | None = None,
+) -> torch.Tensor:
+    """The online-softmax kernel in tensor ops (any device and dtype); see the module docstring."""
     B, H, T, D = q.shape
     K, S = k.shape[1], k.shape[2]
     G = H // K
     scale = D**-0.5
-    if T == 1 and q_offset == S - 1 and (window is None or S <= window) and k_block is None:
-        return _attend_one_query(q, k, v, sinks, scale)
     if q_block is None:
         q_block = T if T * G <= 2048 else max(1, 2048 // G)
     if k_block is None:
@@ -115,6 +153,70 @@ def attention_fast(
         out_blocks.append((acc / l).view(B, K, G, Tb, D))
     out = out_blocks[0] if len(out_blocks) == 1 else torch.cat(out_blocks, dim=3)  # (B, K, G, T, D)
     return out.view(B, H, T, D).to(q.dtype)
+
+
+def _attend_flash(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, q_offset: int, window: int | None
+) -> torch.Tensor:
+    """`attention_fast` through the fused CPU kernel: per query block, one call per key block of the
+    causal/window band (unmasked inside the band, an additive mask at its edges), each returning
+    (out, log-sum-exp); blocks merge as out = Σ out_b · exp(lse_b − lse), lse = logaddexp over blocks.
+    The running state starts at lse = sink logit with out = 0, so the sink's share of the softmax
+    comes out of the same merge. A row a masked block hides entirely gets lse = −inf (the kernel
+    reports 0 there)."""
+    assert _FLASH is not None, "flash_applies() was checked"
+    B, H, T, D = q.shape
+    K, S = k.shape[1], k.shape[2]
+    G = H // K
+    scale = D**-0.5
+    q_block = T if G * T <= 4096 else max(1, 4096 // G)
+    if window is not None:
+        q_block = min(q_block, window)  # a query block spans at most 2W - 1 keys, not its length + W
+    qg = q.view(B, K, G, T, D)
+    outs = []
+    for qs in range(0, T, q_block):
+        qe = min(T, qs + q_block)
+        Tb = qe - qs
+        first_q, last_q = qs + q_offset, qe - 1 + q_offset
+        lo = 0 if window is None else max(0, first_q - window + 1)
+        hi = min(S, last_q + 1)
+        rows = qg[:, :, :, qs:qe].reshape(B, K, G * Tb, D)  # row = g·Tb + t
+        if sinks is None:
+            lse = torch.full((B, K, G * Tb), -1e30, device=q.device)
+        else:
+            lse = sinks.float().view(1, K, G, 1).expand(B, K, G, Tb).reshape(B, K, G * Tb)
+        acc = torch.zeros(B, K, G * Tb, D, device=q.device)
+        k_block = max(128, SCORE_BLOCK_ELEMENTS // max(1, G * Tb))  # bounds a masked block's (G·Tb, Sb) mask
+        for ks, ke in _band_blocks(lo, hi, k_block, first_q, last_q, window):
+            visible = None
+            if not (ke - 1 <= first_q and (window is None or last_q - ks < window)):
+                visible = visible_mask(Tb, ke - ks, first_q - ks, window, q.device).repeat(G, 1)  # (G·Tb, Sb)
+            mask = None if visible is None else torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(~visible, -1e30)
+            out_b, lse_b = _FLASH(rows, k[:, :, ks:ke], v[:, :, ks:ke], 0.0, False, attn_mask=mask, scale=scale)
+            if visible is not None:
+                lse_b = lse_b.masked_fill(~visible.any(dim=-1), float("-inf"))
+            new = torch.logaddexp(lse, lse_b)
+            acc = acc * torch.exp(lse - new)[..., None] + out_b.float() * torch.exp(lse_b - new)[..., None]
+            lse = new
+        outs.append(acc.view(B, K, G, Tb, D))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
+    return out.view(B, H, T, D).to(q.dtype)
+
+
+def _band_blocks(
+    lo: int, hi: int, k_block: int, first_q: int, last_q: int, window: int | None
+) -> list[tuple[int, int]]:
+    """Key blocks for `_attend_flash`: the band every query sees is one unmasked block (the fused
+    kernel tiles it itself); the keys before and after it (window and causal edges) are masked blocks
+    of at most k_block keys."""
+    band_lo = lo if window is None else max(lo, last_q - window + 1)
+    band_hi = min(hi, first_q + 1)
+    if band_hi - band_lo < MIN_UNMASKED_KEYS:  # a short band: one masked call costs less than three
+        return [(ks, min(hi, ks + k_block)) for ks in range(lo, hi, k_block)]
+    blocks = [(ks, min(band_lo, ks + k_block)) for ks in range(lo, band_lo, k_block)]
+    blocks.append((band_lo, band_hi))
+    blocks += [(ks, min(hi, ks + k_block)) for ks in range(band_hi, hi, k_block)]
+    return blocks
 
 
 def _key_blocks(lo: int, hi: int, k_block: int, first_q: int, last_q: int, window: int | None) -> list[tuple[int, int]]:
