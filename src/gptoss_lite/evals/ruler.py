@@ -90,6 +90,7 @@ class Trial:
 
     @property
     def kind(self) -> str:
+        """What the answer is made of: number, word, uuid, name (var-track) or none (abstention)."""
         return _KIND[self.task]
 
 
@@ -254,13 +255,13 @@ class RulerSuite:
 
     def __post_init__(self) -> None:
         split = get_split(self.split)
-        for name, chosen, allowed in (("tasks", self.tasks, TASKS), ("lengths", self.lengths, None)):
-            if not chosen:
-                raise ValueError(f"{name} is empty: give at least one")
-            if allowed is not None:
-                for x in chosen:
-                    if x not in allowed:
-                        raise ValueError(f"task {x!r}: must be one of {', '.join(allowed)}")
+        if not self.tasks:
+            raise ValueError(f"tasks is empty: give at least one of {', '.join(TASKS)}")
+        for task in self.tasks:
+            if task not in TASKS:
+                raise ValueError(f"task {task!r}: must be one of {', '.join(TASKS)}")
+        if not self.lengths:
+            raise ValueError("lengths is empty: give at least one prompt length in tokens, e.g. 4096")
         for n in self.lengths:
             check_int("context length", n, minimum=1)
         if self.haystacks is not None:
@@ -284,10 +285,12 @@ class RulerSuite:
 
     @property
     def haystack_kinds(self) -> tuple[str, ...]:
+        """The haystacks evaluated: the chosen ones, else the split's."""
         return self.haystacks if self.haystacks is not None else get_split(self.split).haystacks
 
     @property
     def family_names(self) -> tuple[str, ...]:
+        """The template families used round robin: the chosen ones, else the split's."""
         split = get_split(self.split)
         return self.families if self.families is not None else tuple(f.name for f in split.families)
 
@@ -321,6 +324,7 @@ class RulerResult:
         return sum(self.mean(t, n_tokens) for t in self.suite.tasks) / len(self.suite.tasks)
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: the suite, every cell, the means over haystacks, every trial."""
         s = self.suite
         return {
             "split": s.split,
