@@ -293,10 +293,11 @@ def test_cli_ruler_smoke(tmp_path, capsys):
 
 
 def test_cli_ruler_json(capsys):
-    """--json prints the result mapping: every cell, the means, every trial."""
+    """--json prints the result mapping: every cell, the means, every trial (here through an int8 cache)."""
     from gptoss_lite.cli import main
 
     argv = ["ruler", "--model", "lite-tiny", "--lengths", "500", "--tasks", "single-word", "--trials", "1"]
+    argv += ["--kv-bits", "8"]
     assert main(argv + ["--haystacks", "sentences", "--json", "--no-progress", "--threads", "1"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert set(data["score"]) == {"sentences"} and set(data["score"]["sentences"]["single-word"]) == {"500"}

@@ -404,6 +404,7 @@ class RulerEvaluator:
                 score[haystack] = {}
                 for task in s.tasks:
                     score[haystack][task] = {}
+                    new = answer_tokens(task, self.words)
                     for n in s.lengths:
                         trials = s.trials(task, n, haystack)
                         prompts = [tok.encode(build_prompt(t, tok), bos=tok.bos_id is not None) for t in trials]
@@ -411,7 +412,6 @@ class RulerEvaluator:
                         total = 0.0
                         for group in equal_length_batches(prompts, self.batch_size):
                             ids = torch.tensor([prompts[i] for i in group], dtype=torch.long, device=device)  # (B, T)
-                            new = answer_tokens(task, self.words)
                             texts, _ = greedy_new_texts(self.model, tok, ids, new, self.kv, self.prefill_chunk)
                             for text, i in zip(texts, group):
                                 t = trials[i]
