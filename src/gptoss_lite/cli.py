@@ -19,6 +19,7 @@ COMMANDS: tuple[str, ...] = (
     "kv_bench",
     "train",
     "passkey",
+    "ruler",
     "bench_serve",
     "serve",
 )

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 # The phrasing shared with the training data lives in gptoss_lite.prompts; re-exported here.
+from gptoss_lite.evals.harness import check_model_fits, equal_length_batches, greedy_new_texts, progress_bar
 from gptoss_lite.prompts import CLASSIC_NEEDLE, CLASSIC_QUESTION, NEEDLE_TEMPLATE, QUESTION
 from gptoss_lite.validation import check_int
 
@@ -312,26 +313,15 @@ class PasskeyEvaluator:
         if not lengths:
             raise ValueError("lengths is empty: give at least one context length in tokens, e.g. 4096")
         overhead = prompt_overhead(self.tokenizer, template)
-        limit = model.config.max_position_embeddings - NEW_TOKENS
         for n in lengths:
             if isinstance(n, bool) or not isinstance(n, int) or n <= overhead:
                 raise ValueError(
                     f"context length {n!r}: below the prompt overhead of {overhead} tokens "
                     f"(BOS, needle, question); use lengths > {overhead}"
                 )
-            if n > limit:
-                raise ValueError(
-                    f"context length {n}: the model accepts {model.config.max_position_embeddings} "
-                    f"positions, i.e. prompts up to {limit} tokens plus {NEW_TOKENS} new; "
-                    f"drop the length or raise max_position_embeddings"
-                )
+            check_model_fits(model, self.tokenizer, n, NEW_TOKENS)
         check_int("prefill_chunk", prefill_chunk, minimum=1)
         check_int("batch_size", batch_size, minimum=1)
-        if self.tokenizer.vocab_size > model.config.vocab_size:
-            raise ValueError(
-                f"tokenizer has {self.tokenizer.vocab_size} ids but the model's vocab_size is "
-                f"{model.config.vocab_size}; use the tokenizer the model was trained with"
-            )
         self.lengths = sorted(set(int(n) for n in lengths))
         self.depths = [float(d) for d in depths]
         self.n_trials = n_trials
@@ -362,49 +352,29 @@ class PasskeyEvaluator:
     def answers(self, ids: torch.Tensor) -> tuple[list[str | None], MixedKVCache]:
         """Score-ready answers of a (B, T) batch of equal-length prompts: greedy NEW_TOKENS tokens
         through the cached path, the first 5-digit number of each (None if none); and the cache used."""
-        from gptoss_lite.generation import generate
         from gptoss_lite.speculative import SpeculationStats
 
-        eos = self.tokenizer.eos_id
-        slack = 0 if self.speculate is None else self.speculate.k
-        cache = self.kv.build(self.model.config, batch_size=ids.shape[0], rollback_tokens=slack)
-        spec = {}  # only when on, so the plain call is unchanged
-        if self.speculate is not None:
-            if self.speculation_stats is None:
-                self.speculation_stats = SpeculationStats()
-            spec = {"speculate": self.speculate, "stats": self.speculation_stats}
-        out = generate(
+        if self.speculate is not None and self.speculation_stats is None:
+            self.speculation_stats = SpeculationStats()
+        texts, cache = greedy_new_texts(
             self.model,
+            self.tokenizer,
             ids,
-            max_new_tokens=NEW_TOKENS,
-            temperature=0.0,
-            top_p=1.0,
-            stop_tokens=None if eos is None else [eos],
-            prefill_chunk=self.kv.prefill_chunk(self.prefill_chunk),
-            cache=cache,
-            **spec,
-        )  # (B, T + n)
-        return [extract_passkey(self.tokenizer.decode(row)) for row in out[:, ids.shape[1] :].tolist()], cache
+            NEW_TOKENS,
+            self.kv,
+            self.prefill_chunk,
+            self.speculate,
+            self.speculation_stats,
+        )
+        return [extract_passkey(text) for text in texts], cache
 
     def run(self, progress: bool = False) -> PasskeyResult:
         """Every (length, depth, key) trial; a tqdm bar on stderr when `progress`."""
-        import sys
-
         import torch
 
         device = next(self.model.parameters()).device
         self.speculation_stats = None
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(
-                total=len(self.lengths) * len(self.depths) * self.n_trials,
-                desc="passkey",
-                unit="trial",
-                file=sys.stderr,
-                dynamic_ncols=True,
-            )
+        bar = progress_bar(len(self.lengths) * len(self.depths) * self.n_trials, "passkey", progress)
         acc, by_depth, tokens, payload, allocated, records = {}, {}, {}, {}, {}, []
         try:
             for length in self.lengths:
@@ -415,7 +385,7 @@ class PasskeyEvaluator:
                     prompts = [self.prompt_ids(length, key, depth, filler) for key in keys]
                     tokens.setdefault(length, len(prompts[0]))
                     correct = 0
-                    for group in _batches(prompts, self.batch_size):
+                    for group in equal_length_batches(prompts, self.batch_size):
                         ids = torch.tensor([prompts[i] for i in group], dtype=torch.long, device=device)  # (B, T)
                         answers, cache = self.answers(ids)
                         payload[length] = max(payload.get(length, 0), cache.payload_bytes // len(group))
@@ -447,14 +417,3 @@ class PasskeyEvaluator:
             trials=records,
             speculation=None if self.speculation_stats is None else self.speculation_stats.to_dict(),
         )
-
-
-def _batches(prompts: list[list[int]], batch_size: int) -> list[list[int]]:
-    """Indices of prompts grouped into batches of equal token length (a batch needs no padding)."""
-    by_len: dict[int, list[int]] = {}
-    for i, p in enumerate(prompts):
-        by_len.setdefault(len(p), []).append(i)
-    groups = []
-    for idx in by_len.values():
-        groups.extend(idx[j : j + batch_size] for j in range(0, len(idx), batch_size))
-    return sorted(groups, key=lambda g: g[0])

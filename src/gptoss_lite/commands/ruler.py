@@ -1,0 +1,187 @@
+"""`gptoss-lite ruler`: a RULER-style suite, score by task x length x haystack (docs/ruler.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+# Pure Python at import (no torch), so `--help` stays instant.
+from gptoss_lite.evals.ruler import BASE_SEED, DEFAULT_LENGTHS, DEFAULT_TRIALS, TASKS
+from gptoss_lite.evals.ruler_splits import SPLIT_NAMES, SPLITS
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from gptoss_lite.commands.common import add_kv_args, add_model_arg
+
+    families = "; ".join(f"{s.name}: {', '.join(f.name for f in s.families)}" for s in SPLITS.values())
+    kinds = "; ".join(f"{s.name}: {', '.join(s.haystacks)}" for s in SPLITS.values())
+    p = subparsers.add_parser(
+        "ruler",
+        help="RULER-style long-context suite: score by task x length x haystack",
+        description="Needles of several kinds (numbers, words, UUID-like codes, several keys, values, "
+        "queries, variable chains, and no needle at all) hidden in several haystacks, answered greedily "
+        "through the cached path. Prints a task x length table per haystack and their mean. The eval "
+        "split's phrasings, words and haystacks are never used in training.",
+    )
+    add_model_arg(p)
+    p.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        default=list(DEFAULT_LENGTHS),
+        metavar="TOKENS",
+        help=f"prompt lengths in tokens, BOS included (default: {' '.join(map(str, DEFAULT_LENGTHS))})",
+    )
+    p.add_argument(
+        "--tasks",
+        nargs="+",
+        choices=TASKS,
+        default=list(TASKS),
+        metavar="TASK",
+        help=f"tasks (default: all: {', '.join(TASKS)})",
+    )
+    p.add_argument(
+        "--split",
+        choices=SPLIT_NAMES,
+        default="eval",
+        help="template families, words and haystacks to use; train is the material training may see (default: eval)",
+    )
+    p.add_argument(
+        "--haystacks",
+        nargs="+",
+        default=None,
+        metavar="KIND",
+        help=f"haystack kinds of the split (default: all of the split's; {kinds})",
+    )
+    p.add_argument(
+        "--templates",
+        nargs="+",
+        default=None,
+        metavar="FAMILY",
+        help=f"template families of the split, used round robin (default: all of the split's; {families})",
+    )
+    p.add_argument(
+        "--trials", type=int, default=DEFAULT_TRIALS, metavar="N", help=f"trials per cell (default: {DEFAULT_TRIALS})"
+    )
+    p.add_argument("--seed", type=int, default=BASE_SEED, help=f"base seed of every trial (default: {BASE_SEED})")
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=2048,
+        metavar="TOKENS",
+        help="prompt tokens per prefill forward (default: 2048)",
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=8, metavar="N", help="trials generated together (one cell's; default: 8)"
+    )
+    p.add_argument("--json", action="store_true", help="print the result (every cell and trial) as JSON")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write a task x length heatmap per haystack")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    add_kv_args(p)
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gptoss_lite.commands import common
+    from gptoss_lite.evals.ruler import RulerEvaluator, RulerSuite
+
+    # Everything checkable is checked before the model loads: a run can take hours.
+    suite = RulerSuite(
+        lengths=tuple(args.lengths),
+        tasks=tuple(args.tasks),
+        haystacks=None if args.haystacks is None else tuple(args.haystacks),
+        families=None if args.templates is None else tuple(args.templates),
+        split=args.split,
+        n_trials=args.trials,
+        seed=args.seed,
+    )
+    if args.plot:
+        common.check_output_file("--plot", args.plot)
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError(
+                f"--plot {args.plot}: needs matplotlib; pip install 'gptoss-lite[plot]' or drop --plot"
+            ) from None
+    kv = common.kv_settings(args)
+    model, tokenizer, source = common.load_model_and_tokenizer(args)
+    evaluator = RulerEvaluator(
+        model, suite, tokenizer=tokenizer, prefill_chunk=args.prefill_chunk, batch_size=args.batch_size, kv=kv
+    )
+    result = evaluator.run(progress=not args.no_progress)
+    if args.plot:
+        plot_heatmap(result, args.plot)
+    if args.json:
+        out = result.to_dict()
+        out["model"] = str(source)
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_table(result, str(source)))
+        if args.plot:
+            print(f"heatmap: {args.plot}")
+        cells = ", ".join(f"{n}: {100 * result.overall(n):.1f}%" for n in suite.lengths)
+        print(f"mean score over all cells: {cells}")
+    return 0
+
+
+def _column(result, n: int) -> str:
+    ratio = f" ({n / result.train_context_length:g}x)" if result.train_context_length else ""
+    return f"{n}{ratio}"
+
+
+def format_table(result, source: str) -> str:
+    """A task x length table (scores in %) per haystack, then the mean over haystacks."""
+    s = result.suite
+    lines = [
+        f"RULER suite: model {source}, split {s.split} (template families {', '.join(s.family_names)}), "
+        f"{s.n_trials} trials per cell, seed {s.seed}, train context "
+        f"{result.train_context_length if result.train_context_length else 'unknown'}, "
+        f"Python {result.python_version}",
+        "score: share of the expected values found first in the answer (%)",
+    ]
+    heads = [_column(result, n) for n in s.lengths]
+    width = max(12, *map(len, heads))
+
+    def block(title: str, value) -> None:
+        head = f"{'task':<14}" + "".join(f"{h:>{width}}" for h in heads)
+        lines.extend(["", title, head, "-" * len(head)])
+        for task in s.tasks:
+            lines.append(f"{task:<14}" + "".join(f"{100 * value(task, n):>{width}.1f}" for n in s.lengths))
+
+    for h in s.haystack_kinds:
+        block(f"haystack {h}", lambda task, n, h=h: result.score[h][task][n])
+    if len(s.haystack_kinds) > 1:
+        block(f"mean over {len(s.haystack_kinds)} haystacks", result.mean)
+    return "\n".join(lines)
+
+
+def plot_heatmap(result, path: str) -> None:
+    """Task x length heatmaps, one panel per haystack (and the mean), as PNG (matplotlib, imported only here)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = result.suite
+    panels = [(f"haystack {h}", lambda t, n, h=h: result.score[h][t][n]) for h in s.haystack_kinds]
+    if len(panels) > 1:
+        panels.append(("mean", result.mean))
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(1.1 * len(s.lengths) * len(panels) + 2.5, 0.45 * len(s.tasks) + 1.8), squeeze=False
+    )
+    for ax, (title, value) in zip(axes[0], panels):
+        grid = [[100 * value(t, n) for n in s.lengths] for t in s.tasks]
+        im = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(s.lengths)), [_column(result, n) for n in s.lengths], fontsize=8)
+        ax.set_yticks(range(len(s.tasks)), s.tasks if ax is axes[0][0] else [""] * len(s.tasks))
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("prompt tokens", fontsize=8)
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=8)
+    fig.colorbar(im, ax=axes[0].tolist(), label="score (%)")
+    fig.suptitle(f"RULER suite, split {s.split}, {s.n_trials} trials per cell", fontsize=10)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    print(f"ruler: wrote {path}", file=sys.stderr)
