@@ -1,4 +1,5 @@
-"""Long-context evaluations: passkey retrieval by context length and depth (docs/passkey.md)."""
+"""Long-context evaluations: passkey retrieval by context length and depth (docs/passkey.md) and a
+RULER-style suite by task x length x haystack (docs/ruler.md)."""
 
 from gptoss_lite.evals.passkey import (
     DEFAULT_DEPTHS,
@@ -9,6 +10,7 @@ from gptoss_lite.evals.passkey import (
     extract_passkey,
     passkey_keys,
 )
+from gptoss_lite.evals.ruler import RulerEvaluator, RulerResult, RulerSuite
 
 __all__ = [
     "PasskeyEvaluator",
@@ -18,4 +20,7 @@ __all__ = [
     "passkey_keys",
     "DEFAULT_LENGTHS",
     "DEFAULT_DEPTHS",
+    "RulerEvaluator",
+    "RulerResult",
+    "RulerSuite",
 ]
