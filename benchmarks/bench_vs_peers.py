@@ -1,0 +1,139 @@
+"""Single-request prefill and decode speed against vLLM-CPU on the same weights, one sitting.
+
+The protocol of the speed issue's table: one request, greedy, end-of-text ignored; prompt of L tokens
+`numpy.random.default_rng(L).integers(1, V, L)` for L in --lengths (256 and 2048). Per round and engine:
+a `max_tokens=1` request gives TTFT and a `max_tokens=--new-tokens` request the total time;
+prefill tok/s = L / TTFT, decode tok/s = (new - 1) / (total - TTFT). vLLM returns whole requests, so both
+engines are timed the same way, as whole calls. Engines run as the long-lived workers of
+`serve_vs_vllm.py` (same environment, thread binding and foreign-load waits); rounds alternate the order.
+
+    python benchmarks/bench_vs_peers.py MODEL_DIR --vllm-python VENV/bin/python \\
+        --dtypes float32 bfloat16 --threads 2 --rounds 5 --out bench_vs_peers.json
+
+Engines (`--engines`): `vllm` (vllm.LLM, eager), `static` (ours: `gptoss_lite.generation.generate`, the
+single-request path) and `ours` (the batched engine with one request). llama.cpp is not driven from here
+(llama-cpp-python is not installed on the machines this ran on); `../shared`-style peer harnesses can add it.
+Output: a markdown table (median of the rounds, ours / vLLM) and, with --out, every sample as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+from serve_vs_vllm import LABELS, SHORT, Worker, machine_note, wait_until_quiet, worker_command
+
+NAMES = {**LABELS, "static": "ours (generate)", "ours": "ours (engine)"}
+
+
+def prompt(vocab: int, length: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(length).integers(1, vocab, length)]
+
+
+def measure(worker: Worker, ids: list[int], new_tokens: int) -> dict:
+    first = worker.run([ids], 1)["wall_s"]
+    total = worker.run([ids], new_tokens)["wall_s"]
+    return {
+        "ttft_s": first,
+        "total_s": total,
+        "prefill_tok_s": len(ids) / first,
+        "decode_tok_s": (new_tokens - 1) / (total - first),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--vllm-python", default=None)
+    ap.add_argument("--ours-python", default=sys.executable)
+    ap.add_argument("--engines", nargs="+", default=["vllm", "static"], choices=["vllm", "static", "ours"])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, nargs="+", default=[2])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[256, 2048])
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--max-foreign", type=float, default=0.5)
+    ap.add_argument("--max-waits", type=int, default=4)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if "vllm" in args.engines and not args.vllm_python:
+        ap.error("--vllm-python VENV/bin/python is needed for the vllm engine")
+    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    prompts = {n: prompt(vocab, n) for n in args.lengths}
+    # worker_command's shared limits: one request of the longest prompt plus the new tokens
+    args.max_running, args.max_batch_tokens = 1, max(args.lengths) + args.new_tokens
+    args.prompt_len = max(args.lengths)
+    log_dir = (args.out.parent if args.out else Path(".")) / "bench_vs_peers_logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    data: dict = {"machine": machine_note(), "cells": {}}
+    for dtype in args.dtypes:
+        for threads in args.threads:
+            cell = data["cells"].setdefault(f"{SHORT[dtype]} {threads}t", {"rounds": []})
+            workers = {}
+            try:
+                for engine in args.engines:
+                    cmd, env = worker_command(engine, args, dtype, threads)
+                    workers[engine] = Worker(engine, cmd, env, log_dir / f"{engine}-{dtype}-{threads}.log")
+                    cell.setdefault("info", {})[engine] = workers[engine].expect("READY")
+                    workers[engine].run([prompts[min(args.lengths)]], 4)  # warm-up
+                for r in range(args.rounds):
+                    load = wait_until_quiet(args.max_foreign, args.max_waits, f"round {r + 1}")
+                    order = args.engines if r % 2 == 0 else list(reversed(args.engines))
+                    row = {"foreign_load": load, "engines": {}}
+                    for engine in order:
+                        row["engines"][engine] = {
+                            str(n): measure(workers[engine], prompts[n], args.new_tokens) for n in args.lengths
+                        }
+                    cell["rounds"].append(row)
+                    print(
+                        f"{dtype} {threads}t round {r + 1}: "
+                        + json.dumps(
+                            {
+                                e: {n: (round(m["prefill_tok_s"]), round(m["decode_tok_s"], 1)) for n, m in v.items()}
+                                for e, v in row["engines"].items()
+                            }
+                        ),
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    if args.out:
+                        args.out.write_text(json.dumps(data, indent=2) + "\n")
+            finally:
+                for w in workers.values():
+                    w.close()
+    print(summarize(data, args))
+    return 0
+
+
+def summarize(data: dict, args) -> str:
+    lines = [data["machine"], ""]
+    cols = [f"{kind}@{n}" for kind in ("prefill", "decode") for n in args.lengths]
+    lines.append("| cell | engine | " + " | ".join(cols) + " |")
+    lines.append("|---|---|" + "---:|" * len(cols))
+    for name, cell in data["cells"].items():
+        med = {}
+        for engine in args.engines:
+            med[engine] = {
+                f"{kind}@{n}": statistics.median(r["engines"][engine][str(n)][f"{kind}_tok_s"] for r in cell["rounds"])
+                for kind in ("prefill", "decode")
+                for n in args.lengths
+            }
+            lines.append(f"| {name} | {NAMES[engine]} | " + " | ".join(f"{med[engine][c]:,.0f}" for c in cols) + " |")
+        if "vllm" in med:
+            for engine in (e for e in args.engines if e != "vllm"):
+                ratios = [med[engine][c] / med["vllm"][c] for c in cols]
+                lines.append(f"| {name} | {NAMES[engine]} / vLLM | " + " | ".join(f"{x:.2f}x" for x in ratios) + " |")
+    lines.append("")
+    lines.append(
+        f"tok/s, median of {args.rounds} interleaved rounds; prefill = L / TTFT, decode = "
+        f"{args.new_tokens - 1} / (total - TTFT)."
+    )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
