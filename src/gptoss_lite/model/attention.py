@@ -37,6 +37,8 @@ SCORE_BLOCK_ELEMENTS = 1 << 22
 # From this many queries on, CPU attention uses the fused flash kernel (`_attend_flash`).
 FLASH_MIN_QUERIES = 16
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_DTYPES = (torch.float32, torch.bfloat16)
+FLASH_BLOCK_KEYS = 1024  # keys per dequantised block `attention_blocks` hands the fused kernel
 
 
 def visible_mask(T: int, S: int, q_offset: int, window: int | None, device=None) -> torch.Tensor:
@@ -274,6 +276,8 @@ def attention_blocks(
     B, H, T, D = q.shape
     K = blocks.kv_heads
     G = H // K
+    if blocks.mass is None and _FLASH is not None and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES:
+        return _attention_blocks_flash(q, blocks, sinks, q_offset, window)
     rows = q.view(B, K, G, T, D).reshape(B, K, G * T, D).float() * D**-0.5  # (B, K, G·T, D); row = g·T + t
     k_block = max(64, SCORE_BLOCK_ELEMENTS // max(1, B * H * T))
     first_q, last_q = q_offset, q_offset + T - 1
@@ -313,6 +317,43 @@ def attention_blocks(
                 p = torch.exp(s - m) / l  # (B, K, G·T, Sb): final probabilities of this block
                 blocks.mass[:, :, ks : ks + k.shape[2]] += p.sum(dim=2)
     return (acc / l).view(B, K, G, T, D).reshape(B, H, T, D).to(q.dtype)
+
+
+def _attention_blocks_flash(
+    q: torch.Tensor, blocks: KVBlocks, sinks: torch.Tensor | None, q_offset: int, window: int | None
+) -> torch.Tensor:
+    """`attention_blocks` through the fused CPU kernel: one call per block read (dequantised blocks of
+    at most FLASH_BLOCK_KEYS keys, fewer when a masked block's (G·T, Sb) mask would exceed
+    SCORE_BLOCK_ELEMENTS), merged by log-sum-exp as in `_attend_flash`. Not used when the caller asks
+    for the attention mass (H2O), which needs the probabilities themselves."""
+    assert _FLASH is not None
+    B, H, T, D = q.shape
+    K = blocks.kv_heads
+    G = H // K
+    rows = q.view(B, K, G, T, D).reshape(B, K, G * T, D)  # row = g·T + t
+    first_q, last_q = q_offset, q_offset + T - 1
+    lo = 0 if window is None else max(0, first_q - window + 1)
+    if sinks is None:
+        lse = torch.full((B, K, G * T), -1e30, device=q.device)
+    else:
+        lse = sinks.float().view(1, K, G, 1).expand(B, K, G, T).reshape(B, K, G * T)
+    acc = torch.zeros(B, K, G * T, D, device=q.device)
+    k_block = max(64, min(FLASH_BLOCK_KEYS, SCORE_BLOCK_ELEMENTS // max(1, G * T)))  # bounds a block's mask
+    for ks, k, v in blocks.blocks(k_block):
+        ke = ks + k.shape[2]
+        if ke <= lo or ks > last_q:
+            continue
+        visible = None
+        if not (ke - 1 <= first_q and (window is None or last_q - ks < window)):
+            visible = visible_mask(T, ke - ks, first_q - ks, window, q.device).repeat(G, 1)  # (G·T, Sb)
+        mask = None if visible is None else torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(~visible, -1e30)
+        out_b, lse_b = _FLASH(rows, k.to(q.dtype), v.to(q.dtype), 0.0, False, attn_mask=mask, scale=D**-0.5)
+        if visible is not None:
+            lse_b = lse_b.masked_fill(~visible.any(dim=-1), float("-inf"))
+        new = torch.logaddexp(lse, lse_b)
+        acc = acc * torch.exp(lse - new)[..., None] + out_b.float() * torch.exp(lse_b - new)[..., None]
+        lse = new
+    return acc.view(B, K, G, T, D).reshape(B, H, T, D).to(q.dtype)
 
 
 def attention_mass_reference(
