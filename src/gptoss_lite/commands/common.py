@@ -167,6 +167,16 @@ def _is_dir(source) -> bool:
 # ---- output files ---------------------------------------------------------------------------------------
 
 
+def check_plot_file(flag: str, path: str) -> None:
+    """`check_output_file`, and matplotlib importable: checked before an evaluation that can take hours,
+    so a bad path or a missing extra never throws results away."""
+    check_output_file(flag, path)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError(f"{flag} {path}: needs matplotlib; pip install 'gptoss-lite[plot]' or drop {flag}") from None
+
+
 def check_output_file(flag: str, path: str) -> None:
     """Refuse, before any work, an output file that could not be written afterwards."""
     target = Path(path)

@@ -92,7 +92,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from gptoss_lite.commands.common import (
         build_speculation,
-        check_output_file,
+        check_plot_file,
         check_speculate_args,
         kv_settings,
         load_model_and_tokenizer,
@@ -102,14 +102,7 @@ def run(args: argparse.Namespace) -> int:
     from gptoss_lite.evals.passkey import PasskeyEvaluator
 
     if args.plot:
-        # Checked before the evaluation, which can take hours: a bad path must not throw results away.
-        check_output_file("--plot", args.plot)
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise ValueError(
-                f"--plot {args.plot}: needs matplotlib; pip install 'gptoss-lite[plot]' or drop --plot"
-            ) from None
+        check_plot_file("--plot", args.plot)
     check_speculate_args(args)
     kv = kv_settings(args)
     model, tokenizer, source = load_model_and_tokenizer(args)

@@ -97,13 +97,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     if args.plot:
-        common.check_output_file("--plot", args.plot)
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise ValueError(
-                f"--plot {args.plot}: needs matplotlib; pip install 'gptoss-lite[plot]' or drop --plot"
-            ) from None
+        common.check_plot_file("--plot", args.plot)
     kv = common.kv_settings(args)
     model, tokenizer, source = common.load_model_and_tokenizer(args)
     evaluator = RulerEvaluator(
