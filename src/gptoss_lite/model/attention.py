@@ -93,15 +93,45 @@ def attention_fast(
     return _attend_blocked(q, k, v, sinks, q_offset, window, q_block, k_block)
 
 
-def flash_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def flash_applies(q: torch.Tensor, *kv: torch.Tensor) -> bool:
     """Whether PyTorch's CPU flash-attention kernel takes these tensors (CPU, one float dtype)."""
     return (
         _FLASH is not None
         and q.device.type == "cpu"
-        and q.dtype in (torch.float32, torch.bfloat16)
-        and k.dtype == q.dtype
-        and v.dtype == q.dtype
+        and q.dtype in _FLASH_DTYPES
+        and all(t.dtype == q.dtype for t in kv)
     )
+
+
+def _flash_state(sinks: torch.Tensor | None, B: int, K: int, G: int, T: int, D: int, device):
+    """The merge's starting (lse, acc): the sink as a block of lse = sink logit and value 0 (or an
+    empty start without sinks)."""
+    if sinks is None:
+        lse = torch.full((B, K, G * T), -1e30, device=device)
+    else:
+        lse = sinks.float().view(1, K, G, 1).expand(B, K, G, T).reshape(B, K, G * T)
+    return lse, torch.zeros(B, K, G * T, D, device=device)
+
+
+def _flash_merge(
+    rows: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor | None,
+    lse: torch.Tensor,
+    acc: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One fused-kernel call over a key block, merged into (lse, acc) by log-sum-exp. `visible`
+    (rows, Sb) masks the block (None: every key visible); a row it hides entirely is reported by the
+    kernel as lse = 0 and is set to -inf here."""
+    assert _FLASH is not None, "flash_applies() was checked"
+    mask = None if visible is None else torch.zeros(visible.shape, dtype=rows.dtype).masked_fill_(~visible, -1e30)
+    out_b, lse_b = _FLASH(rows, k, v, 0.0, False, attn_mask=mask, scale=rows.shape[-1] ** -0.5)
+    if visible is not None:
+        lse_b = lse_b.masked_fill(~visible.any(dim=-1), float("-inf"))
+    new = torch.logaddexp(lse, lse_b)
+    acc = acc * torch.exp(lse - new)[..., None] + out_b.float() * torch.exp(lse_b - new)[..., None]
+    return new, acc
 
 
 def _attend_blocked(
@@ -162,15 +192,12 @@ def _attend_flash(
 ) -> torch.Tensor:
     """`attention_fast` through the fused CPU kernel: per query block, one call per key block of the
     causal/window band (unmasked inside the band, an additive mask at its edges), each returning
-    (out, log-sum-exp); blocks merge as out = Σ out_b · exp(lse_b − lse), lse = logaddexp over blocks.
-    The running state starts at lse = sink logit with out = 0, so the sink's share of the softmax
-    comes out of the same merge. A row a masked block hides entirely gets lse = −inf (the kernel
-    reports 0 there)."""
-    assert _FLASH is not None, "flash_applies() was checked"
+    (out, log-sum-exp); blocks merge as out = Σ out_b · exp(lse_b − lse), lse = logaddexp over blocks
+    (`_flash_merge`). The running state starts at lse = sink logit with out = 0, so the sink's share
+    of the softmax comes out of the same merge."""
     B, H, T, D = q.shape
     K, S = k.shape[1], k.shape[2]
     G = H // K
-    scale = D**-0.5
     q_block = T if G * T <= 4096 else max(1, 4096 // G)
     if window is not None:
         q_block = min(q_block, window)  # a query block spans at most 2W - 1 keys, not its length + W
@@ -183,23 +210,13 @@ def _attend_flash(
         lo = 0 if window is None else max(0, first_q - window + 1)
         hi = min(S, last_q + 1)
         rows = qg[:, :, :, qs:qe].reshape(B, K, G * Tb, D)  # row = g·Tb + t
-        if sinks is None:
-            lse = torch.full((B, K, G * Tb), -1e30, device=q.device)
-        else:
-            lse = sinks.float().view(1, K, G, 1).expand(B, K, G, Tb).reshape(B, K, G * Tb)
-        acc = torch.zeros(B, K, G * Tb, D, device=q.device)
+        lse, acc = _flash_state(sinks, B, K, G, Tb, D, q.device)
         k_block = max(128, SCORE_BLOCK_ELEMENTS // max(1, G * Tb))  # bounds a masked block's (G·Tb, Sb) mask
         for ks, ke in _band_blocks(lo, hi, k_block, first_q, last_q, window):
             visible = None
             if not (ke - 1 <= first_q and (window is None or last_q - ks < window)):
                 visible = visible_mask(Tb, ke - ks, first_q - ks, window, q.device).repeat(G, 1)  # (G·Tb, Sb)
-            mask = None if visible is None else torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(~visible, -1e30)
-            out_b, lse_b = _FLASH(rows, k[:, :, ks:ke], v[:, :, ks:ke], 0.0, False, attn_mask=mask, scale=scale)
-            if visible is not None:
-                lse_b = lse_b.masked_fill(~visible.any(dim=-1), float("-inf"))
-            new = torch.logaddexp(lse, lse_b)
-            acc = acc * torch.exp(lse - new)[..., None] + out_b.float() * torch.exp(lse_b - new)[..., None]
-            lse = new
+            lse, acc = _flash_merge(rows, k[:, :, ks:ke], v[:, :, ks:ke], visible, lse, acc)
         outs.append(acc.view(B, K, G, Tb, D))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
     return out.view(B, H, T, D).to(q.dtype)
@@ -276,7 +293,7 @@ def attention_blocks(
     B, H, T, D = q.shape
     K = blocks.kv_heads
     G = H // K
-    if blocks.mass is None and _FLASH is not None and q.device.type == "cpu" and q.dtype in _FLASH_DTYPES:
+    if blocks.mass is None and flash_applies(q):
         return _attention_blocks_flash(q, blocks, sinks, q_offset, window)
     rows = q.view(B, K, G, T, D).reshape(B, K, G * T, D).float() * D**-0.5  # (B, K, G·T, D); row = g·T + t
     k_block = max(64, SCORE_BLOCK_ELEMENTS // max(1, B * H * T))
@@ -322,22 +339,17 @@ def attention_blocks(
 def _attention_blocks_flash(
     q: torch.Tensor, blocks: KVBlocks, sinks: torch.Tensor | None, q_offset: int, window: int | None
 ) -> torch.Tensor:
-    """`attention_blocks` through the fused CPU kernel: one call per block read (dequantised blocks of
-    at most FLASH_BLOCK_KEYS keys, fewer when a masked block's (G·T, Sb) mask would exceed
-    SCORE_BLOCK_ELEMENTS), merged by log-sum-exp as in `_attend_flash`. Not used when the caller asks
-    for the attention mass (H2O), which needs the probabilities themselves."""
-    assert _FLASH is not None
+    """`attention_blocks` through the fused CPU kernel: one `_flash_merge` per block read (dequantised
+    blocks of at most FLASH_BLOCK_KEYS keys, fewer when a masked block's (G·T, Sb) mask would exceed
+    SCORE_BLOCK_ELEMENTS). Not used when the caller asks for the attention mass (H2O), which needs the
+    probabilities themselves."""
     B, H, T, D = q.shape
     K = blocks.kv_heads
     G = H // K
     rows = q.view(B, K, G, T, D).reshape(B, K, G * T, D)  # row = g·T + t
     first_q, last_q = q_offset, q_offset + T - 1
     lo = 0 if window is None else max(0, first_q - window + 1)
-    if sinks is None:
-        lse = torch.full((B, K, G * T), -1e30, device=q.device)
-    else:
-        lse = sinks.float().view(1, K, G, 1).expand(B, K, G, T).reshape(B, K, G * T)
-    acc = torch.zeros(B, K, G * T, D, device=q.device)
+    lse, acc = _flash_state(sinks, B, K, G, T, D, q.device)
     k_block = max(64, min(FLASH_BLOCK_KEYS, SCORE_BLOCK_ELEMENTS // max(1, G * T)))  # bounds a block's mask
     for ks, k, v in blocks.blocks(k_block):
         ke = ks + k.shape[2]
@@ -346,13 +358,7 @@ def _attention_blocks_flash(
         visible = None
         if not (ke - 1 <= first_q and (window is None or last_q - ks < window)):
             visible = visible_mask(T, ke - ks, first_q - ks, window, q.device).repeat(G, 1)  # (G·T, Sb)
-        mask = None if visible is None else torch.zeros(visible.shape, dtype=q.dtype).masked_fill_(~visible, -1e30)
-        out_b, lse_b = _FLASH(rows, k.to(q.dtype), v.to(q.dtype), 0.0, False, attn_mask=mask, scale=D**-0.5)
-        if visible is not None:
-            lse_b = lse_b.masked_fill(~visible.any(dim=-1), float("-inf"))
-        new = torch.logaddexp(lse, lse_b)
-        acc = acc * torch.exp(lse - new)[..., None] + out_b.float() * torch.exp(lse_b - new)[..., None]
-        lse = new
+        lse, acc = _flash_merge(rows, k.to(q.dtype), v.to(q.dtype), visible, lse, acc)
     return acc.view(B, K, G, T, D).reshape(B, H, T, D).to(q.dtype)
 
 
