@@ -39,9 +39,7 @@ class KVManager:
     ) -> None:
         self.store = store
         self.config: ModelConfig = store.config
-        if kv_budget is not None and enable_prefix_caching:
-            raise ValueError("a KV budget releases prompt blocks, so it cannot be combined with prefix caching")
-        self.kv_budget = kv_budget
+        # (LLM refuses a budget with prefix caching: a budget releases prompt blocks)
         # the window each layer kind's keys are kept for: sliding layers the model's W, full layers the
         # KV budget (docs/engine.md#kv-budget) or everything
         self.windows: dict[str, int | None] = {SLIDING: self.config.sliding_window, FULL: kv_budget}

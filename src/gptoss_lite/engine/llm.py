@@ -153,26 +153,19 @@ class LLM:
         kv_blocks = check_int("kv_blocks", kv_blocks, 1)
         if sliding_blocks is None:
             sliding_blocks = self._default_sliding_blocks(kv_blocks, block_size, max_running, max_batch_tokens)
-        if kv_bits == 16 or not self.config.full_layers:
-            store = PagedKVStore(
-                self.config,
-                kv_blocks,
-                block_size,
-                sliding_blocks=sliding_blocks,
-                dtype=param.dtype,
-                device=param.device,
-            )
-        else:
-            store = QuantizedPagedStore(
-                self.config,
-                kv_blocks,
-                block_size,
-                sliding_blocks=sliding_blocks,
-                dtype=param.dtype,
-                device=param.device,
-                bits=kv_bits,
-                tail_blocks=2 * max_running + math.ceil(max_batch_tokens / block_size) + 2,
-            )
+        store_type, quant = PagedKVStore, {}
+        if kv_bits != 16 and self.config.full_layers:  # tails: every running request's partial block + one step
+            tails = 2 * max_running + math.ceil(max_batch_tokens / block_size) + 2
+            store_type, quant = QuantizedPagedStore, {"bits": kv_bits, "tail_blocks": tails}
+        store = store_type(
+            self.config,
+            kv_blocks,
+            block_size,
+            sliding_blocks=sliding_blocks,
+            dtype=param.dtype,
+            device=param.device,
+            **quant,
+        )
         if kv_budget is None:  # a request's whole length must fit in the (first) pool
             self.max_model_len = min(self.max_model_len, store.pools[next(iter(store.pools))].total_blocks * block_size)
         self.kv = KVManager(

@@ -82,7 +82,12 @@ class PagedBatch:
         self._decode_tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._masks: dict[tuple[str, int | None], torch.Tensor] = {}
         self._prefill_tables: dict[tuple[int, str], torch.Tensor] = {}
+        self.quant: _QuantReads | None = None
+        if isinstance(store, QuantizedPagedStore) and FULL in store.pools:
+            self.quant = _QuantReads(store, self.decode, self.prefill, write_slots[FULL])
         for kind in store.pools:
+            if self.quant is not None and kind == FULL:
+                continue  # the quantised blocks have tables of their own
             if self.decode:
                 width = max(len(s.tables[kind][0]) for s in self.decode)
                 table = torch.zeros(len(self.decode), width, dtype=torch.long)  # padding reads block 0, masked
@@ -96,9 +101,6 @@ class PagedBatch:
                 self._decode_tables[kind] = (table.view(-1).to(dev), (query_pos - key_pos).to(dev))  # distance (Bd, S)
             for i, s in enumerate(self.prefill):
                 self._prefill_tables[(i, kind)] = torch.tensor(s.tables[kind][0], dtype=torch.long, device=dev)
-        self.quant: _QuantReads | None = None
-        if isinstance(store, QuantizedPagedStore) and FULL in store.pools:
-            self.quant = _QuantReads(store, self.decode, self.prefill, write_slots[FULL])
 
     # ------------------------------------------------------------------ RaggedBatch
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from gptoss_lite.config import FULL
 from gptoss_lite.engine.kv_manager import KVManager
 from gptoss_lite.engine.paged_attention import PagedBatch, Segment
 from gptoss_lite.engine.request import Request
@@ -47,7 +48,7 @@ class ModelRunner:
             if request.num_computed == request.num_tokens:
                 logits_index.append(len(ids) - 1)
                 samplers.append(request)
-        batch = PagedBatch(self.kv.store, segments, write_slots, logits_index, full_window=self.kv.kv_budget)
+        batch = PagedBatch(self.kv.store, segments, write_slots, logits_index, full_window=self.kv.windows[FULL])
         return torch.tensor(ids, dtype=torch.long, device=self.device), batch, samplers
 
     @torch.inference_mode()
