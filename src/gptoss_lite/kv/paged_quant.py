@@ -180,11 +180,9 @@ class QuantizedPagedStore(PagedKVStore):
 
     def _quantize_into(self, layer: int, blocks: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k / v (K, nb, bs, D) full precision -> the codes, scales and zeros of `blocks` (nb,)."""
-        kq, ks, kz = quantize_keys(k, self.spec)  # key group = the block's bs tokens
-        vq, vs, vz = quantize_values(v, self.spec)
-        for store, x in ((self.kq, kq), (self.ks, ks), (self.kz, kz)):  # ks, kz (K, nb, 1, D)
-            store[layer].index_copy_(1, blocks, x)
-        for store, x in ((self.vq, vq), (self.vs, vs), (self.vz, vz)):
+        # key group = the block's bs tokens, so ks, kz are (K, nb, 1, D)
+        parts = (*quantize_keys(k, self.spec), *quantize_values(v, self.spec))
+        for store, x in zip(self._code_stores(), parts):
             store[layer].index_copy_(1, blocks, x)
 
     def write(self, layer: int, blocks: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -200,7 +198,7 @@ class QuantizedPagedStore(PagedKVStore):
         for src, dst, n in copies:
             if n == bs and src not in self.tail_of:  # a complete block: copy its codes
                 for layer in self.layers_of[FULL]:
-                    for store in (self.kq, self.ks, self.kz, self.vq, self.vs, self.vz):
+                    for store in self._code_stores():
                         store[layer][:, dst] = store[layer][:, src]
                 continue
             tail = self._take_tail(dst)
@@ -228,13 +226,12 @@ class QuantizedPagedStore(PagedKVStore):
 
     def dequantize_blocks(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Complete blocks (nb,) of a full layer -> keys and values (K, nb, bs, D) in the store's dtype."""
-        sel = {name: store[layer].index_select(1, blocks) for name, store in self._code_stores()}
-        k = dequantize_keys(sel["kq"], sel["ks"], sel["kz"], self.spec, self.dtype)
-        v = dequantize_values(sel["vq"], sel["vs"], sel["vz"], self.spec, self.dtype)
-        return k, v
+        kq, ks, kz, vq, vs, vz = (store[layer].index_select(1, blocks) for store in self._code_stores())
+        return dequantize_keys(kq, ks, kz, self.spec, self.dtype), dequantize_values(vq, vs, vz, self.spec, self.dtype)
 
-    def _code_stores(self):
-        return (("kq", self.kq), ("ks", self.ks), ("kz", self.kz), ("vq", self.vq), ("vs", self.vs), ("vz", self.vz))
+    def _code_stores(self) -> tuple[dict[int, torch.Tensor], ...]:
+        """Per-layer codes, scales and zeros: kq, ks, kz, vq, vs, vz."""
+        return (self.kq, self.ks, self.kz, self.vq, self.vs, self.vz)
 
     def gather(self, seq_id: Hashable, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's resident K and V, each (K, n, D); full layers dequantised (the reference read)."""
@@ -265,7 +262,7 @@ class QuantizedPagedStore(PagedKVStore):
 
     @property
     def nbytes(self) -> int:
-        codes = sum(t.numel() * t.element_size() for _, store in self._code_stores() for t in store.values())
+        codes = sum(t.numel() * t.element_size() for store in self._code_stores() for t in store.values())
         return super().nbytes + codes + self.tail_bytes
 
 
