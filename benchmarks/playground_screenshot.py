@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import socket
-import threading
 import time
 
 import torch
-import uvicorn
 from playwright.sync_api import sync_playwright
 
 from gptoss_lite.checkpoint import default_model_source
 from gptoss_lite.engine import LLM
 from gptoss_lite.server import create_app
+from gptoss_lite.server.background import BackgroundServer
 
 PROMPT = (
     "The grass is green. The sky is blue. The pass key is 52718. Remember it. 52718 is the pass key. "
@@ -35,36 +33,23 @@ def main() -> None:
     ap.add_argument("--chromium", default=shutil.which("chromium") or shutil.which("chromium-browser"))
     args = ap.parse_args()
     torch.set_num_threads(1)
-    app = create_app(LLM(default_model_source()))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    try:
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path=args.chromium, args=["--no-sandbox", "--disable-gpu"])
-            page = browser.new_page(viewport={"width": 1200, "height": 720})
-            page.goto(url + "/")
-            page.wait_for_function("document.getElementById('model').textContent.includes('context')")
-            page.select_option("#mode", "completion")
-            page.fill("#max_tokens", "8")
-            for _ in range(2):
-                page.fill("#prompt", PROMPT)
-                page.click("#send")
-                page.wait_for_function("!document.getElementById('send').disabled")
-            time.sleep(1.2)  # one more poll of the live server figures
-            reply = page.locator(".msg.assistant .body").last.inner_text()
-            page.screenshot(path=args.out)
-            print(f"reply {reply!r}; TTFT {page.inner_text('#ttft')}; cached {page.inner_text('#cached')}")
-            print(f"wrote {args.out}")
-            browser.close()
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with BackgroundServer(create_app(LLM(default_model_source()))) as live, sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=args.chromium, args=["--no-sandbox", "--disable-gpu"])
+        page = browser.new_page(viewport={"width": 1200, "height": 720})
+        page.goto(live.url + "/")
+        page.wait_for_function("document.getElementById('model').textContent.includes('context')")
+        page.select_option("#mode", "completion")
+        page.fill("#max_tokens", "8")
+        for _ in range(2):
+            page.fill("#prompt", PROMPT)
+            page.click("#send")
+            page.wait_for_function("!document.getElementById('send').disabled")
+        time.sleep(1.2)  # one more poll of the live server figures
+        reply = page.locator(".msg.assistant .body").last.inner_text()
+        page.screenshot(path=args.out)
+        print(f"reply {reply!r}; TTFT {page.inner_text('#ttft')}; cached {page.inner_text('#cached')}")
+        print(f"wrote {args.out}")
+        browser.close()
 
 
 if __name__ == "__main__":

@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
-import threading
 import time
 
 import httpx
 import torch
-import uvicorn
 
 from gptoss_lite.checkpoint import default_model_source
 from gptoss_lite.engine import LLM
 from gptoss_lite.server import create_app
+from gptoss_lite.server.background import BackgroundServer
 
 KEYS = {"key-a": "alice", "key-b": "bob"}
 
@@ -55,17 +53,10 @@ def timed(url: str, model: str, key: str, prompt: str) -> tuple[float, int]:
 def run(model_source, prefix_tokens: int, trials: int) -> dict:
     torch.set_num_threads(1)
     app = create_app(LLM(model_source), api_keys=KEYS)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
     name = app.state.server.model_name
     rows = []
-    try:
+    with BackgroundServer(app) as live:
+        url = live.url
         timed(url, name, "key-a", "warm up")
         for trial in range(trials):
             prefix = (
@@ -79,9 +70,6 @@ def run(model_source, prefix_tokens: int, trials: int) -> dict:
                 f"trial {trial}: A first {1000 * a1[0]:7.1f} ms (cached {a1[1]:5d}) | A again {1000 * a2[0]:7.1f} ms "
                 f"(cached {a2[1]:5d}) | B same prompt {1000 * b[0]:7.1f} ms (cached {b[1]:5d})"
             )
-    finally:
-        server.should_exit = True
-        thread.join(10)
     med = {k: statistics.median(r[k][0] for r in rows) for k in ("a_first", "a_again", "b_same")}
     print(
         f"median TTFT: A first {1000 * med['a_first']:.1f} ms, A again {1000 * med['a_again']:.1f} ms, "

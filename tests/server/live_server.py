@@ -7,47 +7,13 @@ second conftest module would shadow it. Test modules bind the `serve` fixture wi
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-
 import pytest
-import uvicorn
 
 from gptoss_lite.engine import LLM
 from gptoss_lite.server import create_app
+from gptoss_lite.server.background import BackgroundServer
 
-
-class LiveServer:
-    """uvicorn serving `app` on 127.0.0.1:<free port> in a background thread."""
-
-    def __init__(self, app):
-        self.app = app
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    @property
-    def state(self):
-        return self.app.state.server
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(20)
-        self.sock.close()
+LiveServer = BackgroundServer  # the name the server tests use
 
 
 @pytest.fixture
