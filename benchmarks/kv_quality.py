@@ -47,10 +47,7 @@ DEFAULT_SETTINGS = ("16", "8", "4", "streaming@1024", "h2o@1024")
 
 
 def parse_setting(text: str) -> KVSettings:
-    """'16' / '8' / '4' -> bits; 'streaming@N' / 'h2o@N' -> a budget of N tokens ('window@N': the
-    engine's budget, checked here as a streaming one)."""
-    if text.startswith("window@"):
-        return KVSettings(budget=int(text.split("@", 1)[1]), sink_tokens=0)
+    """'16' / '8' / '4' -> bits; 'streaming@N' / 'h2o@N' -> a budget of N tokens."""
     if "@" in text:
         policy, budget = text.split("@", 1)
         return KVSettings(budget=int(budget), policy=policy)
@@ -96,6 +93,20 @@ def run_passkey(args, model, tok) -> None:
         print(f"{kv.label:>16}  {cells}  [{time.perf_counter() - t0:.0f} s]", flush=True)
 
 
+def engine_setting(text: str) -> tuple[int, int | None, str]:
+    """'16' / '8' / '4' -> kv_bits; 'window@N' -> the engine's KV budget of N tokens. Returns
+    (kv_bits, kv_budget, label)."""
+    if text.startswith("window@"):
+        budget = int(text.split("@", 1)[1])
+        if budget < 1:
+            raise ValueError(f"{text}: the budget must be >= 1 token")
+        return 16, budget, text
+    bits = int(text)
+    if bits not in (16, 8, 4):
+        raise ValueError(f"{text}: kv bits must be 16, 8 or 4")
+    return bits, None, "16-bit" if bits == 16 else f"int{bits}"
+
+
 def run_engine(args, model, tok) -> None:
     """The passkey grid through the engine, every trial of a length submitted at once."""
     from gptoss_lite.config import FULL
@@ -110,8 +121,7 @@ def run_engine(args, model, tok) -> None:
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     print(f"engine passkey: {args.trials} keys x 3 depths per length, lengths {args.lengths}", flush=True)
     for text in args.settings:
-        bits, budget = (16, int(text.split("@", 1)[1])) if text.startswith("window@") else (int(text), None)
-        label = f"window@{budget}" if budget else ("16-bit" if bits == 16 else f"int{bits}")
+        bits, budget, label = engine_setting(text)
         entry = {"accuracy": {}, "accuracy_by_depth": {}, "full_layer_bytes": {}, "seconds": {}}
         for n in args.lengths:
             llm = LLM(model, kv_bits=bits, kv_budget=budget, enable_prefix_caching=budget is None)
@@ -343,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inputs", type=Path, nargs="+", default=None, help="plot: JSON files to merge (default: --out)")
     args = ap.parse_args(argv)
     for s in args.settings:
-        parse_setting(s)  # fail before any work
+        (engine_setting if args.part == "engine" else parse_setting)(s)  # fail before any work
     if args.part == "plot":
         run_plot(args)
         return 0
