@@ -41,7 +41,7 @@ def train_documents(config: Path, n: int = 400) -> str:
 
 def test_the_configs_are_found():
     """The training configs the data check samples from exist (so the check below is not vacuous)."""
-    assert [p.name for p in CONFIGS] == ["demo_cpu.yaml", "demo_cpu_stage2.yaml"]
+    assert [p.name for p in CONFIGS] == ["demo_cpu.yaml", "demo_cpu_stage2.yaml", "demo_cpu_stage3.yaml"]
 
 
 def test_splits_share_no_family_word_or_haystack():
@@ -83,10 +83,30 @@ def test_eval_words_are_in_no_training_word_bank():
 
 
 def test_train_split_haystacks_are_the_training_fillers():
-    """Every filler the training data can use is a train-split haystack kind (so never an eval one)."""
+    """Every filler the training data can use is a train-split haystack kind (so never an eval one), and
+    the RULER documents accept train-split kinds only."""
+    from gptoss_lite.train.config import DataConfig
     from gptoss_lite.train.filler import FILLERS
 
-    assert set(FILLERS) == set(TRAIN.haystacks)
+    assert set(FILLERS) < set(TRAIN.haystacks)
+    DataConfig(ruler_haystacks=TRAIN.haystacks)
+    for kind in EVAL.haystacks:
+        with pytest.raises(ValueError, match="never trained on"):
+            DataConfig(ruler_haystacks=("varied", kind))
+
+
+def test_the_code_haystacks_read_disjoint_modules_and_training_code_has_no_docstrings():
+    """`train-code` reads none of the eval haystacks' modules, and holds no docstring sentence of them
+    nor of its own modules (prose stays an untrained kind)."""
+    from gptoss_lite.evals.haystacks import STDLIB_MODULES, TRAIN_STDLIB_MODULES, stdlib_code, train_code
+
+    assert TRAIN_STDLIB_MODULES and not set(TRAIN_STDLIB_MODULES) & set(STDLIB_MODULES)
+    code = {line.strip() for line in train_code()}
+    shared = code & {line.strip() for line in stdlib_code()}  # common lines such as 'return result'
+    assert len(code) > 10_000 and len(shared) < 0.05 * len(code)
+    text = "".join(train_code())
+    assert '"""Heap queue algorithm' not in text and "Support to pretty-print lists" not in text
+    assert "def pformat(" in text  # pprint's code is there, its module docstring is not
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)

@@ -10,6 +10,11 @@ last one so the total is exact. Needles go between units.
   standard library (never imported), split into sentences; a window from a random sentence on.
 - `stdlib-code`: the source lines of the same files; a window from a random line on.
 - `procedural`, `varied`: the training data's filler generators (`gptoss_lite.train.filler`).
+- `train-code`: source lines of `TRAIN_STDLIB_MODULES`, a module list disjoint from `STDLIB_MODULES`,
+  with every docstring removed (docstrings are prose, the kind `stdlib-docs` evaluates, which no
+  training data ever holds); a window from a random line on.
+- `echo`: two to five `varied` sentences drawn once, then repeated in turn, as the `noise` haystack
+  repeats its five sentences (with sentences of its own).
 
 NOTE: every kind is digit-free and ASCII: the standard library's digits are deleted (a stray number
 would be a distractor the task did not ask for) and so are its few non-ASCII characters (the byte
@@ -33,8 +38,17 @@ from gptoss_lite.evals.passkey import CLASSIC_FILLER, FILLER_SENTENCES
 if TYPE_CHECKING:
     from gptoss_lite.tokenizer import Tokenizer
 
-HAYSTACKS: tuple[str, ...] = ("noise", "sentences", "stdlib-docs", "stdlib-code", "procedural", "varied")
-LINE_KINDS = frozenset({"stdlib-code"})  # units are lines; a needle becomes a line of its own
+HAYSTACKS: tuple[str, ...] = (
+    "noise",
+    "sentences",
+    "stdlib-docs",
+    "stdlib-code",
+    "procedural",
+    "varied",
+    "train-code",
+    "echo",
+)
+LINE_KINDS = frozenset({"stdlib-code", "train-code"})  # units are lines; a needle becomes a line of its own
 
 # Fixed, in this order: the stdlib haystacks must not depend on what else is installed. Modules that
 # every CPython since 3.10 ships as pure-Python source (a package is read from its __init__.py).
@@ -72,6 +86,72 @@ STDLIB_MODULES: tuple[str, ...] = (
     "configparser",
     "optparse",
     "tempfile",
+)
+
+# The training data's code haystack (`train-code`): other pure-Python modules of every CPython since
+# 3.10, none of them in STDLIB_MODULES (a test checks).
+TRAIN_STDLIB_MODULES: tuple[str, ...] = (
+    "ast",
+    "base64",
+    "bisect",
+    "codecs",
+    "copy",
+    "glob",
+    "gzip",
+    "hmac",
+    "ipaddress",
+    "locale",
+    "mimetypes",
+    "numbers",
+    "operator",
+    "os",
+    "pprint",
+    "queue",
+    "sched",
+    "secrets",
+    "selectors",
+    "shutil",
+    "socketserver",
+    "tokenize",
+    "traceback",
+    "types",
+    "uuid",
+    "warnings",
+    "weakref",
+    "fnmatch",
+    "graphlib",
+    "linecache",
+    "reprlib",
+    "colorsys",
+    "filecmp",
+    "fileinput",
+    "getopt",
+    "gettext",
+    "netrc",
+    "pkgutil",
+    "runpy",
+    "smtplib",
+    "ftplib",
+    "poplib",
+    "imaplib",
+    "timeit",
+    "trace",
+    "tabnanny",
+    "pyclbr",
+    "bdb",
+    "cmd",
+    "code",
+    "codeop",
+    "dis",
+    "mailbox",
+    "plistlib",
+    "quopri",
+    "symtable",
+    "wave",
+    "xml/dom/minidom",
+    "asyncio/tasks",
+    "asyncio/queues",
+    "concurrent/futures/_base",
 )
 
 _DIGITS = re.compile(r"\d")
@@ -122,12 +202,45 @@ def stdlib_code() -> tuple[str, ...]:
     return tuple(units)
 
 
+@cache
+def train_code() -> tuple[str, ...]:
+    """Non-blank source lines (leading newline) of TRAIN_STDLIB_MODULES without their docstrings, in
+    order; a line holding an eval label or value word is dropped too."""
+    from gptoss_lite.evals.ruler_splits import EVAL
+
+    banned = re.compile(r"(?i)" + "|".join(EVAL.labels + EVAL.words))
+    units = []
+    for module in TRAIN_STDLIB_MODULES:
+        path = stdlib_file(module)
+        source = path.read_text(encoding="utf-8")
+        skip: set[int] = set()  # 1-based line numbers of docstrings
+        for node in ast.walk(ast.parse(source, str(path))):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                body = node.body
+                if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                    if isinstance(body[0].value.value, str):
+                        skip.update(range(body[0].lineno, body[0].end_lineno + 1))
+        for number, line in enumerate(source.splitlines(), start=1):
+            line = clean_text(line)
+            if number not in skip and line.strip() and not banned.search(line):
+                units.append("\n" + line.rstrip())
+    return tuple(units)
+
+
 def unit_stream(kind: str, rng: random.Random) -> Callable[[], str]:
     """A function returning the next unit of `kind`, all randomness drawn from `rng`."""
-    if kind in ("noise", "stdlib-docs", "stdlib-code"):
-        corpus = {"noise": CLASSIC_FILLER, "stdlib-docs": None, "stdlib-code": None}[kind]
-        if corpus is None:
-            corpus = stdlib_docs() if kind == "stdlib-docs" else stdlib_code()
+    if kind in ("noise", "stdlib-docs", "stdlib-code", "train-code", "echo"):
+        if kind == "echo":
+            from gptoss_lite.train.filler import varied_sentence  # imports torch via gptoss_lite.train
+
+            corpus = tuple(varied_sentence(rng) for _ in range(rng.randint(2, 5)))
+        else:
+            corpus = {
+                "noise": lambda: CLASSIC_FILLER,
+                "stdlib-docs": stdlib_docs,
+                "stdlib-code": stdlib_code,
+                "train-code": train_code,
+            }[kind]()
         position = [rng.randrange(len(corpus))]
 
         def window() -> str:

@@ -261,7 +261,7 @@ TRAIN = Split(
         "teal",
         "umber",
     ),
-    haystacks=("procedural", "varied"),
+    haystacks=("procedural", "varied", "train-code", "echo"),
 )
 
 SPLITS: dict[str, Split] = {"train": TRAIN, "eval": EVAL}

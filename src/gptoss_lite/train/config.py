@@ -71,16 +71,32 @@ class DataConfig:
     max_facts: int = 6  # most key/value facts in one kv document (>= 2)
     loss_on: str = "all"  # "all": plain LM loss on every token; "answer": only the answer tokens
     filler: str = "procedural"  # haystack generator: "procedural" (small bank) or "varied" (train/filler.py)
+    ruler_weight: float = 0.0  # mixture weight of RULER-style label-matching documents (train/ruler_docs.py)
+    ruler_haystacks: tuple[str, ...] = ("varied",)  # their haystack kinds: the RULER train split's
 
     def __post_init__(self) -> None:
         _check_int("data.seq_len", self.seq_len, 1)
         _check_int("data.batch_size", self.batch_size, 1)
         _check_int("data.seed", self.seed, 0)
         _check_int("data.max_facts", self.max_facts, 2)
-        for name in ("passkey_weight", "kv_weight", "copy_weight", "eval_phrasing_prob"):
+        for name in ("passkey_weight", "kv_weight", "copy_weight", "ruler_weight", "eval_phrasing_prob"):
             _check_float(f"data.{name}", getattr(self, name), 0.0, 1.0 if name == "eval_phrasing_prob" else math.inf)
-        if self.passkey_weight + self.kv_weight + self.copy_weight <= 0:
-            raise ValueError("data.passkey_weight + kv_weight + copy_weight must be > 0; set at least one weight")
+        if self.passkey_weight + self.kv_weight + self.copy_weight + self.ruler_weight <= 0:
+            raise ValueError(
+                "data.passkey_weight + kv_weight + copy_weight + ruler_weight must be > 0; set at least one weight"
+            )
+        from gptoss_lite.evals.ruler_splits import TRAIN
+
+        kinds = self.ruler_haystacks
+        if isinstance(kinds, (str, bytes)) or not isinstance(kinds, (tuple, list)) or not kinds:
+            raise ValueError(f"data.ruler_haystacks={kinds!r}: must be a non-empty list of {TRAIN.haystacks}")
+        for kind in kinds:
+            if kind not in TRAIN.haystacks:
+                raise ValueError(
+                    f"data.ruler_haystacks: {kind!r} is not a training haystack; use {TRAIN.haystacks} "
+                    "(the evaluation's kinds are never trained on)"
+                )
+        object.__setattr__(self, "ruler_haystacks", tuple(kinds))
         if self.loss_on not in LOSS_ON:
             raise ValueError(f"data.loss_on={self.loss_on!r}: must be one of {LOSS_ON}")
         if self.filler not in FILLERS:

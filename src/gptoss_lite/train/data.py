@@ -13,6 +13,8 @@ Every document is exactly `seq_len + 1` tokens (inputs are the first `seq_len`, 
   repeated at the end. Every repeated token is an induction target, so this task gives the dense
   copy-from-far-away signal that makes induction heads form early; the sparse passkey answers
   (5 digits per document) alone barely move a small model off chance in its first thousands of steps.
+- `ruler`: label matching over many phrasings, with distractors and absent labels (answer `none`),
+  in the RULER train split's haystacks (`gptoss_lite.train.ruler_docs`, `data.ruler_haystacks`).
 
 NOTE: the filler here is NOT the evaluator's filler: it comes from `gptoss_lite.train.filler`
 (`data.filler`: `procedural` or `varied`; own word banks, no digits, never an evaluator sentence)
@@ -97,8 +99,8 @@ class SyntheticRetrievalData:
         self.config = config
         self.rank, self.world_size, self.grad_accum_steps = rank, world_size, grad_accum_steps
         self.tokenizer = ByteTokenizer()
-        self._tasks = ("passkey", "kv", "copy")
-        self._weights = (config.passkey_weight, config.kv_weight, config.copy_weight)
+        self._tasks = ("passkey", "kv", "copy", "ruler")
+        self._weights = (config.passkey_weight, config.kv_weight, config.copy_weight, config.ruler_weight)
         self._sentence = sentence_generator(config.filler)
         need = self.max_overhead_tokens()
         if config.seq_len < need + 16:
@@ -127,6 +129,8 @@ class SyntheticRetrievalData:
     def document(self, rng: random.Random) -> tuple[list[int], int]:
         """(tokens of length seq_len + 1, index of the first answer token) for one random document."""
         task = rng.choices(self._tasks, weights=self._weights)[0]
+        if task == "ruler":
+            return self._ruler_document(rng)
         if task == "passkey":
             key = _key(rng)
             if rng.random() < self.config.eval_phrasing_prob:
@@ -181,6 +185,58 @@ class SyntheticRetrievalData:
                 body.extend(pending.pop(0)[1])
             if i < len(sentences):
                 body.extend(sentences[i])
+        body.extend(tail)
+        answer_start = len(body)
+        body.extend(answer_ids)
+        assert len(body) == total, f"document has {len(body)} tokens, expected {total}"
+        return body, answer_start
+
+    def _ruler_document(self, rng: random.Random) -> tuple[list[int], int]:
+        """A label-matching document (train/ruler_docs.py) in one of `ruler_haystacks`.
+
+        Parts that leave less than a quarter of the document to the haystack are dropped: first the
+        intro, then needles that are not asked for (never those the answer needs).
+        """
+        from gptoss_lite.evals.haystacks import LINE_KINDS, unit_stream
+        from gptoss_lite.train.ruler_docs import ruler_document
+
+        tok = self.tokenizer
+        total = self.config.seq_len + 1
+        while True:  # a document whose needed parts leave too little haystack is drawn again
+            doc = ruler_document(rng)
+            kind = rng.choice(self.config.ruler_haystacks)
+            needles = [("\n" + n.lstrip(" ")) if kind in LINE_KINDS else n for n in doc.needles]  # own line
+            needed = list(doc.needed)
+            intro = tok.encode(doc.intro)
+            tail = tok.encode(doc.question)
+            answer_ids = tok.encode(doc.answer) + [tok.eos_id]
+
+            def budget() -> int:
+                return total - 1 - len(intro) - sum(len(tok.encode(n)) for n in needles) - len(tail) - len(answer_ids)
+
+            while budget() < total // 4 and intro:
+                intro = []
+            while budget() < total // 4 and not all(needed):
+                drop = max(i for i, k in enumerate(needed) if not k)
+                del needles[drop], needed[drop]
+            room = budget()
+            if room >= total // 8:
+                break
+        nxt = unit_stream(kind, rng)
+        units: list[list[int]] = []
+        used = 0
+        while used < room:
+            ids = tok.encode(nxt())[: room - used]
+            units.append(ids)
+            used += len(ids)
+        slots = sorted(rng.randint(0, len(units)) for _ in needles)
+        body: list[int] = [tok.bos_id, *intro]
+        pending = list(zip(slots, (tok.encode(n) for n in needles)))
+        for i in range(len(units) + 1):
+            while pending and pending[0][0] == i:
+                body.extend(pending.pop(0)[1])
+            if i < len(units):
+                body.extend(units[i])
         body.extend(tail)
         answer_start = len(body)
         body.extend(answer_ids)
