@@ -195,7 +195,8 @@ class SyntheticRetrievalData:
         """A label-matching document (train/ruler_docs.py) in one of `ruler_haystacks`.
 
         Parts that leave less than a quarter of the document to the haystack are dropped: first the
-        intro, then needles that are not asked for (never those the answer needs).
+        intro, then needles that are not asked for (never those the answer needs); a document whose
+        needed parts still leave less than an eighth is drawn again.
         """
         from gptoss_lite.evals.haystacks import LINE_KINDS, unit_stream
         from gptoss_lite.train.ruler_docs import ruler_document
@@ -205,21 +206,19 @@ class SyntheticRetrievalData:
         while True:  # a document whose needed parts leave too little haystack is drawn again
             doc = ruler_document(rng)
             kind = rng.choice(self.config.ruler_haystacks)
-            needles = [("\n" + n.lstrip(" ")) if kind in LINE_KINDS else n for n in doc.needles]  # own line
-            needed = list(doc.needed)
+            needles = [tok.encode(("\n" + n.lstrip(" ")) if kind in LINE_KINDS else n) for n in doc.needles]
+            needed = list(doc.needed)  # line kinds above: a needle is a line of its own
             intro = tok.encode(doc.intro)
             tail = tok.encode(doc.question)
             answer_ids = tok.encode(doc.answer) + [tok.eos_id]
-
-            def budget() -> int:
-                return total - 1 - len(intro) - sum(len(tok.encode(n)) for n in needles) - len(tail) - len(answer_ids)
-
-            while budget() < total // 4 and intro:
-                intro = []
-            while budget() < total // 4 and not all(needed):
+            fixed = 1 + len(tail) + len(answer_ids)  # BOS, question, answer and EOS
+            room = total - fixed - len(intro) - sum(map(len, needles))
+            if room < total // 4 and intro:
+                room, intro = room + len(intro), []
+            while room < total // 4 and not all(needed):
                 drop = max(i for i, k in enumerate(needed) if not k)
+                room += len(needles[drop])
                 del needles[drop], needed[drop]
-            room = budget()
             if room >= total // 8:
                 break
         nxt = unit_stream(kind, rng)
@@ -231,7 +230,7 @@ class SyntheticRetrievalData:
             used += len(ids)
         slots = sorted(rng.randint(0, len(units)) for _ in needles)
         body: list[int] = [tok.bos_id, *intro]
-        pending = list(zip(slots, (tok.encode(n) for n in needles)))
+        pending = list(zip(slots, needles))
         for i in range(len(units) + 1):
             while pending and pending[0][0] == i:
                 body.extend(pending.pop(0)[1])
