@@ -205,10 +205,11 @@ def test_varied_filler_is_digit_free_and_varied():
     [
         ("demo_cpu.yaml", 2999, "f93c6c21ec96d71cc6283af8980efea6b388a2a7b08c50f58d5a7b1d9ae08e14"),
         ("demo_cpu_stage2.yaml", 1999, "d549e710342a11ded2d4f616f5f39a474823a0ff51901e92973c607e1dd0beb5"),
+        ("demo_cpu_stage3.yaml", 3999, "4a74d4c483d5ba971bbd7124d03687be6a86229356a9096969dd52dcde798b56"),
     ],
 )
 def test_demo_recipe_data_streams_are_pinned(config, last_step, expected):
-    """Both stages of the shipped model's recipe must keep drawing the documents they were trained
+    """Every stage of the shipped model's recipe must keep drawing the documents they were trained
     on (the README's byte-identical re-run depends on it): digests of three batches are pinned.
     A deliberate data change must update these and retrain the shipped model."""
     data = SyntheticRetrievalData(load_train_config(REPO / "configs" / config).data)

@@ -37,6 +37,7 @@ import torch
 from gptoss_lite.prompts import CLASSIC_NEEDLE, CLASSIC_QUESTION, NEEDLE_TEMPLATE, QUESTION
 from gptoss_lite.tokenizer import ByteTokenizer
 from gptoss_lite.train.filler import ADJ, NOUN, SYLLABLES, sentence_generator
+from gptoss_lite.train.ruler_docs import RulerDocument, ruler_document
 
 if TYPE_CHECKING:
     from gptoss_lite.train.config import DataConfig
@@ -130,7 +131,7 @@ class SyntheticRetrievalData:
         """(tokens of length seq_len + 1, index of the first answer token) for one random document."""
         task = rng.choices(self._tasks, weights=self._weights)[0]
         if task == "ruler":
-            return self._ruler_document(rng)
+            return self.ruler_tokens(rng)[:2]
         if task == "passkey":
             key = _key(rng)
             if rng.random() < self.config.eval_phrasing_prob:
@@ -191,15 +192,15 @@ class SyntheticRetrievalData:
         assert len(body) == total, f"document has {len(body)} tokens, expected {total}"
         return body, answer_start
 
-    def _ruler_document(self, rng: random.Random) -> tuple[list[int], int]:
-        """A label-matching document (train/ruler_docs.py) in one of `ruler_haystacks`.
+    def ruler_tokens(self, rng: random.Random) -> tuple[list[int], int, RulerDocument, str]:
+        """A label-matching document (train/ruler_docs.py) in one of `ruler_haystacks`: its tokens, the
+        index of its first answer token, its parts and its haystack kind.
 
         Parts that leave less than a quarter of the document to the haystack are dropped: first the
         intro, then needles that are not asked for (never those the answer needs); a document whose
         needed parts still leave less than an eighth is drawn again.
         """
         from gptoss_lite.evals.haystacks import LINE_KINDS, unit_stream
-        from gptoss_lite.train.ruler_docs import ruler_document
 
         tok = self.tokenizer
         total = self.config.seq_len + 1
@@ -240,7 +241,7 @@ class SyntheticRetrievalData:
         answer_start = len(body)
         body.extend(answer_ids)
         assert len(body) == total, f"document has {len(body)} tokens, expected {total}"
-        return body, answer_start
+        return body, answer_start, doc, kind
 
     # ---- batches --------------------------------------------------------------------------------
     def batch(self, step: int, micro_step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

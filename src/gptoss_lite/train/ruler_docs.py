@@ -204,6 +204,7 @@ class RulerDocument:
     intro: str
     needles: tuple[str, ...]  # in prompt order
     needed: tuple[bool, ...]  # per needle: the answer depends on it (the others are distractors)
+    asked: tuple[str, ...]  # the labels the question names, rendered as in the text
     question: str
     answer: str  # starts with a space, ends with a full stop
 
@@ -226,7 +227,7 @@ def ruler_document(rng: random.Random, max_needles: int = 4) -> RulerDocument:
         facts = list(zip(labels, values))
         if task == "none":
             facts = facts[1:]  # the asked label is the one left out
-        asked, value = labels[0], values[0]
+        asked, value = [labels[0]], values[0]
         r = rng.random()
         if r < 0.55:
             cue = rng.choice(relation.cues)
@@ -234,17 +235,19 @@ def ruler_document(rng: random.Random, max_needles: int = 4) -> RulerDocument:
             cue = rng.choice(GENERIC_CUES)
         else:
             cue = rng.choice(RELATIONS).cues[0]  # another relation's wording, with the label
-        question = _fill(rng.choice(ASKS) + hint + cue, rng, label=asked, attr=attr)
+        question = _fill(rng.choice(ASKS) + hint + cue, rng, label=asked[0], attr=attr)
         answer = f" {NONE_ANSWER}." if task == "none" else f" {value}."
     else:
         n = rng.randint(2, 3)
         values = [f"{v:05d}" for v in rng.sample(range(100_000), n)]
         if task == "multi-value":
             label = _labels(rng, 1)[0]
+            asked = [label]
             facts = [(label, v) for v in values]
             question = _fill(rng.choice(ASK_ALL) + rng.choice(CUE_ALL), rng, label=label, attr=attr)
         else:
             labels = _labels(rng, n)
+            asked = labels
             facts = list(zip(labels, values))
             question = _fill(rng.choice(ASK_EACH) + rng.choice(CUE_EACH), rng, labels=_join(labels), attr=attr)
         answer = " " + ", ".join(values) + "."
@@ -262,6 +265,7 @@ def ruler_document(rng: random.Random, max_needles: int = 4) -> RulerDocument:
         intro=intro,
         needles=tuple(n for n, _ in needles),
         needed=tuple(k for _, k in needles),
+        asked=tuple(asked),
         question=question,
         answer=answer,
     )
