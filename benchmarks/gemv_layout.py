@@ -1,8 +1,10 @@
-"""Why GPTOSS.pack_for_decode stores weights input-major: one-token GEMV time by weight layout.
+"""Why GPTOSS.pack_for_decode stores fp32 weights input-major and 16-bit ones out-major: one-token
+GEMV time by weight layout and dtype.
 
 A decode step multiplies a single (1, in) row by every weight matrix, and on a model whose weights
 do not fit in the last-level cache each GEMV streams its weight from DRAM. This script times, with
-the cache flushed before every run (a 96 MiB buffer is rewritten), one thread, fp32:
+the cache flushed before every run (a 96 MiB buffer is rewritten), one thread, in `--dtype`
+(fp32 by default; bf16 and fp16 pick the other layout, `decode_pack.input_major_for`):
 
 - row-major: the nn.Linear layout (out, in) contiguous, called as F.linear(x, W);
 - input-major: the same values stored as W.t().contiguous(), called as x @ W.t() (what F.linear
@@ -14,6 +16,7 @@ Shapes are those of the ~20M benchmark model (hidden 256, vocab 12,288, 8 expert
 medians of --repeats runs; ratios are row-major time / other time (> 1: faster than nn.Linear's layout).
 
     python benchmarks/gemv_layout.py
+    python benchmarks/gemv_layout.py --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -32,12 +35,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=12_288)
     ap.add_argument("--experts", type=int, default=48, help="expert matrices per run (default 48: 8 layers x 6)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     args = ap.parse_args(argv)
+    dt = getattr(torch, args.dtype)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     C = args.hidden
     flush = torch.ones(96 * 1024 * 1024 // 4)
-    x = torch.randn(1, C)
+    x = torch.randn(1, C, dtype=dt)
 
     def cold(fn) -> float:
         times = []
@@ -48,11 +53,11 @@ def main(argv: list[str] | None = None) -> int:
             times.append(time.perf_counter() - t0)
         return statistics.median(times) * 1e6
 
-    head = torch.randn(args.vocab, C)
+    head = torch.randn(args.vocab, C, dtype=dt)
     head_in = head.t().contiguous().t()  # same values and shape, input-major storage
-    mats = [torch.randn(C, C) for _ in range(args.experts)]
+    mats = [torch.randn(C, C, dtype=dt) for _ in range(args.experts)]
     mats_in = [w.t().contiguous().t() for w in mats]
-    pairs = [torch.randn(C, 2 * C) for _ in range(args.experts // 2)]  # (in, 2·out): gate | up
+    pairs = [torch.randn(C, 2 * C, dtype=dt) for _ in range(args.experts // 2)]  # (in, 2·out): gate | up
 
     def run_all(ws):
         def fn():
@@ -69,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         (f"output head {args.vocab}x{C}", cold(lambda: F.linear(x, head)), cold(lambda: F.linear(x, head_in)), None),
         (f"{args.experts} matrices {C}x{C}", cold(run_all(mats)), cold(run_all(mats_in)), cold(run_packed)),
     ]
-    print(f"one-token GEMV, fp32, 1 thread, cold cache; median of {args.repeats} runs (microseconds)")
+    print(f"one-token GEMV, {args.dtype}, 1 thread, cold cache; median of {args.repeats} runs (microseconds)")
     print(
         f"{'weights':>24} | {'row-major':>9} | {'input-major':>11} {'ratio':>6} | {'gate|up packed':>14} {'ratio':>6}"
     )

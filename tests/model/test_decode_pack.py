@@ -53,6 +53,36 @@ def test_packed_prefill_and_decode_match_unpacked(preset):
 
 
 @pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_weights_pack_out_major_and_match_unpacked(preset, dtype):
+    """16-bit weights keep nn.Linear's (out, in) layout (their fast GEMV form), q|kv and gate|up are
+    packed along the output dim, values unchanged, and the logits are the unpacked model's."""
+    model = make_model(preset).to(dtype)
+    before = _state(model)
+    packed = copy.deepcopy(model).pack_for_decode()
+    assert all(torch.equal(packed.state_dict()[k], v) for k, (_, v) in before.items())
+    attn, experts = packed.blocks[0].attn, packed.blocks[0].moe.experts
+    assert attn._packed_qkv()[2] is False and experts._packed_gate_up()[2] is False
+    assert attn._packed_qkv()[0].shape == (
+        attn.q_proj.weight.shape[0] + attn.kv_proj.weight.shape[0],
+        attn.q_proj.weight.shape[1],
+    )
+    for w in (attn.o_proj.weight, experts.down_proj, packed.blocks[0].moe.router.weight, packed.head_weight()):
+        assert w.is_contiguous()
+    assert attn.q_proj.weight.stride(-1) == 1 and experts.gate_proj.stride(-1) == 1  # rows of the packed buffer
+    ids = torch.randint(0, model.config.vocab_size, (1, 150), generator=torch.Generator().manual_seed(0))
+    for a, b in zip(_prefill_and_decode(model, ids), _prefill_and_decode(packed, ids)):
+        torch.testing.assert_close(b.float(), a.float(), atol=0.02, rtol=0.02)
+
+
+def test_the_layout_rule():
+    from gptoss_lite.model.decode_pack import input_major_for
+
+    assert input_major_for(torch.float32) and input_major_for(torch.float64)
+    assert not input_major_for(torch.bfloat16) and not input_major_for(torch.float16)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
 def test_checkpoint_bytes_unchanged_by_packing(preset, tmp_path):
     """Packed (strided, buffer-sharing) parameters save to a byte-identical safetensors file."""
     model = make_model(preset)

@@ -22,11 +22,12 @@ from __future__ import annotations
 from typing import cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from gptoss_lite.config import ModelConfig
 from gptoss_lite.kv.base import BlockKVCache, KVBlocks, KVCache, RaggedBatch
-from gptoss_lite.model.decode_pack import pack_pair, still_packed
+from gptoss_lite.model.decode_pack import input_major_for, pack_pair, pack_rows, still_packed
 from gptoss_lite.model.rope import apply_rotary_tables
 
 # A band of keys every query sees gets its own unmasked blocks only from this length on: below it, the
@@ -401,30 +402,35 @@ class Attention(nn.Module):
         self.kv_proj = nn.Linear(C, 2 * K * D, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(H * D, C, bias=cfg.attention_bias)
         self.sinks = nn.Parameter(torch.zeros(H))  # learned sink logit per query head
-        self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see pack_for_decode
+        self._qkv: tuple[torch.Tensor, torch.Tensor | None, bool] | None = None  # see pack_for_decode
         self._clamped_sinks: tuple[tuple[int, int], torch.Tensor] | None = None  # see sink_logits
 
     @torch.no_grad()
     def pack_for_decode(self) -> None:
-        """Make q_proj and kv_proj views of one input-major (C, H·D + 2·K·D) buffer (and their biases
-        views of one vector), so the projections of a token are a single GEMV. Same shapes and values;
+        """Make q_proj and kv_proj views of one buffer (and their biases views of one vector), so the
+        projections of a token are a single GEMV: input-major (C, H·D + 2·K·D) for fp32, out-major
+        (H·D + 2·K·D, C) for 16-bit weights (`decode_pack.input_major_for`). Same shapes and values;
         the parameters stay separate for training and checkpoints. Idempotent.
         """
         if self._packed_qkv() is None:
             q, kv = self.q_proj, self.kv_proj
+            input_major = input_major_for(q.weight.dtype)
             bias = None if q.bias is None else pack_pair(q.bias, kv.bias, transposed=False)
-            self._qkv = (pack_pair(q.weight, kv.weight, transposed=True), bias)  # (C, Nq + Nkv), (Nq + Nkv,)
+            buf = pack_pair(q.weight, kv.weight, transposed=True) if input_major else pack_rows(q.weight, kv.weight)
+            self._qkv = (buf, bias, input_major)  # (C, Nq + Nkv) or (Nq + Nkv, C); (Nq + Nkv,)
 
     def is_packed(self) -> bool:
         """Whether q_proj and kv_proj still live in the buffer `pack_for_decode` made."""
         return self._packed_qkv() is not None
 
-    def _packed_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """The packed (weight, bias) while the parameters still live in it (e.g. not after .to(dtype))."""
+    def _packed_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None, bool] | None:
+        """The packed (weight, bias, input_major) while the parameters still live in it (e.g. not after
+        .to(dtype))."""
         if self._qkv is not None:
-            buf, bias = self._qkv
+            buf, bias, input_major = self._qkv
             q, kv, split = self.q_proj, self.kv_proj, self.q_proj.weight.shape[0]
-            if still_packed(buf, q.weight, kv.weight, split) and (
+            offset = split if input_major else split * self.q_proj.weight.shape[1]
+            if still_packed(buf, q.weight, kv.weight, offset) and (
                 bias is None or still_packed(bias, q.bias, kv.bias, split)
             ):
                 return self._qkv
@@ -474,8 +480,12 @@ class Attention(nn.Module):
             q = self.q_proj(x)  # (B, T, H·D)
             kv = self.kv_proj(x)  # (B, T, 2·K·D)
         else:
-            w, b = packed
-            qkv = torch.mm(x.view(B * T, C), w) if b is None else torch.addmm(b, x.view(B * T, C), w)
+            w, b, input_major = packed
+            flat = x.view(B * T, C)
+            if input_major:
+                qkv = torch.mm(flat, w) if b is None else torch.addmm(b, flat, w)
+            else:
+                qkv = F.linear(flat, w, b)
             q, kv = qkv.view(B, T, -1).split((H * D, 2 * K * D), dim=-1)
         q = q.reshape(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
         kv = kv.reshape(B, T, 2, K, D)

@@ -1,12 +1,47 @@
-"""Memory layouts for one-token decode (GPTOSS.pack_for_decode): input-major and packed weights.
+"""Memory layouts for one-token decode (GPTOSS.pack_for_decode): input-major or out-major, and packed weights.
 
 Nothing here changes a tensor's shape or values, only where its elements live.
+
+Which layout is fast depends on the dtype (`input_major_for`). On this project's CPUs, with one
+(1, in) row against a weight that does not fit in cache (benchmarks/gemv_layout.py --dtype):
+- fp32: `x @ W` over an input-major weight (stored (in, out)) streams about twice as fast as
+  nn.Linear's row-major (out, in) one;
+- bf16 / fp16: the opposite, by far: `F.linear(x, W)` over the row-major weight (a GEMV kernel that
+  widens 16-bit values in registers) streams 6.5 GB/s where `x @ W` input-major falls back to a
+  generic loop at 0.3 GB/s (AVX2 machine, one thread).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+
+def input_major_for(dtype: torch.dtype) -> bool:
+    """The decode layout rule: input-major weights for fp32 (and fp64), out-major (nn.Linear's own,
+    (out, in) contiguous) for 16-bit floats; see the module docstring for the measurement."""
+    return dtype not in (torch.bfloat16, torch.float16)
+
+
+def store_out_major(p: nn.Parameter) -> None:
+    """Make p contiguous (nn.Linear's row-major (out, in) layout), in place, unless it already is."""
+    if not p.is_contiguous():
+        p.data = p.data.contiguous()
+
+
+def store_for_decode(p: nn.Parameter) -> None:
+    """Store a matmul weight in the decode layout of its dtype (`input_major_for`)."""
+    (store_input_major if input_major_for(p.dtype) else store_out_major)(p)
+
+
+def pack_rows(first: nn.Parameter, second: nn.Parameter) -> torch.Tensor:
+    """Make out-major weights `first` (..., N1, C) and `second` (..., N2, C) views of one contiguous
+    (..., N1 + N2, C) buffer, their concatenation along the output dim, so that both projections of
+    an input are one GEMV. Shapes and values are unchanged. Returns the buffer."""
+    n = first.shape[-2]
+    buf = torch.cat((first.data, second.data), dim=-2)
+    first.data, second.data = buf[..., :n, :], buf[..., n:, :]
+    return buf
 
 
 def store_input_major(p: nn.Parameter) -> None:
@@ -53,6 +88,6 @@ def pack_pair(first: nn.Parameter, second: nn.Parameter, transposed: bool) -> to
 
 def still_packed(buf: torch.Tensor, first: torch.Tensor, second: torch.Tensor, split: int) -> bool:
     """Whether `first` and `second` still start at buf's element 0 and element `split`, as
-    `pack_pair` left them (a later .to(dtype) or .data assignment moves them out)."""
+    `pack_pair` / `pack_rows` left them (a later .to(dtype) or .data assignment moves them out)."""
     base = buf.data_ptr()
     return first.data_ptr() == base and second.data_ptr() == base + split * buf.element_size()

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptoss_lite.config import ModelConfig
-from gptoss_lite.model.decode_pack import pack_pair, still_packed, store_input_major
+from gptoss_lite.model.decode_pack import input_major_for, pack_pair, pack_rows, still_packed, store_for_decode
 
 
 class Experts(nn.Module):
@@ -32,30 +32,38 @@ class Experts(nn.Module):
             self.down_bias = nn.Parameter(torch.zeros(n, d_model))
         else:
             self.gate_bias = self.up_bias = self.down_bias = None
-        self._gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see pack_for_decode
+        self._gate_up: tuple[torch.Tensor, torch.Tensor | None, bool] | None = None  # see pack_for_decode
 
     @torch.no_grad()
     def pack_for_decode(self) -> None:
         """Re-store the weights for one-token GEMVs: gate_proj and up_proj become views of one
-        input-major (E, C, 2I) buffer (so an expert's gate and up are one GEMV), down_proj is stored
-        input-major, and the gate/up biases are views of one (E, 2I) buffer. Same shapes and values;
-        the parameters stay separate for training and checkpoints. Idempotent.
+        buffer (so an expert's gate and up are one GEMV), input-major (E, C, 2I) for fp32 and
+        out-major (E, 2I, C) for 16-bit weights (`decode_pack.input_major_for`); down_proj is stored
+        in the same layout rule, and the gate/up biases are views of one (E, 2I) buffer. Same shapes
+        and values; the parameters stay separate for training and checkpoints. Idempotent.
         """
         if self._packed_gate_up() is None:
+            input_major = input_major_for(self.gate_proj.dtype)
             bias = None if self.gate_bias is None else pack_pair(self.gate_bias, self.up_bias, transposed=False)
-            self._gate_up = (pack_pair(self.gate_proj, self.up_proj, transposed=True), bias)  # (E, C, 2I), (E, 2I)
-        store_input_major(self.down_proj)
+            if input_major:
+                buf = pack_pair(self.gate_proj, self.up_proj, transposed=True)  # (E, C, 2I)
+            else:
+                buf = pack_rows(self.gate_proj, self.up_proj)  # (E, 2I, C)
+            self._gate_up = (buf, bias, input_major)
+        store_for_decode(self.down_proj)
 
     def is_packed(self) -> bool:
         """Whether gate_proj and up_proj still live in the buffer `pack_for_decode` made."""
         return self._packed_gate_up() is not None
 
-    def _packed_gate_up(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """The packed (weight, bias) while the parameters still live in it (e.g. not after .to(dtype))."""
+    def _packed_gate_up(self) -> tuple[torch.Tensor, torch.Tensor | None, bool] | None:
+        """The packed (weight, bias, input_major) while the parameters still live in it (e.g. not after
+        .to(dtype))."""
         if self._gate_up is not None:
-            buf, bias = self._gate_up
+            buf, bias, input_major = self._gate_up
             split = self.gate_proj.shape[1]
-            if still_packed(buf, self.gate_proj, self.up_proj, split) and (
+            offset = split if input_major else split * self.gate_proj.shape[2]
+            if still_packed(buf, self.gate_proj, self.up_proj, offset) and (
                 bias is None or still_packed(bias, self.gate_bias, self.up_bias, split)
             ):
                 return self._gate_up
@@ -80,8 +88,11 @@ class Experts(nn.Module):
             if packed is None:
                 out = self.expert(e, x)
             else:
-                buf, bias = packed
-                gate_up = torch.mm(x, buf[e]) if bias is None else torch.addmm(bias[e], x, buf[e])  # (1, 2I)
+                buf, bias, input_major = packed
+                if input_major:
+                    gate_up = torch.mm(x, buf[e]) if bias is None else torch.addmm(bias[e], x, buf[e])  # (1, 2I)
+                else:
+                    gate_up = F.linear(x, buf[e], None if bias is None else bias[e])
                 gate, up = gate_up.chunk(2, dim=-1)
                 out = F.linear(self._activate(gate, up), down_w[e], None if down_b is None else down_b[e])
             # NOTE: multiplying by the weight as a Python float is exact: it is the fp32/bf16 value
@@ -98,8 +109,8 @@ class Experts(nn.Module):
         packed = None if torch.is_grad_enabled() else self._packed_gate_up()
         if packed is None:
             return None
-        buf, bias = packed  # (E, C, 2I), (E, 2I)
-        gate_up = torch.matmul(x, buf)  # (E, N, 2I)
+        buf, bias, input_major = packed  # (E, C, 2I) or (E, 2I, C); (E, 2I)
+        gate_up = torch.matmul(x, buf if input_major else buf.transpose(1, 2))  # (E, N, 2I)
         if bias is not None:
             gate_up = gate_up + bias[:, None]
         gate, up = gate_up.chunk(2, dim=-1)

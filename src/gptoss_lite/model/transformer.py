@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 from gptoss_lite.config import ModelConfig
 from gptoss_lite.kv.base import KVCache, RaggedBatch
 from gptoss_lite.model.attention import Attention
-from gptoss_lite.model.decode_pack import store_input_major
+from gptoss_lite.model.decode_pack import store_for_decode
 from gptoss_lite.model.moe import Experts, MoE
 from gptoss_lite.model.rope import RotaryEmbedding, rotary_tables
 
@@ -96,10 +96,11 @@ class GPTOSS(nn.Module):
     def pack_for_decode(self) -> GPTOSS:
         """Re-store the weights for one-token decode steps; same shapes, names and values. Returns self.
 
-        A decode step multiplies one (1, in) row by each weight. PyTorch's CPU GEMV streams an
-        input-major weight (stride 1 along `out`) about twice as fast as nn.Linear's row-major one
+        A decode step multiplies one (1, in) row by each weight. In fp32, PyTorch's CPU GEMV streams
+        an input-major weight (stride 1 along `out`) about twice as fast as nn.Linear's row-major one
         once weights no longer fit in cache (benchmarks/gemv_layout.py); prefill GEMMs are no slower.
-        So every matmul weight is stored input-major, and weights that read the same input are packed
+        In bf16/fp16 it is the other way round, by 20x (`decode_pack.input_major_for`). So every
+        matmul weight is stored in its dtype's layout, and weights that read the same input are packed
         side by side (q with kv, each expert's gate with up) so that each pair is one GEMV. Parameters
         become views of the packed buffers: training and checkpoints see the same tensors (the saved
         bytes are identical), and a later .to(dtype) just falls back to the unpacked path.
@@ -109,8 +110,8 @@ class GPTOSS(nn.Module):
             if isinstance(module, (Attention, Experts)):
                 module.pack_for_decode()
             elif isinstance(module, nn.Linear):
-                store_input_major(module.weight)  # o_proj, router, lm_head (q/kv are packed above)
-        store_input_major(self.embed.weight)  # the output head when tied
+                store_for_decode(module.weight)  # o_proj, router, lm_head (q/kv are packed above)
+        store_for_decode(self.embed.weight)  # the output head when tied
         return self
 
     @torch.no_grad()
