@@ -304,9 +304,24 @@ def test_cli_ruler_json(capsys):
     assert len(data["trials"]) == 1 and data["model"] == "lite-tiny"
 
 
+def test_cli_ruler_workers_give_the_one_process_result(capsys):
+    """--workers 2 splits the cells over two processes and merges them: every score and every trial's
+    answer equal the one-process run's, in the same order."""
+    from gptoss_lite.cli import main
+
+    argv = ["ruler", "--model", "lite-tiny", "--lengths", "600", "700", "--tasks", "single-number", "none"]
+    argv += ["--haystacks", "noise", "stdlib-code", "--trials", "2", "--json", "--no-progress", "--threads", "1"]
+    assert main(argv) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main(argv + ["--workers", "2"]) == 0
+    two = json.loads(capsys.readouterr().out)
+    assert two == one and len(one["trials"]) == 16
+
+
 @pytest.mark.parametrize(
     "args, match",
     [
+        (["--workers", "0"], "--workers 0: must be >= 1"),
         (["--tasks", "needle"], "argument --tasks: invalid choice: 'needle'"),
         (["--haystacks", "varied"], "haystack 'varied': belongs to the other split, not eval"),
         (["--split", "train", "--templates", "magic"], "template family 'magic': not in the train split"),

@@ -75,6 +75,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--batch-size", type=int, default=8, metavar="N", help="trials generated together (one cell's; default: 8)"
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="processes evaluating (haystack, length) cells in parallel, each loading the model and "
+        "using --threads threads (default: 1; on a small model N one-thread workers beat one N-thread "
+        "process); the result is the same trial for trial",
+    )
     p.add_argument("--json", action="store_true", help="print the result (every cell and trial) as JSON")
     p.add_argument("--plot", default=None, metavar="PNG", help="write a task x length heatmap per haystack")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
@@ -96,14 +105,19 @@ def run(args: argparse.Namespace) -> int:
         n_trials=args.trials,
         seed=args.seed,
     )
+    if args.workers < 1:
+        raise ValueError(f"--workers {args.workers}: must be >= 1")
     if args.plot:
         common.check_plot_file("--plot", args.plot)
     kv = common.kv_settings(args)
-    model, tokenizer, source = common.load_model_and_tokenizer(args)
-    evaluator = RulerEvaluator(
-        model, suite, tokenizer=tokenizer, prefill_chunk=args.prefill_chunk, batch_size=args.batch_size, kv=kv
-    )
-    result = evaluator.run(progress=not args.no_progress)
+    if args.workers == 1:
+        model, tokenizer, source = common.load_model_and_tokenizer(args)
+        evaluator = RulerEvaluator(
+            model, suite, tokenizer=tokenizer, prefill_chunk=args.prefill_chunk, batch_size=args.batch_size, kv=kv
+        )
+        result = evaluator.run(progress=not args.no_progress)
+    else:
+        result, source = _run_parallel(args, suite)
     if args.plot:
         plot_heatmap(result, args.plot)
     if args.json:
@@ -117,6 +131,72 @@ def run(args: argparse.Namespace) -> int:
         cells = ", ".join(f"{n}: {100 * result.overall(n):.1f}%" for n in suite.lengths)
         print(f"mean score over all cells: {cells}")
     return 0
+
+
+def _run_cells(args: argparse.Namespace, suite, haystack: str, n_tokens: int):
+    """One worker's share: every task of one (haystack, length), as a RulerResult and the model source."""
+    import dataclasses
+
+    from gptoss_lite.commands import common
+    from gptoss_lite.evals.ruler import RulerEvaluator
+
+    cell = dataclasses.replace(suite, lengths=(n_tokens,), haystacks=(haystack,))
+    model, tokenizer, source = common.load_model_and_tokenizer(args)
+    evaluator = RulerEvaluator(
+        model,
+        cell,
+        tokenizer=tokenizer,
+        prefill_chunk=args.prefill_chunk,
+        batch_size=args.batch_size,
+        kv=common.kv_settings(args),
+    )
+    return evaluator.run(), str(source)
+
+
+def _run_parallel(args: argparse.Namespace, suite):
+    """The suite split into (haystack, length) jobs over `args.workers` processes, merged into one
+    RulerResult: the same trials and scores as one process (each trial depends on its cell only)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    from gptoss_lite.evals.harness import progress_bar
+    from gptoss_lite.evals.ruler import RulerResult
+
+    jobs = [(h, n) for n in sorted(suite.lengths, reverse=True) for h in suite.haystack_kinds]  # longest first
+    args = argparse.Namespace(**{k: v for k, v in vars(args).items() if k != "handler"})
+    parts = {}
+    bar = progress_bar(len(jobs), "ruler cells", not args.no_progress)
+    with ProcessPoolExecutor(min(args.workers, len(jobs)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_run_cells, args, suite, h, n): (h, n) for h, n in jobs}
+        for future in as_completed(futures):
+            parts[futures[future]] = future.result()
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    first = next(iter(parts.values()))[0]
+    score = {
+        h: {t: {n: parts[h, n][0].score[h][t][n] for n in suite.lengths} for t in suite.tasks}
+        for h in suite.haystack_kinds
+    }
+    tokens = {n: max(parts[h, n][0].prompt_tokens[n] for h in suite.haystack_kinds) for n in suite.lengths}
+    # Trials in the order one process records them: haystack, task, length, index.
+    trials = [
+        r
+        for h in suite.haystack_kinds
+        for t in suite.tasks
+        for n in suite.lengths
+        for r in parts[h, n][0].trials
+        if r["task"] == t
+    ]
+    result = RulerResult(
+        suite=suite,
+        score=score,
+        prompt_tokens=tokens,
+        train_context_length=first.train_context_length,
+        trials=trials,
+    )
+    return result, next(iter(parts.values()))[1]
 
 
 def _column(result, n: int) -> str:
