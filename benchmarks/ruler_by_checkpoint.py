@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         if curve:
             steps, losses = zip(*curve)
             k = 10  # moving average over k logged points
-            smooth = [sum(losses[max(0, i - k + 1) : i + 1]) / len(losses[max(0, i - k + 1) : i + 1]) for i in range(len(losses))]
+            windows = [losses[max(0, i - k + 1) : i + 1] for i in range(len(losses))]
+            smooth = [sum(w) / len(w) for w in windows]
             top.plot(steps, losses, color="0.75", lw=0.8, label="logged")
             top.plot(steps, smooth, color="C0", lw=1.5, label=f"mean of {k}")
             top.set_yscale("log")
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             top.legend()
         top.grid(alpha=0.3)
         top.set_title(f"{args.run_dir}")
-        for j, task in enumerate(args.tasks):
+        for task in args.tasks:
             bottom.plot([r["step"] for r in rows], [r["scores"][task] for r in rows], marker="o", label=task)
         bottom.set_xlabel("training step")
         bottom.set_ylabel(f"RULER score at {args.length} tokens (%)")
