@@ -318,6 +318,17 @@ def test_cli_ruler_workers_give_the_one_process_result(capsys):
     assert two == one and len(one["trials"]) == 16
 
 
+def test_cli_ruler_out_writes_the_json_beside_the_table(tmp_path, capsys):
+    from gptoss_lite.cli import main
+
+    out = tmp_path / "r.json"
+    argv = ["ruler", "--model", "lite-tiny", "--lengths", "600", "--tasks", "none", "--haystacks", "noise"]
+    assert main(argv + ["--trials", "1", "--no-progress", "--threads", "1", "--out", str(out)]) == 0
+    assert "RULER suite" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["tasks"] == ["none"] and len(data["trials"]) == 1 and not list(tmp_path.glob(".*.tmp"))
+
+
 @pytest.mark.parametrize(
     "args, match",
     [

@@ -191,6 +191,15 @@ def check_output_file(flag: str, path: str) -> None:
         raise ValueError(f"{flag} {path}: file exists and is not writable; choose another path")
 
 
+def write_text_atomic(path: str, text: str) -> None:
+    """Write `text` to `path` through a temporary file in the same directory and a rename, so a reader
+    (or a crash) never sees half a file."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, target)
+
+
 def fmt_bytes(n: int) -> str:
     """Binary units (KiB/MiB/GiB), as docs/plan.md#units-and-labels requires for memory sizes."""
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):

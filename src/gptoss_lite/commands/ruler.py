@@ -85,6 +85,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "process); the result is the same trial for trial",
     )
     p.add_argument("--json", action="store_true", help="print the result (every cell and trial) as JSON")
+    p.add_argument(
+        "--out", default=None, metavar="FILE", help="also write that JSON to FILE (the table is still printed)"
+    )
     p.add_argument("--plot", default=None, metavar="PNG", help="write a task x length heatmap per haystack")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     add_kv_args(p)
@@ -109,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--workers {args.workers}: must be >= 1")
     if args.plot:
         common.check_plot_file("--plot", args.plot)
+    if args.out:
+        common.check_output_file("--out", args.out)
     kv = common.kv_settings(args)
     if args.workers == 1:
         model, tokenizer, source = common.load_model_and_tokenizer(args)
@@ -120,9 +125,11 @@ def run(args: argparse.Namespace) -> int:
         result, source = _run_parallel(args, suite)
     if args.plot:
         plot_heatmap(result, args.plot)
+    out = result.to_dict()
+    out["model"] = str(source)
+    if args.out:
+        common.write_text_atomic(args.out, json.dumps(out, indent=2) + "\n")
     if args.json:
-        out = result.to_dict()
-        out["model"] = str(source)
         print(json.dumps(out, indent=2))
     else:
         print(format_table(result, str(source)))
