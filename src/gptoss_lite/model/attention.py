@@ -22,12 +22,12 @@ from __future__ import annotations
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gptoss_lite.config import ModelConfig
 from gptoss_lite.kv.base import BlockKVCache, KVBlocks, KVCache, RaggedBatch
 from gptoss_lite.model.decode_pack import input_major_for, pack_pair, pack_rows, still_packed
+from gptoss_lite.model.matmul import Linear, linear
 from gptoss_lite.model.rope import apply_rotary_tables
 
 # A band of keys every query sees gets its own unmasked blocks only from this length on: below it, the
@@ -398,9 +398,9 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = H, K, D
         self.window = cfg.sliding_window if cfg.is_sliding(layer) else None
         self.sink_clamp = cfg.sink_clamp
-        self.q_proj = nn.Linear(C, H * D, bias=cfg.attention_bias)
-        self.kv_proj = nn.Linear(C, 2 * K * D, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(H * D, C, bias=cfg.attention_bias)
+        self.q_proj = Linear(C, H * D, bias=cfg.attention_bias)
+        self.kv_proj = Linear(C, 2 * K * D, bias=cfg.attention_bias)
+        self.o_proj = Linear(H * D, C, bias=cfg.attention_bias)
         self.sinks = nn.Parameter(torch.zeros(H))  # learned sink logit per query head
         self._qkv: tuple[torch.Tensor, torch.Tensor | None, bool] | None = None  # see pack_for_decode
         self._clamped_sinks: tuple[tuple[int, int], torch.Tensor] | None = None  # see sink_logits
@@ -485,7 +485,7 @@ class Attention(nn.Module):
             if input_major:
                 qkv = torch.mm(flat, w) if b is None else torch.addmm(b, flat, w)
             else:
-                qkv = F.linear(flat, w, b)
+                qkv = linear(flat, w, b)
             q, kv = qkv.view(B, T, -1).split((H * D, 2 * K * D), dim=-1)
         q = q.reshape(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
         kv = kv.reshape(B, T, 2, K, D)

@@ -9,6 +9,7 @@ from torch import nn
 
 from gptoss_lite.config import ModelConfig
 from gptoss_lite.model.decode_pack import input_major_for, pack_pair, pack_rows, still_packed, store_for_decode
+from gptoss_lite.model.matmul import Linear, linear
 
 
 class Experts(nn.Module):
@@ -92,9 +93,9 @@ class Experts(nn.Module):
                 if input_major:
                     gate_up = torch.mm(x, buf[e]) if bias is None else torch.addmm(bias[e], x, buf[e])  # (1, 2I)
                 else:
-                    gate_up = F.linear(x, buf[e], None if bias is None else bias[e])
+                    gate_up = linear(x, buf[e], None if bias is None else bias[e])
                 gate, up = gate_up.chunk(2, dim=-1)
-                out = F.linear(self._activate(gate, up), down_w[e], None if down_b is None else down_b[e])
+                out = linear(self._activate(gate, up), down_w[e], None if down_b is None else down_b[e])
             # NOTE: multiplying by the weight as a Python float is exact: it is the fp32/bf16 value
             # itself, and the product is computed in fp32 as with a tensor operand.
             out = out * w
@@ -122,9 +123,9 @@ class Experts(nn.Module):
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Apply expert e to x (N, C) -> (N, C), down-projection bias included."""
-        gate = F.linear(x, self.gate_proj[e], None if self.gate_bias is None else self.gate_bias[e])  # (N, I)
-        up = F.linear(x, self.up_proj[e], None if self.up_bias is None else self.up_bias[e])  # (N, I)
-        return F.linear(
+        gate = linear(x, self.gate_proj[e], None if self.gate_bias is None else self.gate_bias[e])  # (N, I)
+        up = linear(x, self.up_proj[e], None if self.up_bias is None else self.up_bias[e])  # (N, I)
+        return linear(
             self._activate(gate, up), self.down_proj[e], None if self.down_bias is None else self.down_bias[e]
         )
 
@@ -138,7 +139,7 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, cfg.top_k
-        self.router = nn.Linear(cfg.d_model, cfg.n_experts, bias=cfg.router_bias)
+        self.router = Linear(cfg.d_model, cfg.n_experts, bias=cfg.router_bias)
         self.experts = Experts(
             cfg.n_experts, cfg.d_model, cfg.expert_hidden, cfg.activation, cfg.swiglu_limit, cfg.expert_bias
         )

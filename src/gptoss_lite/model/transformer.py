@@ -13,6 +13,7 @@ from gptoss_lite.config import ModelConfig
 from gptoss_lite.kv.base import KVCache, RaggedBatch
 from gptoss_lite.model.attention import Attention
 from gptoss_lite.model.decode_pack import store_for_decode
+from gptoss_lite.model.matmul import Linear, linear
 from gptoss_lite.model.moe import Experts, MoE
 from gptoss_lite.model.rope import RotaryEmbedding, rotary_tables
 
@@ -71,7 +72,7 @@ class GPTOSS(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.norm_eps)
-        self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = None if config.tie_embeddings else Linear(config.d_model, config.vocab_size, bias=False)
         self.rope_sliding = RotaryEmbedding(config, pruned_pairs=0)
         self.rope_full = RotaryEmbedding(config, pruned_pairs=config.rope_pruned_pairs)
         self.gradient_checkpointing = False
@@ -154,7 +155,7 @@ class GPTOSS(nn.Module):
             cos, sin = rope_w if block.sliding else rope_g
             x, _ = block(x, cos, sin, None, 0, "fast", False, batch)
         x = self.norm(x[0, batch.logits_index])  # (M, C)
-        return F.linear(x, self.head_weight())  # (M, V)
+        return linear(x, self.head_weight())  # (M, V)
 
     def head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
@@ -194,7 +195,7 @@ class GPTOSS(nn.Module):
         if last_only:
             x = x[:, -1:]
         x = self.norm(x)
-        logits = F.linear(x, self.head_weight())  # (B, T, V)
+        logits = linear(x, self.head_weight())  # (B, T, V)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)

@@ -1,0 +1,78 @@
+"""model.matmul.linear: F.linear, except 16-bit products of many rows on CPUs without native bf16."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gptoss_lite.model import matmul
+
+
+@pytest.fixture
+def no_native(monkeypatch):
+    monkeypatch.setattr(matmul, "cpu_has_native_bf16", lambda: False)
+
+
+@pytest.fixture
+def native(monkeypatch):
+    monkeypatch.setattr(matmul, "cpu_has_native_bf16", lambda: True)
+
+
+def _inputs(rows, dtype):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64, generator=g).to(dtype)
+    w = torch.randn(48, 64, generator=g).to(dtype)
+    b = torch.randn(48, generator=g).to(dtype)
+    return x, w, b
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_many_16_bit_rows_are_computed_in_fp32_and_rounded_once(no_native, dtype):
+    x, w, b = _inputs(matmul.UPCAST_ROWS, dtype)
+    y = matmul.linear(x, w, b)
+    assert y.dtype == dtype
+    assert torch.equal(y, F.linear(x.float(), w.float(), b.float()).to(dtype))
+    assert matmul.upcasts(x) and matmul.upcasts(x.view(2, -1, 64))  # rows count across leading dims
+
+
+def test_few_rows_fp32_and_native_cpus_are_plain_f_linear(no_native, monkeypatch):
+    for x, w, b in (_inputs(matmul.UPCAST_ROWS - 1, torch.bfloat16), _inputs(64, torch.float32)):
+        assert not matmul.upcasts(x)
+        assert torch.equal(matmul.linear(x, w, b), F.linear(x, w, b))
+    monkeypatch.setattr(matmul, "cpu_has_native_bf16", lambda: True)
+    x, w, b = _inputs(64, torch.bfloat16)
+    assert not matmul.upcasts(x) and torch.equal(matmul.linear(x, w, b), F.linear(x, w, b))
+
+
+def test_autocast_is_left_alone(no_native):
+    x, w, b = _inputs(64, torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not matmul.upcasts(x)
+
+
+def test_gradients_flow_through_the_upcast(no_native):
+    x, w, b = _inputs(16, torch.bfloat16)
+    w.requires_grad_(True)
+    matmul.linear(x, w, b).float().sum().backward()
+    assert w.grad is not None and w.grad.dtype == torch.bfloat16 and w.grad.abs().sum() > 0
+
+
+def test_bf16_model_logits_match_either_way(no_native, monkeypatch):
+    """A bf16 model's prefill and decode logits with the fp32 products are those of bf16 products, to
+    bf16 precision (both accumulate in fp32 and round once)."""
+    from conftest import make_model
+    from gptoss_lite.kv.mixed import MixedKVCache
+
+    model = make_model("gpt-oss-tiny").to(torch.bfloat16).prepare_for_inference()
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
+
+    def run():
+        with torch.inference_mode():
+            cache = MixedKVCache(model.config)
+            a = model(ids, cache=cache).logits
+            return a, model(ids[:, -1:], cache=cache, start_pos=40).logits
+
+    up = run()
+    monkeypatch.setattr(matmul, "cpu_has_native_bf16", lambda: True)
+    plain = run()
+    for a, b in zip(up, plain):
+        torch.testing.assert_close(a.float(), b.float(), atol=0.05, rtol=0.05)
