@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from passkey_by_checkpoint import checkpoints as run_checkpoints
 
 from gptoss_lite.checkpoint import load_model
 from gptoss_lite.evals.ruler import RulerEvaluator, RulerSuite
@@ -26,19 +27,8 @@ DEFAULT_TASKS = ("single-number", "single-word", "single-uuid", "multi-key", "no
 
 def checkpoints(run_dir: Path, start: Path | None) -> list[tuple[int, Path]]:
     """(step, directory) of the start model (step 0), every saved checkpoint and `final`, in step order."""
-    found = sorted(
-        (int(d.name.removeprefix("step_")), d) for d in (run_dir / "checkpoints").glob("step_*") if d.is_dir()
-    )
-    final = run_dir / "final"
-    if (final / "config.json").is_file():
-        step = json.loads((final / "config.json").read_text()).get("training", {}).get("step")
-        if step is None or step not in {s for s, _ in found}:
-            found.append((step if step is not None else (found[-1][0] + 1 if found else 0), final))
-    if start is not None:
-        found.insert(0, (0, start))
-    if not found:
-        raise SystemExit(f"{run_dir}: no checkpoints/step_* or final/ directories with a model")
-    return found
+    found = run_checkpoints(run_dir)
+    return [(0, start), *found] if start is not None else found
 
 
 def loss_curve(run_dir: Path) -> list[tuple[int, float]]:

@@ -164,28 +164,40 @@ class SyntheticRetrievalData:
     def _assemble(self, rng: random.Random, inserts: list[str], question: str, answer: str) -> tuple[list[int], int]:
         tok = self.tokenizer
         insert_ids = [tok.encode(s) for s in inserts]
-        tail = tok.encode(question)
         answer_ids = tok.encode(answer) + [tok.eos_id]
+        return self._place(rng, lambda: self._sentence(rng), [], insert_ids, tok.encode(question), answer_ids)
+
+    def _place(
+        self,
+        rng: random.Random,
+        next_unit,
+        head: list[int],
+        insert_ids: list[list[int]],
+        tail: list[int],
+        answer_ids: list[int],
+    ) -> tuple[list[int], int]:
+        """(tokens, index of the first answer token) of BOS, `head`, haystack units from `next_unit()`
+        with the inserts at unit boundaries, `tail` and `answer_ids`: exactly seq_len + 1 tokens."""
+        tok = self.tokenizer
         total = self.config.seq_len + 1
-        budget = total - 1 - sum(map(len, insert_ids)) - len(tail) - len(answer_ids)
+        budget = total - 1 - len(head) - sum(map(len, insert_ids)) - len(tail) - len(answer_ids)
         assert budget >= 0, f"document overhead exceeds seq_len={self.config.seq_len}"
-        # Filler sentences until the budget is covered; the last one is cut at the token level.
-        sentences: list[list[int]] = []
+        # Haystack units until the budget is covered; the last one is cut at the token level.
+        units: list[list[int]] = []
         used = 0
         while used < budget:
-            ids = tok.encode(self._sentence(rng))
-            ids = ids[: budget - used]
-            sentences.append(ids)
+            ids = tok.encode(next_unit())[: budget - used]
+            units.append(ids)
             used += len(ids)
-        # Each insert goes at a sentence boundary chosen by a uniform random depth.
-        slots = sorted(rng.randint(0, len(sentences)) for _ in insert_ids)
-        body: list[int] = [tok.bos_id]
+        # Each insert goes at a unit boundary chosen by a uniform random depth.
+        slots = sorted(rng.randint(0, len(units)) for _ in insert_ids)
+        body: list[int] = [tok.bos_id, *head]
         pending = list(zip(slots, insert_ids))
-        for i in range(len(sentences) + 1):
+        for i in range(len(units) + 1):
             while pending and pending[0][0] == i:
                 body.extend(pending.pop(0)[1])
-            if i < len(sentences):
-                body.extend(sentences[i])
+            if i < len(units):
+                body.extend(units[i])
         body.extend(tail)
         answer_start = len(body)
         body.extend(answer_ids)
@@ -222,25 +234,7 @@ class SyntheticRetrievalData:
                 del needles[drop], needed[drop]
             if room >= total // 8:
                 break
-        nxt = unit_stream(kind, rng)
-        units: list[list[int]] = []
-        used = 0
-        while used < room:
-            ids = tok.encode(nxt())[: room - used]
-            units.append(ids)
-            used += len(ids)
-        slots = sorted(rng.randint(0, len(units)) for _ in needles)
-        body: list[int] = [tok.bos_id, *intro]
-        pending = list(zip(slots, needles))
-        for i in range(len(units) + 1):
-            while pending and pending[0][0] == i:
-                body.extend(pending.pop(0)[1])
-            if i < len(units):
-                body.extend(units[i])
-        body.extend(tail)
-        answer_start = len(body)
-        body.extend(answer_ids)
-        assert len(body) == total, f"document has {len(body)} tokens, expected {total}"
+        body, answer_start = self._place(rng, unit_stream(kind, rng), intro, needles, tail, answer_ids)
         return body, answer_start, doc, kind
 
     # ---- batches --------------------------------------------------------------------------------
