@@ -5,7 +5,8 @@ The protocol of the speed issue's table: one request, greedy, end-of-text ignore
 a `max_tokens=1` request gives TTFT and a `max_tokens=--new-tokens` request the total time;
 prefill tok/s = L / TTFT, decode tok/s = (new - 1) / (total - TTFT). vLLM returns whole requests, so both
 engines are timed the same way, as whole calls. Engines run as the long-lived workers of
-`serve_vs_vllm.py` (same environment, thread binding and foreign-load waits); rounds alternate the order.
+`serve_vs_vllm.py` (same environment, thread binding and foreign-load waits); rounds alternate the order,
+and each engine's turn starts with an untimed 2-token request.
 
     python benchmarks/bench_vs_peers.py MODEL_DIR --vllm-python VENV/bin/python \\
         --llama-python LLAMA_VENV/bin/python --llama-gguf float32=MODEL-f32.gguf bfloat16=MODEL-bf16.gguf \\
@@ -125,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
                     order = args.engines if r % 2 == 0 else list(reversed(args.engines))
                     row = {"foreign_load": load, "engines": {}}
                     for engine in order:
+                        # A short untimed request first: the engine's threads wake up after the previous
+                        # engine's turn (llama.cpp's first request of a turn was otherwise up to 8x slow).
+                        workers[engine].run([prompts[min(args.lengths)]], 2)
                         row["engines"][engine] = {
                             str(n): measure(workers[engine], prompts[n], args.new_tokens) for n in args.lengths
                         }
