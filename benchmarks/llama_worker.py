@@ -48,10 +48,10 @@ def main() -> None:
     def clear() -> None:
         llm.reset()
         ctx = llm._ctx  # the KV cache survives reset(); each request starts from an empty one
-        for name in ("kv_cache_clear", "memory_clear"):
-            if hasattr(ctx, name):
-                getattr(ctx, name)(*(() if name == "kv_cache_clear" else (True,)))
-                break
+        if hasattr(ctx, "kv_cache_clear"):
+            ctx.kv_cache_clear()
+        elif hasattr(ctx, "memory_clear"):  # newer llama-cpp-python
+            ctx.memory_clear(True)
 
     def run(prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]], dict]:
         outputs = []

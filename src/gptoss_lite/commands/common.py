@@ -25,6 +25,20 @@ def add_model_arg(parser: argparse.ArgumentParser) -> None:
     add_threads_arg(parser)
 
 
+def add_eval_batch_args(parser: argparse.ArgumentParser, batch: str) -> None:
+    """--prefill-chunk and --batch-size of the evaluations; `batch` says which trials go together."""
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=2048,
+        metavar="TOKENS",
+        help="prompt tokens per prefill forward (default: 2048)",
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=8, metavar="N", help=f"trials generated together ({batch}; default: 8)"
+    )
+
+
 def add_threads_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threads",

@@ -20,7 +20,7 @@ def _depth(text: str) -> float:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from gptoss_lite.commands.common import add_kv_args, add_model_arg, add_speculate_args
+    from gptoss_lite.commands.common import add_eval_batch_args, add_kv_args, add_model_arg, add_speculate_args
     from gptoss_lite.evals.passkey import BASE_SEED, DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_TRIALS, TEMPLATES
 
     p = subparsers.add_parser(
@@ -67,20 +67,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="default",
         help="prompt template; 'classic' is the grass/sky/sun template (default: default)",
     )
-    p.add_argument(
-        "--prefill-chunk",
-        type=int,
-        default=2048,
-        metavar="TOKENS",
-        help="prompt tokens per prefill forward (default: 2048)",
-    )
-    p.add_argument(
-        "--batch-size",
-        type=int,
-        default=8,
-        metavar="N",
-        help="trials generated together (prompts of one length and depth; default: 8)",
-    )
+    add_eval_batch_args(p, "prompts of one length and depth")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--plot", default=None, metavar="PNG", help="write a length x depth accuracy heatmap")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")

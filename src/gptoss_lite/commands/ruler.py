@@ -12,7 +12,7 @@ from gptoss_lite.evals.ruler_splits import SPLIT_NAMES, SPLITS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from gptoss_lite.commands.common import add_kv_args, add_model_arg
+    from gptoss_lite.commands.common import add_eval_batch_args, add_kv_args, add_model_arg
 
     families = "; ".join(f"{s.name}: {', '.join(f.name for f in s.families)}" for s in SPLITS.values())
     kinds = "; ".join(f"{s.name}: {', '.join(s.haystacks)}" for s in SPLITS.values())
@@ -65,16 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--trials", type=int, default=DEFAULT_TRIALS, metavar="N", help=f"trials per cell (default: {DEFAULT_TRIALS})"
     )
     p.add_argument("--seed", type=int, default=BASE_SEED, help=f"base seed of every trial (default: {BASE_SEED})")
-    p.add_argument(
-        "--prefill-chunk",
-        type=int,
-        default=2048,
-        metavar="TOKENS",
-        help="prompt tokens per prefill forward (default: 2048)",
-    )
-    p.add_argument(
-        "--batch-size", type=int, default=8, metavar="N", help="trials generated together (one cell's; default: 8)"
-    )
+    add_eval_batch_args(p, "one cell's")
     p.add_argument(
         "--workers",
         type=int,
@@ -181,7 +172,7 @@ def _run_parallel(args: argparse.Namespace, suite):
                 bar.update(1)
     if bar is not None:
         bar.close()
-    first = next(iter(parts.values()))[0]
+    first, source = next(iter(parts.values()))  # every worker loaded the same model
     score = {
         h: {t: {n: parts[h, n][0].score[h][t][n] for n in suite.lengths} for t in suite.tasks}
         for h in suite.haystack_kinds
@@ -203,7 +194,7 @@ def _run_parallel(args: argparse.Namespace, suite):
         train_context_length=first.train_context_length,
         trials=trials,
     )
-    return result, next(iter(parts.values()))[1]
+    return result, source
 
 
 def _column(result, n: int) -> str:

@@ -25,10 +25,11 @@ depend on the Python version, which results record.
 from __future__ import annotations
 
 import ast
+import inspect
 import random
 import re
 import sysconfig
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -176,18 +177,26 @@ def stdlib_file(module: str) -> Path:
     )
 
 
+def docstrings(tree: ast.AST) -> Iterator[ast.Expr]:
+    """The docstring statements of a module, its classes and functions, in `ast.walk` order (the
+    statements `ast.get_docstring` reads)."""
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) or not node.body:
+            continue
+        first = node.body[0]
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            yield first
+
+
 @cache
 def stdlib_docs() -> tuple[str, ...]:
     """Sentences (leading space) of the docstrings of STDLIB_MODULES, in file and `ast.walk` order."""
     units = []
     for module in STDLIB_MODULES:
         path = stdlib_file(module)
-        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                doc = ast.get_docstring(node, clean=True)
-                text = _SPACE.sub(" ", clean_text(doc or "")).strip()
-                units.extend(" " + s for s in _SENTENCE_END.split(text) if s.strip(" .,:;-"))
+        for expr in docstrings(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            text = _SPACE.sub(" ", clean_text(inspect.cleandoc(expr.value.value))).strip()
+            units.extend(" " + s for s in _SENTENCE_END.split(text) if s.strip(" .,:;-"))
     return tuple(units)
 
 
@@ -213,13 +222,7 @@ def train_code() -> tuple[str, ...]:
     for module in TRAIN_STDLIB_MODULES:
         path = stdlib_file(module)
         source = path.read_text(encoding="utf-8")
-        skip: set[int] = set()  # 1-based line numbers of docstrings
-        for node in ast.walk(ast.parse(source, str(path))):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                body = node.body
-                if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-                    if isinstance(body[0].value.value, str):
-                        skip.update(range(body[0].lineno, body[0].end_lineno + 1))
+        skip = {n for expr in docstrings(ast.parse(source, str(path))) for n in range(expr.lineno, expr.end_lineno + 1)}
         for number, line in enumerate(source.splitlines(), start=1):
             line = clean_text(line)
             if number not in skip and line.strip() and not banned.search(line):

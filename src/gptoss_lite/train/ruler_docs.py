@@ -29,9 +29,10 @@ import uuid
 from dataclasses import dataclass
 from functools import cache
 
+from gptoss_lite.evals.ruler import NONE_ANSWER
+
 RULER_TASKS = ("single", "multi-key", "none", "multi-value", "multi-query")
 RULER_TASK_WEIGHTS = (0.36, 0.30, 0.20, 0.07, 0.07)
-NONE_ANSWER = "none"
 
 # What a value is called in a question: "the {attr} of the anvil".
 ATTRS = (
@@ -181,7 +182,7 @@ def _value(rng: random.Random, kind: str) -> str:
     return str(uuid.UUID(int=rng.getrandbits(128), version=4))
 
 
-def _fill(template: str, rng: random.Random, label: str = "", value: str = "", attr: str = "", labels: str = "") -> str:
+def _fill(template: str, label: str = "", value: str = "", attr: str = "", labels: str = "") -> str:
     cap = label[:1].upper() + label[1:]
     return (
         template.replace("{Lc}", cap)
@@ -235,7 +236,7 @@ def ruler_document(rng: random.Random, max_needles: int = 4) -> RulerDocument:
             cue = rng.choice(GENERIC_CUES)
         else:
             cue = rng.choice(RELATIONS).cues[0]  # another relation's wording, with the label
-        question = _fill(rng.choice(ASKS) + hint + cue, rng, label=asked[0], attr=attr)
+        question = _fill(rng.choice(ASKS) + hint + cue, label=asked[0], attr=attr)
         answer = f" {NONE_ANSWER}." if task == "none" else f" {value}."
     else:
         n = rng.randint(2, 3)
@@ -244,16 +245,16 @@ def ruler_document(rng: random.Random, max_needles: int = 4) -> RulerDocument:
             label = _labels(rng, 1)[0]
             asked = [label]
             facts = [(label, v) for v in values]
-            question = _fill(rng.choice(ASK_ALL) + rng.choice(CUE_ALL), rng, label=label, attr=attr)
+            question = _fill(rng.choice(ASK_ALL) + rng.choice(CUE_ALL), label=label, attr=attr)
         else:
             labels = _labels(rng, n)
             asked = labels
             facts = list(zip(labels, values))
-            question = _fill(rng.choice(ASK_EACH) + rng.choice(CUE_EACH), rng, labels=_join(labels), attr=attr)
+            question = _fill(rng.choice(ASK_EACH) + rng.choice(CUE_EACH), labels=_join(labels), attr=attr)
         answer = " " + ", ".join(values) + "."
     needles = [
         (
-            _fill(relation.needle, rng, label=label, value=v, attr=attr),
+            _fill(relation.needle, label=label, value=v, attr=attr),
             task in ("single", "multi-value", "multi-query") or (task == "multi-key" and i == 0),
         )
         for i, (label, v) in enumerate(facts)
