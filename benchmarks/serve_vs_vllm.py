@@ -181,7 +181,8 @@ def worker_command(engine: str, args: argparse.Namespace, dtype: str, threads: i
                 env["LD_PRELOAD"] = f"{tcmalloc}:{iomp}"
         return [args.vllm_python, str(HERE / "vllm_worker.py"), *shared], env
     mode = "engine" if engine == "ours" else "static"
-    return [args.ours_python, str(HERE / "ours_worker.py"), *shared, "--mode", mode, "--threads", str(threads)], env
+    cmd = [args.ours_python, str(HERE / "ours_worker.py"), *shared, "--mode", mode, "--threads", str(threads)]
+    return [*cmd, "--compile"] if engine == "compiled" else cmd, env
 
 
 class Worker:

@@ -18,11 +18,13 @@ say so when it was not done.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import cast
 
 import torch
 
 from gptoss_lite.kv.base import KVCache, RollbackKVCache
 from gptoss_lite.kv.mixed import MixedKVCache
+from gptoss_lite.model.compiled_decode import CompiledDecoder
 from gptoss_lite.model.transformer import GPTOSS
 from gptoss_lite.sampling import SamplingConfig, sample
 from gptoss_lite.speculative import DraftModel, PromptLookup, Speculation, SpeculationStats, accept, make_drafter
@@ -133,8 +135,18 @@ def stream_generate(
             speculate,
             stats,
         )
+    # The compiled decode step runs on static buffers seeded from a plain mixed cache (not a quantised
+    # or evicting one, whose reads it does not implement, nor one with rollback slack); the cache is
+    # caught up when the steps end.
+    plain = type(cache) is MixedKVCache and cache.rollback_tokens == 0
+    decoder = model.compiled_decoder if plain and attn_impl == "fast" else None
+    if decoder is not None and not decoder.current(model):
+        raise ValueError(
+            "the model's weights changed after prepare_for_inference(compile_decode=True); call it "
+            "again so that the compiled decoder reads the current weights"
+        )
     return _cached_steps(
-        model, input_ids.long(), max_new_tokens, sampling, stop_tokens, prefill_chunk, cache, attn_impl, stats
+        model, input_ids.long(), max_new_tokens, sampling, stop_tokens, prefill_chunk, cache, attn_impl, stats, decoder
     )
 
 
@@ -188,7 +200,11 @@ def _cached_steps(
     cache: KVCache,
     attn_impl: str,
     stats: SpeculationStats | None = None,
+    decoder: CompiledDecoder | None = None,
 ) -> Iterator[torch.Tensor]:
+    """Prefill, then one decode step per token: eager through the cache, or, with a `decoder`, the
+    compiled step over static buffers seeded from the prefilled cache, which gets the decoded tokens'
+    K/V back when the steps end (also when the caller stops early)."""
     B, T = input_ids.shape
     generator = _generator(sampling, input_ids.device)
     stops = _stop_ids(stop_tokens, input_ids.device)
@@ -196,18 +212,32 @@ def _cached_steps(
     if max_new_tokens == 0:
         return
     logits = model.prefill(input_ids, cache, prefill_chunk, attn_impl)
+    state = None
+    if decoder is not None and max_new_tokens > 1:
+        state = decoder.start(cast(MixedKVCache, cache), capacity=T + max_new_tokens - 1)
     prev = None
-    for step in range(max_new_tokens):
-        token = sample(logits[:, -1], sampling, generator)
-        token, done = _apply_stops(token, done, stops, prev)
-        if stats is not None:
-            stats.new_tokens += 1
-            stats.target_forwards += 1
-        yield token
-        prev = token
-        if step + 1 == max_new_tokens or (stops.numel() and bool(done.all())):
-            return
-        logits = model(token[:, None], cache=cache, start_pos=T + step, last_only=True, attn_impl=attn_impl).logits
+    try:
+        for step in range(max_new_tokens):
+            token = sample(logits[:, -1], sampling, generator)
+            token, done = _apply_stops(token, done, stops, prev)
+            if stats is not None:
+                stats.new_tokens += 1
+                stats.target_forwards += 1
+            yield token
+            prev = token
+            if step + 1 == max_new_tokens or (stops.numel() and bool(done.all())):
+                return
+            if state is not None:
+                assert decoder is not None  # a state comes from a decoder
+                logits = decoder.step(state, token)[:, None]
+            else:
+                logits = model(
+                    token[:, None], cache=cache, start_pos=T + step, last_only=True, attn_impl=attn_impl
+                ).logits
+    finally:
+        if state is not None:
+            assert decoder is not None
+            decoder.write_back(state, cast(MixedKVCache, cache))
 
 
 @torch.inference_mode()

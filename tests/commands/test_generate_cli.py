@@ -58,6 +58,11 @@ def test_generate_reads_stdin(monkeypatch, capsys):
         (["generate", "x", "--model", "lite-tiny", "--top-p", "0"], "top_p"),
         (["generate", "x", "--model", "lite-tiny", "--max-new-tokens", "-1"], "--max-new-tokens=-1: must be >= 0"),
         (["generate", "x", "--model", "no-such-preset"], "unknown preset|not a directory|no-such-preset"),
+        (
+            ["generate", "x", "--model", "lite-tiny", "--compile", "--kv-bits", "8"],
+            "--compile runs decode on the 16-bit",
+        ),
+        (["generate", "x", "--model", "lite-tiny", "--compile", "--speculate", "lookup"], "--speculate lookup cannot"),
     ],
 )
 def test_generate_bad_input_exit_2(argv, match, capsys):
@@ -65,6 +70,17 @@ def test_generate_bad_input_exit_2(argv, match, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "error:" in err and pytest.importorskip("re").search(match, err)
+
+
+def test_generate_compile_gives_the_same_text_and_reports_the_compile(capsys):
+    """--compile decodes through the compiled graph: same greedy text, the first step's time reported."""
+    base = ["generate", "Hello", "--model", "lite-tiny", "--max-new-tokens", "10", "--temperature", "0", "--json"]
+    assert main(base) == 0
+    eager = json.loads(capsys.readouterr().out)
+    assert main([*base, "--compile"]) == 0
+    compiled = json.loads(capsys.readouterr().out)
+    assert compiled["text"] == eager["text"] and eager["decode_compile_s"] is None
+    assert compiled["decode_compile_s"] > 0 and compiled["kv_payload_bytes"] == eager["kv_payload_bytes"]
 
 
 def test_stream_printer_never_splits_a_multibyte_character():

@@ -25,6 +25,15 @@ def add_model_arg(parser: argparse.ArgumentParser) -> None:
     add_threads_arg(parser)
 
 
+def add_compile_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="run decode steps as one compiled graph (torch.compile); the first run of a model shape "
+        "compiles for 30-60 s, later runs load it from inductor's disk cache in seconds",
+    )
+
+
 def add_eval_batch_args(parser: argparse.ArgumentParser, batch: str) -> None:
     """--prefill-chunk and --batch-size of the evaluations; `batch` says which trials go together."""
     parser.add_argument(
@@ -171,6 +180,8 @@ def load_model_and_tokenizer(args: argparse.Namespace):
             "directory or use a byte-vocabulary model (vocab_size 264, e.g. lite-tiny)"
         )
     model = load_model(source, device=device, dtype=getattr(torch, args.dtype))
+    if getattr(args, "compile", False):
+        model.prepare_for_inference(compile_decode=True)
     return model, tokenizer, source
 
 

@@ -9,7 +9,7 @@ import time
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from gptoss_lite.commands.common import add_kv_args, add_model_arg, add_speculate_args
+    from gptoss_lite.commands.common import add_compile_arg, add_kv_args, add_model_arg, add_speculate_args
 
     p = sub.add_parser(
         "generate",
@@ -18,6 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("prompt", nargs="?", default=None, help="prompt text; omit or '-' to read standard input")
     add_model_arg(p)
+    add_compile_arg(p)
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature; <= 0 is greedy (default: 0.7)")
     p.add_argument("--top-p", type=float, default=0.9, help="nucleus mass in (0, 1] (default: 0.9)")
@@ -76,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
     check_int("--prefill-chunk", args.prefill_chunk, 1)
     check_speculate_args(args)
     kv = kv_settings(args)
+    if args.compile and (kv.label != "16-bit" or args.speculate != "none"):
+        what = f"--speculate {args.speculate}" if args.speculate != "none" else f"--kv-bits/--kv-budget ({kv.label})"
+        raise ValueError(f"--compile runs decode on the 16-bit mixed cache without speculation; {what} cannot")
     prompt = read_prompt(args.prompt)
     model, tokenizer, source = load_model_and_tokenizer(args)
     ids = tokenizer.encode(prompt)
@@ -132,6 +136,9 @@ def run(args: argparse.Namespace) -> int:
     prefill_s = (t_first or t_end) - t0
     decode_steps = max(0, len(new) - 1)  # the first token comes out of the prefill pass
     decode_s = t_end - (t_first or t_end)
+    compile_s = None if model.compiled_decoder is None else model.compiled_decoder.compile_seconds
+    if compile_s is not None and decode_steps > 1:  # the first compiled step compiles (or loads) the graph
+        decode_steps, decode_s = decode_steps - 1, decode_s - compile_s
     cfg = model.config
     total_tokens = cache.num_tokens
     per_token_layer = 2 * cfg.n_kv_heads * cfg.head_dim * next(model.parameters()).element_size()
@@ -146,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
         "kv_payload_bytes": cache.payload_bytes,
         "kv_setting": kv.label,
         "kv_all_global_payload_bytes": cfg.n_layers * total_tokens * per_token_layer,
+        "decode_compile_s": compile_s,
         "speculation": None
         if speculate is None
         else {"mode": args.speculate, "draft_tokens": speculate.k, **spec_stats.to_dict()},
@@ -171,6 +179,11 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         print(f"threads: {args.threads}", file=sys.stderr)
+        if stats["decode_compile_s"] is not None:
+            print(
+                f"compiled decode: first step {stats['decode_compile_s']:.1f} s (compile or cache load)",
+                file=sys.stderr,
+            )
         if speculate is not None:
             print(
                 f"{speculation_line(spec_stats)}; --speculate {args.speculate}, --draft-tokens {speculate.k}",

@@ -20,7 +20,13 @@ def _depth(text: str) -> float:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from gptoss_lite.commands.common import add_eval_batch_args, add_kv_args, add_model_arg, add_speculate_args
+    from gptoss_lite.commands.common import (
+        add_compile_arg,
+        add_eval_batch_args,
+        add_kv_args,
+        add_model_arg,
+        add_speculate_args,
+    )
     from gptoss_lite.evals.passkey import BASE_SEED, DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_TRIALS, TEMPLATES
 
     p = subparsers.add_parser(
@@ -31,6 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "longest length (target >= 85%). Exits 0 either way.",
     )
     add_model_arg(p)
+    add_compile_arg(p)
     p.add_argument(
         "--lengths",
         type=int,

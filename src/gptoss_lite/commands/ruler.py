@@ -12,7 +12,7 @@ from gptoss_lite.evals.ruler_splits import SPLIT_NAMES, SPLITS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from gptoss_lite.commands.common import add_eval_batch_args, add_kv_args, add_model_arg
+    from gptoss_lite.commands.common import add_compile_arg, add_eval_batch_args, add_kv_args, add_model_arg
 
     families = "; ".join(f"{s.name}: {', '.join(f.name for f in s.families)}" for s in SPLITS.values())
     kinds = "; ".join(f"{s.name}: {', '.join(s.haystacks)}" for s in SPLITS.values())
@@ -25,6 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "split's phrasings, words and haystacks are never used in training.",
     )
     add_model_arg(p)
+    add_compile_arg(p)
     p.add_argument(
         "--lengths",
         type=int,

@@ -406,15 +406,18 @@ class Attention(nn.Module):
         self._clamped_sinks: tuple[tuple[int, int], torch.Tensor] | None = None  # see sink_logits
 
     @torch.no_grad()
-    def pack_for_decode(self) -> None:
+    def pack_for_decode(self, input_major: bool | None = None) -> None:
         """Make q_proj and kv_proj views of one buffer (and their biases views of one vector), so the
-        projections of a token are a single GEMV: input-major (C, H·D + 2·K·D) for fp32, out-major
-        (H·D + 2·K·D, C) for 16-bit weights (`decode_pack.input_major_for`). Same shapes and values;
-        the parameters stay separate for training and checkpoints. Idempotent.
+        projections of a token are a single GEMV: input-major (C, H·D + 2·K·D) or out-major
+        (H·D + 2·K·D, C); None picks the dtype's layout (`decode_pack.input_major_for`: input-major
+        for fp32, out-major for 16-bit weights). Same shapes and values; the parameters stay separate
+        for training and checkpoints. Idempotent; asking for the other layout re-packs.
         """
-        if self._packed_qkv() is None:
-            q, kv = self.q_proj, self.kv_proj
+        q, kv = self.q_proj, self.kv_proj
+        if input_major is None:
             input_major = input_major_for(q.weight.dtype)
+        packed = self._packed_qkv()
+        if packed is None or packed[2] != input_major:
             bias = None if q.bias is None else pack_pair(q.bias, kv.bias, transposed=False)
             buf = pack_pair(q.weight, kv.weight, transposed=True) if input_major else pack_rows(q.weight, kv.weight)
             self._qkv = (buf, bias, input_major)  # (C, Nq + Nkv) or (Nq + Nkv, C); (Nq + Nkv,)

@@ -29,9 +29,11 @@ def store_out_major(p: nn.Parameter) -> None:
         p.data = p.data.contiguous()
 
 
-def store_for_decode(p: nn.Parameter) -> None:
-    """Store a matmul weight in the decode layout of its dtype (`input_major_for`)."""
-    (store_input_major if input_major_for(p.dtype) else store_out_major)(p)
+def store_for_decode(p: nn.Parameter, input_major: bool | None = None) -> None:
+    """Store a matmul weight input-major or out-major; None: the layout of its dtype (`input_major_for`)."""
+    if input_major is None:
+        input_major = input_major_for(p.dtype)
+    (store_input_major if input_major else store_out_major)(p)
 
 
 def pack_rows(first: nn.Parameter, second: nn.Parameter) -> torch.Tensor:

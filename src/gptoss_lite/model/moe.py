@@ -36,22 +36,25 @@ class Experts(nn.Module):
         self._gate_up: tuple[torch.Tensor, torch.Tensor | None, bool] | None = None  # see pack_for_decode
 
     @torch.no_grad()
-    def pack_for_decode(self) -> None:
+    def pack_for_decode(self, input_major: bool | None = None) -> None:
         """Re-store the weights for one-token GEMVs: gate_proj and up_proj become views of one
-        buffer (so an expert's gate and up are one GEMV), input-major (E, C, 2I) for fp32 and
-        out-major (E, 2I, C) for 16-bit weights (`decode_pack.input_major_for`); down_proj is stored
-        in the same layout rule, and the gate/up biases are views of one (E, 2I) buffer. Same shapes
-        and values; the parameters stay separate for training and checkpoints. Idempotent.
+        buffer (so an expert's gate and up are one GEMV), input-major (E, C, 2I) or out-major
+        (E, 2I, C); None picks the dtype's layout (`decode_pack.input_major_for`: input-major for
+        fp32, out-major for 16-bit weights). down_proj is stored in the same layout, and the gate/up
+        biases are views of one (E, 2I) buffer. Same shapes and values; the parameters stay separate
+        for training and checkpoints. Idempotent; asking for the other layout re-packs.
         """
-        if self._packed_gate_up() is None:
+        if input_major is None:
             input_major = input_major_for(self.gate_proj.dtype)
+        packed = self._packed_gate_up()
+        if packed is None or packed[2] != input_major:
             bias = None if self.gate_bias is None else pack_pair(self.gate_bias, self.up_bias, transposed=False)
             if input_major:
                 buf = pack_pair(self.gate_proj, self.up_proj, transposed=True)  # (E, C, 2I)
             else:
                 buf = pack_rows(self.gate_proj, self.up_proj)  # (E, 2I, C)
             self._gate_up = (buf, bias, input_major)
-        store_for_decode(self.down_proj)
+        store_for_decode(self.down_proj, input_major)
 
     def is_packed(self) -> bool:
         """Whether gate_proj and up_proj still live in the buffer `pack_for_decode` made."""

@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 from gptoss_lite.config import ModelConfig
 from gptoss_lite.kv.base import KVCache, RaggedBatch
 from gptoss_lite.model.attention import Attention
+from gptoss_lite.model.compiled_decode import CompiledDecoder
 from gptoss_lite.model.decode_pack import store_for_decode
 from gptoss_lite.model.matmul import Linear, linear
 from gptoss_lite.model.moe import Experts, MoE
@@ -76,6 +77,7 @@ class GPTOSS(nn.Module):
         self.rope_sliding = RotaryEmbedding(config, pruned_pairs=0)
         self.rope_full = RotaryEmbedding(config, pruned_pairs=config.rope_pruned_pairs)
         self.gradient_checkpointing = False
+        self.compiled_decoder: CompiledDecoder | None = None  # see prepare_for_inference(compile_decode=True)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -94,7 +96,7 @@ class GPTOSS(nn.Module):
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
 
     @torch.no_grad()
-    def pack_for_decode(self) -> GPTOSS:
+    def pack_for_decode(self, input_major: bool | None = None) -> GPTOSS:
         """Re-store the weights for one-token decode steps; same shapes, names and values. Returns self.
 
         A decode step multiplies one (1, in) row by each weight. In fp32, PyTorch's CPU GEMV streams
@@ -105,27 +107,40 @@ class GPTOSS(nn.Module):
         side by side (q with kv, each expert's gate with up) so that each pair is one GEMV. Parameters
         become views of the packed buffers: training and checkpoints see the same tensors (the saved
         bytes are identical), and a later .to(dtype) just falls back to the unpacked path.
+        `input_major` forces one layout for every dtype (the compiled decode step wants out-major).
         Idempotent; `prepare_for_inference` calls it.
         """
         for module in self.modules():
             if isinstance(module, (Attention, Experts)):
-                module.pack_for_decode()
+                module.pack_for_decode(input_major)
             elif isinstance(module, nn.Linear):
-                store_for_decode(module.weight)  # o_proj, router, lm_head (q/kv are packed above)
-        store_for_decode(self.embed.weight)  # the output head when tied
+                store_for_decode(module.weight, input_major)  # o_proj, router, lm_head (q/kv are packed above)
+        store_for_decode(self.embed.weight, input_major)  # the output head when tied
         return self
 
     @torch.no_grad()
     def prepare_for_inference(
-        self, device: str | torch.device | None = None, dtype: torch.dtype | None = None
+        self,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        compile_decode: bool = False,
     ) -> GPTOSS:
         """The one place a model is made ready to generate: weights moved to `device` / `dtype` (None
         keeps them), eval mode (no dropout), then `pack_for_decode`. `load_model` calls it;
         `generate()` checks `inference_ready` and never changes the model itself. Returns self.
+
+        `compile_decode=True` packs every weight out-major and attaches a `CompiledDecoder`
+        (`gptoss_lite.model.compiled_decode`) as `self.compiled_decoder`: `generate()` then runs its
+        decode steps as one compiled graph (compiled on first use, cached on disk by inductor).
         """
         self.to(device=device, dtype=dtype)
         self.eval()
-        return self.pack_for_decode()
+        self.compiled_decoder = None
+        if not compile_decode:
+            return self.pack_for_decode()
+        self.pack_for_decode(input_major=False)
+        self.compiled_decoder = CompiledDecoder(self)
+        return self
 
     @property
     def inference_ready(self) -> bool:

@@ -1,0 +1,143 @@
+"""CompiledDecoder: the decode step as one compiled graph, checked against the eager decode path."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from conftest import make_model
+from gptoss_lite.generation import generate
+from gptoss_lite.kv.mixed import MixedKVCache
+from gptoss_lite.model.compiled_decode import CompiledDecoder
+
+PRESETS = ["lite-tiny", "gpt-oss-tiny"]  # shared expert, swiglu, tied head; biases, clamped act, untied head
+
+
+def _compiled(preset: str, dtype: torch.dtype = torch.float32):
+    return make_model(preset).prepare_for_inference(dtype=dtype, compile_decode=True)
+
+
+def _decode_pair(eager, compiled, prompt: torch.Tensor, steps: int, compile_graph: bool):
+    """Logits of `steps` greedy decode steps after `prompt`, eager (the cache path) and through the
+    decoder (its graph, or `step_eager` uncompiled); the eager path's tokens drive both."""
+    B, T = prompt.shape
+    decoder = compiled.compiled_decoder
+    out = []
+    with torch.inference_mode():
+        cache = MixedKVCache(eager.config, batch_size=B)
+        logits = eager.prefill(prompt, cache, 2048)
+        side = MixedKVCache(compiled.config, batch_size=B)
+        compiled.prefill(prompt, side, 2048)
+        state = decoder.start(side, capacity=T + steps)
+        for i in range(steps):
+            token = logits[:, -1].argmax(-1)
+            logits = eager(token[:, None], cache=cache, start_pos=T + i, last_only=True).logits
+            if compile_graph:
+                fast = decoder.step(state, token)
+            else:
+                fast = decoder.step_eager(token, torch.tensor([T + i]), state.keys, state.values)
+            out.append((logits[:, -1], fast))
+    return out
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_static_step_equals_eager_decode(preset):
+    # 20 prompt tokens and 12 steps: the sliding layers' 8-slot ring wraps several times.
+    eager, compiled = make_model(preset), _compiled(preset)
+    prompt = torch.randint(0, eager.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
+    for ref, fast in _decode_pair(eager, compiled, prompt, 12, compile_graph=False):
+        torch.testing.assert_close(fast, ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_static_step_bf16_is_close_to_eager_bf16(preset):
+    # bf16 rounds at the same points as the eager path; what differs is the order of fp32 sums.
+    eager = make_model(preset).prepare_for_inference(dtype=torch.bfloat16)
+    compiled = _compiled(preset, torch.bfloat16)
+    prompt = torch.randint(0, eager.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(2))
+    for ref, fast in _decode_pair(eager, compiled, prompt, 8, compile_graph=False):
+        assert fast.dtype == torch.bfloat16
+        assert (fast.float() - ref.float()).abs().max() <= 0.05 * ref.float().abs().max()
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_compiled_step_equals_eager_decode(preset):
+    eager, compiled = make_model(preset), _compiled(preset)
+    prompt = torch.randint(0, eager.config.vocab_size, (1, 13), generator=torch.Generator().manual_seed(3))
+    for ref, fast in _decode_pair(eager, compiled, prompt, 10, compile_graph=True):
+        torch.testing.assert_close(fast, ref, atol=1e-4, rtol=0)
+    assert compiled.compiled_decoder.compile_seconds is not None
+
+
+def test_generate_with_compiled_decode_matches_eager_tokens():
+    eager, compiled = make_model(), _compiled("lite-tiny")
+    before = counters["stats"]["unique_graphs"]
+    for length in (5, 17, 40):  # one graph for every prompt length (the global capacity is dynamic)
+        prompt = torch.randint(0, 264, (2, length), generator=torch.Generator().manual_seed(length))
+        expected = generate(eager, prompt, max_new_tokens=9, temperature=0)
+        assert torch.equal(generate(compiled, prompt, max_new_tokens=9, temperature=0), expected)
+        sampled = generate(eager, prompt, max_new_tokens=6, temperature=0.8, seed=7)
+        assert torch.equal(generate(compiled, prompt, max_new_tokens=6, temperature=0.8, seed=7), sampled)
+    assert counters["stats"]["unique_graphs"] - before <= 1
+
+
+@pytest.mark.parametrize("stop_early", [False, True])
+def test_compiled_generate_leaves_the_cache_as_eager_does(stop_early):
+    # The decoded tokens' K/V are written back into the caller's cache, also when a stop token (or
+    # the caller) ends the steps early; 30 new tokens wrap the sliding layers' 8-slot rings.
+    eager, compiled = make_model(), _compiled("lite-tiny")
+    prompt = torch.randint(0, 264, (1, 6), generator=torch.Generator().manual_seed(4))
+    stops = None
+    if stop_early:
+        stops = [int(generate(eager, prompt, max_new_tokens=12, temperature=0)[0, -1])]
+    caches = []
+    for model in (eager, compiled):
+        cache = MixedKVCache(model.config)
+        out = generate(model, prompt, max_new_tokens=30, temperature=0, cache=cache, stop_tokens=stops)
+        caches.append((out, cache))
+    (out_e, cache_e), (out_c, cache_c) = caches
+    assert torch.equal(out_e, out_c)
+    assert cache_c.num_tokens == cache_e.num_tokens == out_e.shape[1] - 1
+    for layer in range(len(cache_e)):
+        for mine, theirs in zip(cache_c.get(layer), cache_e.get(layer)):
+            torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+
+
+def test_decoder_refuses_input_major_weights_and_changed_weights():
+    model = make_model()  # fp32 packed input-major, the eager decode layout
+    with pytest.raises(ValueError, match="out-major"):
+        CompiledDecoder(model)
+    compiled = _compiled("lite-tiny")
+    prompt = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        compiled.blocks[0].attn.sinks.add_(0.5)  # weights changed after prepare_for_inference
+    with pytest.raises(ValueError, match="weights changed"):
+        generate(compiled, prompt, max_new_tokens=2)
+    compiled.prepare_for_inference(compile_decode=True)  # a fresh decoder reads them again
+    assert compiled.compiled_decoder.current(compiled)
+
+
+def test_decode_state_capacity_is_checked():
+    compiled = _compiled("lite-tiny")
+    with torch.inference_mode():
+        cache = MixedKVCache(compiled.config)
+        compiled.prefill(torch.tensor([[1, 2, 3, 4]]), cache, 16)
+        with pytest.raises(ValueError, match="capacity"):
+            compiled.compiled_decoder.start(cache, capacity=4)
+        state = compiled.compiled_decoder.start(cache, capacity=5)
+        state.position = 5
+        with pytest.raises(ValueError, match="full"):
+            compiled.compiled_decoder.step(state, torch.tensor([1]))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_pack_layout_can_be_switched_and_back(preset):
+    model = make_model(preset)
+    values = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model.pack_for_decode(input_major=False)
+    attn, experts = model.blocks[0].attn, model.blocks[0].moe.experts
+    assert attn.q_proj.weight.stride(-1) == 1 and experts.down_proj.stride(-1) == 1
+    assert not attn._packed_qkv()[2] and not experts._packed_gate_up()[2]
+    model.pack_for_decode()  # back to fp32's own layout
+    assert attn.q_proj.weight.stride(-2) == 1 and attn._packed_qkv()[2]
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, values[name]), name
