@@ -241,7 +241,7 @@ class CompiledDecoder:
             qkv = _gemv(h, L.qkv_w, L.qkv_b)  # (B, H·D + 2·K·D) fp32
             q, k, v = qkv.split((H * D, K * D, K * D), dim=-1)
             cos, sin = tables[L.sliding]
-            q = _rotate(q.to(dt).float().view(B, H, D), cos, sin).to(dt).float()
+            q = _rotate(q.to(dt).float().view(B, H, D), cos, sin).to(dt)
             k = _rotate(k.to(dt).float().view(B, K, D), cos, sin).to(dt)
             v = v.to(dt).view(B, K, D)
             kb, vb = keys[i], values[i]
@@ -256,7 +256,10 @@ class CompiledDecoder:
                 visible = index <= pos
             # As `attention._attend_one_query`: scores rounded to the dtype, then scaled; the
             # unnormalised probabilities weight the values, and the sum is divided once.
-            scores = (q.view(B, K, G, 1, D) * kb[:, :, None].float()).sum(-1)  # (B, K, G, S)
+            # Two batched matmuls in fp32, which inductor hands to the BLAS kernel: at 2,048 keys the
+            # 20M model's fp32 step took 3.6 ms this way against 7.7 ms with fused reductions, and
+            # widening a bf16 cache first beats PyTorch's bf16 matmul on CPUs without bf16 instructions.
+            scores = torch.matmul(q.float().view(B, K, G, D), kb.float().transpose(-1, -2))  # (B, K, G, S)
             scores = _round(scores, dt) * D**-0.5
             scores = scores.masked_fill(~visible, float("-inf"))
             top = scores.amax(dim=-1, keepdim=True)
@@ -267,7 +270,7 @@ class CompiledDecoder:
             denom = p.sum(dim=-1, keepdim=True)
             if L.sinks is not None:
                 denom = denom + torch.exp(sink - top)
-            att = (_round(p, dt)[..., None] * vb[:, :, None].float()).sum(-2)  # (B, K, G, D)
+            att = torch.matmul(_round(p, dt), vb.float())  # (B, K, G, D)
             att = (_round(att, dt) / denom).to(dt).reshape(B, H * D)
             x = _round(x + _round(_gemv(att, L.o_w, L.o_b), dt), dt)
             h = _rms(x, L.norm2, cfg.norm_eps).to(dt)
