@@ -106,7 +106,9 @@ class CompiledDecoder:
                     "with prepare_for_inference(compile_decode=True)"
                 )
         self._captured = self._weights_key(model)
-        self._compiled = torch.compile(self.step_eager, dynamic=False, fullgraph=True)
+        # cpp_wrapper: the ~40 kernel calls of a step are made from generated C++, not Python (bf16
+        # step of the 20M model 3.13 -> 2.66 ms, medians of 6 alternating runs in one process).
+        self._compiled = torch.compile(self.step_eager, dynamic=False, fullgraph=True, options={"cpp_wrapper": True})
         self.compile_seconds: float | None = None  # wall time of the first compiled call
 
     def _layer(self, block) -> _Layer:
