@@ -1,7 +1,7 @@
 """Decode speed of a preset at one context length beside the memory-bandwidth roofline of this machine.
 
     python benchmarks/decode_roofline.py --preset gptoss-lite-502m --dtype bfloat16 --context 2048 \\
-        --threads 2 --out docs/img/decode_roofline_502m.json
+        --threads 2 --out docs/img/decode_roofline_502m_bf16.json
 
 A decode step of batch 1 must read every active weight once (attention, the router, the top-k routed
 experts and the shared experts of every layer, the output head; `config.count_active_parameters`)
@@ -9,9 +9,10 @@ and the keys and values it attends to (the whole context on global layers, one w
 layers). The roofline is those bytes divided by the memory bandwidth measured here, in the same
 process and thread count: the best of several `sum()` passes over a tensor far larger than the caches
 (read bandwidth, what a decode step needs), beside numpy's copy bandwidth (read + write, the planner's
-figure). The step is timed eager (`GPTOSS.forward` through the mixed cache) and compiled
-(`prepare_for_inference(compile_decode=True)`); the compile time is reported apart. Weights are random
-(a preset), which changes no timing: the router still selects top_k experts per layer.
+figure); the same sum over the weights' dtype is reported beside it. The step is timed eager
+(`GPTOSS.forward` through the mixed cache) and compiled (`prepare_for_inference(compile_decode=True)`);
+the compile time is reported apart. Weights are random (a preset), which changes no timing: the router
+still selects top_k experts.
 """
 
 from __future__ import annotations
@@ -32,15 +33,15 @@ from gptoss_lite.kv.mixed import MixedKVCache
 from gptoss_lite.plan.presets import measure_this_machine
 
 
-def read_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
-    """Bytes/s of the best of `repeats` fp32 sums over `gib` GiB (only reads)."""
-    x = torch.ones(int(gib * 2**30) // 4)
+def read_bandwidth(dtype: torch.dtype = torch.float32, gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes/s of the best of `repeats` sums over `gib` GiB of `dtype` (only reads)."""
+    x = torch.ones(int(gib * 2**30) // torch.finfo(dtype).bits * 8, dtype=dtype)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         x.sum()
         best = min(best, time.perf_counter() - t0)
-    return x.numel() * 4 / best
+    return x.numel() * x.element_size() / best
 
 
 def bytes_per_step(cfg, context: int, element_size: int) -> dict[str, int]:
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
 
     read_bw = read_bandwidth()
+    read_bw_dtype = read_bandwidth(dtype)  # the same sum over the weights' dtype, for comparison
     copy_bw = measure_this_machine().bandwidth_bytes_per_second
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the preset's "RANDOM weights" warning: intended here
@@ -91,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "torch": torch.__version__,
         "read_bandwidth_gb_s": read_bw / 1e9,
+        f"read_bandwidth_{args.dtype}_gb_s": read_bw_dtype / 1e9,
         "copy_bandwidth_gb_s": copy_bw / 1e9,
         "bytes_per_step": need,
         "roofline_tok_s": read_bw / need["total"],
@@ -127,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{args.preset} {args.dtype}, batch 1, context {args.context}, {args.threads} threads: "
         f"{gb:.3f} GB per step ({need['weights'] / 1e9:.3f} weights + {need['kv'] / 1e9:.3f} KV); "
-        f"read bandwidth {read_bw / 1e9:.1f} GB/s (copy {copy_bw / 1e9:.1f} GB/s) -> roofline "
+        f"read bandwidth {read_bw / 1e9:.1f} GB/s (of {args.dtype}: {read_bw_dtype / 1e9:.1f}; copy "
+        f"{copy_bw / 1e9:.1f} GB/s) -> roofline "
         f"{result['roofline_tok_s']:.1f} tok/s"
     )
     for name in ("eager", "compiled"):

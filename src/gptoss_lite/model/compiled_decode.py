@@ -77,17 +77,14 @@ class DecodeState:
         self.position = position
         self.capacity = capacity  # slots of each global layer: positions 0 … capacity - 1
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
-
 
 class CompiledDecoder:
     """The decode step of `model` as one compiled graph (see the module docstring).
 
     Built by `GPTOSS.prepare_for_inference(compile_decode=True)`; `generate()` uses it for the decode
-    steps of a generation that runs on its own cache. The decoder reads the model's weights in
-    place (nothing is copied); `current()` tells whether they are still the ones it captured.
+    steps of a generation on a plain `MixedKVCache` (`start` seeds the static buffers from it,
+    `write_back` catches it up). The decoder reads the model's weights in place (nothing is copied);
+    `current()` tells whether they are still the ones it captured.
     """
 
     def __init__(self, model) -> None:
@@ -124,7 +121,10 @@ class CompiledDecoder:
         experts: Experts = moe.experts
         gate_up = experts._packed_gate_up()
         if gate_up is None or gate_up[2]:
-            raise ValueError("compiled decode needs expert gate/up packed out-major (prepare_for_inference)")
+            raise ValueError(
+                "compiled decode needs expert gate/up packed out-major; build the model with "
+                "prepare_for_inference(compile_decode=True)"
+            )
         sinks = attn.sink_logits()
         shared = ()
         if moe.shared is not None:
