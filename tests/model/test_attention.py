@@ -194,3 +194,35 @@ def test_band_blocks_tile_the_range(lo, hi, k_block, first_q, last_q, window):
     if band[1] - band[0] >= MIN_UNMASKED_KEYS:
         assert band in blocks
     assert all(b - a <= k_block for a, b in blocks if (a, b) != band)
+
+
+def test_flash_block_masks_are_reused_without_autograd_and_built_fresh_with_it():
+    from gptoss_lite.model.attention import _cached_block_mask, flash_block_mask, visible_mask
+
+    _cached_block_mask.cache_clear()
+    with torch.inference_mode():
+        first = flash_block_mask(4, 6, 2, 3, 2, torch.float32, "cpu")
+        again = flash_block_mask(4, 6, 2, 3, 2, torch.float32, "cpu")
+    assert first[0] is again[0]  # one build per shape and offset
+    visible = visible_mask(4, 6, 2, 3).repeat(2, 1)  # (G·T, S) for G = 2 stacked heads
+    assert torch.equal(first[0] == 0, visible) and torch.equal(first[0] < -1e29, ~visible)
+    assert torch.equal(first[1], ~visible.any(dim=-1))
+    assert flash_block_mask(4, 6, 2, 3, 2, torch.float32, "cpu")[0] is not first[0]  # autograd on: fresh
+
+
+def test_flash_attention_trains_after_an_inference_call_of_the_same_shape():
+    # The masks cached by an inference call must not reach a training forward (inference tensors
+    # cannot be saved for backward): with autograd on they are built fresh.
+    from gptoss_lite.model.attention import attention_fast, attention_reference
+
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 40, 8, generator=gen)
+    k, v = torch.randn(1, 2, 40, 8, generator=gen), torch.randn(1, 2, 40, 8, generator=gen)
+    sinks = torch.randn(4, generator=gen)
+    with torch.inference_mode():
+        attention_fast(q, k, v, sinks, 0, 16)
+    qg = q.clone().requires_grad_()
+    out = attention_fast(qg, k, v, sinks, 0, 16)
+    out.sum().backward()
+    torch.testing.assert_close(out, attention_reference(q, k, v, sinks, 0, 16), atol=1e-5, rtol=0)
+    assert qg.grad is not None and torch.isfinite(qg.grad).all()

@@ -19,6 +19,7 @@ iff j <= i + q_offset and, with a window W, (i + q_offset) - j < W.
 
 from __future__ import annotations
 
+import functools
 from typing import cast
 
 import torch
@@ -118,21 +119,51 @@ def _flash_merge(
     rows: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    visible: torch.Tensor | None,
+    mask: tuple[torch.Tensor, torch.Tensor] | None,
     lse: torch.Tensor,
     acc: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One fused-kernel call over a key block, merged into (lse, acc) by log-sum-exp. `visible`
-    (rows, Sb) masks the block (None: every key visible); a row it hides entirely is reported by the
-    kernel as lse = 0 and is set to -inf here."""
+    """One fused-kernel call over a key block, merged into (lse, acc) by log-sum-exp. `mask` is
+    `flash_block_mask`'s (additive mask, hidden rows) for the block, or None when every key is visible;
+    a row the mask hides entirely is reported by the kernel as lse = 0 and is set to -inf here."""
     assert _FLASH is not None, "flash_applies() was checked"
-    mask = None if visible is None else torch.zeros(visible.shape, dtype=rows.dtype).masked_fill_(~visible, -1e30)
-    out_b, lse_b = _FLASH(rows, k, v, 0.0, False, attn_mask=mask, scale=rows.shape[-1] ** -0.5)
-    if visible is not None:
-        lse_b = lse_b.masked_fill(~visible.any(dim=-1), float("-inf"))
+    additive = None if mask is None else mask[0]
+    out_b, lse_b = _FLASH(rows, k, v, 0.0, False, attn_mask=additive, scale=rows.shape[-1] ** -0.5)
+    if mask is not None:
+        lse_b = lse_b.masked_fill(mask[1], float("-inf"))
     new = torch.logaddexp(lse, lse_b)
     acc = acc * torch.exp(lse - new)[..., None] + out_b.float() * torch.exp(lse_b - new)[..., None]
     return new, acc
+
+
+def flash_block_mask(
+    T: int, S: int, q_offset: int, window: int | None, G: int, dtype: torch.dtype, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused kernel's inputs for a masked block: an additive (G·T, S) mask (0 where visible,
+    -1e30 where not; `visible_mask` repeated for the G stacked heads) and the (G·T,) rows it hides
+    entirely. Without autograd the pair is built once per shape and offset and reused: every layer of a
+    kind, and every query block of a long prompt, masks the same edges, and building the masks was a
+    fifth of a 2,048-token fp32 prefill of the 20M model."""
+    if torch.is_grad_enabled():
+        return _build_block_mask(T, S, q_offset, window, G, dtype, device)
+    return _cached_block_mask(T, S, q_offset, window, G, dtype, torch.device(device))
+
+
+def _build_block_mask(
+    T: int, S: int, q_offset: int, window: int | None, G: int, dtype: torch.dtype, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    visible = visible_mask(T, S, q_offset, window, device).repeat(G, 1)  # (G·T, S)
+    additive = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, -1e30)
+    return additive, ~visible.any(dim=-1)
+
+
+@functools.lru_cache(maxsize=8)  # at most 8 masks of <= SCORE_BLOCK_ELEMENTS elements (16 MiB in fp32)
+def _cached_block_mask(
+    T: int, S: int, q_offset: int, window: int | None, G: int, dtype: torch.dtype, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # Only used with autograd off, where nothing is saved for backward: a mask made in inference mode
+    # may serve a later no-grad call too.
+    return _build_block_mask(T, S, q_offset, window, G, dtype, device)
 
 
 def _attend_blocked(
@@ -214,10 +245,10 @@ def _attend_flash(
         lse, acc = _flash_state(sinks, B, K, G, Tb, D, q.device)
         k_block = max(128, SCORE_BLOCK_ELEMENTS // max(1, G * Tb))  # bounds a masked block's (G·Tb, Sb) mask
         for ks, ke in _band_blocks(lo, hi, k_block, first_q, last_q, window):
-            visible = None
+            mask = None
             if not (ke - 1 <= first_q and (window is None or last_q - ks < window)):
-                visible = visible_mask(Tb, ke - ks, first_q - ks, window, q.device).repeat(G, 1)  # (G·Tb, Sb)
-            lse, acc = _flash_merge(rows, k[:, :, ks:ke], v[:, :, ks:ke], visible, lse, acc)
+                mask = flash_block_mask(Tb, ke - ks, first_q - ks, window, G, q.dtype, q.device)
+            lse, acc = _flash_merge(rows, k[:, :, ks:ke], v[:, :, ks:ke], mask, lse, acc)
         outs.append(acc.view(B, K, G, Tb, D))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)
     return out.view(B, H, T, D).to(q.dtype)
@@ -356,10 +387,10 @@ def _attention_blocks_flash(
         ke = ks + k.shape[2]
         if ke <= lo or ks > last_q:
             continue
-        visible = None
+        mask = None
         if not (ke - 1 <= first_q and (window is None or last_q - ks < window)):
-            visible = visible_mask(T, ke - ks, first_q - ks, window, q.device).repeat(G, 1)  # (G·T, Sb)
-        lse, acc = _flash_merge(rows, k.to(q.dtype), v.to(q.dtype), visible, lse, acc)
+            mask = flash_block_mask(T, ke - ks, first_q - ks, window, G, q.dtype, q.device)
+        lse, acc = _flash_merge(rows, k.to(q.dtype), v.to(q.dtype), mask, lse, acc)
     return acc.view(B, K, G, T, D).reshape(B, H, T, D).to(q.dtype)
 
 
