@@ -4,7 +4,7 @@
         --threads 2 --out docs/img/decode_roofline_502m_bf16.json
 
 A decode step of batch 1 must read every active weight once (attention, the router, the top-k routed
-experts and the shared experts of every layer, the output head; `config.count_active_parameters`)
+experts and the shared experts of every layer, the output head; `plan.presets.weights_from_model_config`)
 and the keys and values it attends to (the whole context on global layers, one window on sliding
 layers). The roofline is those bytes divided by the memory bandwidth measured here, in the same
 process and thread count: the best of several `sum()` passes over a tensor far larger than the caches
@@ -28,14 +28,13 @@ from pathlib import Path
 import torch
 
 from gptoss_lite.checkpoint import load_model
-from gptoss_lite.config import count_active_parameters
 from gptoss_lite.kv.mixed import MixedKVCache
-from gptoss_lite.plan.presets import measure_this_machine
+from gptoss_lite.plan.presets import geometry_from_model_config, measure_this_machine, weights_from_model_config
 
 
 def read_bandwidth(dtype: torch.dtype = torch.float32, gib: float = 1.0, repeats: int = 5) -> float:
     """Bytes/s of the best of `repeats` sums over `gib` GiB of `dtype` (only reads)."""
-    x = torch.ones(int(gib * 2**30) // torch.finfo(dtype).bits * 8, dtype=dtype)
+    x = torch.ones(int(gib * 2**30) // (torch.finfo(dtype).bits // 8), dtype=dtype)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -45,14 +44,9 @@ def read_bandwidth(dtype: torch.dtype = torch.float32, gib: float = 1.0, repeats
 
 
 def bytes_per_step(cfg, context: int, element_size: int) -> dict[str, int]:
-    """Weight and KV bytes one batch-1 decode step at `context` tokens reads."""
-    per_token_layer = 2 * cfg.n_kv_heads * cfg.head_dim * element_size
-    n_sliding = sum(cfg.is_sliding(i) for i in range(cfg.n_layers))
-    kv = n_sliding * min(context, cfg.sliding_window) * per_token_layer
-    kv += (cfg.n_layers - n_sliding) * context * per_token_layer
-    weights = count_active_parameters(cfg) * element_size
-    if not cfg.tie_embeddings:  # an untied input embedding is read one row per token, not whole
-        weights -= (cfg.vocab_size - 1) * cfg.d_model * element_size
+    """Weight and KV bytes one batch-1 decode step at `context` tokens reads (the planner's counts)."""
+    weights = weights_from_model_config(cfg, element_size).streamed_weight_bytes
+    kv = geometry_from_model_config(cfg, element_size).sequence_bytes(context)
     return {"weights": weights, "kv": kv, "total": weights + kv}
 
 

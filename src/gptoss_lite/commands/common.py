@@ -30,7 +30,7 @@ def add_compile_arg(parser: argparse.ArgumentParser) -> None:
         "--compile",
         action="store_true",
         help="run decode steps as one compiled graph (torch.compile); the first run of a model shape "
-        "compiles for 30-60 s, later runs load it from inductor's disk cache in seconds",
+        "compiles for about a minute, later runs load it from inductor's disk cache in seconds",
     )
 
 

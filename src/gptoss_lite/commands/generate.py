@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     check_int("--prefill-chunk", args.prefill_chunk, 1)
     check_speculate_args(args)
     kv = kv_settings(args)
-    if args.compile and (kv.label != "16-bit" or args.speculate != "none"):
+    if args.compile and (kv.bits != 16 or kv.budget is not None or args.speculate != "none"):
         what = f"--speculate {args.speculate}" if args.speculate != "none" else f"--kv-bits/--kv-budget ({kv.label})"
         raise ValueError(f"--compile runs decode on the 16-bit mixed cache without speculation; {what} cannot")
     prompt = read_prompt(args.prompt)

@@ -157,13 +157,9 @@ def _build_block_mask(
     return additive, ~visible.any(dim=-1)
 
 
-@functools.lru_cache(maxsize=8)  # at most 8 masks of <= SCORE_BLOCK_ELEMENTS elements (16 MiB in fp32)
-def _cached_block_mask(
-    T: int, S: int, q_offset: int, window: int | None, G: int, dtype: torch.dtype, device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    # Only used with autograd off, where nothing is saved for backward: a mask made in inference mode
-    # may serve a later no-grad call too.
-    return _build_block_mask(T, S, q_offset, window, G, dtype, device)
+# At most 8 masks of <= SCORE_BLOCK_ELEMENTS elements (16 MiB in fp32). Only used with autograd off,
+# where nothing is saved for backward, so a mask made in inference mode may serve a later no-grad call.
+_cached_block_mask = functools.lru_cache(maxsize=8)(_build_block_mask)
 
 
 def _attend_blocked(

@@ -31,16 +31,17 @@ the system's temp directory), so later processes load it in seconds.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
-from gptoss_lite.kv.mixed import GrowingBuffer, MixedKVCache, RingBuffer
+from gptoss_lite.kv.mixed import MixedKVCache, RingBuffer
 from gptoss_lite.model.attention import Attention
 from gptoss_lite.model.moe import Experts
-from gptoss_lite.model.rope import rotary_tables
+from gptoss_lite.model.rope import apply_rotary_tables, rotary_tables
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,8 @@ class _Layer:
     """One block's weights as the graph reads them: every matmul weight out-major (..., out, in)."""
 
     sliding: bool
-    norm1: Tensor
-    norm2: Tensor
+    norm1: nn.Module  # the block's RMSNorms (fp32 statistics)
+    norm2: nn.Module
     qkv_w: Tensor  # (H·D + 2·K·D, C): q then k then v
     qkv_b: Tensor | None
     o_w: Tensor  # (C, H·D)
@@ -61,11 +62,22 @@ class _Layer:
     gate_up_b: Tensor | None  # (E, 2I)
     down_w: Tensor  # (E, C, I)
     down_b: Tensor | None  # (E, C)
-    shared: tuple[tuple[Tensor, Tensor, Tensor | None, Tensor | None, Tensor | None], ...]  # gate, up, down, biases
+    activate: Callable[[Tensor, Tensor], Tensor]  # `Experts._activate` (gate, up) -> hidden
+    # one (gate|up weight, its bias, down weight, its bias) per shared expert
+    shared: tuple[tuple[Tensor, Tensor | None, Tensor, Tensor | None], ...]
 
 
-def _out_major(w: Tensor) -> bool:
-    return w.stride(-1) == 1
+_NOT_OUT_MAJOR = (
+    "compiled decode needs out-major weights ({}); build the model with prepare_for_inference(compile_decode=True)"
+)
+
+
+def _packed_out_major(packed: tuple[Tensor, Tensor | None, bool] | None, what: str) -> tuple[Tensor, Tensor | None]:
+    """The (weight, bias) of a decode-packed pair (`Attention._packed_qkv`, `Experts._packed_gate_up`),
+    which must be packed out-major."""
+    if packed is None or packed[2]:
+        raise ValueError(_NOT_OUT_MAJOR.format(f"{what} are not packed out-major"))
+    return packed[0], packed[1]
 
 
 class DecodeState:
@@ -92,16 +104,12 @@ class CompiledDecoder:
         self.config = cfg
         self.dtype = model.embed.weight.dtype
         self.embed = model.embed.weight
-        self.norm = model.norm.weight
+        self.norm = model.norm
         self.head = model.head_weight()
+        if self.head.stride(-1) != 1:
+            raise ValueError(_NOT_OUT_MAJOR.format("the output head is input-major"))
         self.layers = tuple(self._layer(block) for block in model.blocks)
         self.rope_sliding, self.rope_full = model.rope_sliding, model.rope_full
-        for name, w in (("head", self.head), *((f"layer {i}", L.qkv_w) for i, L in enumerate(self.layers))):
-            if not _out_major(w):
-                raise ValueError(
-                    f"compiled decode needs out-major weights ({name} is input-major); build the model "
-                    "with prepare_for_inference(compile_decode=True)"
-                )
         self._captured = self._weights_key(model)
         # cpp_wrapper: the ~40 kernel calls of a step are made from generated C++, not Python (bf16
         # step of the 20M model 3.13 -> 2.66 ms, medians of 6 alternating runs in one process).
@@ -110,50 +118,34 @@ class CompiledDecoder:
 
     def _layer(self, block) -> _Layer:
         attn: Attention = block.attn
-        moe = block.moe
-        packed = attn._packed_qkv()
-        if packed is None or packed[2]:
-            raise ValueError(
-                "compiled decode needs q/kv packed out-major; build the model with "
-                "prepare_for_inference(compile_decode=True)"
-            )
-        qkv_w, qkv_b, _ = packed
-        experts: Experts = moe.experts
-        gate_up = experts._packed_gate_up()
-        if gate_up is None or gate_up[2]:
-            raise ValueError(
-                "compiled decode needs expert gate/up packed out-major; build the model with "
-                "prepare_for_inference(compile_decode=True)"
+        experts: Experts = block.moe.experts
+        qkv_w, qkv_b = _packed_out_major(attn._packed_qkv(), "q/kv")
+        gate_up_w, gate_up_b = _packed_out_major(experts._packed_gate_up(), "the experts' gate/up")
+        shared = ()
+        if block.moe.shared is not None:
+            s = block.moe.shared
+            w, b = _packed_out_major(s._packed_gate_up(), "the shared experts' gate/up")
+            shared = tuple(
+                (w[e], None if b is None else b[e], s.down_proj[e], None if s.down_bias is None else s.down_bias[e])
+                for e in range(w.shape[0])
             )
         sinks = attn.sink_logits()
-        shared = ()
-        if moe.shared is not None:
-            s = moe.shared
-            shared = tuple(
-                (
-                    s.gate_proj[e],
-                    s.up_proj[e],
-                    s.down_proj[e],
-                    None if s.gate_bias is None else torch.cat((s.gate_bias[e], s.up_bias[e])),
-                    None if s.down_bias is None else s.down_bias[e],
-                )
-                for e in range(s.gate_proj.shape[0])
-            )
         return _Layer(
             sliding=block.sliding,
-            norm1=block.norm1.weight,
-            norm2=block.norm2.weight,
+            norm1=block.norm1,
+            norm2=block.norm2,
             qkv_w=qkv_w,
             qkv_b=qkv_b,
             o_w=attn.o_proj.weight,
             o_b=attn.o_proj.bias,
             sinks=None if sinks is None else sinks.detach().float(),
-            router_w=moe.router.weight,
-            router_b=moe.router.bias,
-            gate_up_w=gate_up[0],
-            gate_up_b=gate_up[1],
+            router_w=block.moe.router.weight,
+            router_b=block.moe.router.bias,
+            gate_up_w=gate_up_w,
+            gate_up_b=gate_up_b,
             down_w=experts.down_proj,
             down_b=experts.down_bias,
+            activate=experts._activate,
             shared=shared,
         )
 
@@ -176,15 +168,15 @@ class CompiledDecoder:
         B, K, D, W = cache.batch_size, cfg.n_kv_heads, cfg.head_dim, cfg.sliding_window
         keys, values = [], []
         for store in cache.layers:
-            slots = W if isinstance(store, RingBuffer) else capacity
+            ring = isinstance(store, RingBuffer)
+            slots = W if ring else capacity
             kb = torch.zeros(B, K, slots, D, dtype=self.dtype, device=self.embed.device)
             vb = torch.zeros_like(kb)
-            k, v = store.get() if isinstance(store, GrowingBuffer) else store.last(min(W, store.num_resident))
-            held = k.shape[2]
-            where = torch.arange(n - held, n, device=kb.device) % slots
+            k, v = store.last(min(W, store.num_resident)) if ring else store.get()
+            where = torch.arange(n - k.shape[2], n, device=kb.device) % slots
             kb[:, :, where] = k.to(self.dtype)
             vb[:, :, where] = v.to(self.dtype)
-            if not isinstance(store, RingBuffer):
+            if not ring:
                 torch._dynamo.maybe_mark_dynamic(kb, 2)  # one graph for every capacity
                 torch._dynamo.maybe_mark_dynamic(vb, 2)
             keys.append(kb)
@@ -233,19 +225,18 @@ class CompiledDecoder:
         H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         G = H // K
         x = F.embedding(tokens, self.embed).float()  # (B, C)
-        angle = pos.float()[:, None]
-        tables = {
-            True: rotary_tables(*self.rope_sliding._finish(angle * self.rope_sliding.inv_freq)),  # (1, D) each
-            False: rotary_tables(*self.rope_full._finish(angle * self.rope_full.inv_freq)),
+        tables = {  # (1, D) each
+            True: rotary_tables(*self.rope_sliding.at(pos)),
+            False: rotary_tables(*self.rope_full.at(pos)),
         }
         for i, L in enumerate(self.layers):
-            h = _rms(x, L.norm1, cfg.norm_eps).to(dt)
-            qkv = _gemv(h, L.qkv_w, L.qkv_b)  # (B, H·D + 2·K·D) fp32
+            h = L.norm1(x).to(dt)
+            qkv = _gemv(h, L.qkv_w, L.qkv_b).to(dt)  # (B, H·D + 2·K·D)
             q, k, v = qkv.split((H * D, K * D, K * D), dim=-1)
             cos, sin = tables[L.sliding]
-            q = _rotate(q.to(dt).float().view(B, H, D), cos, sin).to(dt)
-            k = _rotate(k.to(dt).float().view(B, K, D), cos, sin).to(dt)
-            v = v.to(dt).view(B, K, D)
+            q = apply_rotary_tables(q.view(B, H, D), cos, sin)
+            k = apply_rotary_tables(k.view(B, K, D), cos, sin)
+            v = v.view(B, K, D)
             kb, vb = keys[i], values[i]
             slots = kb.shape[2]
             slot = pos % slots
@@ -275,9 +266,9 @@ class CompiledDecoder:
             att = torch.matmul(_round(p, dt), vb.float())  # (B, K, G, D)
             att = (_round(att, dt) / denom).to(dt).reshape(B, H * D)
             x = _round(x + _round(_gemv(att, L.o_w, L.o_b), dt), dt)
-            h = _rms(x, L.norm2, cfg.norm_eps).to(dt)
+            h = L.norm2(x).to(dt)
             x = _round(x + self._moe(L, h).float(), dt)
-        h = _rms(x, self.norm, cfg.norm_eps).to(dt)
+        h = self.norm(x).to(dt)
         return _gemv(h, self.head, None).to(dt)
 
     def _moe(self, L: _Layer, h: Tensor) -> Tensor:
@@ -291,7 +282,7 @@ class CompiledDecoder:
         gate_up = (L.gate_up_w[top_idx].float() * h[:, None, None, :].float()).sum(-1)  # (B, A, 2I)
         if L.gate_up_b is not None:
             gate_up = gate_up + L.gate_up_b[top_idx].float()
-        act = self._activate(_round(gate_up, dt)).to(dt)  # (B, A, I)
+        act = L.activate(*_round(gate_up, dt).chunk(2, dim=-1)).to(dt)  # (B, A, I)
         out = (L.down_w[top_idx].float() * act[:, :, None, :].float()).sum(-1)  # (B, A, C)
         if L.down_b is not None:
             out = out + L.down_b[top_idx].float()
@@ -299,22 +290,11 @@ class CompiledDecoder:
         y = out[:, 0]
         for j in range(1, cfg.top_k):  # summed in order, rounded each time, as `Experts.mix_one_token`
             y = _round(y + out[:, j], dt)
-        for gate_w, up_w, down_w, gu_b, down_b in L.shared:
-            gu = torch.cat((_gemv(h, gate_w, None), _gemv(h, up_w, None)), dim=-1)
-            if gu_b is not None:
-                gu = gu + gu_b.float()
-            s = _gemv(self._activate(_round(gu, dt)).to(dt), down_w, down_b)
+        for gate_up_w, gate_up_b, down_w, down_b in L.shared:
+            gu = _round(_gemv(h, gate_up_w, gate_up_b), dt)
+            s = _gemv(L.activate(*gu.chunk(2, dim=-1)).to(dt), down_w, down_b)
             y = _round(y + _round(s, dt), dt)
         return y
-
-    def _activate(self, gate_up: Tensor) -> Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        if self.config.activation == "swiglu":
-            return F.silu(gate) * up
-        limit = self.config.swiglu_limit
-        gate = gate.clamp(max=limit)
-        up = up.clamp(-limit, limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * 1.702))
 
 
 def _gemv(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
@@ -326,12 +306,3 @@ def _gemv(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
 def _round(x: Tensor, dtype: torch.dtype) -> Tensor:
     """x rounded to `dtype` and widened back to fp32 (nothing for fp32)."""
     return x if dtype == torch.float32 else x.to(dtype).float()
-
-
-def _rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    return F.rms_norm(x, (x.shape[-1],), w.float(), eps)
-
-
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """`rope.apply_rotary_tables` for one position: x (B, heads, D) fp32, cos/sin (1, D)."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
