@@ -206,6 +206,7 @@ def test_varied_filler_is_digit_free_and_varied():
         ("demo_cpu.yaml", 2999, "f93c6c21ec96d71cc6283af8980efea6b388a2a7b08c50f58d5a7b1d9ae08e14"),
         ("demo_cpu_stage2.yaml", 1999, "d549e710342a11ded2d4f616f5f39a474823a0ff51901e92973c607e1dd0beb5"),
         ("demo_cpu_stage3.yaml", 2999, "6c3b037850cfb165f69ffc5efbca1fe2342d7db667388adccf6788267605740f"),
+        ("demo_cpu_stage4.yaml", 2699, "f2e02caab38e656c189df8ea816a3d5daf268ee46c1e7fe04002e28487d9c6c4"),
     ],
 )
 def test_demo_recipe_data_streams_are_pinned(config, last_step, expected):

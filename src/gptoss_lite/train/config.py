@@ -73,6 +73,7 @@ class DataConfig:
     filler: str = "procedural"  # haystack generator: "procedural" (small bank) or "varied" (train/filler.py)
     ruler_weight: float = 0.0  # mixture weight of RULER-style label-matching documents (train/ruler_docs.py)
     ruler_haystacks: tuple[str, ...] = ("varied",)  # their haystack kinds: the RULER train split's
+    ruler_mix: int = 1  # which grammar and proportions they are drawn from (ruler_docs.MIXES)
 
     def __post_init__(self) -> None:
         _check_int("data.seq_len", self.seq_len, 1)
@@ -97,6 +98,10 @@ class DataConfig:
                     "(the evaluation's kinds are never trained on)"
                 )
         object.__setattr__(self, "ruler_haystacks", tuple(kinds))
+        from gptoss_lite.train.ruler_docs import MIXES
+
+        if isinstance(self.ruler_mix, bool) or self.ruler_mix not in MIXES:
+            raise ValueError(f"data.ruler_mix={self.ruler_mix!r}: must be one of {sorted(MIXES)}")
         if self.loss_on not in LOSS_ON:
             raise ValueError(f"data.loss_on={self.loss_on!r}: must be one of {LOSS_ON}")
         if self.filler not in FILLERS:

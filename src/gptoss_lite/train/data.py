@@ -217,7 +217,7 @@ class SyntheticRetrievalData:
         tok = self.tokenizer
         total = self.config.seq_len + 1
         while True:  # a document whose needed parts leave too little haystack is drawn again
-            doc = ruler_document(rng)
+            doc = ruler_document(rng, mix=self.config.ruler_mix)
             kind = rng.choice(self.config.ruler_haystacks)
             needles = [tok.encode(("\n" + n.lstrip(" ")) if kind in LINE_KINDS else n) for n in doc.needles]
             needed = list(doc.needed)  # line kinds above: a needle is a line of its own

@@ -33,6 +33,7 @@ from gptoss_lite.evals.ruler import NONE_ANSWER
 
 RULER_TASKS = ("single", "multi-key", "none", "multi-value", "multi-query")
 RULER_TASK_WEIGHTS = (0.36, 0.30, 0.20, 0.07, 0.07)
+VALUE_KINDS = ("number", "word", "uuid")
 
 # What a value is called in a question: "the {attr} of the anvil".
 ATTRS = (
@@ -113,6 +114,34 @@ HINTS = (
     " Reply none if not given.",
     " If you cannot find it, write none.",
 )
+# Mix 2 adds relations whose cue ends on a preposition, a verb or a participle ("It was stored
+# under"), the shape of a cue that does not end on "is", ":" or "->".
+RELATIONS_2 = (
+    Relation(" {Lc} was stored under {V}.", (" {Lc} was stored under", " It was stored under", " Stored under")),
+    Relation(" {Lc} was kept in {V}.", (" {Lc} was kept in", " It was kept in", " It is kept in")),
+    Relation(" {Lc} was sent to {V}.", (" {Lc} was sent to", " It was sent to", " They sent it to")),
+    Relation(" {Lc} is listed as {V}.", (" {Lc} is listed as", " It is listed as", " Listed as")),
+    Relation(" {Lc} is known as {V}.", (" {Lc} is known as", " It is known as", " Known as")),
+    Relation(" {Lc} was traded for {V}.", (" {Lc} was traded for", " It was traded for", " Traded for")),
+    Relation(" {Lc} was marked with {V}.", (" {Lc} was marked with", " It was marked with", " Marked with")),
+    Relation(" {Lc} ended up in {V}.", (" {Lc} ended up in", " It ended up in", " In the end it was in")),
+    Relation(" {Lc} was sorted into {V}.", (" {Lc} was sorted into", " It was sorted into", " Sorted into")),
+    Relation(" {Lc} points to {V}.", (" {Lc} points to", " It points to", " Pointing to")),
+    Relation(" {Lc} was left at {V}.", (" {Lc} was left at", " It was left at", " Where it was left:")),
+    Relation(" {Lc} got renamed {V}.", (" {Lc} got renamed", " It got renamed", " The new name is")),
+    Relation(" They labelled {L} {V}.", (" They labelled {L}", " They labelled it", " The label became")),
+    Relation(" {Lc} belongs with {V}.", (" {Lc} belongs with", " It belongs with", " It goes along with")),
+)
+ASKS_2 = (
+    "\nWhere was {L} stored?",
+    "\nUnder which {A} was {L} kept?",
+    "\nWhat was {L} sent to?",
+    "\nHow is {L} listed?",
+    "\nWhat became of {L}?",
+    "\nCheck the text: what about {L}?",
+    "\nWhat is {L} known as?",
+    "\nTell me where {L} went.",
+)
 GENERIC_CUES = (" Answer:", " The answer is", " It is", "\nAnswer:", " Result:", " Here it is:")
 ASK_ALL = (
     "\nList every {A} of {L}.",
@@ -174,9 +203,9 @@ def _labels(rng: random.Random, k: int) -> list[str]:
     return out
 
 
-def _value(rng: random.Random, kind: str) -> str:
+def _value(rng: random.Random, kind: str, digits: int = 5) -> str:
     if kind == "number":
-        return f"{rng.randrange(100_000):05d}"
+        return f"{rng.randrange(10**digits):0{digits}d}"
     if kind == "word":
         return rng.choice(_word_bank()[1]) if rng.random() < 0.7 else _made_up(rng)
     return str(uuid.UUID(int=rng.getrandbits(128), version=4))
@@ -198,6 +227,42 @@ def _join(labels: list[str]) -> str:
 
 
 @dataclass(frozen=True)
+class RulerMix:
+    """What a recipe's RULER documents are drawn from; `MIXES[data.ruler_mix]`."""
+
+    task_weights: tuple[float, ...]  # over RULER_TASKS
+    kind_weights: tuple[float, ...]  # over VALUE_KINDS, for single, multi-key and none
+    relations: tuple[Relation, ...]
+    asks: tuple[str, ...]
+    multi_key_others: tuple[int, ...]  # distractor counts of multi-key, drawn uniformly
+    none_others: tuple[int, ...]  # other-label needles of a `none` document
+    number_digits: tuple[int, ...]  # digits of a number value, drawn uniformly (multi-value/-query: 5)
+
+
+MIXES = {
+    1: RulerMix(  # stage 3 (configs/demo_cpu_stage3.yaml); its stream is pinned, never change it
+        task_weights=RULER_TASK_WEIGHTS,
+        kind_weights=(0.6, 0.2, 0.2),
+        relations=RELATIONS,
+        asks=ASKS,
+        multi_key_others=(1, 2, 3),  # drawn with randint, as stage 3 was
+        none_others=(0, 0, 1, 2, 3),
+        number_digits=(5,),
+    ),
+    2: RulerMix(  # stage 4: cues ending on prepositions, more words/UUIDs, more and harder multi-key,
+        # numbers of 4-8 digits so that an answer is copied up to the needle's end, not for 5 characters
+        task_weights=(0.28, 0.36, 0.20, 0.08, 0.08),
+        kind_weights=(0.4, 0.3, 0.3),
+        relations=RELATIONS + RELATIONS_2,
+        asks=ASKS + ASKS_2,
+        multi_key_others=(2, 3, 3),
+        none_others=(0, 0, 0, 1, 2, 3),
+        number_digits=(5, 5, 5, 4, 6, 7, 8),
+    ),
+}
+
+
+@dataclass(frozen=True)
 class RulerDocument:
     """The parts of one training document apart from its haystack."""
 
@@ -210,21 +275,26 @@ class RulerDocument:
     answer: str  # starts with a space, ends with a full stop
 
 
-def ruler_document(rng: random.Random, max_needles: int = 4) -> RulerDocument:
-    """One random document's needles, question and answer (see the module docstring)."""
-    task = rng.choices(RULER_TASKS, weights=RULER_TASK_WEIGHTS)[0]
-    relation = rng.choice(RELATIONS)
+def ruler_document(rng: random.Random, max_needles: int = 4, mix: int = 1) -> RulerDocument:
+    """One random document's needles, question and answer (see the module docstring), drawn from
+    `MIXES[mix]`."""
+    m = MIXES[mix]
+    task = rng.choices(RULER_TASKS, weights=m.task_weights)[0]
+    relation = rng.choice(m.relations)
     attr = rng.choice(ATTRS)
-    kind = rng.choices(("number", "word", "uuid"), weights=(0.6, 0.2, 0.2))[0]
+    kind = rng.choices(VALUE_KINDS, weights=m.kind_weights)[0]
     if task in ("multi-value", "multi-query"):
         kind = "number"
     intro = rng.choice(INTROS) if rng.random() < 0.3 else ""
     hint = rng.choice(HINTS) if rng.random() < 0.6 else ""
     if task in ("single", "multi-key", "none"):
-        others = {"single": 0, "multi-key": rng.randint(1, 3), "none": rng.choice((0, 0, 1, 2, 3))}[task]
+        # both counts are drawn for every task, in this order: mix 1's pinned stream depends on it
+        many = rng.randint(1, 3) if mix == 1 else rng.choice(m.multi_key_others)
+        others = {"single": 0, "multi-key": many, "none": rng.choice(m.none_others)}[task]
         others = min(others, max_needles - 1)
         labels = _labels(rng, 1 + others)
-        values = list(dict.fromkeys(_value(rng, kind) for _ in range(4 * len(labels))))[: len(labels)]
+        digits = 5 if len(m.number_digits) == 1 else rng.choice(m.number_digits)
+        values = list(dict.fromkeys(_value(rng, kind, digits) for _ in range(4 * len(labels))))[: len(labels)]
         facts = list(zip(labels, values))
         if task == "none":
             facts = facts[1:]  # the asked label is the one left out
@@ -235,8 +305,8 @@ def ruler_document(rng: random.Random, max_needles: int = 4) -> RulerDocument:
         elif r < 0.8:
             cue = rng.choice(GENERIC_CUES)
         else:
-            cue = rng.choice(RELATIONS).cues[0]  # another relation's wording, with the label
-        question = _fill(rng.choice(ASKS) + hint + cue, label=asked[0], attr=attr)
+            cue = rng.choice(m.relations).cues[0]  # another relation's wording, with the label
+        question = _fill(rng.choice(m.asks) + hint + cue, label=asked[0], attr=attr)
         answer = f" {NONE_ANSWER}." if task == "none" else f" {value}."
     else:
         n = rng.randint(2, 3)
