@@ -12,18 +12,20 @@ import pytest
 from gptoss_lite.evals.ruler_splits import TRAIN
 from gptoss_lite.train.config import DataConfig
 from gptoss_lite.train.data import IGNORE_INDEX, SyntheticRetrievalData
-from gptoss_lite.train.ruler_docs import RULER_TASKS, ruler_document
+from gptoss_lite.train.ruler_docs import MIXES, RELATIONS, RULER_TASKS, ruler_document
 
 N_DOCS = 600
+MIX = pytest.mark.parametrize("mix", sorted(MIXES))
 
 
-def docs():
-    return [ruler_document(random.Random(f"ruler-docs-test/{i}")) for i in range(N_DOCS)]
+def docs(mix: int = 1):
+    return [ruler_document(random.Random(f"ruler-docs-test/{i}"), mix=mix) for i in range(N_DOCS)]
 
 
-def test_every_task_occurs_and_the_answer_is_in_a_needed_needle():
+@MIX
+def test_every_task_occurs_and_the_answer_is_in_a_needed_needle(mix):
     seen = Counter()
-    for doc in docs():
+    for doc in docs(mix):
         seen[doc.task] += 1
         values = re.findall(r"[^ ,.]+(?:-[0-9a-f]+)*", doc.answer)
         if doc.task == "none":
@@ -41,11 +43,12 @@ def test_every_task_occurs_and_the_answer_is_in_a_needed_needle():
     assert set(seen) == set(RULER_TASKS) and min(seen.values()) >= 20
 
 
-def test_the_asked_label_is_in_the_question_and_absent_only_for_none():
+@MIX
+def test_the_asked_label_is_in_the_question_and_absent_only_for_none(mix):
     """The question names the asked labels; the needed needles name them and the distractors do not; a
     `none` document has no needle naming its asked label. The label vocabulary is large."""
     labels_seen = set()
-    for doc in docs():
+    for doc in docs(mix):
         assert doc.asked and all(a.lower() in doc.question.lower() for a in doc.asked)
         labels_seen.update(doc.asked)
         for needle, needed in zip(doc.needles, doc.needed):
@@ -54,16 +57,18 @@ def test_the_asked_label_is_in_the_question_and_absent_only_for_none():
     assert len(labels_seen) > 300
 
 
-def test_no_eval_word_and_values_have_their_kinds():
+@MIX
+def test_no_eval_word_and_values_have_their_kinds(mix):
     from gptoss_lite.evals.ruler_splits import EVAL
 
     banned = set(EVAL.labels) | set(EVAL.words)
-    kinds = Counter()
-    for doc in docs():
+    kinds, digits = Counter(), Counter()
+    for doc in docs(mix):
         text = doc.intro + "".join(doc.needles) + doc.question + doc.answer
         assert not banned & {w.lower() for w in re.findall(r"[A-Za-z]+", text)}
         value = doc.answer.strip(" .").split(", ")[0]
-        if re.fullmatch(r"\d{5}", value):
+        if re.fullmatch(r"\d+", value):
+            digits[len(value)] += 1
             kinds["number"] += 1
         elif re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[0-9a-f]{4}-[0-9a-f]{12}", value):
             kinds["uuid"] += 1
@@ -71,6 +76,27 @@ def test_no_eval_word_and_values_have_their_kinds():
             assert re.fullmatch(r"[a-z]+", value), value
             kinds["word"] += 1
     assert min(kinds.values()) >= 50 and len(kinds) == 3
+    assert set(digits) == set(MIXES[mix].number_digits)
+
+
+def test_mix_2_adds_cues_that_end_on_a_preposition_and_asks_more_distractors():
+    """The second grammar holds every relation of the first plus cues ending on a preposition; its
+    multi-key documents carry at least 2 distractors and its values are more often words and UUIDs."""
+    two = MIXES[2]
+    assert set(RELATIONS) < set(two.relations)
+    endings = {cue.split()[-1] for r in two.relations for cue in r.cues}
+    assert {"under", "in", "to", "for", "with", "at", "as"} <= endings
+    many = [doc for doc in docs(2) if doc.task == "multi-key"]
+    assert many and all(len(doc.needles) >= 3 for doc in many)
+    non_numbers = sum(not re.fullmatch(r" [\d, ]+\.", doc.answer) for doc in docs(2) if doc.task == "single")
+    singles = sum(doc.task == "single" for doc in docs(2))
+    assert non_numbers > 0.45 * singles
+
+
+def test_an_unknown_mix_is_refused():
+    for bad in (0, 3, "2", True):
+        with pytest.raises(ValueError, match="ruler_mix"):
+            DataConfig(ruler_mix=bad)
 
 
 @pytest.mark.parametrize("kind", TRAIN.haystacks)
