@@ -102,3 +102,21 @@ def test_bad_budgets_are_refused(models):
         LLM(model, kv_budget=64, kv_bits=8, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="kv_budget"):
         LLM(model, kv_budget=0, enable_prefix_caching=False)
+
+
+def test_planner_figures_count_the_budget(models):
+    """bench-serve's planner line under a budget charges a full layer kv_budget tokens, not the context:
+    more requests fit than without one, exactly the free bytes over the windowed payload."""
+    from gptoss_lite.engine.bench import planner_figures
+    from gptoss_lite.plan.presets import geometry_from_model_config
+
+    model = models("shipped")
+    plain = LLM(model, enable_prefix_caching=False, kv_blocks=64)
+    budgeted = LLM(model, kv_budget=64, enable_prefix_caching=False, kv_blocks=64)
+    geometry = geometry_from_model_config(model.config, bytes_per_element=4)
+    per_token = geometry.bytes_per_token_per_layer
+    windowed = geometry.full_layers * 64 * per_token + geometry.sliding_layers * model.config.sliding_window * per_token
+    free = budgeted.kv.store.nbytes
+    fits = planner_figures(budgeted, 1000)["max_resident_requests"]
+    assert fits == free // windowed > planner_figures(plain, 1000)["max_resident_requests"]
+    assert planner_figures(budgeted, 50) == planner_figures(plain, 50)  # a budget covering the context changes nothing

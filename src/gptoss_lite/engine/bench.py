@@ -158,6 +158,13 @@ def planner_figures(llm: LLM, context_tokens: int) -> dict[str, float]:
         resident_weight_bytes=weights.resident_weight_bytes,
     )
     resident = max_resident_requests(hw, geometry, context_tokens)
+    knee = batch_knee(hw, geometry, context_tokens)
+    if llm.kv_budget is not None and context_tokens > llm.kv_budget:
+        # a budget keeps the last kv_budget tokens of every full layer, a window (docs/engine.md#kv-budget)
+        dropped = geometry.full_layers * (context_tokens - llm.kv_budget) * geometry.bytes_per_token_per_layer
+        per_request = geometry.sequence_bytes(context_tokens) - dropped
+        resident = (hw.device_capacity_bytes - hw.resident_bytes - hw.runtime_reserve_bytes) // per_request
+        knee = hw.weight_bytes / per_request
     if llm.kv_bits != 16:  # the planner's quantised bytes: key group = the block, no residual beyond it
         per_request = quantized_kv_bytes(geometry, context_tokens, llm.kv_bits, key_group=llm.kv.block_size, residual=0)
         tails = llm.kv.store.tail_bytes  # full-precision staging for blocks being filled, not KV payload
@@ -165,5 +172,5 @@ def planner_figures(llm: LLM, context_tokens: int) -> dict[str, float]:
     return {
         "context_tokens": context_tokens,
         "max_resident_requests": resident,
-        "batch_knee": round(batch_knee(hw, geometry, context_tokens), 1),
+        "batch_knee": round(knee, 1),
     }
