@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import random
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
@@ -234,9 +235,10 @@ class RulerMix:
     kind_weights: tuple[float, ...]  # over VALUE_KINDS, for single, multi-key and none
     relations: tuple[Relation, ...]
     asks: tuple[str, ...]
-    multi_key_others: tuple[int, ...]  # distractor counts of multi-key, drawn uniformly
+    multi_key_others: Callable[[random.Random], int]  # draws the distractor count of a multi-key document
     none_others: tuple[int, ...]  # other-label needles of a `none` document
-    number_digits: tuple[int, ...]  # digits of a number value, drawn uniformly (multi-value/-query: 5)
+    number_digits: tuple[int, ...]  # digits of a number value, drawn uniformly unless there is one
+    # (which draws nothing); multi-value and multi-query always use 5
 
 
 MIXES = {
@@ -245,7 +247,7 @@ MIXES = {
         kind_weights=(0.6, 0.2, 0.2),
         relations=RELATIONS,
         asks=ASKS,
-        multi_key_others=(1, 2, 3),  # drawn with randint, as stage 3 was
+        multi_key_others=lambda rng: rng.randint(1, 3),
         none_others=(0, 0, 1, 2, 3),
         number_digits=(5,),
     ),
@@ -255,7 +257,7 @@ MIXES = {
         kind_weights=(0.4, 0.3, 0.3),
         relations=RELATIONS + RELATIONS_2,
         asks=ASKS + ASKS_2,
-        multi_key_others=(2, 3, 3),
+        multi_key_others=lambda rng: rng.choice((2, 3, 3)),
         none_others=(0, 0, 0, 1, 2, 3),
         number_digits=(5, 5, 5, 4, 6, 7, 8),
     ),
@@ -288,12 +290,11 @@ def ruler_document(rng: random.Random, max_needles: int = 4, mix: int = 1) -> Ru
     intro = rng.choice(INTROS) if rng.random() < 0.3 else ""
     hint = rng.choice(HINTS) if rng.random() < 0.6 else ""
     if task in ("single", "multi-key", "none"):
-        # both counts are drawn for every task, in this order: mix 1's pinned stream depends on it
-        many = rng.randint(1, 3) if mix == 1 else rng.choice(m.multi_key_others)
-        others = {"single": 0, "multi-key": many, "none": rng.choice(m.none_others)}[task]
+        # both counts are drawn for every task, in this order: the pinned streams depend on it
+        others = {"single": 0, "multi-key": m.multi_key_others(rng), "none": rng.choice(m.none_others)}[task]
         others = min(others, max_needles - 1)
         labels = _labels(rng, 1 + others)
-        digits = 5 if len(m.number_digits) == 1 else rng.choice(m.number_digits)
+        digits = m.number_digits[0] if len(m.number_digits) == 1 else rng.choice(m.number_digits)
         values = list(dict.fromkeys(_value(rng, kind, digits) for _ in range(4 * len(labels))))[: len(labels)]
         facts = list(zip(labels, values))
         if task == "none":
