@@ -38,23 +38,12 @@ class SamplingConfig:
 
 
 def sample(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits (B, V) -> token ids (B,).
-
-    Nucleus: sort descending, keep the smallest prefix whose cumulative mass reaches top_p (a token
-    is kept when the mass before it is < top_p), renormalise, draw once.
-    """
+    """logits (B, V) -> token ids (B,): the argmax when greedy, else one draw from `probabilities`."""
     if cfg.greedy:
         return logits.argmax(dim=-1)
-    # Shift by the row maximum before dividing: a tiny temperature (1e-39) then sends every other
-    # logit to -inf instead of the maximum to +inf, so the softmax stays finite (at worst one-hot).
-    logits = logits.double()
-    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / cfg.temperature
-    probs = torch.softmax(scaled, dim=-1).float()  # (B, V)
+    probs = _tempered(logits, cfg.temperature)
     if cfg.top_p < 1.0:
-        sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)  # (B, V)
-        mass_before = sorted_p.cumsum(dim=-1) - sorted_p
-        sorted_p = sorted_p.masked_fill(mass_before >= cfg.top_p, 0.0)
-        sorted_p = sorted_p / sorted_p.sum(dim=-1, keepdim=True)
+        sorted_p, sorted_idx = _nucleus(probs, cfg.top_p)
         choice = torch.multinomial(sorted_p, 1, generator=generator)  # (B, 1)
         return sorted_idx.gather(-1, choice).squeeze(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
@@ -67,11 +56,32 @@ def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """
     if cfg.greedy:
         return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
-    probs = torch.softmax(logits.float() / cfg.temperature, dim=-1)
+    probs = _tempered(logits, cfg.temperature)
     if cfg.top_p < 1.0:
-        sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)
-        mass_before = sorted_p.cumsum(dim=-1) - sorted_p
-        sorted_p = sorted_p.masked_fill(mass_before >= cfg.top_p, 0.0)
+        sorted_p, sorted_idx = _nucleus(probs, cfg.top_p)
         probs = torch.zeros_like(probs).scatter(-1, sorted_idx, sorted_p)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(logits / temperature), fp32, for any positive temperature and any logits dtype.
+
+    The row maximum is subtracted first (in float64): a tiny temperature (1e-39) then sends every
+    other logit to -inf instead of the maximum to +inf, so the result stays finite (at worst one-hot).
+    """
+    logits = logits.double()
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
+    return torch.softmax(scaled, dim=-1).float()
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-p nucleus of probs (..., V): (kept probabilities renormalised, in descending order;
+    their token ids). A token is kept when the mass before it is < top_p, and the most likely token
+    always is, so a top_p below float32's resolution (1e-46 rounds to 0) keeps exactly that one
+    token instead of none."""
+    sorted_p, sorted_idx = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+    drop = mass_before >= top_p
+    drop[..., 0] = False
+    sorted_p = sorted_p.masked_fill(drop, 0.0)
+    return sorted_p / sorted_p.sum(dim=-1, keepdim=True), sorted_idx

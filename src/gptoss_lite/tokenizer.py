@@ -45,6 +45,10 @@ class ByteTokenizer:
             raise ValueError(f"token id(s) {bad[:5]} out of range: the byte tokenizer has ids 0..{self.vocab_size - 1}")
         return bytes(i for i in ids if i < BYTE_VOCAB).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one id stands for (b"" for specials): what an incremental decoder is fed."""
+        return bytes((token_id,)) if 0 <= token_id < BYTE_VOCAB else b""
+
     def __repr__(self) -> str:
         return "ByteTokenizer(vocab_size=264)"
 

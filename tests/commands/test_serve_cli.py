@@ -32,6 +32,9 @@ SRC = Path(__file__).resolve().parents[2] / "src"
         (["--api-key-file", "/no/such/file"], "No such file"),
         (["--kv-budget", "512"], "--no-prefix-caching"),
         (["--kv-budget", "512", "--no-prefix-caching", "--kv-bits", "8"], "give one of them"),
+        (["--stalled-client-timeout", "0"], "--stalled-client-timeout"),
+        (["--header-timeout", "nan"], "--header-timeout"),
+        (["--allowed-host", "http://x"], "--allowed-host"),
     ],
 )
 def test_bad_flags_fail_before_loading(argv, match, capsys):
@@ -54,50 +57,84 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_sigterm_drains_then_exits(tmp_path):
-    """After SIGTERM the running stream still gets every token and [DONE], the listening socket is
-    closed to new connections, and the process exits 0."""
+def _start_server(*extra: str) -> tuple[subprocess.Popen, str]:
+    """`gptoss-lite serve --model lite-tiny` on a free port, once /health answers 200."""
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "gptoss_lite.cli", "serve", "--model", "lite-tiny", "--port", str(port)]
-        + ["--threads", "1", "--log-level", "warning"],
+        + ["--threads", "1", "--log-level", "warning", *extra],
         env=env,
         stderr=subprocess.PIPE,
         text=True,
     )
     url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return proc, url
+        except httpx.ConnectError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(proc.stderr.read())
+        time.sleep(0.1)
+
+
+def test_sigterm_drains_then_exits(tmp_path):
+    """After SIGTERM the running stream still gets every token and [DONE], the listening socket is
+    closed to new connections, a request on a connection that was already open gets the documented
+    503, and the process exits 0."""
+    proc, url = _start_server()
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.ConnectError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
-            time.sleep(0.1)
-        body = {"model": "lite-tiny", "prompt": "drain me", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        body = {"model": "lite-tiny", "prompt": "drain me", "max_tokens": 3000, "ignore_eos": True, "stream": True}
         body["stream_options"] = {"include_usage": True}
         events = []
-        with httpx.Client(timeout=120) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
-            lines = r.iter_lines()
-            for line in lines:
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    break
-            proc.send_signal(signal.SIGTERM)
-            time.sleep(0.5)
-            with pytest.raises(httpx.ConnectError):
-                httpx.get(url + "/health")
-            after = [line[6:] for line in lines if line.startswith("data: ")]
+        with httpx.Client(timeout=120) as kept, httpx.Client(timeout=120) as c:
+            assert kept.get(url + "/health").status_code == 200  # a keep-alive connection, open before the signal
+            with c.stream("POST", url + "/v1/completions", json=body) as r:
+                lines = r.iter_lines()
+                for line in lines:
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        break
+                proc.send_signal(signal.SIGTERM)
+                time.sleep(0.3)
+                with pytest.raises(httpx.ConnectError):
+                    httpx.get(url + "/health")
+                late = kept.post(url + "/v1/completions", json={"model": "lite-tiny", "prompt": "x", "max_tokens": 2})
+                assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+                assert kept.get(url + "/health").status_code == 503
+                after = [line[6:] for line in lines if line.startswith("data: ")]
         assert len(after) > 10  # tokens still came after the signal: the request was running when it came
         events += after
         assert events[-1] == "[DONE]"
         usage = json.loads(events[-2])["usage"]
-        assert usage["completion_tokens"] == 200
+        assert usage["completion_tokens"] == 3000
         assert proc.wait(60) == 0
         assert "draining" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_drain_timeout_ends_streams_with_an_error_event_and_done():
+    """A stream still running when --drain-timeout passes ends with an error event, then [DONE], and
+    the process still exits 0."""
+    proc, url = _start_server("--drain-timeout", "1")
+    try:
+        body = {"model": "lite-tiny", "prompt": "long", "max_tokens": 60000, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=120) as c, c.stream("POST", url + "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)
+            events = [line[6:] for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+        assert err["code"] == "shutting_down" and "drain timeout" in err["message"]
+        assert proc.wait(60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -30,6 +30,7 @@ class _Req:
     blocks: int = 0
     cached: int = 0
     text: str = ""
+    sent: int = 0  # characters of text handed out as deltas
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
 
 
@@ -212,16 +213,24 @@ class FakeLLM:
         return "length" if len(req.tokens) >= s.max_tokens else None
 
     def _output(self, req: _Req, new: list[int], reason: str | None) -> RequestOutput:
+        """Deltas while running, everything on the final output (the engine's contract). The fake
+        holds back nothing: its letters are ASCII, and a stop string is checked on the whole text."""
+        done = reason is not None
+        held = 0 if done else max((len(s) - 1 for s in req.sampling.stop), default=0)
+        ready = req.text[: max(req.sent, len(req.text) - held)]
+        delta, req.sent = ready[req.sent :], len(ready)
         return RequestOutput(
             request_id=req.rid,
             prompt_token_ids=list(req.prompt),
-            token_ids=list(req.tokens),
+            token_ids=list(req.tokens) if done else [],
             new_token_ids=new,
-            text=req.text,
-            finished=reason is not None,
+            text=req.text if done else "",
+            finished=done,
             finish_reason=reason,
             num_cached_tokens=req.cached,
             metrics=req.metrics,
+            text_delta=delta,
+            num_output_tokens=len(req.tokens),
         )
 
     def _release(self, req: _Req, *, finished: bool) -> None:

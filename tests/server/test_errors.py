@@ -105,9 +105,12 @@ def test_malformed_request_gets_openai_error(live, case):
 
 
 def test_table_is_large_and_counted(live):
-    """The table has >= 20 cases, and /metrics counts requests by status (400s and 200s seen)."""
+    """The table has >= 20 cases, and /metrics counts requests by status (400s and 200s seen); on this
+    keyed server /metrics and /stats need a key (they name tenants)."""
     assert len(CASES) >= 20
-    text = httpx.get(live.url + "/metrics").text
+    for path in ("/metrics", "/stats"):
+        assert httpx.get(live.url + path).status_code == 401
+    text = httpx.get(live.url + "/metrics", headers=AUTH).text
     assert 'gptoss_requests_total{endpoint="/v1/completions",status="200"}' in text
 
 

@@ -1,4 +1,5 @@
-"""Server pieces without HTTP: stream deltas, chat templates, request parsing."""
+"""Server pieces without HTTP: chat templates, request parsing, header checks. (Stream deltas are the
+engine's: tests/engine/test_detokenize.py.)"""
 
 from __future__ import annotations
 
@@ -6,31 +7,6 @@ import pytest
 
 from gptoss_lite.server import protocol as P
 from gptoss_lite.server.chat import BYTE_CHAT_TEMPLATE, ChatTemplate, ChatTemplateError
-from gptoss_lite.server.openai_api import DeltaText
-
-
-def stream(texts: list[str], stops=()) -> list[str]:
-    d = DeltaText(stops)
-    return [d.push(t, i == len(texts) - 1) for i, t in enumerate(texts)]
-
-
-def test_deltas_hold_back_a_possible_stop_string():
-    """A tail that could start a stop string waits; once the engine cuts the text, the deltas join to
-    the final text and the partial stop string was never sent."""
-    texts = ["Hel", "Hello\n", "Hello\nU", "Hello\nUs"]  # the engine would cut at "\nUser"
-    out = stream(texts + ["Hello"], stops=("\nUser",))
-    assert out[:2] == ["Hel", "lo"]
-    assert "".join(out) == "Hello"
-    assert stream(["a\nUx", "a\nUxy"], stops=("\nUser",)) == ["a\nUx", "y"]  # not a stop after all
-
-
-def test_deltas_hold_back_a_cut_multibyte_character():
-    """One trailing U+FFFD (a character cut mid-way) waits for the next token; the joined deltas are
-    the final text either way."""
-    out = stream(["caf\ufffd", "café", "café!"])
-    assert out == ["caf", "é", "!"]
-    invalid = stream(["a\ufffd", "a\ufffdb", "a\ufffdb"])  # a byte that stays invalid is sent later
-    assert "".join(invalid) == "a\ufffdb" and invalid[0] == "a"
 
 
 def test_byte_template_is_the_documented_transcript():

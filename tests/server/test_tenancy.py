@@ -31,7 +31,8 @@ def ask(live, key: str, question: str, **extra) -> dict:
 
 
 def metric(live, name: str, labels: str = "") -> float:
-    text = httpx.get(live.url + "/metrics").text
+    """A /metrics value (read with a tenant's key: a keyed server's metrics need one)."""
+    text = httpx.get(live.url + "/metrics", headers={"Authorization": "Bearer key-a"}).text
     m = re.search(rf"^{re.escape(name)}{re.escape(labels)} (\S+)$", text, re.M)
     return float(m.group(1)) if m else 0.0
 

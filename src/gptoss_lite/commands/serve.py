@@ -1,7 +1,8 @@
 """`gptoss-lite serve`: the OpenAI-compatible HTTP server (docs/server.md).
 
 SIGTERM (or Ctrl-C) drains: the listening socket closes, new requests on open connections get 503,
-running requests finish (up to --drain-timeout seconds), then the engine stops and the process exits 0.
+running requests finish (up to --drain-timeout seconds; then each still running ends with an error
+event and `[DONE]`), then the engine stops and the process exits 0. A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import sys
+import threading
+import time
 from pathlib import Path
 
 
@@ -57,6 +60,30 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=60.0,
         help="seconds running requests may take to finish after SIGTERM (default: 60)",
     )
+    p.add_argument(
+        "--allowed-host",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="a Host name requests may use (repeatable; '*' for any). Default: any when API keys are set, else "
+        "--host and the localhost names, so a web page cannot reach the server by DNS rebinding",
+    )
+    p.add_argument(
+        "--metrics-open",
+        action="store_true",
+        help="serve /metrics and /stats without a key on a server with API keys (they name tenants)",
+    )
+    p.add_argument(
+        "--stalled-client-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="abort a stream whose client has not taken data for S seconds, freeing its KV blocks (default: 60)",
+    )
+    p.add_argument(
+        "--header-timeout", type=float, default=10.0, metavar="S", help="seconds to send request headers (10)"
+    )
+    p.add_argument("--body-timeout", type=float, default=30.0, metavar="S", help="seconds to send a body (30)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(handler=run)
 
@@ -96,6 +123,13 @@ def check_args(args: argparse.Namespace) -> dict[str, str] | None:
     engine_kv_kwargs(args)
     if not args.drain_timeout >= 0:
         raise ValueError(f"--drain-timeout {args.drain_timeout}: must be >= 0 seconds")
+    for flag in ("stalled_client_timeout", "header_timeout", "body_timeout"):
+        value = getattr(args, flag)
+        if not 0 < value < float("inf"):
+            raise ValueError(f"--{flag.replace('_', '-')} {value}: must be a positive number of seconds")
+    for host in args.allowed_host or []:
+        if not host.strip() or any(c.isspace() or c in "/@" for c in host.strip()):
+            raise ValueError(f"--allowed-host {host!r}: expected a host name or address (no scheme, path or port)")
     entries = list(args.api_key or [])
     if args.api_key_file is not None:
         lines = Path(args.api_key_file).read_text().splitlines()
@@ -108,12 +142,12 @@ def check_args(args: argparse.Namespace) -> dict[str, str] | None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    import uvicorn
 
     from gptoss_lite.checkpoint import default_model_source
     from gptoss_lite.commands.common import configure_threads, engine_kv_kwargs, resolve_device
     from gptoss_lite.engine import LLM
     from gptoss_lite.server import create_app
+    from gptoss_lite.server.http import uvicorn_config
 
     keys = check_args(args)
     device = resolve_device(args.device)
@@ -137,6 +171,11 @@ def run(args: argparse.Namespace) -> int:
         admin_key=args.admin_key,
         max_waiting=args.max_waiting,
         served_model_name=args.served_model_name,
+        allowed_hosts=args.allowed_host,
+        bind_host=args.host,
+        metrics_open=args.metrics_open,
+        stall_timeout=args.stalled_client_timeout,
+        body_timeout=args.body_timeout,
     )
     state = app.state.server
     print(
@@ -145,31 +184,73 @@ def run(args: argparse.Namespace) -> int:
         f"{'open: no API key' if keys is None else f'{len(set(keys.values()))} tenant(s)'})",
         file=sys.stderr,
     )
-    config = uvicorn.Config(
+    hosts = state.allowed_hosts
+    if hosts is not None and args.host in ("0.0.0.0", "::"):
+        print(
+            f"gptoss-lite serve: answering Host {', '.join(sorted(hosts))} only; pass --allowed-host NAME for the "
+            "names clients use to reach this machine",
+            file=sys.stderr,
+        )
+    config = uvicorn_config(
         app,
+        header_timeout=args.header_timeout,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=args.drain_timeout,
+        timeout_graceful_shutdown=5,  # after the drain below: only closing what is left
     )
-    draining_server(config, state).run()
+    draining_server(config, state, args.drain_timeout).run()
     print("gptoss-lite serve: stopped", file=sys.stderr)
     return 0
 
 
-def draining_server(config, state):
-    """A uvicorn.Server that marks the app as draining on the first SIGTERM/SIGINT, so requests that
-    still arrive on open connections get 503 while the running ones finish, and that returns
-    normally afterwards (uvicorn would raise the signal again once shut down: exit 143, not 0)."""
+def draining_server(config, state, drain_timeout: float):
+    """A uvicorn.Server that drains on the first SIGTERM/SIGINT and then returns normally (uvicorn
+    would raise the signal again once shut down: exit 143, not 0).
+
+    The drain: the listening sockets close, the app is marked draining (a request that still arrives
+    on an open connection gets 503, /health 503), running requests finish; after `drain_timeout`
+    seconds the ones left are ended (each stream gets an error event and `[DONE]`). Only then does
+    uvicorn's own shutdown close the connections. A second signal stops at once.
+    """
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
-            if not state.draining:
+            if state.draining:  # a second signal: stop now
+                self.force_exit = True
+                super().handle_exit(sig, frame)
+            else:
                 state.draining = True
                 print("gptoss-lite serve: draining (running requests finish, new ones get 503)", file=sys.stderr)
-            super().handle_exit(sig, frame)
+                loop = getattr(self, "_loop", None)
+                if loop is not None:
+                    loop.call_soon_threadsafe(self._close_listeners)
+                threading.Thread(target=self._drain, name="gptoss-drain", daemon=True).start()
             if hasattr(self, "_captured_signals"):
                 self._captured_signals.clear()  # a drained shutdown is a success
+
+        async def startup(self, sockets=None) -> None:
+            import asyncio
+
+            self._loop = asyncio.get_running_loop()
+            await super().startup(sockets)
+
+        def _close_listeners(self) -> None:
+            for server in getattr(self, "servers", []):
+                server.close()
+
+        def _drain(self) -> None:
+            deadline = time.monotonic() + drain_timeout
+            while not state.engine.idle and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if not state.engine.idle:
+                print("gptoss-lite serve: drain timeout; ending the requests still running", file=sys.stderr)
+                state.engine.fail_all("the server is shutting down: the drain timeout passed")
+                until = time.monotonic() + 2.0  # let the streams write their last events
+                while not state.engine.idle and time.monotonic() < until:
+                    time.sleep(0.05)
+                time.sleep(0.2)
+            self.should_exit = True
 
     return DrainingServer(config)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -26,10 +27,11 @@ from pathlib import Path
 import torch
 
 from gptoss_lite.checkpoint import load_model
+from gptoss_lite.engine.detokenize import TextStream
 from gptoss_lite.engine.kv_manager import KVManager
 from gptoss_lite.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
 from gptoss_lite.engine.runner import ModelRunner
-from gptoss_lite.engine.scheduler import Scheduler
+from gptoss_lite.engine.scheduler import ScheduledStep, Scheduler
 from gptoss_lite.kv.block_pool import DEFAULT_BLOCK_SIZE
 from gptoss_lite.kv.paged_cache import PagedKVStore
 from gptoss_lite.kv.paged_quant import QuantizedPagedStore, quantized_block_bytes
@@ -41,6 +43,8 @@ from gptoss_lite.validation import check_int
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # both pools together, when kv_blocks is not given
 DEFAULT_MAX_BATCH_TOKENS = 512
 DEFAULT_MAX_RUNNING = 64
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,6 +66,7 @@ class EngineStats:
     finished: int
     aborted: int
     generated_tokens: int
+    failed: int = 0  # requests finished with finish_reason "error" (a fault confined to them)
     kv_bits: int = 16  # full-layer K/V storage: 16 (the model's dtype), 8 or 4
     kv_bytes: int = 0  # bytes allocated for K/V (both pools, scales and full-precision tails included)
 
@@ -178,7 +183,7 @@ class LLM:
         self.runner = ModelRunner(model, self.kv)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self._finished = self._aborted = self._generated = 0
+        self._finished = self._aborted = self._failed = self._generated = 0
         self._check_pool_fits(max_batch_tokens)
 
     # ------------------------------------------------------------------ setup helpers
@@ -272,6 +277,8 @@ class LLM:
             raise ValueError(f"request_id={request_id!r}: already in use")
         eos = None if self.tokenizer is None else getattr(self.tokenizer, "eos_id", None)
         request = Request(request_id, ids, sampling, scope, eos)
+        if self.tokenizer is not None:
+            request.stream = TextStream(self.tokenizer, sampling.stop)
         self._requests[request_id] = request
         self.scheduler.add(request)
         return request_id
@@ -301,7 +308,13 @@ class LLM:
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling round and one forward; the requests that got a token or finished."""
+        """One scheduling round and one forward; the requests that got a token or finished.
+
+        A failure is kept to the requests it belongs to: one whose sampling or bookkeeping raises is
+        finished alone (finish reason "error"), and a forward that raises is run again one request at
+        a time, so only the request that makes it raise fails. The other requests of the step go on
+        with the tokens they would have had without it.
+        """
         step = self.scheduler.schedule()
         if not step.scheduled:
             if self.scheduler.has_unfinished():
@@ -310,15 +323,58 @@ class LLM:
                     "their first chunk); use more kv_blocks or a smaller max_batch_tokens"
                 )
             return []
-        sampled = self.runner.execute(step)
+        sampled, failed = self._execute(step)
+        outputs = [self._fail(request, why) for request, why in failed]
         for request, _, _ in step.scheduled:
-            self.kv.cache_prompt(request)
+            if not request.finished:
+                self.kv.cache_prompt(request)
         now = time.monotonic()
-        outputs = []
         for request, token in sampled:
-            self._append(request, token, now)
+            try:
+                self._append(request, token, now)
+            except Exception as exc:  # noqa: BLE001 - this request's text or stop rules; the others go on
+                logger.exception("request %s failed after sampling", request.request_id)
+                outputs.append(self._fail(request, f"{type(exc).__name__} while appending a token"))
+                continue
             outputs.append(request.output([token]))
         return outputs
+
+    def _execute(self, step: ScheduledStep) -> tuple[list[tuple[Request, int]], list[tuple[Request, str]]]:
+        """The runner's (sampled, failed) for the step; if the batched forward raises, each request
+        runs again alone (its K/V slots are rewritten with the same values) and fails only if it
+        raises alone too."""
+        starts = [request.num_computed for request, _, _ in step.scheduled]
+        try:
+            return self.runner.execute(step)
+        except Exception as exc:  # noqa: BLE001 - told apart below
+            logger.exception("engine step over %d request(s) failed", len(step.scheduled))
+            first = exc
+        for (request, _, _), start in zip(step.scheduled, starts):
+            request.num_computed = start
+        if len(step.scheduled) == 1:
+            return [], [(step.scheduled[0][0], f"{type(first).__name__} in the forward")]
+        sampled, failed = [], []
+        for entry, start in zip(step.scheduled, starts):
+            try:
+                one_sampled, one_failed = self.runner.execute(ScheduledStep([entry]))
+            except Exception as exc:  # noqa: BLE001 - this request makes the forward raise
+                logger.exception("request %s fails the forward alone", entry[0].request_id)
+                entry[0].num_computed = start
+                failed.append((entry[0], f"{type(exc).__name__} in the forward"))
+                continue
+            sampled += one_sampled
+            failed += one_failed
+        return sampled, failed
+
+    def _fail(self, request: Request, why: str) -> RequestOutput:
+        """Finish a request with finish reason "error", free its blocks, and give its final output."""
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = "error"
+        request.error = why
+        self.scheduler.remove(request)
+        self._requests.pop(request.request_id, None)
+        self._failed += 1
+        return request.output([])
 
     def _append(self, request: Request, token: int, now: float) -> None:
         request.output_token_ids.append(token)
@@ -326,18 +382,16 @@ class LLM:
             request.metrics.first_token_time = now
         request.metrics.token_times.append(now)
         self._generated += 1
+        stream = request.stream
         reason = None
-        if token in request.stop_ids:
+        if stream is not None and stream.push(token):
+            reason = "stop"  # a stop string: the text is cut before it
+        elif token in request.stop_ids:
             reason = "stop"
-        if self.tokenizer is not None:
-            request.text = self.tokenizer.decode(request.output_token_ids)
-        if request.sampling.stop and reason is None:
-            cut = min((i for i in (request.text.find(s) for s in request.sampling.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                request.text = request.text[:cut]
-                reason = "stop"
-        if reason is None and len(request.output_token_ids) >= request.sampling.max_tokens:
+        elif len(request.output_token_ids) >= request.sampling.max_tokens:
             reason = "length"
+        if reason is not None and stream is not None and stream.finish():
+            reason = "stop"  # the decoder's last characters completed a stop string
         if reason is not None:
             request.status = RequestStatus.FINISHED
             request.finish_reason = reason
@@ -396,6 +450,7 @@ class LLM:
             preemptions=self.scheduler.num_preemptions,
             finished=self._finished,
             aborted=self._aborted,
+            failed=self._failed,
             generated_tokens=self._generated,
             kv_bits=self.kv_bits,
             kv_bytes=kv.store.nbytes,

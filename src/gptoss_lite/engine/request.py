@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gptoss_lite.engine.detokenize import TextStream
 from gptoss_lite.sampling import MAX_SEED, SamplingConfig
 from gptoss_lite.validation import check_int
 
@@ -83,17 +84,27 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """A request as a caller sees it after a step: `new_token_ids` came in this step."""
+    """A request as a caller sees it after a step.
+
+    While it runs, an output carries only what the step added: `new_token_ids` and `text_delta` (text
+    that no later token can change; a piece that may still become a multi-byte character or a stop
+    string waits for the next output). `token_ids` and `text` are filled on the final output only, so
+    a consumer that falls behind holds O(new tokens) per output, never a copy of everything so far.
+    The deltas of all outputs concatenate to the final `text` and `token_ids`.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
-    token_ids: list[int]
+    token_ids: list[int]  # every generated token, on the final output ([] before)
     new_token_ids: list[int]
-    text: str
+    text: str  # the whole text, on the final output ("" before)
     finished: bool
-    finish_reason: str | None  # None while running; "stop", "length" or "abort"
+    finish_reason: str | None  # None while running; "stop", "length", "abort" or "error"
     num_cached_tokens: int
     metrics: RequestMetrics
+    text_delta: str = ""
+    num_output_tokens: int = 0  # tokens generated so far
+    error: str | None = None  # why the request failed (finish_reason "error")
 
 
 class Request:
@@ -118,7 +129,8 @@ class Request:
         self.num_prompt_inserted = 0  # prompt tokens this request's blocks put in the prefix cache so far
         self.num_preemptions = 0
         self.finish_reason: str | None = None
-        self.text = ""
+        self.error: str | None = None  # set with finish_reason "error"
+        self.stream: TextStream | None = None  # the output text, when the engine has a tokenizer
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.config = sampling.sampling_config()
         self.stop_ids = set(sampling.stop_token_ids)
@@ -156,16 +168,23 @@ class Request:
         return len(self.prompt_token_ids) + self.sampling.max_tokens
 
     def output(self, new_token_ids: list[int]) -> RequestOutput:
+        """This step's output (see RequestOutput): deltas while running, everything when finished."""
+        stream, done = self.stream, self.finished
+        if stream is not None and done:
+            stream.finish()
         return RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_token_ids,  # never changed by the engine: shared, not copied
-            token_ids=list(self.output_token_ids),
+            token_ids=list(self.output_token_ids) if done else [],
             new_token_ids=new_token_ids,
-            text=self.text,
-            finished=self.finished,
+            text=stream.text if done and stream is not None else "",
+            finished=done,
             finish_reason=self.finish_reason,
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics,
+            text_delta=stream.take() if stream is not None else "",
+            num_output_tokens=len(self.output_token_ids),
+            error=self.error,
         )
 
 

@@ -9,6 +9,9 @@ rows are one batched argmax; sampled rows draw one at a time with their own gene
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
 
 from gptoss_lite.config import FULL
@@ -19,6 +22,8 @@ from gptoss_lite.engine.scheduler import ScheduledStep
 from gptoss_lite.model.transformer import GPTOSS
 from gptoss_lite.sampling import sample
 
+logger = logging.getLogger(__name__)
+
 
 class ModelRunner:
     """Runs scheduled steps of `model` over the blocks of `kv` (see the module docstring)."""
@@ -27,6 +32,9 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.device = next(model.parameters()).device
+        # Test-only fault injection: called with each request just before its token is sampled; what
+        # it raises fails that request alone (tests/engine/test_isolation.py).
+        self.fault_hook: Callable[[Request], None] | None = None
 
     def build_batch(self, step: ScheduledStep) -> tuple[torch.Tensor, PagedBatch, list[Request]]:
         """(input ids (N,), the batch, the requests that sample, in logits order). Advances each
@@ -58,20 +66,32 @@ class ModelRunner:
         return self.model.forward_batch(input_ids, batch), samplers
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, samplers: list[Request]) -> list[int]:
-        """One token per row of logits (M, V), by each request's own sampling rule."""
+    def sample(self, logits: torch.Tensor, samplers: list[Request]) -> list[int | str]:
+        """One token per row of logits (M, V), by each request's own sampling rule; where a request's
+        own sampling raises, the reason (a str) instead of its token, and the other rows go on."""
         greedy = [i for i, r in enumerate(samplers) if r.config.greedy]
-        tokens: list[int] = [0] * len(samplers)
+        tokens: list[int | str] = [0] * len(samplers)
         if greedy:
             rows = logits if len(greedy) == len(samplers) else logits[greedy]
             for i, token in zip(greedy, rows.argmax(dim=-1).tolist()):
                 tokens[i] = token
         for i, request in enumerate(samplers):
-            if not request.config.greedy:
-                tokens[i] = int(sample(logits[i : i + 1], request.config, request.generator)[0])
+            try:
+                if self.fault_hook is not None:
+                    self.fault_hook(request)
+                if not request.config.greedy:
+                    tokens[i] = int(sample(logits[i : i + 1], request.config, request.generator)[0])
+            except Exception as exc:  # noqa: BLE001 - confined to this request (LLM.step fails it alone)
+                logger.exception("sampling failed for request %s", request.request_id)
+                tokens[i] = f"{type(exc).__name__} while sampling"
         return tokens
 
-    def execute(self, step: ScheduledStep) -> list[tuple[Request, int]]:
-        """Run the step; return (request, sampled token) for every request that samples."""
+    def execute(self, step: ScheduledStep) -> tuple[list[tuple[Request, int]], list[tuple[Request, str]]]:
+        """Run the step: ((request, sampled token) for every request that samples, (request, reason)
+        for those whose sampling failed)."""
         logits, samplers = self.forward(step)
-        return list(zip(samplers, self.sample(logits, samplers))) if samplers else []
+        sampled: list[tuple[Request, int]] = []
+        failed: list[tuple[Request, str]] = []
+        for request, token in zip(samplers, self.sample(logits, samplers) if samplers else []):
+            (failed if isinstance(token, str) else sampled).append((request, token))  # type: ignore[arg-type]
+        return sampled, failed

@@ -15,18 +15,20 @@ import time
 
 import uvicorn
 
+from gptoss_lite.server.http import DEFAULT_HEADER_TIMEOUT, uvicorn_config
+
 
 class BackgroundServer:
     """uvicorn serving `app` on 127.0.0.1:<free port> in a background thread (a context manager)."""
 
-    def __init__(self, app, start_timeout: float = 20.0):
+    def __init__(self, app, start_timeout: float = 20.0, header_timeout: float = DEFAULT_HEADER_TIMEOUT):
         self.app = app
         self.start_timeout = start_timeout
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+        config = uvicorn_config(app, header_timeout=header_timeout, log_level="warning", timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 

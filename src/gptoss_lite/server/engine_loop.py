@@ -5,8 +5,10 @@ The LLM is not thread-safe, so nothing else calls it: the HTTP handlers (on the 
 only put commands on `_commands` and await what comes back. Results cross back with
 `loop.call_soon_threadsafe`, once per engine step for the whole batch.
 
-A request's queue receives RequestOutput objects, then (never both) either a final one with
-`finished=True`, or an EngineFailure if the engine raised while it was running.
+Each request's updates go into its `Channel`, which coalesces them: a handler that falls behind (its
+client reads slowly) finds the text of every step it missed joined into one piece and the final
+output, never a backlog of one object per step. Outputs carry deltas (the step's new tokens and text),
+so what a slow reader's channel holds grows with the text it has not sent, not with the square of it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from gptoss_lite.engine import EngineStats, SamplingParams
+from gptoss_lite.engine import EngineStats, RequestOutput, SamplingParams
 
 
 class QueueFull(Exception):
@@ -31,10 +33,53 @@ class ShuttingDown(Exception):
 
 
 @dataclass
-class EngineFailure:
-    """Put on a request's queue when the engine raised during a step; the request is gone."""
+class Update:
+    """What a request's channel holds since the handler last looked (see Channel.get)."""
 
-    message: str
+    text: str  # the text deltas of the steps since, joined
+    new_tokens: int  # tokens those steps generated
+    final: RequestOutput | None  # the finished output, once there is one
+    failure: str | None  # the request was ended by the server (engine gone, stopping): why
+    client_gone: bool  # the client disconnected
+
+
+class Channel:
+    """One request's updates from the engine thread to its handler, coalesced (module docstring).
+    Used on the event loop only: the engine thread reaches it through call_soon_threadsafe."""
+
+    def __init__(self) -> None:
+        self._parts: list[str] = []
+        self._new_tokens = 0
+        self._final: RequestOutput | None = None
+        self._failure: str | None = None
+        self._gone = False
+        self._wake = asyncio.Event()
+
+    def put(self, out: RequestOutput) -> None:
+        if out.text_delta:
+            self._parts.append(out.text_delta)
+        self._new_tokens += len(out.new_token_ids)
+        if out.finished:
+            self._final = out
+        self._wake.set()
+
+    def fail(self, why: str) -> None:
+        self._failure = why
+        self._wake.set()
+
+    def leave(self) -> None:
+        """The client disconnected: wake the handler."""
+        self._gone = True
+        self._wake.set()
+
+    async def get(self) -> Update:
+        """Wait for something new, then take all of it."""
+        await self._wake.wait()
+        self._wake.clear()
+        text, self._parts = "".join(self._parts), []
+        update = Update(text, self._new_tokens, self._final, self._failure, self._gone)
+        self._new_tokens = 0
+        return update
 
 
 @dataclass
@@ -43,7 +88,7 @@ class _Add:
     prompt: Any
     sampling: SamplingParams
     scope: str
-    out: asyncio.Queue
+    out: Channel
     done: asyncio.Future
     loop: asyncio.AbstractEventLoop
 
@@ -58,6 +103,11 @@ class _Call:
     fn: Any  # fn(llm) -> result, run on the engine thread between steps
     done: asyncio.Future
     loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _FailAll:
+    why: str
 
 
 @dataclass
@@ -88,9 +138,11 @@ class EngineLoop:
         self.max_waiting = max_waiting
         self.on_finished = on_finished
         self.snapshot = Snapshot(stats=llm.stats())
-        self.error: str | None = None  # the last engine failure, for /health
+        self.error: str | None = None  # the last failure (a request's or a whole step's), for /health
+        self.failed_requests = 0  # requests the engine finished with an error, confined to them
+        self.step_failures = 0  # steps that raised out of the engine (their running requests failed)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._routes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._routes: dict[str, tuple[asyncio.AbstractEventLoop, Channel]] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="gptoss-engine", daemon=True)
 
@@ -103,15 +155,15 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
-    async def add(self, request_id: str, prompt, sampling: SamplingParams, scope: str) -> asyncio.Queue:
-        """Queue a request; returns its output queue once the engine accepted it.
+    async def add(self, request_id: str, prompt, sampling: SamplingParams, scope: str) -> Channel:
+        """Queue a request; returns its channel once the engine accepted it.
 
         Raises the engine's ValueError for a request it refuses, QueueFull, or ShuttingDown.
         """
         if not self.alive:
             raise ShuttingDown("the server is shutting down")
         loop = asyncio.get_running_loop()
-        out: asyncio.Queue = asyncio.Queue()
+        out = Channel()
         done = loop.create_future()
         self._commands.put(_Add(request_id, prompt, sampling, scope, out, done, loop))
         try:
@@ -133,6 +185,16 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already finished); its blocks are freed on the engine thread."""
         self._commands.put(_Abort(request_id))
+
+    def fail_all(self, why: str) -> None:
+        """End every request now (aborted in the engine, blocks freed); each handler gets `why`."""
+        self._commands.put(_FailAll(why))
+
+    @property
+    def idle(self) -> bool:
+        """No request is queued or running (as of the last step)."""
+        s = self.snapshot.stats
+        return not self._routes and (s is None or s.num_running + s.num_waiting == 0)
 
     def stop(self, timeout: float | None = None) -> None:
         """Abort everything still running, end the thread, and wait for it."""
@@ -189,12 +251,15 @@ class EngineLoop:
         elif isinstance(cmd, _Abort):
             if self._routes.pop(cmd.request_id, None) is not None:
                 llm.abort(cmd.request_id)
+        elif isinstance(cmd, _FailAll):
+            self._abort_all(cmd.why)
 
     def _step(self) -> None:
         try:
             outputs = self.llm.step()
-        except Exception:  # noqa: BLE001 - a bug in the engine: fail the running requests, keep serving
-            self.error = traceback.format_exc(limit=5)
+        except Exception as exc:  # noqa: BLE001 - a bug outside any one request: fail those running, keep serving
+            self.step_failures += 1
+            self.error = f"{type(exc).__name__} in an engine step"
             self._abort_all("the engine failed during a step; see the server log")
             traceback.print_exc()
             return
@@ -205,7 +270,10 @@ class EngineLoop:
                 continue
             if out.finished:
                 del self._routes[out.request_id]
-                if self.on_finished is not None:
+                if out.finish_reason == "error":
+                    self.failed_requests += 1
+                    self.error = out.error
+                elif self.on_finished is not None:
                     self.on_finished(out)
             batches.setdefault(route[0], []).append((route[1], out))
         for loop, items in batches.items():
@@ -217,7 +285,7 @@ class EngineLoop:
                 self.llm.abort(rid)
             except Exception:  # noqa: BLE001 - keep freeing the others
                 traceback.print_exc()
-            loop.call_soon_threadsafe(_deliver, [(out, EngineFailure(why))])
+            loop.call_soon_threadsafe(out.fail, why)
         self._routes.clear()
 
 
@@ -230,6 +298,6 @@ def _settle(fut: asyncio.Future, exc: BaseException | None, value=None) -> None:
         fut.set_exception(exc)
 
 
-def _deliver(items) -> None:
-    for q, item in items:
-        q.put_nowait(item)
+def _deliver(items: list[tuple[Channel, RequestOutput]]) -> None:
+    for channel, out in items:
+        channel.put(out)

@@ -57,6 +57,11 @@ class ServerMetrics:
             "Requests aborted because their client disconnected",
             registry=self.registry,
         )
+        self.stalled = Counter(
+            f"{PREFIX}_stalled_client_aborts",
+            "Streams aborted because their client stopped reading for the stall timeout",
+            registry=self.registry,
+        )
         self.registry.register(_EngineCollector(snapshot))
 
     def record_finished(self, output) -> None:
@@ -101,6 +106,7 @@ class _EngineCollector:
             ("preemptions", "Requests preempted to free KV blocks", s.preemptions),
             ("requests_finished", "Requests the engine finished", s.finished),
             ("requests_aborted", "Requests the engine aborted", s.aborted),
+            ("requests_failed", "Requests the engine ended with an error, confined to them", s.failed),
             ("generation_tokens", "Tokens generated", s.generated_tokens),
         )
         for name, doc, value in counters:

@@ -28,28 +28,47 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from gptoss_lite.engine import SamplingParams
 from gptoss_lite.server import protocol as P
 from gptoss_lite.server.chat import ChatTemplate, ChatTemplateError
-from gptoss_lite.server.engine_loop import EngineFailure, EngineLoop, QueueFull, ShuttingDown
+from gptoss_lite.server.engine_loop import Channel, EngineLoop, QueueFull, ShuttingDown
+from gptoss_lite.server.http import DEFAULT_BODY_TIMEOUT
 from gptoss_lite.server.metrics import ServerMetrics
 
 STATIC = Path(__file__).resolve().parent / "static"
 DEFAULT_TENANT = "default"
 MAX_BODY_BYTES = 8 << 20  # a request body over this is a 413 (a prompt this long is over any context anyway)
-_CLIENT_GONE = object()  # put on a request's output queue when its client disconnects
+DEFAULT_STALL_TIMEOUT = 60.0  # seconds a stream may wait for its client to take data before it is aborted
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
 class ServerState:
     """Everything one app holds: the engine loop, metrics, the served name, the chat template, keys."""
 
-    def __init__(self, llm, *, api_keys, admin_key, max_waiting, served_model_name, max_body_bytes):
+    def __init__(
+        self,
+        llm,
+        *,
+        api_keys,
+        admin_key,
+        max_waiting,
+        served_model_name,
+        max_body_bytes,
+        allowed_hosts,
+        metrics_open,
+        stall_timeout,
+        body_timeout,
+    ):
         self.llm = llm
         self.admin_key = admin_key
         self.model_name = served_model_name or llm.model_name
         self.api_keys = dict(api_keys) if api_keys else None
         self.max_body_bytes = max_body_bytes
+        self.allowed_hosts = allowed_hosts  # lower-case names, or None: any host
+        self.metrics_open = metrics_open or self.api_keys is None
+        self.stall_timeout, self.body_timeout = stall_timeout, body_timeout
         self.template = ChatTemplate(llm.chat_template)
         self.engine = EngineLoop(llm, max_waiting=max_waiting, on_finished=self._finished)
         self.metrics = ServerMetrics(lambda: self.engine.snapshot.stats)
@@ -64,28 +83,28 @@ class ServerState:
         404 when keys are set and no admin key is)."""
         if self.api_keys is None:
             return
+        key = _bearer(request)
         if self.admin_key is None:
             raise P.APIError(404, "Not Found", code="not_found")
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.admin_key.encode()):
+        if key is None or not hmac.compare_digest(key.encode(), self.admin_key.encode()):
             raise P.APIError(
                 401, "admin routes need the admin key", type="authentication_error", code="invalid_api_key"
             )
 
     def tenant(self, request: Request) -> str:
-        """The tenant of the request's API key (APIError 401 for a missing or unknown key)."""
+        """The tenant of the request's API key (APIError 401 for a missing or unknown key, 400 for
+        several Authorization headers)."""
         if self.api_keys is None:
+            _bearer(request)  # still one Authorization header at most
             return DEFAULT_TENANT
-        auth = request.headers.get("authorization", "")
-        scheme, _, key = auth.partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
+        key = _bearer(request)
+        if key is None:
             raise P.APIError(
                 401,
                 "Missing API key: send 'Authorization: Bearer KEY'",
                 type="authentication_error",
                 code="invalid_api_key",
             )
-        key = key.strip()
         found = None
         for known, tenant in self.api_keys.items():  # compare with every key, in constant time each
             if hmac.compare_digest(known.encode(), key.encode()):
@@ -93,6 +112,30 @@ class ServerState:
         if found is None:
             raise P.APIError(401, "Incorrect API key provided", type="authentication_error", code="invalid_api_key")
         return found
+
+    def observer(self, request: Request) -> None:
+        """/metrics and /stats: open without API keys or with --metrics-open; otherwise any API key or
+        the admin key (they show tenant names and per-tenant counters)."""
+        if self.metrics_open:
+            return
+        key = _bearer(request)
+        admin = self.admin_key
+        if key is not None and admin is not None and hmac.compare_digest(key.encode(), admin.encode()):
+            return
+        self.tenant(request)
+
+
+def _bearer(request: Request) -> str | None:
+    """The key of the request's one `Authorization: Bearer KEY` header (None without one). Two
+    Authorization headers are a 400: which one counts would be a guess."""
+    values = request.headers.getlist("authorization")
+    if len(values) > 1:
+        raise P.APIError(
+            400, f"{len(values)} Authorization headers: send exactly one", param="authorization", code="bad_auth"
+        )
+    scheme, _, key = (values[0] if values else "").partition(" ")
+    key = key.strip()
+    return key if scheme.lower() == "bearer" and key else None
 
 
 def cache_scope(tenant: str, cache_salt: str | None) -> str:
@@ -108,12 +151,22 @@ def create_app(
     max_waiting: int = 256,
     served_model_name: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    allowed_hosts: list[str] | None = None,
+    bind_host: str = "127.0.0.1",
+    metrics_open: bool = False,
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT,
 ) -> FastAPI:
     """A FastAPI app serving `llm`; the engine thread starts and stops with the app's lifespan.
 
     api_keys: {API key: tenant name}, or None for an open server (one tenant, "default").
     admin_key: the key for /admin routes when api_keys is set (without api_keys they are open).
     max_waiting: requests allowed to wait for a slot; beyond it a request gets 429.
+    allowed_hosts: the names a request's Host header may give ("*": any). Default: any host when
+        api_keys is set, else `bind_host` and the localhost names (what DNS rebinding cannot spell).
+    metrics_open: /metrics and /stats without a key on a keyed server.
+    stall_timeout: seconds a stream may wait for its client to read before the request is aborted.
+    body_timeout: seconds a client has to send a request body.
     """
     state = ServerState(
         llm,
@@ -122,6 +175,10 @@ def create_app(
         max_waiting=max_waiting,
         served_model_name=served_model_name,
         max_body_bytes=max_body_bytes,
+        allowed_hosts=P.allowed_host_set(allowed_hosts, bind_host, keyed=bool(api_keys)),
+        metrics_open=metrics_open,
+        stall_timeout=stall_timeout,
+        body_timeout=body_timeout,
     )
 
     @asynccontextmanager
@@ -135,6 +192,7 @@ def create_app(
     app = FastAPI(title="gptoss-lite", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     app.add_middleware(_CountRequests, metrics=state.metrics)
+    app.add_middleware(_Guard, state=state)  # outermost: refused requests reach nothing else
     _add_error_handlers(app)
 
     @app.get("/", include_in_schema=False)
@@ -143,17 +201,23 @@ def create_app(
 
     @app.get("/health")
     async def health():
-        if state.draining or not state.engine.alive:
+        engine = state.engine
+        faults = {"failed_requests": engine.failed_requests, "step_failures": engine.step_failures}
+        if engine.error is not None:
+            faults["last_failure"] = engine.error
+        if state.draining or not engine.alive:
             why = "draining" if state.draining else "engine stopped"
-            return JSONResponse({"status": why}, status_code=503)
-        return {"status": "ok"}
+            return JSONResponse({"status": why, **faults}, status_code=503)
+        return {"status": "ok", **faults}
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        state.observer(request)
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/stats")
-    async def stats():
+    async def stats(request: Request):
+        state.observer(request)
         s = state.engine.snapshot.stats
         return {"model": state.model_name, **(dataclasses.asdict(s) if s is not None else {})}
 
@@ -184,14 +248,14 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request):
         tenant = state.tenant(request)
-        req = P.parse_request(P.CompletionRequest, await _read_body(request, state.max_body_bytes))
+        req = P.parse_request(P.CompletionRequest, await _read_body(request, state))
         _check_model(state, req.model)
         return await _serve(state, request, tenant, req, req.single_prompt(), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         tenant = state.tenant(request)
-        req = P.parse_request(P.ChatCompletionRequest, await _read_body(request, state.max_body_bytes))
+        req = P.parse_request(P.ChatCompletionRequest, await _read_body(request, state))
         _check_model(state, req.model)
         try:
             prompt = state.template.render([{"role": m.role, "content": m.text()} for m in req.messages])
@@ -225,18 +289,26 @@ def _check_model(state: ServerState, name: str) -> None:
         )
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it is known to exceed `limit` bytes."""
+async def _read_body(request: Request, state: ServerState) -> bytes:
+    """The request body: a 413 as soon as it is known to exceed the limit, a 408 if it has not all
+    arrived within the body timeout. Both close the connection (the rest of the body is never read)."""
+    limit = state.max_body_bytes
     too_big = P.APIError(413, f"request body is larger than {limit:,} bytes", code="request_too_large")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_big
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_big
-        chunks.append(chunk)
+    try:
+        with anyio.fail_after(state.body_timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_big
+                chunks.append(chunk)
+    except TimeoutError:
+        raise P.APIError(
+            408, f"the request body did not arrive within {state.body_timeout:g} s", code="request_timeout"
+        ) from None
     return b"".join(chunks)
 
 
@@ -249,8 +321,8 @@ def _sampling(state: ServerState, req, prompt) -> SamplingParams:
         raise P.APIError(400, "this model has no tokenizer: send the prompt as a list of token ids", param="prompt")
     else:
         n_prompt = len(state.llm.tokenizer.encode(prompt))
-    max_tokens = req.token_limit if isinstance(req, P.ChatCompletionRequest) else req.max_tokens
-    if max_tokens is None:
+    max_tokens = req.token_limit
+    if max_tokens is None:  # chat without a limit: the rest of the context
         max_tokens = limit - n_prompt
     if n_prompt + max_tokens > limit or max_tokens < 1:
         raise P.APIError(
@@ -280,7 +352,7 @@ async def _serve(state: ServerState, request: Request, tenant: str, req, prompt,
     sampling = _sampling(state, req, prompt)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     try:
-        outputs = await state.engine.add(rid, prompt, sampling, cache_scope(tenant, req.cache_salt))
+        channel = await state.engine.add(rid, prompt, sampling, cache_scope(tenant, req.cache_salt))
     except QueueFull as exc:
         busy = f"the server is busy: {exc}; retry later"
         raise P.APIError(429, busy, type="server_error", code="queue_full") from None
@@ -288,44 +360,58 @@ async def _serve(state: ServerState, request: Request, tenant: str, req, prompt,
         raise P.APIError(503, str(exc), type="server_error", code="shutting_down") from None
     except (ValueError, TypeError) as exc:  # the engine refused the request (nothing was queued)
         raise P.APIError(400, str(exc)) from None
-    run = _Run(state, tenant, rid, outputs, sampling.stop)
+    run = _Run(state, tenant, rid, channel)
     if req.stream:
-        return _SSEResponse(run.events(chat, req.include_usage), on_close=run.abort, media_type="text/event-stream")
+        return _SSEResponse(
+            run.events(chat, req.include_usage),
+            on_close=run.abort,
+            on_stall=run.stalled,
+            stall_timeout=state.stall_timeout,
+            media_type="text/event-stream",
+        )
     return JSONResponse(await run.collect(request, chat))
 
 
 class _Run:
-    """One accepted request: reads its output queue, aborts it if its client goes away."""
+    """One accepted request: reads its channel, aborts it if its client goes away or stops reading."""
 
-    def __init__(self, state: ServerState, tenant: str, rid: str, outputs: asyncio.Queue, stops):
-        self.state, self.tenant, self.rid, self.outputs = state, tenant, rid, outputs
-        self.delta = DeltaText(stops)
-        self.done = False  # the engine finished it (or failed): nothing to abort
+    def __init__(self, state: ServerState, tenant: str, rid: str, channel: Channel):
+        self.state, self.tenant, self.rid, self.channel = state, tenant, rid, channel
+        self.done = False  # the engine finished it (or failed it): nothing to abort
 
     async def _watch(self, request: Request) -> None:
-        """Wake the reader with _CLIENT_GONE when the server reports that the client disconnected
-        (the body is already read, so the next ASGI message is the disconnect)."""
+        """Wake the reader when the server reports that the client disconnected (the body is already
+        read, so the next ASGI message is the disconnect)."""
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        self.outputs.put_nowait(_CLIENT_GONE)
+        self.channel.leave()
 
     async def _next(self):
-        item = await self.outputs.get()
-        if item is _CLIENT_GONE:
-            return item
-        if isinstance(item, EngineFailure):
+        """The next update; an APIError 500 if the server ended the request or the engine failed it."""
+        update = await self.channel.get()
+        if update.failure is not None:
             self.done = True
-            raise P.APIError(500, item.message, type="server_error")
-        if item.finished:
+            code = "shutting_down" if self.state.draining else None
+            raise P.APIError(503 if code else 500, update.failure, type="server_error", code=code)
+        final = update.final
+        if final is not None:
             self.done = True
-            self.state.metrics.record_usage(self.tenant, len(item.prompt_token_ids), item.num_cached_tokens)
-        return item
+            if final.finish_reason == "error":
+                raise P.APIError(500, f"the engine failed on this request: {final.error}", type="server_error")
+            self.state.metrics.record_usage(self.tenant, len(final.prompt_token_ids), final.num_cached_tokens)
+        return update
 
     def abort(self) -> None:
         if not self.done:
             self.done = True
             self.state.engine.abort(self.rid)
             self.state.metrics.aborted.inc()
+
+    def stalled(self) -> None:
+        """The client stopped reading the stream for the stall timeout: abort, and count it."""
+        if not self.done:
+            self.state.metrics.stalled.inc()
+        self.abort()
 
     def _usage(self, out) -> dict:
         return P.usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
@@ -335,38 +421,41 @@ class _Run:
         watcher = asyncio.ensure_future(self._watch(request))
         try:
             while True:
-                out = await self._next()
-                if out is _CLIENT_GONE:
-                    return {}  # nobody to answer; the finally aborts the request
-                if out.finished:
+                update = await self._next()
+                if update.final is not None:
                     break
+                if update.client_gone:
+                    return {}  # nobody to answer; the finally aborts the request
         finally:
             watcher.cancel()
             self.abort()
+        out = update.final
         body = P.chat_body if chat else P.completion_body
         return body(self.rid, self.state.model_name, out.text, out.finish_reason, self._usage(out))
 
     async def events(self, chat: bool, include_usage: bool):
-        """SSE events: deltas as tokens arrive, the finish reason, usage if asked, then [DONE]."""
+        """SSE events: deltas as tokens arrive, the finish reason, usage if asked, then [DONE]. Text
+        the engine hands out is final (it holds back a possible stop string or a cut character), so
+        the deltas join to the non-streamed text."""
         name = self.state.model_name
         try:
             if chat:
                 yield _sse(P.chat_chunk(self.rid, name, {"role": "assistant", "content": ""}, None))
             while True:
                 try:
-                    out = await self._next()
+                    update = await self._next()
                 except P.APIError as exc:
                     yield _sse(exc.body())
                     break
-                text = self.delta.push(out.text, out.finished)
-                reason = out.finish_reason if out.finished else None
-                if text or reason:
+                out = update.final
+                reason = out.finish_reason if out is not None else None
+                if update.text or reason:
                     if chat:
-                        delta = {"content": text} if text else {}
+                        delta = {"content": update.text} if update.text else {}
                         yield _sse(P.chat_chunk(self.rid, name, delta, reason))
                     else:
-                        yield _sse(P.completion_chunk(self.rid, name, text, reason))
-                if out.finished:
+                        yield _sse(P.completion_chunk(self.rid, name, update.text, reason))
+                if out is not None:
                     if include_usage:
                         chunk = P.chat_chunk if chat else P.completion_chunk
                         yield _sse(chunk(self.rid, name, None, None, self._usage(out)))
@@ -380,56 +469,39 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-class DeltaText:
-    """Turns the engine's whole-text updates into stream deltas that never need taking back.
-
-    Held back until more text arrives: one trailing U+FFFD (what a multi-byte character cut mid-way
-    decodes to; it may become that character) and a tail that could be the start of a stop string
-    (the engine cuts the text before a stop string once it is complete). So the concatenated deltas
-    equal the final non-streamed text.
-    """
-
-    def __init__(self, stops=()):
-        self.stops = tuple(stops)
-        self.sent = ""
-
-    def push(self, text: str, finished: bool) -> str:
-        ready = text
-        if not finished:
-            ready = ready[:-1] if ready.endswith("\ufffd") else ready
-            hold = 0
-            for stop in self.stops:
-                for k in range(min(len(stop) - 1, len(ready)), hold, -1):
-                    if ready.endswith(stop[:k]):
-                        hold = k
-                        break
-            ready = ready[: len(ready) - hold]
-        if not ready.startswith(self.sent):
-            return ""  # the text changed behind what was sent; cannot happen with the holds above
-        out, self.sent = ready[len(self.sent) :], ready
-        return out
-
-
 class _SSEResponse(StreamingResponse):
-    """A StreamingResponse that also watches for the client going away while no token is due.
+    """A StreamingResponse that also watches for the client going away while no token is due, and
+    for a client that stops reading.
 
     Starlette's own, under an ASGI 2.4 server, notices a disconnect only when a send fails, so a
     request still queued behind others would keep its slot until its first token; here the stream is
     cancelled as soon as the server reports the disconnect, and the generator's `finally` aborts it.
+    A send that waits longer than `stall_timeout` (the client's receive window and the server's
+    write buffer are full) ends the stream too: `on_stall` aborts the request and frees its blocks.
     """
 
-    def __init__(self, content, *, on_close, **kwargs):
+    def __init__(self, content, *, on_close, on_stall, stall_timeout: float, **kwargs):
         super().__init__(content, **kwargs)
         self.on_close = on_close  # runs even if the stream never started (client gone before the first send)
+        self.on_stall = on_stall
+        self.stall_timeout = stall_timeout
 
     async def __call__(self, scope, receive, send) -> None:
+        async def send_or_stall(message) -> None:
+            try:
+                with anyio.fail_after(self.stall_timeout):
+                    await send(message)
+            except TimeoutError:
+                self.on_stall()
+                raise _Stalled from None
+
         try:
             async with anyio.create_task_group() as tg:
 
                 async def stream() -> None:
                     try:
-                        await self.stream_response(send)
-                    except OSError:  # the client went away mid-send
+                        await self.stream_response(send_or_stall)
+                    except (OSError, _Stalled):  # the client went away, or stopped reading
                         pass
                     tg.cancel_scope.cancel()
 
@@ -444,13 +516,23 @@ class _SSEResponse(StreamingResponse):
             self.on_close()
 
 
+class _Stalled(Exception):
+    """A send waited past the stall timeout."""
+
+
 # ---- errors and request counting -----------------------------------------------------------------------
 
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(P.APIError)
     async def api_error(request: Request, exc: P.APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        # A body refused before it was all read leaves the connection unusable: close it.
+        headers = {"Connection": "close"} if exc.status in (408, 413) else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(request: Request, exc: ClientDisconnect):
+        return Response(status_code=400)  # nobody reads it; no traceback in the log for a client that left
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -463,9 +545,32 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception):
+        # The log has the traceback (the server re-raises to it); the client gets no internals.
         return JSONResponse(
-            P.error_body(f"internal error: {type(exc).__name__}: {exc}", type="server_error"), status_code=500
+            P.error_body(f"internal error ({type(exc).__name__}); see the server log", type="server_error"),
+            status_code=500,
         )
+
+
+class _Guard:
+    """ASGI middleware in front of every route: the Host and Origin checks, and for a POST the
+    Content-Type and Content-Encoding checks (protocol.check_headers). A refused request gets its
+    JSON error and reaches nothing else."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers: dict[str, list[str]] = {}
+        for name, value in scope["headers"]:
+            headers.setdefault(name.decode("latin-1").lower(), []).append(value.decode("latin-1"))
+        try:
+            P.check_headers(scope["method"], headers, self.state.allowed_hosts)
+        except P.APIError as exc:
+            return await JSONResponse(exc.body(), status_code=exc.status)(scope, receive, send)
+        return await self.app(scope, receive, send)
 
 
 class _CountRequests:

@@ -12,13 +12,21 @@ prefix-cache scope of its tenant) and `ignore_eos` (generate exactly `max_tokens
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_STOP_STRINGS = 4  # the OpenAI API's limit on `stop`
+MAX_STOP_CHARS = 4096  # characters in one stop string
 MAX_SEED = 2**63 - 1  # a JSON integer every client library can send
+MAX_TOKENS_LIMIT = 2**31 - 1  # above any context; the context check gives the real bound
+MAX_INT_DIGITS = 20  # a JSON integer with more digits is refused before it is converted
+MAX_NUMBER_CHARS = 64  # the same for a JSON number with a fraction or an exponent
+MAX_N = 128  # choices per request the API accepts (this server then allows 1)
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI default for /v1/completions, also for an explicit null
 
 
 class APIError(Exception):
@@ -47,7 +55,9 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-Stop = Annotated[str, Field(min_length=1)]
+Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
 
 
 class _SamplingFields(_Strict):
@@ -58,14 +68,14 @@ class _SamplingFields(_Strict):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
     stop: Stop | Annotated[list[Stop], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    n: int = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted and ignored, as a label for abuse tracking is elsewhere
-    # Accepted at their neutral values only (see _check_unsupported).
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    user: Annotated[str, Field(max_length=256)] | None = None  # accepted and ignored
+    # Accepted at their neutral values only (see check()).
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     # Extensions.
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     ignore_eos: bool = False
@@ -97,11 +107,15 @@ class CompletionRequest(_SamplingFields):
     """POST /v1/completions. One prompt: a string, a list of token ids, or a one-element list of either."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # the OpenAI default for completions
+    max_tokens: MaxTokens | None = COMPLETIONS_DEFAULT_MAX_TOKENS  # null means this default too
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     suffix: str | None = None
+
+    @property
+    def token_limit(self) -> int:
+        return self.max_tokens if self.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
 
     def check(self) -> None:
         super().check()
@@ -144,10 +158,10 @@ class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None  # None: up to the context limit
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: MaxTokens | None = None  # None: up to the context limit
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
@@ -172,23 +186,85 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 def parse_request(cls: type[_Strict], body: bytes) -> Any:
-    """Validate a JSON body into `cls`; any problem is an APIError 400 naming the first bad field."""
+    """Validate a JSON body into `cls`; any problem is an APIError 400 naming the first bad field.
+
+    The body is read by `parse_json` first, so a number too long to convert, NaN, or nesting too
+    deep for the parser is refused before anything looks at its value."""
+    obj = parse_json(body)
+    if not isinstance(obj, dict):
+        raise APIError(400, "request body must be a JSON object")
     try:
-        req = cls.model_validate_json(body)
+        req = cls.model_validate(obj, strict=True)
     except ValidationError as exc:
         err = _most_telling(exc.errors(include_url=False))
         loc = ".".join(str(p) for p in err["loc"] if _is_field(p))
-        if err["type"] == "json_invalid":
-            raise APIError(400, f"request body is not valid JSON: {err['msg']}") from None
         if err["type"] == "model_type" or not loc:
             raise APIError(400, "request body must be a JSON object") from None
         if err["type"] == "extra_forbidden":
             raise APIError(400, f"Unrecognized request argument supplied: {loc}", param=loc) from None
         if err["type"] == "missing":
             raise APIError(400, f"{loc}: required field is missing", param=loc) from None
-        raise APIError(400, f"{loc}: {err['msg']} (got {err.get('input')!r:.80})", param=loc) from None
+        if isinstance(err.get("input"), _LongNumber):
+            raise APIError(400, f"{loc}: {err['input'].why}", param=loc) from None
+        raise APIError(400, f"{loc}: {err['msg']} (got {_shown(err.get('input'))})", param=loc) from None
     req.check()
     return req
+
+
+def parse_json(body: bytes) -> Any:
+    """The JSON value of a request body (APIError 400 for anything that is not plain JSON of sane size).
+
+    Refused: invalid UTF-8 or JSON, NaN and Infinity (not JSON), an integer of more than
+    MAX_INT_DIGITS digits or a number of more than MAX_NUMBER_CHARS characters (converting a
+    4,300-digit integer is what Python refuses to do), and nesting too deep for the parser.
+    """
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"request body is not valid JSON: not UTF-8 at byte {exc.start}") from None
+    try:
+        return json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_no_constant)
+    except _BadNumber as exc:
+        raise APIError(400, f"request body: {exc}") from None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+
+
+class _BadNumber(ValueError):
+    pass
+
+
+class _LongNumber:
+    """Stands in for a JSON number too long to convert; validation then names the field it is in."""
+
+    def __init__(self, text: str, what: str) -> None:
+        self.why = f"{what} of {len(text):,} characters, too long to be a value here"
+
+
+def _parse_int(digits: str) -> int | _LongNumber:
+    if len(digits) > MAX_INT_DIGITS:
+        return _LongNumber(digits, "an integer")
+    return int(digits)
+
+
+def _parse_float(text: str) -> float | _LongNumber:
+    if len(text) > MAX_NUMBER_CHARS:
+        return _LongNumber(text, "a number")
+    value = float(text)
+    if not math.isfinite(value):
+        raise _BadNumber(f"{text[:20]} is out of range for a number")
+    return value
+
+
+def _no_constant(name: str):
+    raise _BadNumber(f"{name} is not a JSON value")
+
+
+def _shown(value) -> str:
+    """A bad value as an error message shows it: scalars by repr, cut to 80 characters; containers by type."""
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return f"{value!r:.80}"
+    return type(value).__name__
 
 
 def _most_telling(errors: list[dict]) -> dict:
@@ -269,3 +345,67 @@ def chat_chunk(rid: str, model: str, delta: dict | None, finish_reason: str | No
         "choices": choices,
         "usage": use,
     }
+
+
+# ---- headers ---------------------------------------------------------------------------------------------
+
+
+def allowed_host_set(hosts: list[str] | None, bind_host: str, *, keyed: bool) -> frozenset[str] | None:
+    """The Host names a server answers (None: any). Given `hosts` ("*" in them: any); else any host on
+    a keyed server, and on an open one the bind address and the localhost names, so a page whose
+    name was rebound to this machine's address cannot read the answers (DNS rebinding)."""
+    if hosts:
+        names = {h.strip().lower().strip("[]") for h in hosts}
+        return None if "*" in names else frozenset(names)
+    if keyed:
+        return None
+    names = {"localhost", "127.0.0.1", "::1", bind_host.lower().strip("[]")}
+    return frozenset(names - {"0.0.0.0", "::", ""})
+
+
+def host_name(value: str) -> str:
+    """The name part of a Host header or an origin's authority: lower-case, without port or brackets."""
+    value = value.strip().lower()
+    if value.startswith("["):  # [::1]:8000
+        return value[1:].partition("]")[0]
+    name, _, port = value.rpartition(":")
+    return name if name and port.isdigit() and ":" not in name else value
+
+
+def check_headers(method: str, headers: dict[str, list[str]], allowed_hosts: frozenset[str] | None) -> None:
+    """Refuse (APIError) what a web page could send on a user's behalf, and bodies this server
+    would misread: headers maps lower-case names to every value given.
+
+    - Host must be one of `allowed_hosts` (403; any host when None);
+    - an Origin, when sent, must be this server's own (the Host header): a cross-origin page is 403;
+    - a POST body must be `Content-Type: application/json` (415; a POST without a body may leave it
+      out), with no Content-Encoding but identity (415).
+    """
+    hosts = headers.get("host", [])
+    if len(hosts) > 1:
+        raise APIError(400, "several Host headers", code="bad_host")
+    host = hosts[0] if hosts else ""
+    if allowed_hosts is not None and host_name(host) not in allowed_hosts:
+        raise APIError(
+            403,
+            f"Host {host[:100]!r} is not served here; start the server with --allowed-host NAME to allow it",
+            code="host_not_allowed",
+        )
+    for origin in headers.get("origin", []):
+        scheme, sep, authority = origin.strip().lower().partition("://")
+        if not sep or scheme not in ("http", "https") or authority.rstrip("/") != host.strip().lower():
+            why = f"cross-origin requests are refused (Origin {origin[:100]!r})"
+            raise APIError(403, why, code="origin_not_allowed")
+    if method != "POST":
+        return
+    for encoding in headers.get("content-encoding", []):
+        if encoding.strip().lower() not in ("", "identity"):
+            raise APIError(415, f"Content-Encoding {encoding[:50]!r} is not supported; send the body as is")
+    types = headers.get("content-type", [])
+    has_body = headers.get("content-length", ["0"]) != ["0"] or "transfer-encoding" in headers
+    if not types and not has_body:
+        return
+    media = types[0].partition(";")[0].strip().lower() if len(types) == 1 else ""
+    if media != "application/json":
+        shown = ", ".join(types)[:100] or "none"
+        raise APIError(415, f"Content-Type must be application/json (got {shown})", code="unsupported_media_type")
