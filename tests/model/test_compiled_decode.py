@@ -56,13 +56,22 @@ def test_decoder_step_equals_eager_decode(preset, compile_graph, shape, steps, a
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_static_step_bf16_is_close_to_eager_bf16(preset):
-    # bf16 rounds at the same points as the eager path; what differs is the order of fp32 sums.
+    # bf16 rounds at the same points as the eager path; what differs is the order of fp32 sums. That
+    # moves a logit by about 1% of the largest, except where it moves a bf16 router logit across a
+    # near-tie and a different expert is chosen: then the step's logits differ by design (on an AMD
+    # EPYC, 3 of 48 steps of random gpt-oss-tiny prompts, up to 27%). So most steps must be close and
+    # the typical step very close; a systematic difference fails both.
     eager = make_model(preset).prepare_for_inference(dtype=torch.bfloat16)
     compiled = _compiled(preset, torch.bfloat16)
-    prompt = torch.randint(0, eager.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(2))
-    for ref, fast in _decode_pair(eager, compiled, prompt, 8, compile_graph=False):
-        assert fast.dtype == torch.bfloat16
-        assert (fast.float() - ref.float()).abs().max() <= 0.05 * ref.float().abs().max()
+    errors = []
+    for seed in range(4):
+        prompt = torch.randint(0, eager.config.vocab_size, (1, 20), generator=torch.Generator().manual_seed(seed))
+        for ref, fast in _decode_pair(eager, compiled, prompt, 8, compile_graph=False):
+            assert fast.dtype == torch.bfloat16
+            errors.append(float((fast.float() - ref.float()).abs().max() / ref.float().abs().max()))
+    errors.sort()
+    assert errors[len(errors) // 2] <= 0.02, errors
+    assert sum(e <= 0.05 for e in errors) >= 0.8 * len(errors), errors
 
 
 def test_generate_with_compiled_decode_matches_eager_tokens():
