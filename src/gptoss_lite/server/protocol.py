@@ -223,11 +223,42 @@ def parse_json(body: bytes) -> Any:
     except UnicodeDecodeError as exc:
         raise APIError(400, f"request body is not valid JSON: not UTF-8 at byte {exc.start}") from None
     try:
-        return json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_no_constant)
+        obj = json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_no_constant)
     except _BadNumber as exc:
         raise APIError(400, f"request body: {exc}") from None
     except (json.JSONDecodeError, RecursionError) as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    if "\\u" in text:  # an escape could spell half a surrogate pair, which is no character: refuse it
+        where = _surrogate_path(obj)
+        if where is not None:
+            raise APIError(400, f"{where}: a string holds an unpaired surrogate escape", param=where)
+    return obj
+
+
+def _surrogate_path(obj, path: str = "") -> str | None:
+    """The dotted path of the first string (or key) with an unpaired surrogate ('' for the top)."""
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for key, value in items:
+        name = str(key).encode("utf-8", "backslashreplace").decode("utf-8")  # shown escaped: no surrogate in it
+        here = f"{path}.{name}" if path else name
+        if isinstance(key, str) and not _encodes(key):
+            return here
+        if isinstance(value, str):
+            if not _encodes(value):
+                return here
+        elif isinstance(value, (dict, list)):
+            found = _surrogate_path(value, here)
+            if found is not None:
+                return found
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class _BadNumber(ValueError):
