@@ -118,6 +118,16 @@ def test_2_a_client_that_stops_reading_is_aborted_and_its_blocks_freed(serve):
         while live.state.metrics.stalled._value.get() < 1:
             assert time.monotonic() < deadline, "the stalled stream was never aborted"
             time.sleep(0.1)
+        # The server dropped the connection at once, without waiting for the client to read what it
+        # buffers (a plain close would keep it open until then) ...
+        _wait(lambda: not live.server.server_state.connections, timeout=10)
+        # ... with a reset: reading ends, where it would block on an open one (TimeoutError fails).
+        s.settimeout(10)
+        try:
+            while s.recv(65536):
+                pass
+        except ConnectionResetError:
+            pass
     finally:
         s.close()
     _wait(lambda: httpx.get(live.url + "/stats").json()["num_running"] == 0)

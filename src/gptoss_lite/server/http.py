@@ -9,6 +9,11 @@ place that builds a `uvicorn.Config` for `serve` and for `BackgroundServer`.
    parse is answered with the same JSON error body as every other error (`{"error": {...}}`), not
    uvicorn's plain text.
 
+3. **A way to drop a connection.** Each request's ASGI scope carries
+   `scope["extensions"][ABORT_EXTENSION]`, a function that closes the connection at once with a
+   reset, discarding what is still buffered (in the process and in the kernel). A stream whose client stopped reading uses it: a plain close would wait
+   for the client to take megabytes it will never read, and hold the socket meanwhile.
+
 The body has its own deadline (`body_timeout`), enforced by the app while it reads the body.
 """
 
@@ -16,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import struct
 
 import h11
 import uvicorn
@@ -23,6 +30,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 DEFAULT_HEADER_TIMEOUT = 10.0  # seconds to send a request's headers
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds to send a request's body, once the headers are in
+ABORT_EXTENSION = "gptoss.abort_connection"
 
 
 def error_response(status: int, reason: str, message: str, code: str | None) -> bytes:
@@ -48,6 +56,8 @@ class GuardedH11Protocol(H11Protocol):
         super().data_received(data)
         if self.cycle is not self._cycle_when_armed:  # a new request's headers are complete
             self._disarm_header_deadline()
+            # The app's task has not run yet: the scope it will see still takes the extension.
+            self.cycle.scope.setdefault("extensions", {})[ABORT_EXTENSION] = self._drop_connection
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -57,6 +67,16 @@ class GuardedH11Protocol(H11Protocol):
     def connection_lost(self, exc) -> None:
         self._disarm_header_deadline()
         super().connection_lost(exc)
+
+    def _drop_connection(self) -> None:
+        """Close now, with a reset: what the kernel still buffers for this client is discarded too."""
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except OSError:
+                pass
+        self.transport.abort()
 
     def send_400_response(self, msg: str) -> None:
         self._disarm_header_deadline()

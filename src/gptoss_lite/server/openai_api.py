@@ -34,7 +34,7 @@ from gptoss_lite.engine import SamplingParams
 from gptoss_lite.server import protocol as P
 from gptoss_lite.server.chat import ChatTemplate, ChatTemplateError
 from gptoss_lite.server.engine_loop import Channel, EngineLoop, QueueFull, ShuttingDown
-from gptoss_lite.server.http import DEFAULT_BODY_TIMEOUT
+from gptoss_lite.server.http import ABORT_EXTENSION, DEFAULT_BODY_TIMEOUT
 from gptoss_lite.server.metrics import ServerMetrics
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -477,7 +477,8 @@ class _SSEResponse(StreamingResponse):
     request still queued behind others would keep its slot until its first token; here the stream is
     cancelled as soon as the server reports the disconnect, and the generator's `finally` aborts it.
     A send that waits longer than `stall_timeout` (the client's receive window and the server's
-    write buffer are full) ends the stream too: `on_stall` aborts the request and frees its blocks.
+    write buffer are full) ends the stream too: `on_stall` aborts the request and frees its blocks,
+    and the connection is dropped with what it still buffers (server/http.py's abort extension).
     """
 
     def __init__(self, content, *, on_close, on_stall, stall_timeout: float, **kwargs):
@@ -493,6 +494,9 @@ class _SSEResponse(StreamingResponse):
                     await send(message)
             except TimeoutError:
                 self.on_stall()
+                drop = (scope.get("extensions") or {}).get(ABORT_EXTENSION)
+                if drop is not None:
+                    drop()  # a close would wait for the client to take what is buffered
                 raise _Stalled from None
 
         try:
