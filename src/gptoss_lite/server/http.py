@@ -1,4 +1,4 @@
-"""The HTTP connection layer under the app: uvicorn's h11 protocol with two changes, and the one
+"""The HTTP connection layer under the app: uvicorn's h11 protocol with three changes, and the one
 place that builds a `uvicorn.Config` for `serve` and for `BackgroundServer`.
 
 1. **A header deadline.** A connection must finish each request's headers within `header_timeout`
@@ -11,8 +11,9 @@ place that builds a `uvicorn.Config` for `serve` and for `BackgroundServer`.
 
 3. **A way to drop a connection.** Each request's ASGI scope carries
    `scope["extensions"][ABORT_EXTENSION]`, a function that closes the connection at once with a
-   reset, discarding what is still buffered (in the process and in the kernel). A stream whose client stopped reading uses it: a plain close would wait
-   for the client to take megabytes it will never read, and hold the socket meanwhile.
+   reset, discarding what is still buffered (in the process and in the kernel). A stream whose
+   client stopped reading uses it: a plain close would wait for the client to take megabytes it
+   will never read, and hold the socket meanwhile.
 
 The body has its own deadline (`body_timeout`), enforced by the app while it reads the body.
 """
