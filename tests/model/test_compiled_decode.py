@@ -150,8 +150,11 @@ def test_pack_layout_can_be_switched_and_back(preset):
 
 
 def test_shipped_model_bf16_compiled_greedy_equals_eager_for_32_tokens():
-    # The bf16 compiled step rounds where the eager one does; on the shipped model the greedy text of a
-    # passkey prompt (past the 128-token window, so the rings wrap) is the same for 32 tokens.
+    # The bf16 compiled step rounds where the eager one does; on the shipped model the greedy answer to a
+    # passkey prompt (past the 128-token window, so the rings wrap) is the same, up to the model's EOS
+    # (up to 32 tokens). Past its EOS the model runs on in a tail it was never trained on, where on an
+    # AMD EPYC the eager cached path itself parts from a dense forward after 15 tokens (by 0.9 logits),
+    # so that tail cannot pin the compiled step's rounding.
     from gptoss_lite.checkpoint import default_model_source, load_model
     from gptoss_lite.evals.passkey import build_passkey_prompt
     from gptoss_lite.tokenizer import load_tokenizer
@@ -162,5 +165,7 @@ def test_shipped_model_bf16_compiled_greedy_equals_eager_for_32_tokens():
     compiled = load_model(source, dtype=torch.bfloat16).prepare_for_inference(compile_decode=True)
     text = build_passkey_prompt(512, "52718", 0.5, tokenizer)
     ids = torch.tensor([tokenizer.encode(text, bos=tokenizer.bos_id is not None)])
-    expected = generate(eager, ids, max_new_tokens=32, temperature=0)
-    assert torch.equal(generate(compiled, ids, max_new_tokens=32, temperature=0), expected)
+    stop = [tokenizer.eos_id]
+    expected = generate(eager, ids, max_new_tokens=32, temperature=0, stop_tokens=stop)
+    assert expected.shape[1] - ids.shape[1] >= 6  # the answer, " 52718." and EOS
+    assert torch.equal(generate(compiled, ids, max_new_tokens=32, temperature=0, stop_tokens=stop), expected)
