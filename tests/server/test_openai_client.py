@@ -118,3 +118,54 @@ def test_stop_string_streamed_equals_plain(setup):
     )
     assert plain.choices[0].text == streamed == want[: want.index(stop)]
     assert plain.choices[0].finish_reason == "stop"
+
+
+def test_logprobs_through_the_client(setup):
+    """chat `logprobs=True, top_logprobs=5` and completions `logprobs=3`: one entry per generated
+    token, its alternatives ordered, the chosen token's logprob no higher than the best; streamed
+    chat logprobs concatenate to the non-streamed ones."""
+    live, _, _ = setup
+    c = client(live)
+    chat = c.chat.completions.create(
+        model="lite-tiny", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, logprobs=True, top_logprobs=5
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for entry in content:
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert len(tops) == 5 and tops == sorted(tops, reverse=True) and entry.logprob <= tops[0] + 1e-6
+        assert entry.logprob == pytest.approx(tops[0], abs=1e-6)  # greedy: the chosen token is the best
+        assert isinstance(entry.bytes, list)
+    streamed = []
+    for chunk in c.chat.completions.create(
+        model="lite-tiny", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0, logprobs=True, stream=True
+    ):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.content
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    done = c.completions.create(model="lite-tiny", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, logprobs=3)
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == done.usage.completion_tokens
+    assert lp.text_offset[0] == 0 and all(len(d) <= 3 for d in lp.top_logprobs)
+
+
+def test_penalties_and_logit_bias_through_the_client(setup):
+    """A +100 bias on '*' (byte 42) makes every token '*'; penalties are accepted and change the
+    greedy text of a model that repeats itself."""
+    live, want_completion, _ = setup
+    c = client(live)
+    forced = c.completions.create(
+        model="lite-tiny",
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        logit_bias={"42": 100},
+        extra_body={"ignore_eos": True},
+    )
+    assert forced.choices[0].text == "*" * 8
+    penalised = c.completions.create(
+        model="lite-tiny", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, frequency_penalty=2, presence_penalty=2
+    )
+    assert penalised.choices[0].text != want_completion
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        c.completions.create(model="lite-tiny", prompt=PROMPT, max_tokens=2, logit_bias={"99999": 1})

@@ -7,6 +7,6 @@ tables for a ragged batch), runner.py (one forward per step), llm.py (the facade
 """
 
 from gptoss_lite.engine.llm import LLM, EngineStats
-from gptoss_lite.engine.request import RequestMetrics, RequestOutput, SamplingParams
+from gptoss_lite.engine.request import RequestMetrics, RequestOutput, SamplingParams, TokenLogprobs
 
-__all__ = ["LLM", "EngineStats", "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "EngineStats", "RequestMetrics", "RequestOutput", "SamplingParams", "TokenLogprobs"]

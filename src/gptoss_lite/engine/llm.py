@@ -29,7 +29,7 @@ import torch
 from gptoss_lite.checkpoint import load_model
 from gptoss_lite.engine.detokenize import TextStream
 from gptoss_lite.engine.kv_manager import KVManager
-from gptoss_lite.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
+from gptoss_lite.engine.request import Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs
 from gptoss_lite.engine.runner import ModelRunner
 from gptoss_lite.engine.scheduler import ScheduledStep, Scheduler
 from gptoss_lite.kv.block_pool import DEFAULT_BLOCK_SIZE
@@ -262,6 +262,10 @@ class LLM:
         if not isinstance(scope, str) or not scope:
             raise ValueError(f"scope={scope!r}: expected a non-empty string")
         ids = self._encode(prompt)
+        vocab = self.config.vocab_size
+        bad = [t for t, _ in sampling.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias: token id(s) {bad[:5]} out of vocabulary (vocab_size={vocab})")
         if len(ids) + sampling.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt of {len(ids)} tokens + max_tokens={sampling.max_tokens} exceeds max_model_len="
@@ -329,7 +333,9 @@ class LLM:
             if not request.finished:
                 self.kv.cache_prompt(request)
         now = time.monotonic()
-        for request, token in sampled:
+        for request, token, logprobs in sampled:
+            if logprobs is not None:
+                request.new_logprobs.append(logprobs)
             try:
                 self._append(request, token, now)
             except Exception as exc:  # noqa: BLE001 - this request's text or stop rules; the others go on
@@ -339,7 +345,7 @@ class LLM:
             outputs.append(request.output([token]))
         return outputs
 
-    def _execute(self, step: ScheduledStep) -> tuple[list[tuple[Request, int]], list[tuple[Request, str]]]:
+    def _execute(self, step: ScheduledStep) -> tuple[list[tuple[Request, int, TokenLogprobs | None]], list]:
         """The runner's (sampled, failed) for the step; if the batched forward raises, each request
         runs again alone (its K/V slots are rewritten with the same values) and fails only if it
         raises alone too."""
@@ -378,6 +384,7 @@ class LLM:
 
     def _append(self, request: Request, token: int, now: float) -> None:
         request.output_token_ids.append(token)
+        request.token_counts[token] = request.token_counts.get(token, 0) + 1
         if request.metrics.first_token_time is None:
             request.metrics.first_token_time = now
         request.metrics.token_times.append(now)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -21,12 +21,23 @@ from gptoss_lite.engine.detokenize import TextStream
 from gptoss_lite.sampling import MAX_SEED, SamplingConfig
 from gptoss_lite.validation import check_int
 
+MAX_LOGPROBS = 20  # top alternatives a request may ask for per token
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (the OpenAI range)
+MAX_LOGIT_BIAS = 100.0  # |bias| per token (the OpenAI range: -100 bans a token, +100 forces it)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request generates. temperature <= 0 is greedy; generation stops after `max_tokens`,
     at the tokenizer's end-of-sequence token (unless `ignore_eos`), at any of `stop_token_ids`, or
-    when the text contains one of the `stop` strings (the text is cut before it)."""
+    when the text contains one of the `stop` strings (the text is cut before it).
+
+    Before a token is chosen its logits are adjusted, as the OpenAI API defines: `logit_bias` adds a
+    bias to given token ids ({id: bias}, each in [-100, 100]); `presence_penalty` is subtracted once
+    from every token already generated and `frequency_penalty` once per time it was generated (both
+    in [-2, 2]). `logprobs` k (0..20) reports, for every generated token, its log-probability and
+    the k most likely tokens' (log_softmax of the adjusted logits, before temperature and top-p).
+    """
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -35,6 +46,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # also accepted as a {token id: bias} mapping
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, minimum=1)
@@ -51,10 +66,35 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(stop))
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos={self.ignore_eos!r}: expected a bool")
+        if self.logprobs is not None:
+            check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name}={value!r}: must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        pairs = []
+        for entry in bias:
+            if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+                raise TypeError(f"logit_bias: expected {{token id: bias}} or (id, bias) pairs, got {entry!r}")
+            token, value = check_int("logit_bias token id", entry[0], 0), entry[1]
+            if not _is_number(value) or not abs(value) <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias[{token}]={value!r}: must be a number in [-100, 100]")
+            pairs.append((token, float(value)))
+        object.__setattr__(self, "logit_bias", tuple(sorted(pairs)))
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether logit_bias or a penalty changes the logits before a token is chosen."""
+        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def sampling_config(self) -> SamplingConfig:
         """The `gptoss_lite.sampling` config these parameters draw with (raises on bad values)."""
         return SamplingConfig(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class RequestStatus(enum.Enum):
@@ -105,6 +145,16 @@ class RequestOutput:
     text_delta: str = ""
     num_output_tokens: int = 0  # tokens generated so far
     error: str | None = None  # why the request failed (finish_reason "error")
+    logprobs: list[TokenLogprobs] | None = None  # for new_token_ids, when the request asked for them
+
+
+@dataclass
+class TokenLogprobs:
+    """One generated token's log-probability and the `logprobs` most likely tokens' (most likely first)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 class Request:
@@ -131,6 +181,8 @@ class Request:
         self.finish_reason: str | None = None
         self.error: str | None = None  # set with finish_reason "error"
         self.stream: TextStream | None = None  # the output text, when the engine has a tokenizer
+        self.token_counts: dict[int, int] = {}  # generated token id -> times (for the penalties)
+        self.new_logprobs: list[TokenLogprobs] = []  # since the last output, when sampling.logprobs is set
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.config = sampling.sampling_config()
         self.stop_ids = set(sampling.stop_token_ids)
@@ -185,7 +237,29 @@ class Request:
             text_delta=stream.take() if stream is not None else "",
             num_output_tokens=len(self.output_token_ids),
             error=self.error,
+            logprobs=self._take_logprobs(),
         )
+
+    def _take_logprobs(self) -> list[TokenLogprobs] | None:
+        if self.sampling.logprobs is None:
+            return None
+        taken, self.new_logprobs = self.new_logprobs, []
+        return taken
+
+    def adjusted_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits (1, V) after logit_bias and the penalties (fp32; a new tensor)."""
+        out = logits.float().clone()
+        sampling = self.sampling
+        if sampling.logit_bias:
+            ids = torch.tensor([t for t, _ in sampling.logit_bias], device=out.device)
+            bias = torch.tensor([b for _, b in sampling.logit_bias], device=out.device)
+            keep = ids < out.shape[-1]
+            out[0, ids[keep]] += bias[keep]
+        if self.token_counts and (sampling.presence_penalty or sampling.frequency_penalty):
+            ids = torch.tensor(list(self.token_counts), device=out.device)
+            counts = torch.tensor(list(self.token_counts.values()), dtype=torch.float32, device=out.device)
+            out[0, ids] -= sampling.frequency_penalty * counts + sampling.presence_penalty
+        return out
 
 
 def percentile(values: Sequence[float], q: float) -> float:

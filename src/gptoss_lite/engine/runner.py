@@ -17,7 +17,7 @@ import torch
 from gptoss_lite.config import FULL
 from gptoss_lite.engine.kv_manager import KVManager
 from gptoss_lite.engine.paged_attention import PagedBatch, Segment
-from gptoss_lite.engine.request import Request
+from gptoss_lite.engine.request import Request, TokenLogprobs
 from gptoss_lite.engine.scheduler import ScheduledStep
 from gptoss_lite.model.transformer import GPTOSS
 from gptoss_lite.sampling import sample
@@ -66,32 +66,67 @@ class ModelRunner:
         return self.model.forward_batch(input_ids, batch), samplers
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, samplers: list[Request]) -> list[int | str]:
-        """One token per row of logits (M, V), by each request's own sampling rule; where a request's
-        own sampling raises, the reason (a str) instead of its token, and the other rows go on."""
-        greedy = [i for i, r in enumerate(samplers) if r.config.greedy]
+    def sample(
+        self, logits: torch.Tensor, samplers: list[Request]
+    ) -> tuple[list[int | str], list[TokenLogprobs | None]]:
+        """One token per row of logits (M, V), by each request's own sampling rule, and its
+        logprobs where the request asks for them. Where a request's own sampling raises: the reason
+        (a str) instead of its token, and the other rows go on.
+
+        Plain greedy rows (no logit bias, no penalty) are one batched argmax; every other row is
+        adjusted (bias, penalties) and drawn alone, with its own generator."""
+        plain = [i for i, r in enumerate(samplers) if r.config.greedy and not r.sampling.adjusts_logits]
         tokens: list[int | str] = [0] * len(samplers)
-        if greedy:
-            rows = logits if len(greedy) == len(samplers) else logits[greedy]
-            for i, token in zip(greedy, rows.argmax(dim=-1).tolist()):
+        logprobs: list[TokenLogprobs | None] = [None] * len(samplers)
+        if plain:
+            rows = logits if len(plain) == len(samplers) else logits[plain]
+            for i, token in zip(plain, rows.argmax(dim=-1).tolist()):
                 tokens[i] = token
+        plain_set = set(plain)
         for i, request in enumerate(samplers):
             try:
                 if self.fault_hook is not None:
                     self.fault_hook(request)
-                if not request.config.greedy:
-                    tokens[i] = int(sample(logits[i : i + 1], request.config, request.generator)[0])
+                if i in plain_set and request.sampling.logprobs is None:
+                    continue
+                row = logits[i : i + 1]
+                if request.sampling.adjusts_logits:
+                    row = request.adjusted_logits(row)
+                if i not in plain_set:
+                    if request.config.greedy:
+                        tokens[i] = int(row.argmax(dim=-1)[0])
+                    else:
+                        tokens[i] = int(sample(row, request.config, request.generator)[0])
+                if request.sampling.logprobs is not None:
+                    logprobs[i] = token_logprobs(row[0], int(tokens[i]), request.sampling.logprobs)
             except Exception as exc:  # noqa: BLE001 - confined to this request (LLM.step fails it alone)
                 logger.exception("sampling failed for request %s", request.request_id)
                 tokens[i] = f"{type(exc).__name__} while sampling"
-        return tokens
+        return tokens, logprobs
 
-    def execute(self, step: ScheduledStep) -> tuple[list[tuple[Request, int]], list[tuple[Request, str]]]:
-        """Run the step: ((request, sampled token) for every request that samples, (request, reason)
-        for those whose sampling failed)."""
+    def execute(
+        self, step: ScheduledStep
+    ) -> tuple[list[tuple[Request, int, TokenLogprobs | None]], list[tuple[Request, str]]]:
+        """Run the step: ((request, sampled token, its logprobs or None) for every request that
+        samples, (request, reason) for those whose sampling failed)."""
         logits, samplers = self.forward(step)
-        sampled: list[tuple[Request, int]] = []
+        sampled: list[tuple[Request, int, TokenLogprobs | None]] = []
         failed: list[tuple[Request, str]] = []
-        for request, token in zip(samplers, self.sample(logits, samplers) if samplers else []):
-            (failed if isinstance(token, str) else sampled).append((request, token))  # type: ignore[arg-type]
+        if samplers:
+            tokens, logprobs = self.sample(logits, samplers)
+            for request, token, lp in zip(samplers, tokens, logprobs):
+                if isinstance(token, str):
+                    failed.append((request, token))
+                else:
+                    sampled.append((request, token, lp))
         return sampled, failed
+
+
+def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """logits (V,) -> the chosen token's log-probability and the k most likely (log_softmax, fp32)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top: list[tuple[int, float]] = []
+    if k:
+        values, ids = logp.topk(k)
+        top = list(zip(ids.tolist(), values.tolist()))
+    return TokenLogprobs(token, float(logp[token]), top)

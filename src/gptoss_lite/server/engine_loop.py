@@ -41,6 +41,7 @@ class Update:
     final: RequestOutput | None  # the finished output, once there is one
     failure: str | None  # the request was ended by the server (engine gone, stopping): why
     client_gone: bool  # the client disconnected
+    logprobs: list = field(default_factory=list)  # TokenLogprobs of those steps' tokens, if asked for
 
 
 class Channel:
@@ -49,6 +50,7 @@ class Channel:
 
     def __init__(self) -> None:
         self._parts: list[str] = []
+        self._logprobs: list = []
         self._new_tokens = 0
         self._final: RequestOutput | None = None
         self._failure: str | None = None
@@ -58,6 +60,8 @@ class Channel:
     def put(self, out: RequestOutput) -> None:
         if out.text_delta:
             self._parts.append(out.text_delta)
+        if out.logprobs:
+            self._logprobs.extend(out.logprobs)
         self._new_tokens += len(out.new_token_ids)
         if out.finished:
             self._final = out
@@ -77,7 +81,8 @@ class Channel:
         await self._wake.wait()
         self._wake.clear()
         text, self._parts = "".join(self._parts), []
-        update = Update(text, self._new_tokens, self._final, self._failure, self._gone)
+        logprobs, self._logprobs = self._logprobs, []
+        update = Update(text, self._new_tokens, self._final, self._failure, self._gone, logprobs)
         self._new_tokens = 0
         return update
 

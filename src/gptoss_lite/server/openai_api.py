@@ -341,6 +341,10 @@ def _sampling(state: ServerState, req, prompt) -> SamplingParams:
             seed=req.seed,
             stop=req.stop_strings(),
             ignore_eos=req.ignore_eos,
+            logprobs=req.logprobs_k,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            logit_bias=req.logit_bias_ids(),
         )
     except (ValueError, TypeError) as exc:
         raise P.APIError(400, str(exc)) from None
@@ -378,6 +382,7 @@ class _Run:
     def __init__(self, state: ServerState, tenant: str, rid: str, channel: Channel):
         self.state, self.tenant, self.rid, self.channel = state, tenant, rid, channel
         self.done = False  # the engine finished it (or failed it): nothing to abort
+        self.logprob_offset = 0  # characters of token text before the next logprobs entry (completions)
 
     async def _watch(self, request: Request) -> None:
         """Wake the reader when the server reports that the client disconnected (the body is already
@@ -416,12 +421,28 @@ class _Run:
     def _usage(self, out) -> dict:
         return P.usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
 
+    def _logprobs(self, entries: list, chat: bool) -> dict | None:
+        """The API's logprobs object for these TokenLogprobs (None when none were asked for)."""
+        if not entries:
+            return None
+        tokenizer = self.state.llm.tokenizer
+        rows = [
+            (*_piece(tokenizer, e.token_id), e.logprob, [(*_piece(tokenizer, t), v) for t, v in e.top]) for e in entries
+        ]
+        if chat:
+            return P.chat_logprobs(rows)
+        out = P.completion_logprobs(rows, self.logprob_offset)
+        self.logprob_offset += sum(len(r[0]) for r in rows)
+        return out
+
     async def collect(self, request: Request, chat: bool) -> dict:
         """Wait for the whole answer (non-streaming); abort if the client disconnects meanwhile."""
         watcher = asyncio.ensure_future(self._watch(request))
+        entries: list = []
         try:
             while True:
                 update = await self._next()
+                entries += update.logprobs
                 if update.final is not None:
                     break
                 if update.client_gone:
@@ -431,13 +452,15 @@ class _Run:
             self.abort()
         out = update.final
         body = P.chat_body if chat else P.completion_body
-        return body(self.rid, self.state.model_name, out.text, out.finish_reason, self._usage(out))
+        logprobs = self._logprobs(entries, chat)
+        return body(self.rid, self.state.model_name, out.text, out.finish_reason, self._usage(out), logprobs)
 
     async def events(self, chat: bool, include_usage: bool):
         """SSE events: deltas as tokens arrive, the finish reason, usage if asked, then [DONE]. Text
         the engine hands out is final (it holds back a possible stop string or a cut character), so
         the deltas join to the non-streamed text."""
         name = self.state.model_name
+        pending: list = []  # logprobs of tokens whose text has not been sent yet
         try:
             if chat:
                 yield _sse(P.chat_chunk(self.rid, name, {"role": "assistant", "content": ""}, None))
@@ -449,12 +472,14 @@ class _Run:
                     break
                 out = update.final
                 reason = out.finish_reason if out is not None else None
+                pending += update.logprobs
                 if update.text or reason:
+                    logprobs, pending = self._logprobs(pending, chat), []
                     if chat:
                         delta = {"content": update.text} if update.text else {}
-                        yield _sse(P.chat_chunk(self.rid, name, delta, reason))
+                        yield _sse(P.chat_chunk(self.rid, name, delta, reason, logprobs=logprobs))
                     else:
-                        yield _sse(P.completion_chunk(self.rid, name, update.text, reason))
+                        yield _sse(P.completion_chunk(self.rid, name, update.text, reason, logprobs=logprobs))
                 if out is not None:
                     if include_usage:
                         chunk = P.chat_chunk if chat else P.completion_chunk
@@ -463,6 +488,14 @@ class _Run:
             yield "data: [DONE]\n\n"
         finally:
             self.abort()  # a no-op unless the client left before the end
+
+
+def _piece(tokenizer, token_id: int) -> tuple[str, bytes]:
+    """A token's text and bytes, as logprobs show them (a byte that is part of a character shows as
+    U+FFFD; its bytes say which)."""
+    raw_of = getattr(tokenizer, "token_bytes", None)
+    raw = raw_of(token_id) if raw_of is not None else tokenizer.decode([token_id]).encode("utf-8")
+    return raw.decode("utf-8", errors="replace"), raw
 
 
 def _sse(obj: dict) -> str:

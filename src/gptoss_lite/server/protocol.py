@@ -3,7 +3,7 @@
 Requests are parsed in strict mode with unknown fields forbidden, as the OpenAI API does: a string
 where a number belongs (`"max_tokens": "8"`) or a misspelt field (`"max_token": 8`) is a 400 naming
 the field, never silently coerced or ignored. Fields the API defines but this server does not
-implement (`logprobs`, `tools`, penalties, ...) are accepted at their neutral value and refused with a
+implement (`n` > 1, `tools`, `echo`, ...) are accepted at their neutral value and refused with a
 400 otherwise, so a client never gets an answer computed without the option it asked for.
 
 Two extensions beyond the OpenAI fields: `cache_salt` (a client-chosen string that further splits the
@@ -72,10 +72,9 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Annotated[str, Field(max_length=256)] | None = None  # accepted and ignored
-    # Accepted at their neutral values only (see check()).
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=1024)] | None = None
     # Extensions.
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     ignore_eos: bool = False
@@ -91,12 +90,12 @@ class _SamplingFields(_Strict):
             raise APIError(400, f"n={self.n}: only n=1 is supported", param="n")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
-        for name in ("frequency_penalty", "presence_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0, 0.0):
-                raise APIError(400, f"{name}={value}: not supported by this server (use 0)", param=name)
-        if self.logit_bias:
-            raise APIError(400, "logit_bias: not supported by this server", param="logit_bias")
+        for key in self.logit_bias or {}:
+            if not key.isdigit() or len(key) > MAX_INT_DIGITS:
+                raise APIError(400, f"logit_bias: keys are token ids, got {key[:40]!r}", param="logit_bias")
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
     @property
     def include_usage(self) -> bool:
@@ -117,12 +116,15 @@ class CompletionRequest(_SamplingFields):
     def token_limit(self) -> int:
         return self.max_tokens if self.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
 
+    @property
+    def logprobs_k(self) -> int | None:
+        """Alternatives per token to report (None: no logprobs)."""
+        return self.logprobs
+
     def check(self) -> None:
         super().check()
         if self.echo:
             raise APIError(400, "echo=true: not supported by this server", param="echo")
-        if self.logprobs is not None:
-            raise APIError(400, "logprobs: not supported by this server", param="logprobs")
         if self.best_of not in (None, 1):
             raise APIError(400, f"best_of={self.best_of}: only 1 is supported", param="best_of")
         if self.suffix:
@@ -171,8 +173,8 @@ class ChatCompletionRequest(_SamplingFields):
         super().check()
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
-        if self.logprobs or self.top_logprobs is not None:
-            raise APIError(400, "logprobs: not supported by this server", param="logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if self.tools:
             raise APIError(400, "tools: not supported by this server", param="tools")
         if self.tool_choice not in (None, "none"):
@@ -183,6 +185,11 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def logprobs_k(self) -> int | None:
+        """Alternatives per token to report (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def parse_request(cls: type[_Strict], body: bytes) -> Any:
@@ -323,18 +330,22 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def completion_body(rid: str, model: str, text: str, finish_reason: str | None, use: dict | None) -> dict:
+def completion_body(
+    rid: str, model: str, text: str, finish_reason: str | None, use: dict | None, logprobs: dict | None = None
+) -> dict:
     return {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
         "usage": use,
     }
 
 
-def chat_body(rid: str, model: str, text: str, finish_reason: str | None, use: dict | None) -> dict:
+def chat_body(
+    rid: str, model: str, text: str, finish_reason: str | None, use: dict | None, logprobs: dict | None = None
+) -> dict:
     return {
         "id": rid,
         "object": "chat.completion",
@@ -344,7 +355,7 @@ def chat_body(rid: str, model: str, text: str, finish_reason: str | None, use: d
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
         ],
@@ -352,9 +363,11 @@ def chat_body(rid: str, model: str, text: str, finish_reason: str | None, use: d
     }
 
 
-def completion_chunk(rid: str, model: str, text: str | None, finish_reason: str | None, use=None) -> dict:
+def completion_chunk(
+    rid: str, model: str, text: str | None, finish_reason: str | None, use=None, logprobs: dict | None = None
+) -> dict:
     """A streamed completion event; text None gives the usage-only chunk (empty choices)."""
-    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
     return {
         "id": rid,
         "object": "text_completion",
@@ -365,9 +378,13 @@ def completion_chunk(rid: str, model: str, text: str | None, finish_reason: str 
     }
 
 
-def chat_chunk(rid: str, model: str, delta: dict | None, finish_reason: str | None, use=None) -> dict:
+def chat_chunk(
+    rid: str, model: str, delta: dict | None, finish_reason: str | None, use=None, logprobs: dict | None = None
+) -> dict:
     """A streamed chat event; delta None gives the usage-only chunk (empty choices)."""
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    choices = (
+        [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+    )
     return {
         "id": rid,
         "object": "chat.completion.chunk",
@@ -375,6 +392,37 @@ def chat_chunk(rid: str, model: str, delta: dict | None, finish_reason: str | No
         "model": model,
         "choices": choices,
         "usage": use,
+    }
+
+
+def chat_logprobs(entries: list[tuple[str, bytes, float, list[tuple[str, bytes, float]]]]) -> dict:
+    """choices[].logprobs of a chat answer: {"content": [{token, logprob, bytes, top_logprobs}]}, from
+    (token text, token bytes, logprob, [(text, bytes, logprob) of the top alternatives]) per token."""
+    return {
+        "content": [
+            {
+                "token": text,
+                "logprob": lp,
+                "bytes": list(raw),
+                "top_logprobs": [{"token": t, "logprob": v, "bytes": list(b)} for t, b, v in top],
+            }
+            for text, raw, lp, top in entries
+        ]
+    }
+
+
+def completion_logprobs(entries: list[tuple[str, bytes, float, list[tuple[str, bytes, float]]]], offset: int) -> dict:
+    """choices[].logprobs of a completion: tokens, token_logprobs, top_logprobs ({text: logprob}) and
+    text_offset (each token's start in the text, counting from `offset`)."""
+    offsets = []
+    for text, _, _, _ in entries:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": [text for text, _, _, _ in entries],
+        "token_logprobs": [lp for _, _, lp, _ in entries],
+        "top_logprobs": [{t: v for t, _, v in top} for _, _, _, top in entries],
+        "text_offset": offsets,
     }
 
 
