@@ -1,4 +1,6 @@
-"""Shared fixtures: tiny seeded models on CPU in fp32."""
+"""Shared fixtures: tiny seeded models on CPU in fp32; and no test reaches the network."""
+
+import socket
 
 import pytest
 import torch
@@ -37,3 +39,46 @@ def tiny_model() -> GPTOSS:
 @pytest.fixture
 def tiny_gptoss() -> GPTOSS:
     return make_model("gpt-oss-tiny")
+
+
+# ---- no network -------------------------------------------------------------------------------------------
+# The package must run offline (nothing downloads weights, vocabularies or data), so no test may open a
+# socket to anything but this machine. Every connect of this process goes through the guard: a
+# non-loopback address is refused (nothing leaves the machine) and the test that tried fails, even if
+# the code caught the error and went on.
+
+_LOOPBACK_NAMES = {"localhost", "::1", "0:0:0:0:0:0:0:1"}
+_network_attempts: list[str] = []
+_real_connect = socket.socket.connect
+_real_connect_ex = socket.socket.connect_ex
+
+
+def _is_local(sock: socket.socket, address) -> bool:
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return True  # Unix sockets (multiprocessing, forkserver)
+    host = str(address[0]).strip("[]").lower()
+    return host in _LOOPBACK_NAMES or host.startswith("127.") or host.startswith("::ffff:127.")
+
+
+def _guarded(real):
+    def connect(self, address):
+        if not _is_local(self, address):
+            _network_attempts.append(repr(address))
+            raise ConnectionRefusedError(f"tests run offline: a connection to {address!r} was refused")
+        return real(self, address)
+
+    return connect
+
+
+socket.socket.connect = _guarded(_real_connect)  # type: ignore[method-assign]
+socket.socket.connect_ex = _guarded(_real_connect_ex)  # type: ignore[method-assign]
+
+
+@pytest.fixture(autouse=True)
+def _offline():
+    """Fails the test that tried to reach a non-loopback address (see above)."""
+    start = len(_network_attempts)
+    yield
+    tried = _network_attempts[start:]
+    if tried:
+        pytest.fail(f"the test tried to reach the network (refused): {', '.join(tried[:5])}")

@@ -98,3 +98,35 @@ def test_cost_per_token_does_not_grow_with_output_or_stop_length():
     late = min(push(1000) for _ in range(3))
     assert not ts.stopped
     assert late < 3 * early, (early, late)
+
+
+def test_a_tokenizer_json_stream_equals_its_whole_decode(tmp_path):
+    """A byte-level BPE `tokenizer.json` (tokens of several bytes, characters split across tokens):
+    the deltas of 300 random id streams and 300 encoded texts join to the tokenizer's own decode."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from gptoss_lite.tokenizer import HFTokenizer
+
+    words = "the pass key café naïve 😀 €uro über straße 日本語 テキスト 52718 , .".split(" ")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=alphabet, special_tokens=["<|endoftext|>"])
+    tok.train_from_iterator([" ".join(words)] * 100, trainer)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = HFTokenizer(tmp_path)
+    rng = random.Random(1)
+    for i in range(600):
+        if i % 2:
+            ids = [rng.randrange(hf.vocab_size) for _ in range(rng.randint(1, 40))]
+        else:
+            ids = hf.encode(" ".join(rng.choice(words) for _ in range(rng.randint(1, 30))))
+        ts = TextStream(hf)
+        deltas = []
+        for t in ids:
+            ts.push(t)
+            deltas.append(ts.take())
+        ts.finish()
+        deltas.append(ts.take())
+        assert "".join(deltas) == ts.text == hf.decode(ids), ids

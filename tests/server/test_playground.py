@@ -1,5 +1,6 @@
 """The playground at / in a real headless Chromium: it loads, sends a prompt, and shows streamed text
-and the server's live figures. Skipped (with the reason) where Playwright or Chromium is missing."""
+and the server's live figures. Skipped (with the reason) where Playwright or Chromium is missing,
+except in CI, which installs Chromium and fails without it."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ def chromium_path() -> str | None:
 def launch(playwright):
     exe = chromium_path()
     if exe is None:
+        if os.environ.get("CI"):  # .ci/run installs it: a CI run must not pass by skipping
+            pytest.fail("no Chromium on PATH in CI; .ci/run should have installed Debian's chromium")
         pytest.skip("no Chromium on PATH (apt-get install chromium, or set $CHROMIUM)")
     return playwright.chromium.launch(executable_path=exe, args=["--no-sandbox", "--disable-gpu"])
 
