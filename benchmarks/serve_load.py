@@ -56,27 +56,35 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: str, max_to
         async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
             if r.status_code != 200:
                 return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
-            done = False
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: ") :]
-                if data == "[DONE]":
-                    done = True
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    error = event["error"]["message"]
-                    break
+            async for event in sse_events(r):
                 if ttft is None and event["choices"] and event["choices"][0]["text"]:
                     ttft = time.perf_counter() - t0
                 if event.get("usage"):
                     tokens = event["usage"]["completion_tokens"]
-            if error is None and not done:
-                error = "stream ended without [DONE]"
+    except StreamError as exc:
+        error = str(exc)
     except httpx.HTTPError as exc:
         error = f"{type(exc).__name__}: {exc}"
     return {"ttft": ttft, "tokens": tokens, "error": error, "seconds": time.perf_counter() - t0}
+
+
+class StreamError(Exception):
+    """A stream sent an error event, or ended without `data: [DONE]`."""
+
+
+async def sse_events(response: httpx.Response):
+    """The JSON events of a streamed completion, up to `data: [DONE]` (StreamError otherwise)."""
+    async for line in response.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: ") :]
+        if data == "[DONE]":
+            return
+        event = json.loads(data)
+        if "error" in event:
+            raise StreamError(event["error"]["message"])
+        yield event
+    raise StreamError("stream ended without [DONE]")
 
 
 async def run_load(

@@ -39,6 +39,7 @@ import time
 from urllib.parse import urlparse
 
 import httpx
+from serve_load import StreamError, sse_events
 
 try:
     from gptoss_lite.server import protocol
@@ -160,22 +161,12 @@ def build_stops(length: int, prompt: str, reference: str, seed: int = 0) -> list
 
 async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
     t0 = time.perf_counter()
-    ttft, tokens, reason, error, done, events = None, None, None, None, False, 0
+    ttft, tokens, reason, error, events = None, None, None, None, 0
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 return {"error": f"HTTP {r.status_code}: {(await r.aread())[:300]!r}", "seconds": 0.0}
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[len("data: ") :]
-                if data == "[DONE]":
-                    done = True
-                    break
-                event = json.loads(data)
-                if "error" in event:
-                    error = event["error"]["message"]
-                    break
+            async for event in sse_events(r):
                 if event["choices"]:
                     choice = event["choices"][0]
                     if choice["text"]:
@@ -185,8 +176,8 @@ async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
                     reason = choice.get("finish_reason") or reason
                 if event.get("usage"):
                     tokens = event["usage"]["completion_tokens"]
-            if error is None and not done:
-                error = "stream ended without [DONE]"
+    except StreamError as exc:
+        error = str(exc)
     except httpx.HTTPError as exc:
         error = f"{type(exc).__name__}: {exc}"
     if error is None and tokens is None:

@@ -7,6 +7,8 @@ second conftest module would shadow it. Test modules bind the `serve` fixture wi
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from gptoss_lite.engine import LLM
@@ -34,3 +36,11 @@ def serve():
 def tiny_llm(**kwargs):
     """The engine's LLM on the lite-tiny fixture (seeded random weights, byte tokenizer)."""
     return LLM("lite-tiny", **kwargs)
+
+
+def wait_until(pred, timeout: float = 10.0) -> None:
+    """Poll pred() every 10 ms until it holds; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import live_server
 import pytest
 from fake_engine import FakeLLM
+from live_server import wait_until
 
 serve = live_server.serve  # the fixture
 
@@ -117,13 +117,6 @@ def test_table_is_large_and_counted(live):
     assert 'gptoss_requests_total{endpoint="/v1/completions",status="200"}' in text
 
 
-def _wait(pred, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 def test_full_queue_gets_429_and_draining_gets_503(serve):
     """With one running and max_waiting waiting, the next request is a 429; while draining, a 503."""
     live = serve(FakeLLM(max_running=1, step_delay=0.02), max_waiting=1)
@@ -131,7 +124,7 @@ def test_full_queue_gets_429_and_draining_gets_503(serve):
     with httpx.Client(base_url=live.url, timeout=30) as c:
         with c.stream("POST", C, json=body) as first:
             assert first.status_code == 200
-            _wait(lambda: c.get("/stats").json()["num_running"] == 1)
+            wait_until(lambda: c.get("/stats").json()["num_running"] == 1)
             with c.stream("POST", C, json=body) as second:
                 assert second.status_code == 200
                 third = c.post(C, json=completion())

@@ -14,7 +14,7 @@ import httpx
 import live_server
 import pytest
 from fake_engine import FakeLLM
-from live_server import tiny_llm
+from live_server import tiny_llm, wait_until
 
 from gptoss_lite.server import protocol as P
 
@@ -120,7 +120,7 @@ def test_2_a_client_that_stops_reading_is_aborted_and_its_blocks_freed(serve):
             time.sleep(0.1)
         # The server dropped the connection at once, without waiting for the client to read what it
         # buffers (a plain close would keep it open until then) ...
-        _wait(lambda: not live.server.server_state.connections, timeout=10)
+        wait_until(lambda: not live.server.server_state.connections, timeout=10)
         # ... with a reset: reading ends, where it would block on an open one (TimeoutError fails).
         s.settimeout(10)
         try:
@@ -130,7 +130,7 @@ def test_2_a_client_that_stops_reading_is_aborted_and_its_blocks_freed(serve):
             pass
     finally:
         s.close()
-    _wait(lambda: httpx.get(live.url + "/stats").json()["num_running"] == 0)
+    wait_until(lambda: httpx.get(live.url + "/stats").json()["num_running"] == 0, timeout=30)
     assert "gptoss_stalled_client_aborts_total 1.0" in httpx.get(live.url + "/metrics").text
     reset = httpx.post(live.url + "/admin/reset_prefix_cache").json()
     assert reset["kv_blocks_used"] == 0
@@ -355,13 +355,6 @@ def test_11_content_type_and_encoding_are_checked(serve):
 
 
 # 12: drain, in tests/commands/test_serve_cli.py (it needs a real process and a signal) ----------------------
-
-
-def _wait(pred, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def test_error_bodies_never_carry_internals(serve):
