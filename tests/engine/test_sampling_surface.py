@@ -123,3 +123,50 @@ def test_a_bias_of_100_forces_and_minus_100_bans():
 def test_bad_options_are_refused(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         SamplingParams(**kwargs)
+
+
+def test_n_samples_share_the_prompt_and_each_equals_its_single_run():
+    """n=4 with a seed: four distinct samples, sample i equal to a single request with seed + i; while
+    they run, every prompt block is held by all four (the pool's copy-on-write fork), and afterwards
+    every block is free."""
+    llm = tiny()
+    prompt = list(range(40, 90))  # 50 tokens: 3 full blocks of 16 and a partial one
+    p = SamplingParams(max_tokens=10, temperature=1.0, seed=7, ignore_eos=True, n=4)
+    llm.add_request(prompt, p, request_id="r")
+    finals, shared = {}, None
+    while llm.has_unfinished():
+        outs = llm.step()
+        if shared is None and len(llm.scheduler.running) == 4:
+            for pool in llm.kv.store.pools.values():
+                table = pool._seq("r").table
+                assert all(pool.refcount(b) >= 4 for b in table), [pool.refcount(b) for b in table]
+            shared = True
+        for out in outs:
+            assert out.request_id == "r"
+            if out.finished:
+                finals[out.index] = out
+    assert shared and sorted(finals) == [0, 1, 2, 3]
+    assert len({tuple(o.token_ids) for o in finals.values()}) == 4
+    for i, out in finals.items():
+        single = tiny().generate([prompt], p.for_sample(i))[0]
+        assert out.token_ids == single.token_ids and out.text == single.text
+    llm.validate()
+    llm.clear_prefix_cache()
+    assert llm.all_blocks_free()
+
+
+def test_aborting_an_n_request_stops_every_sample():
+    """abort(id) ends all n samples, forked or still waiting to fork, and frees their blocks."""
+    llm = tiny()
+    llm.add_request(
+        list(range(30)), SamplingParams(max_tokens=50, temperature=0.5, ignore_eos=True, n=3), request_id="x"
+    )
+    llm.step()  # the prompt (30 tokens, within one 32-token step): the two others fork from it
+    llm.step()
+    assert len(llm.scheduler.running) == 3
+    assert llm.abort("x") and not llm.has_unfinished() and not llm.abort("x")
+    llm.validate()
+    llm.clear_prefix_cache()
+    assert llm.all_blocks_free()
+    with pytest.raises(ValueError, match="add_request"):
+        llm.generate([[1, 2]], SamplingParams(n=2))

@@ -66,6 +66,8 @@ class FakeLLM:
 
     def add_request(self, prompt, sampling=None, *, request_id=None, scope="default") -> str:
         sampling = sampling or SamplingParams()
+        if sampling.n != 1:
+            raise ValueError(f"n={sampling.n}: the fake engine draws one sample per request")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("empty prompt")

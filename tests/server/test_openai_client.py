@@ -169,3 +169,25 @@ def test_penalties_and_logit_bias_through_the_client(setup):
     assert penalised.choices[0].text != want_completion
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         c.completions.create(model="lite-tiny", prompt=PROMPT, max_tokens=2, logit_bias={"99999": 1})
+
+
+def test_n_samples_through_the_client(setup):
+    """`n=3` with a seed: three choices (index 0..2), each the text of a single request with seed + i;
+    usage counts all three; streamed chunks, grouped by index, join to the same three texts."""
+    live, _, _ = setup
+    c = client(live)
+    kwargs = dict(model="lite-tiny", max_tokens=MAX_TOKENS, temperature=1.0, seed=11)
+    out = c.chat.completions.create(messages=MESSAGES, n=3, **kwargs)
+    texts = [ch.message.content for ch in sorted(out.choices, key=lambda ch: ch.index)]
+    assert [ch.index for ch in sorted(out.choices, key=lambda ch: ch.index)] == [0, 1, 2]
+    singles = [c.chat.completions.create(messages=MESSAGES, **{**kwargs, "seed": 11 + i}) for i in range(3)]
+    assert texts == [s.choices[0].message.content for s in singles]
+    assert len(set(texts)) == 3
+    assert out.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    streamed = ["", "", ""]
+    for chunk in c.chat.completions.create(messages=MESSAGES, n=3, stream=True, **kwargs):
+        for ch in chunk.choices:
+            streamed[ch.index] += ch.delta.content or ""
+    assert streamed == texts
+    done = c.completions.create(prompt=PROMPT, n=2, **kwargs)
+    assert sorted(ch.index for ch in done.choices) == [0, 1]

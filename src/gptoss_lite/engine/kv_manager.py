@@ -68,6 +68,13 @@ class KVManager:
         self.hit_tokens += hit
         return hit
 
+    def fork(self, source: Request, target: Request, n_tokens: int) -> None:
+        """Start `target` holding `source`'s first n_tokens in every pool, on the same blocks
+        (copy-on-write: the first append into a shared block copies it)."""
+        for pool in self.store.pools.values():
+            pool.share_prefix(source.request_id, target.request_id, n_tokens)
+        target.num_prompt_inserted = source.num_prompt_inserted  # the same blocks, already cached
+
     def free(self, request: Request) -> None:
         """Release the request's sequences in every pool (blocks the prefix cache pins stay cached)."""
         request.num_prompt_inserted = 0  # a preempted request inserts again as it recomputes

@@ -181,7 +181,8 @@ class LLM:
         )
         self.scheduler = Scheduler(self.kv, max_batch_tokens=max_batch_tokens, max_running=max_running)
         self.runner = ModelRunner(model, self.kv)
-        self._requests: dict[str, Request] = {}
+        self._requests: dict[str, Request] = {}  # by each sample's own id
+        self._groups: dict[str, list[Request]] = {}  # request id -> its n samples
         self._ids = itertools.count()
         self._finished = self._aborted = self._failed = self._generated = 0
         self._check_pool_fits(max_batch_tokens)
@@ -273,30 +274,60 @@ class LLM:
             )
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
-            while request_id in self._requests:
+            while request_id in self._requests or request_id in self._groups:
                 request_id = f"req-{next(self._ids)}"
         elif not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id={request_id!r}: expected a non-empty string")
-        elif request_id in self._requests:
+        elif request_id in self._requests or request_id in self._groups:
             raise ValueError(f"request_id={request_id!r}: already in use")
+        if sampling.n > self.scheduler.max_running:
+            raise ValueError(f"n={sampling.n}: more samples than max_running={self.scheduler.max_running}")
+        names = [request_id] + [f"{request_id}#{i}" for i in range(1, sampling.n)]
+        if any(name in self._requests for name in names[1:]):
+            raise ValueError(f"request_id={request_id!r}: its sample ids are already in use")
+        samples = [self._new_request(name, ids, sampling.for_sample(i), scope) for i, name in enumerate(names)]
+        for i, sample in enumerate(samples):
+            sample.group, sample.index = request_id, i
+        first = samples[0]
+        first.forks = samples[1:]  # they start from its K/V once its prompt is computed (_fork)
+        self._groups[request_id] = samples
+        self.scheduler.add(first)
+        return request_id
+
+    def _new_request(self, request_id: str, ids: list[int], sampling: SamplingParams, scope: str) -> Request:
         eos = None if self.tokenizer is None else getattr(self.tokenizer, "eos_id", None)
         request = Request(request_id, ids, sampling, scope, eos)
         if self.tokenizer is not None:
             request.stream = TextStream(self.tokenizer, sampling.stop)
         self._requests[request_id] = request
-        self.scheduler.add(request)
-        return request_id
+        return request
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request now and free its blocks; False if it is unknown or already finished."""
-        request = self._requests.pop(request_id, None)
-        if request is None:
-            return False
-        self.scheduler.remove(request)
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = "abort"
-        self._aborted += 1
-        return True
+        """Stop a request (all n of its samples) now and free its blocks; False if it is unknown or
+        already finished."""
+        aborted = False
+        for request in self._groups.pop(request_id, []):
+            if self._requests.pop(request.request_id, None) is None:
+                continue
+            if request.status is not RequestStatus.FINISHED:
+                self.scheduler.remove(request)
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = "abort"
+            request.forks = []
+            self._aborted += 1
+            aborted = True
+        return aborted
+
+    def _fork(self, request: Request) -> None:
+        """The first sample's prompt is computed: samples 1..n-1 start from its blocks, each with the
+        last prompt token still to run, so each draws its first token with its own generator."""
+        for fork in request.forks:
+            self.kv.fork(request, fork, len(request.prompt_token_ids) - 1)
+            fork.num_computed = len(request.prompt_token_ids) - 1
+            fork.num_cached_tokens = request.num_cached_tokens
+            fork.status = RequestStatus.RUNNING
+            self.scheduler.running.append(fork)
+        request.forks = []
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -334,6 +365,8 @@ class LLM:
                 self.kv.cache_prompt(request)
         now = time.monotonic()
         for request, token, logprobs in sampled:
+            if request.forks:
+                self._fork(request)  # before its token: it may finish (and free its blocks) right here
             if logprobs is not None:
                 request.new_logprobs.append(logprobs)
             try:
@@ -373,12 +406,19 @@ class LLM:
         return sampled, failed
 
     def _fail(self, request: Request, why: str) -> RequestOutput:
-        """Finish a request with finish reason "error", free its blocks, and give its final output."""
+        """Finish a request with finish reason "error", free its blocks, and give its final output.
+        (Samples still waiting to fork from it are aborted: its prompt will not be computed.)"""
+        for fork in request.forks:
+            self._requests.pop(fork.request_id, None)
+            fork.status = RequestStatus.FINISHED
+            fork.finish_reason = "abort"
+            self._aborted += 1
+        request.forks = []
         request.status = RequestStatus.FINISHED
         request.finish_reason = "error"
         request.error = why
         self.scheduler.remove(request)
-        self._requests.pop(request.request_id, None)
+        self._retire(request)
         self._failed += 1
         return request.output([])
 
@@ -403,8 +443,15 @@ class LLM:
             request.status = RequestStatus.FINISHED
             request.finish_reason = reason
             self.scheduler.remove(request)
-            del self._requests[request.request_id]
+            self._retire(request)
             self._finished += 1
+
+    def _retire(self, request: Request) -> None:
+        """Forget a finished sample, and its request once all n samples are done."""
+        self._requests.pop(request.request_id, None)
+        group = self._groups.get(request.group)
+        if group is not None and all(r.request_id not in self._requests for r in group):
+            del self._groups[request.group]
 
     def generate(
         self,
@@ -422,6 +469,8 @@ class LLM:
             params = list(sampling)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling: {len(params)} SamplingParams for {len(prompts)} prompts")
+        if any(p is not None and p.n > 1 for p in params):
+            raise ValueError("generate() gives one output per prompt: for n > 1 use add_request() and step()")
         ids = []
         try:
             for prompt, p in zip(prompts, params):

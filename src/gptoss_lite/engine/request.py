@@ -9,6 +9,7 @@ its prompt and output so far are simply run again, as one longer prompt.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import time
@@ -22,6 +23,7 @@ from gptoss_lite.sampling import MAX_SEED, SamplingConfig
 from gptoss_lite.validation import check_int
 
 MAX_LOGPROBS = 20  # top alternatives a request may ask for per token
+MAX_N = 128  # samples of one prompt per request
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (the OpenAI range)
 MAX_LOGIT_BIAS = 100.0  # |bias| per token (the OpenAI range: -100 bans a token, +100 forces it)
 
@@ -50,6 +52,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # also accepted as a {token id: bias} mapping
+    n: int = 1  # samples of the prompt; sample i > 0 draws with seed + i (see `for_sample`)
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, minimum=1)
@@ -82,6 +85,13 @@ class SamplingParams:
                 raise ValueError(f"logit_bias[{token}]={value!r}: must be a number in [-100, 100]")
             pairs.append((token, float(value)))
         object.__setattr__(self, "logit_bias", tuple(sorted(pairs)))
+        check_int("n", self.n, 1, MAX_N)
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The parameters sample `index` of an n-sample request draws with: n=1, and the seed plus
+        `index` (mod 2^64) when there is a seed. So sample i equals a single request with that seed."""
+        seed = None if self.seed is None else (self.seed + index) % (MAX_SEED + 1)
+        return dataclasses.replace(self, n=1, seed=seed)
 
     @property
     def adjusts_logits(self) -> bool:
@@ -146,6 +156,7 @@ class RequestOutput:
     num_output_tokens: int = 0  # tokens generated so far
     error: str | None = None  # why the request failed (finish_reason "error")
     logprobs: list[TokenLogprobs] | None = None  # for new_token_ids, when the request asked for them
+    index: int = 0  # which of the request's n samples (request_id is the request's, shared by all n)
 
 
 @dataclass
@@ -182,6 +193,9 @@ class Request:
         self.error: str | None = None  # set with finish_reason "error"
         self.stream: TextStream | None = None  # the output text, when the engine has a tokenizer
         self.token_counts: dict[int, int] = {}  # generated token id -> times (for the penalties)
+        self.group = request_id  # the id outputs carry: the request's, for each of its n samples
+        self.index = 0  # which sample
+        self.forks: list[Request] = []  # samples 1..n-1, waiting for this one's prompt to be computed
         self.new_logprobs: list[TokenLogprobs] = []  # since the last output, when sampling.logprobs is set
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.config = sampling.sampling_config()
@@ -225,7 +239,7 @@ class Request:
         if stream is not None and done:
             stream.finish()
         return RequestOutput(
-            request_id=self.request_id,
+            request_id=self.group,
             prompt_token_ids=self.prompt_token_ids,  # never changed by the engine: shared, not copied
             token_ids=list(self.output_token_ids) if done else [],
             new_token_ids=new_token_ids,
@@ -238,6 +252,7 @@ class Request:
             num_output_tokens=len(self.output_token_ids),
             error=self.error,
             logprobs=self._take_logprobs(),
+            index=self.index,
         )
 
     def _take_logprobs(self) -> list[TokenLogprobs] | None:

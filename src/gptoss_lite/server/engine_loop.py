@@ -34,14 +34,15 @@ class ShuttingDown(Exception):
 
 @dataclass
 class Update:
-    """What a request's channel holds since the handler last looked (see Channel.get)."""
+    """What a request's channel holds since the handler last looked (see Channel.get), by sample index
+    (0 .. n-1; a request without `n` has only 0)."""
 
-    text: str  # the text deltas of the steps since, joined
-    new_tokens: int  # tokens those steps generated
-    final: RequestOutput | None  # the finished output, once there is one
+    text: dict[int, str]  # the text deltas of the steps since, joined, per sample that had any
+    new_tokens: int  # tokens those steps generated (all samples)
+    finals: dict[int, RequestOutput]  # samples that finished since, with their final output
     failure: str | None  # the request was ended by the server (engine gone, stopping): why
     client_gone: bool  # the client disconnected
-    logprobs: list = field(default_factory=list)  # TokenLogprobs of those steps' tokens, if asked for
+    logprobs: dict[int, list] = field(default_factory=dict)  # TokenLogprobs of those tokens, per sample
 
 
 class Channel:
@@ -49,22 +50,22 @@ class Channel:
     Used on the event loop only: the engine thread reaches it through call_soon_threadsafe."""
 
     def __init__(self) -> None:
-        self._parts: list[str] = []
-        self._logprobs: list = []
+        self._parts: dict[int, list[str]] = {}
+        self._logprobs: dict[int, list] = {}
+        self._finals: dict[int, RequestOutput] = {}
         self._new_tokens = 0
-        self._final: RequestOutput | None = None
         self._failure: str | None = None
         self._gone = False
         self._wake = asyncio.Event()
 
     def put(self, out: RequestOutput) -> None:
         if out.text_delta:
-            self._parts.append(out.text_delta)
+            self._parts.setdefault(out.index, []).append(out.text_delta)
         if out.logprobs:
-            self._logprobs.extend(out.logprobs)
+            self._logprobs.setdefault(out.index, []).extend(out.logprobs)
         self._new_tokens += len(out.new_token_ids)
         if out.finished:
-            self._final = out
+            self._finals[out.index] = out
         self._wake.set()
 
     def fail(self, why: str) -> None:
@@ -80,11 +81,17 @@ class Channel:
         """Wait for something new, then take all of it."""
         await self._wake.wait()
         self._wake.clear()
-        text, self._parts = "".join(self._parts), []
-        logprobs, self._logprobs = self._logprobs, []
-        update = Update(text, self._new_tokens, self._final, self._failure, self._gone, logprobs)
-        self._new_tokens = 0
+        text = {i: "".join(parts) for i, parts in self._parts.items()}
+        update = Update(text, self._new_tokens, self._finals, self._failure, self._gone, self._logprobs)
+        self._parts, self._logprobs, self._finals, self._new_tokens = {}, {}, {}, 0
         return update
+
+
+@dataclass
+class _Route:
+    loop: asyncio.AbstractEventLoop
+    channel: Channel
+    remaining: int  # samples not finished yet
 
 
 @dataclass
@@ -147,7 +154,7 @@ class EngineLoop:
         self.failed_requests = 0  # requests the engine finished with an error, confined to them
         self.step_failures = 0  # steps that raised out of the engine (their running requests failed)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._routes: dict[str, tuple[asyncio.AbstractEventLoop, Channel]] = {}
+        self._routes: dict[str, _Route] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="gptoss-engine", daemon=True)
 
@@ -244,7 +251,7 @@ class EngineLoop:
             except Exception as exc:  # noqa: BLE001 - handed to the waiting handler, which maps it to a status
                 cmd.loop.call_soon_threadsafe(_settle, cmd.done, exc)
                 return
-            self._routes[cmd.request_id] = (cmd.loop, cmd.out)
+            self._routes[cmd.request_id] = _Route(cmd.loop, cmd.out, cmd.sampling.n)
             cmd.loop.call_soon_threadsafe(_settle, cmd.done, None)
         elif isinstance(cmd, _Call):
             try:
@@ -274,23 +281,28 @@ class EngineLoop:
             if route is None:  # aborted by its client after this step began
                 continue
             if out.finished:
-                del self._routes[out.request_id]
+                route.remaining -= 1
                 if out.finish_reason == "error":
                     self.failed_requests += 1
                     self.error = out.error
-                elif self.on_finished is not None:
-                    self.on_finished(out)
-            batches.setdefault(route[0], []).append((route[1], out))
+                    del self._routes[out.request_id]
+                    self.llm.abort(out.request_id)  # its other samples too: the request has failed
+                else:
+                    if route.remaining == 0:
+                        del self._routes[out.request_id]
+                    if self.on_finished is not None:
+                        self.on_finished(out)
+            batches.setdefault(route.loop, []).append((route.channel, out))
         for loop, items in batches.items():
             loop.call_soon_threadsafe(_deliver, items)
 
     def _abort_all(self, why: str) -> None:
-        for rid, (loop, out) in list(self._routes.items()):
+        for rid, route in list(self._routes.items()):
             try:
                 self.llm.abort(rid)
             except Exception:  # noqa: BLE001 - keep freeing the others
                 traceback.print_exc()
-            loop.call_soon_threadsafe(out.fail, why)
+            route.loop.call_soon_threadsafe(route.channel.fail, why)
         self._routes.clear()
 
 

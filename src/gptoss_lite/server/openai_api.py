@@ -345,6 +345,7 @@ def _sampling(state: ServerState, req, prompt) -> SamplingParams:
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             logit_bias=req.logit_bias_ids(),
+            n=req.n,
         )
     except (ValueError, TypeError) as exc:
         raise P.APIError(400, str(exc)) from None
@@ -364,7 +365,7 @@ async def _serve(state: ServerState, request: Request, tenant: str, req, prompt,
         raise P.APIError(503, str(exc), type="server_error", code="shutting_down") from None
     except (ValueError, TypeError) as exc:  # the engine refused the request (nothing was queued)
         raise P.APIError(400, str(exc)) from None
-    run = _Run(state, tenant, rid, channel)
+    run = _Run(state, tenant, rid, channel, sampling.n)
     if req.stream:
         return _SSEResponse(
             run.events(chat, req.include_usage),
@@ -377,12 +378,14 @@ async def _serve(state: ServerState, request: Request, tenant: str, req, prompt,
 
 
 class _Run:
-    """One accepted request: reads its channel, aborts it if its client goes away or stops reading."""
+    """One accepted request (its n samples): reads its channel, aborts it if its client goes away or
+    stops reading."""
 
-    def __init__(self, state: ServerState, tenant: str, rid: str, channel: Channel):
-        self.state, self.tenant, self.rid, self.channel = state, tenant, rid, channel
+    def __init__(self, state: ServerState, tenant: str, rid: str, channel: Channel, n: int = 1):
+        self.state, self.tenant, self.rid, self.channel, self.n = state, tenant, rid, channel, n
         self.done = False  # the engine finished it (or failed it): nothing to abort
-        self.logprob_offset = 0  # characters of token text before the next logprobs entry (completions)
+        self.finals: dict[int, object] = {}  # sample index -> final output
+        self.logprob_offset: dict[int, int] = {}  # per sample: characters of token text before the next entry
 
     async def _watch(self, request: Request) -> None:
         """Wake the reader when the server reports that the client disconnected (the body is already
@@ -398,13 +401,20 @@ class _Run:
             self.done = True
             code = "shutting_down" if self.state.draining else None
             raise P.APIError(503 if code else 500, update.failure, type="server_error", code=code)
-        final = update.final
-        if final is not None:
-            self.done = True
+        for index, final in update.finals.items():
             if final.finish_reason == "error":
+                self.done = True  # the engine loop has aborted the other samples
                 raise P.APIError(500, f"the engine failed on this request: {final.error}", type="server_error")
-            self.state.metrics.record_usage(self.tenant, len(final.prompt_token_ids), final.num_cached_tokens)
+            self.finals[index] = final
+        if len(self.finals) == self.n and not self.done:
+            self.done = True
+            first = self.finals[0]
+            self.state.metrics.record_usage(self.tenant, len(first.prompt_token_ids), first.num_cached_tokens)
         return update
+
+    @property
+    def complete(self) -> bool:
+        return len(self.finals) == self.n
 
     def abort(self) -> None:
         if not self.done:
@@ -418,11 +428,13 @@ class _Run:
             self.state.metrics.stalled.inc()
         self.abort()
 
-    def _usage(self, out) -> dict:
-        return P.usage(len(out.prompt_token_ids), len(out.token_ids), out.num_cached_tokens)
+    def _usage(self) -> dict:
+        first = self.finals[0]
+        generated = sum(len(out.token_ids) for out in self.finals.values())
+        return P.usage(len(first.prompt_token_ids), generated, first.num_cached_tokens)
 
-    def _logprobs(self, entries: list, chat: bool) -> dict | None:
-        """The API's logprobs object for these TokenLogprobs (None when none were asked for)."""
+    def _logprobs(self, entries: list, chat: bool, index: int) -> dict | None:
+        """The API's logprobs object for these TokenLogprobs of one sample (None when none were asked for)."""
         if not entries:
             return None
         tokenizer = self.state.llm.tokenizer
@@ -431,60 +443,66 @@ class _Run:
         ]
         if chat:
             return P.chat_logprobs(rows)
-        out = P.completion_logprobs(rows, self.logprob_offset)
-        self.logprob_offset += sum(len(r[0]) for r in rows)
-        return out
+        offset = self.logprob_offset.get(index, 0)
+        self.logprob_offset[index] = offset + sum(len(r[0]) for r in rows)
+        return P.completion_logprobs(rows, offset)
 
     async def collect(self, request: Request, chat: bool) -> dict:
         """Wait for the whole answer (non-streaming); abort if the client disconnects meanwhile."""
         watcher = asyncio.ensure_future(self._watch(request))
-        entries: list = []
+        entries: dict[int, list] = {}
         try:
             while True:
                 update = await self._next()
-                entries += update.logprobs
-                if update.final is not None:
+                for index, lps in update.logprobs.items():
+                    entries.setdefault(index, []).extend(lps)
+                if self.complete:
                     break
                 if update.client_gone:
                     return {}  # nobody to answer; the finally aborts the request
         finally:
             watcher.cancel()
             self.abort()
-        out = update.final
-        body = P.chat_body if chat else P.completion_body
-        logprobs = self._logprobs(entries, chat)
-        return body(self.rid, self.state.model_name, out.text, out.finish_reason, self._usage(out), logprobs)
+        body, choice = (P.chat_body, P.chat_choice) if chat else (P.completion_body, P.completion_choice)
+        choices = [
+            choice(i, out.text, out.finish_reason, self._logprobs(entries.get(i, []), chat, i))
+            for i, out in sorted(self.finals.items())
+        ]
+        return body(self.rid, self.state.model_name, choices, self._usage())
 
     async def events(self, chat: bool, include_usage: bool):
-        """SSE events: deltas as tokens arrive, the finish reason, usage if asked, then [DONE]. Text
-        the engine hands out is final (it holds back a possible stop string or a cut character), so
-        the deltas join to the non-streamed text."""
+        """SSE events: deltas as tokens arrive (each chunk names its sample's `index`), the finish
+        reasons, usage if asked, then [DONE]. Text the engine hands out is final (it holds back a
+        possible stop string or a cut character), so the deltas join to the non-streamed text."""
         name = self.state.model_name
-        pending: list = []  # logprobs of tokens whose text has not been sent yet
+        pending: dict[int, list] = {}  # per sample: logprobs of tokens whose text has not been sent yet
         try:
             if chat:
-                yield _sse(P.chat_chunk(self.rid, name, {"role": "assistant", "content": ""}, None))
-            while True:
+                for i in range(self.n):
+                    yield _sse(P.chat_chunk(self.rid, name, {"role": "assistant", "content": ""}, None, index=i))
+            while not self.complete:
                 try:
                     update = await self._next()
                 except P.APIError as exc:
                     yield _sse(exc.body())
                     break
-                out = update.final
-                reason = out.finish_reason if out is not None else None
-                pending += update.logprobs
-                if update.text or reason:
-                    logprobs, pending = self._logprobs(pending, chat), []
+                for index, lps in update.logprobs.items():
+                    pending.setdefault(index, []).extend(lps)
+                for index in sorted(set(update.text) | set(update.finals)):
+                    text = update.text.get(index, "")
+                    final = update.finals.get(index)
+                    reason = final.finish_reason if final is not None else None
+                    if not (text or reason):
+                        continue
+                    logprobs = self._logprobs(pending.pop(index, []), chat, index)
                     if chat:
-                        delta = {"content": update.text} if update.text else {}
-                        yield _sse(P.chat_chunk(self.rid, name, delta, reason, logprobs=logprobs))
+                        delta = {"content": text} if text else {}
+                        yield _sse(P.chat_chunk(self.rid, name, delta, reason, logprobs=logprobs, index=index))
                     else:
-                        yield _sse(P.completion_chunk(self.rid, name, update.text, reason, logprobs=logprobs))
-                if out is not None:
-                    if include_usage:
-                        chunk = P.chat_chunk if chat else P.completion_chunk
-                        yield _sse(chunk(self.rid, name, None, None, self._usage(out)))
-                    break
+                        yield _sse(P.completion_chunk(self.rid, name, text, reason, logprobs=logprobs, index=index))
+            if self.complete and include_usage:
+                chunk = P.chat_chunk if chat else P.completion_chunk
+                yield _sse(chunk(self.rid, name, None, None, self._usage()))
             yield "data: [DONE]\n\n"
         finally:
             self.abort()  # a no-op unless the client left before the end

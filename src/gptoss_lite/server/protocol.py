@@ -3,7 +3,7 @@
 Requests are parsed in strict mode with unknown fields forbidden, as the OpenAI API does: a string
 where a number belongs (`"max_tokens": "8"`) or a misspelt field (`"max_token": 8`) is a 400 naming
 the field, never silently coerced or ignored. Fields the API defines but this server does not
-implement (`n` > 1, `tools`, `echo`, ...) are accepted at their neutral value and refused with a
+implement (`tools`, `echo`, `best_of` > 1, ...) are accepted at their neutral value and refused with a
 400 otherwise, so a client never gets an answer computed without the option it asked for.
 
 Two extensions beyond the OpenAI fields: `cache_salt` (a client-chosen string that further splits the
@@ -86,8 +86,6 @@ class _SamplingFields(_Strict):
 
     def check(self) -> None:
         """Refuse what parses but this server cannot do (raises APIError 400)."""
-        if self.n != 1:
-            raise APIError(400, f"n={self.n}: only n=1 is supported", param="n")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
         for key in self.logit_bias or {}:
@@ -330,44 +328,54 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
-def completion_body(
-    rid: str, model: str, text: str, finish_reason: str | None, use: dict | None, logprobs: dict | None = None
-) -> dict:
+def completion_body(rid: str, model: str, choices: list[dict], use: dict | None) -> dict:
+    """A completion: choices from `completion_choice`, one per sample."""
     return {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+        "choices": choices,
         "usage": use,
     }
 
 
-def chat_body(
-    rid: str, model: str, text: str, finish_reason: str | None, use: dict | None, logprobs: dict | None = None
-) -> dict:
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_body(rid: str, model: str, choices: list[dict], use: dict | None) -> dict:
+    """A chat completion: choices from `chat_choice`, one per sample."""
     return {
         "id": rid,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
-        ],
+        "choices": choices,
         "usage": use,
     }
 
 
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
+
+
 def completion_chunk(
-    rid: str, model: str, text: str | None, finish_reason: str | None, use=None, logprobs: dict | None = None
+    rid: str,
+    model: str,
+    text: str | None,
+    finish_reason: str | None,
+    use=None,
+    logprobs: dict | None = None,
+    index: int = 0,
 ) -> dict:
     """A streamed completion event; text None gives the usage-only chunk (empty choices)."""
-    choices = [] if text is None else [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
+    choices = [] if text is None else [completion_choice(index, text, finish_reason, logprobs)]
     return {
         "id": rid,
         "object": "text_completion",
@@ -379,12 +387,17 @@ def completion_chunk(
 
 
 def chat_chunk(
-    rid: str, model: str, delta: dict | None, finish_reason: str | None, use=None, logprobs: dict | None = None
+    rid: str,
+    model: str,
+    delta: dict | None,
+    finish_reason: str | None,
+    use=None,
+    logprobs: dict | None = None,
+    index: int = 0,
 ) -> dict:
     """A streamed chat event; delta None gives the usage-only chunk (empty choices)."""
-    choices = (
-        [] if delta is None else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
-    )
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    choices = [] if delta is None else [choice]
     return {
         "id": rid,
         "object": "chat.completion.chunk",
