@@ -307,16 +307,19 @@ class LLM:
         already finished."""
         aborted = False
         for request in self._groups.pop(request_id, []):
-            if self._requests.pop(request.request_id, None) is None:
-                continue
-            if request.status is not RequestStatus.FINISHED:
-                self.scheduler.remove(request)
-            request.status = RequestStatus.FINISHED
-            request.finish_reason = "abort"
-            request.forks = []
-            self._aborted += 1
-            aborted = True
+            aborted |= self._abort_sample(request)
         return aborted
+
+    def _abort_sample(self, request: Request) -> bool:
+        """End one sample with finish reason "abort" and free its blocks (False if it had ended)."""
+        if self._requests.pop(request.request_id, None) is None:
+            return False
+        self.scheduler.remove(request)  # (a sample still waiting to fork is in neither queue: a no-op)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = "abort"
+        request.forks = []
+        self._aborted += 1
+        return True
 
     def _fork(self, request: Request) -> None:
         """The first sample's prompt is computed: samples 1..n-1 start from its blocks, each with the
@@ -409,10 +412,7 @@ class LLM:
         """Finish a request with finish reason "error", free its blocks, and give its final output.
         (Samples still waiting to fork from it are aborted: its prompt will not be computed.)"""
         for fork in request.forks:
-            self._requests.pop(fork.request_id, None)
-            fork.status = RequestStatus.FINISHED
-            fork.finish_reason = "abort"
-            self._aborted += 1
+            self._abort_sample(fork)
         request.forks = []
         request.status = RequestStatus.FINISHED
         request.finish_reason = "error"

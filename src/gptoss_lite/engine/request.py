@@ -193,6 +193,7 @@ class Request:
         self.error: str | None = None  # set with finish_reason "error"
         self.stream: TextStream | None = None  # the output text, when the engine has a tokenizer
         self.token_counts: dict[int, int] = {}  # generated token id -> times (for the penalties)
+        self._bias: tuple[torch.Tensor, torch.Tensor] | None = None  # logit_bias as (ids, values) tensors
         self.group = request_id  # the id outputs carry: the request's, for each of its n samples
         self.index = 0  # which sample
         self.forks: list[Request] = []  # samples 1..n-1, waiting for this one's prompt to be computed
@@ -262,14 +263,15 @@ class Request:
         return taken
 
     def adjusted_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits (1, V) after logit_bias and the penalties (fp32; a new tensor)."""
+        """logits (1, V) after logit_bias and the penalties (fp32; a new tensor). The engine has
+        checked that every biased id is in the vocabulary."""
         out = logits.float().clone()
         sampling = self.sampling
         if sampling.logit_bias:
-            ids = torch.tensor([t for t, _ in sampling.logit_bias], device=out.device)
-            bias = torch.tensor([b for _, b in sampling.logit_bias], device=out.device)
-            keep = ids < out.shape[-1]
-            out[0, ids[keep]] += bias[keep]
+            if self._bias is None:  # built on the first token, reused for every other
+                ids, values = zip(*sampling.logit_bias)
+                self._bias = (torch.tensor(ids, device=out.device), torch.tensor(values, device=out.device))
+            out[0, self._bias[0]] += self._bias[1]
         if self.token_counts and (sampling.presence_penalty or sampling.frequency_penalty):
             ids = torch.tensor(list(self.token_counts), device=out.device)
             counts = torch.tensor(list(self.token_counts.values()), dtype=torch.float32, device=out.device)
