@@ -38,7 +38,6 @@ class Update:
     (0 .. n-1; a request without `n` has only 0)."""
 
     text: dict[int, str]  # the text deltas of the steps since, joined, per sample that had any
-    new_tokens: int  # tokens those steps generated (all samples)
     finals: dict[int, RequestOutput]  # samples that finished since, with their final output
     failure: str | None  # the request was ended by the server (engine gone, stopping): why
     client_gone: bool  # the client disconnected
@@ -53,7 +52,6 @@ class Channel:
         self._parts: dict[int, list[str]] = {}
         self._logprobs: dict[int, list] = {}
         self._finals: dict[int, RequestOutput] = {}
-        self._new_tokens = 0
         self._failure: str | None = None
         self._gone = False
         self._wake = asyncio.Event()
@@ -63,7 +61,6 @@ class Channel:
             self._parts.setdefault(out.index, []).append(out.text_delta)
         if out.logprobs:
             self._logprobs.setdefault(out.index, []).extend(out.logprobs)
-        self._new_tokens += len(out.new_token_ids)
         if out.finished:
             self._finals[out.index] = out
         self._wake.set()
@@ -82,8 +79,8 @@ class Channel:
         await self._wake.wait()
         self._wake.clear()
         text = {i: "".join(parts) for i, parts in self._parts.items()}
-        update = Update(text, self._new_tokens, self._finals, self._failure, self._gone, self._logprobs)
-        self._parts, self._logprobs, self._finals, self._new_tokens = {}, {}, {}, 0
+        update = Update(text, self._finals, self._failure, self._gone, self._logprobs)
+        self._parts, self._logprobs, self._finals = {}, {}, {}
         return update
 
 

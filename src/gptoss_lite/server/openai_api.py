@@ -41,7 +41,6 @@ STATIC = Path(__file__).resolve().parent / "static"
 DEFAULT_TENANT = "default"
 MAX_BODY_BYTES = 8 << 20  # a request body over this is a 413 (a prompt this long is over any context anyway)
 DEFAULT_STALL_TIMEOUT = 60.0  # seconds a stream may wait for its client to take data before it is aborted
-LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
 class ServerState:
@@ -86,7 +85,7 @@ class ServerState:
         key = _bearer(request)
         if self.admin_key is None:
             raise P.APIError(404, "Not Found", code="not_found")
-        if key is None or not hmac.compare_digest(key.encode(), self.admin_key.encode()):
+        if not self._is_admin(key):
             raise P.APIError(
                 401, "admin routes need the admin key", type="authentication_error", code="invalid_api_key"
             )
@@ -116,13 +115,13 @@ class ServerState:
     def observer(self, request: Request) -> None:
         """/metrics and /stats: open without API keys or with --metrics-open; otherwise any API key or
         the admin key (they show tenant names and per-tenant counters)."""
-        if self.metrics_open:
-            return
-        key = _bearer(request)
-        admin = self.admin_key
-        if key is not None and admin is not None and hmac.compare_digest(key.encode(), admin.encode()):
+        if self.metrics_open or self._is_admin(_bearer(request)):
             return
         self.tenant(request)
+
+    def _is_admin(self, key: str | None) -> bool:
+        admin = self.admin_key
+        return key is not None and admin is not None and hmac.compare_digest(key.encode(), admin.encode())
 
 
 def _bearer(request: Request) -> str | None:

@@ -328,16 +328,13 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     }
 
 
+def _envelope(rid: str, model: str, kind: str, choices: list[dict], use: dict | None) -> dict:
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": choices, "usage": use}
+
+
 def completion_body(rid: str, model: str, choices: list[dict], use: dict | None) -> dict:
     """A completion: choices from `completion_choice`, one per sample."""
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": use,
-    }
+    return _envelope(rid, model, "text_completion", choices, use)
 
 
 def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
@@ -346,23 +343,12 @@ def completion_choice(index: int, text: str, finish_reason: str | None, logprobs
 
 def chat_body(rid: str, model: str, choices: list[dict], use: dict | None) -> dict:
     """A chat completion: choices from `chat_choice`, one per sample."""
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": use,
-    }
+    return _envelope(rid, model, "chat.completion", choices, use)
 
 
 def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
-    return {
-        "index": index,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-    }
+    message = {"role": "assistant", "content": text}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def completion_chunk(
@@ -376,14 +362,7 @@ def completion_chunk(
 ) -> dict:
     """A streamed completion event; text None gives the usage-only chunk (empty choices)."""
     choices = [] if text is None else [completion_choice(index, text, finish_reason, logprobs)]
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": use,
-    }
+    return _envelope(rid, model, "text_completion", choices, use)
 
 
 def chat_chunk(
@@ -397,15 +376,7 @@ def chat_chunk(
 ) -> dict:
     """A streamed chat event; delta None gives the usage-only chunk (empty choices)."""
     choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-    choices = [] if delta is None else [choice]
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": choices,
-        "usage": use,
-    }
+    return _envelope(rid, model, "chat.completion.chunk", [] if delta is None else [choice], use)
 
 
 def chat_logprobs(entries: list[tuple[str, bytes, float, list[tuple[str, bytes, float]]]]) -> dict:
