@@ -1,13 +1,19 @@
-"""PagedBatch.attend against attention_reference run on each sequence alone."""
+"""A PagedBatch read, attended as a layer does, against attention_reference run on each sequence alone."""
 
 import pytest
 import torch
 
 from gptoss_lite.config import FULL, SLIDING
-from gptoss_lite.engine.paged_attention import PagedBatch, Segment
+from gptoss_lite.engine.paged_batch import PagedBatch, Segment
 from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.kv.paged_cache import PagedKVStore
-from gptoss_lite.model.attention import attention_reference
+from gptoss_lite.model.attention import attend_ragged, attention_reference
+
+
+def _attend(batch, layer, q, k, v, sinks, window):
+    """What an attention layer does with the batch: store k, v (K, N, D), attend q (H, N, D) over the read."""
+    read = batch.update(layer, k[None], v[None])
+    return attend_ragged(q, read, sinks, window, k.shape[0])
 
 
 def _batch(config, store, plan, gen):
@@ -55,7 +61,7 @@ def test_attend_matches_reference_per_sequence(plan, with_sinks):
         k_new = torch.cat([h[kind][0][p:] for h, (p, _) in zip(history, plan)]).transpose(0, 1)  # (K, N, D)
         v_new = torch.cat([h[kind][1][p:] for h, (p, _) in zip(history, plan)]).transpose(0, 1)
         sinks = torch.randn(H, generator=gen) if with_sinks else None
-        out = batch.attend(layer, q, k_new, v_new, sinks, window)
+        out = _attend(batch, layer, q, k_new, v_new, sinks, window)
         for seg, hist, (past, new) in zip(batch.segments, history, plan):
             keys, values = (t.transpose(0, 1)[None] for t in hist[kind])  # (1, K, S, D)
             rows = q[None, :, seg.offset : seg.offset + new]
@@ -73,12 +79,11 @@ def test_attend_masks_keys_outside_the_window():
     layer = store.layers_of[SLIDING][0]
     H, K, D = config.n_heads, config.n_kv_heads, config.head_dim
     q, k, v = torch.randn(H, 1, D), torch.randn(K, 1, D), torch.randn(K, 1, D)
-    before = batch.attend(layer, q, k, v, None, config.sliding_window)
+    before = _attend(batch, layer, q, k, v, None, config.sliding_window)
     table, first = batch.segments[0].tables[SLIDING]
     visible_from = 200 - config.sliding_window + 1
     assert first < visible_from  # the first resident block holds invisible keys
     block, slot = table[0], 0
     store.k[layer][:, block, slot : visible_from - first] = 1e4
-    batch._masks.clear()
-    after = batch.attend(layer, q, k, v, None, config.sliding_window)
+    after = _attend(batch, layer, q, k, v, None, config.sliding_window)
     torch.testing.assert_close(after, before)

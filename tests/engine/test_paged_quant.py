@@ -5,12 +5,18 @@ import pytest
 import torch
 
 from gptoss_lite.config import FULL, SLIDING
-from gptoss_lite.engine import paged_attention
-from gptoss_lite.engine.paged_attention import PagedBatch, Segment
+from gptoss_lite.engine import paged_batch
+from gptoss_lite.engine.paged_batch import PagedBatch, Segment
 from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.kv.paged_quant import QuantizedPagedStore, quantized_block_bytes
-from gptoss_lite.model.attention import attention_reference
+from gptoss_lite.model.attention import attend_ragged, attention_reference
 from gptoss_lite.plan.core import AttentionKVGeometry, quantized_kv_bytes
+
+
+def _attend(batch, layer, q, k, v, sinks, window):
+    """What an attention layer does with the batch: store k, v (K, N, D), attend q (H, N, D) over the read."""
+    read = batch.update(layer, k[None], v[None])
+    return attend_ragged(q, read, sinks, window, k.shape[0])
 
 
 def _step(store, plan, gen, sids):
@@ -41,7 +47,7 @@ def _step(store, plan, gen, sids):
 def test_quantised_reads_match_dequantise_then_reference(bits, with_sinks, monkeypatch):
     """Several steps (prefill chunks, decodes, blocks completing mid-step); each full-layer output equals
     attention_reference over the sequence's dequantised history (`gather`) within 1e-5."""
-    monkeypatch.setattr(paged_attention, "QUANT_READ_ELEMENTS", 4096)  # several column chunks per decode read
+    monkeypatch.setattr(paged_batch, "QUANT_READ_ELEMENTS", 4096)  # several column chunks per decode read
     config = resolve_config("gpt-oss-tiny")
     gen = torch.Generator().manual_seed(0)
     store = QuantizedPagedStore(config, 120, 16, bits=bits, tail_blocks=16)
@@ -56,7 +62,7 @@ def test_quantised_reads_match_dequantise_then_reference(bits, with_sinks, monke
         q = torch.randn(H, batch.num_rows, D, generator=gen)
         for kind, lyr in ((SLIDING, store.layers_of[SLIDING][0]), (FULL, layer)):
             window = config.sliding_window if kind == SLIDING else None
-            out = batch.attend(lyr, q, *kv[kind], sinks, window)
+            out = _attend(batch, lyr, q, *kv[kind], sinks, window)
             for seg in batch.segments:
                 sid = batch.segments.index(seg)
                 keys, values = (t[None] for t in store.gather(sid, lyr))  # (1, K, S', D) resident
@@ -66,7 +72,7 @@ def test_quantised_reads_match_dequantise_then_reference(bits, with_sinks, monke
                 got = out[:, seg.offset : seg.offset + seg.length]
                 torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
             for other in store.layers_of[kind][1:]:  # keep every layer of the kind written
-                batch.attend(other, q, *kv[kind], sinks, window)
+                _attend(batch, other, q, *kv[kind], sinks, window)
     assert store.tails_in_use <= 3 + 3  # the partial blocks of live sequences (+ this step's completions)
 
 
@@ -80,7 +86,7 @@ def test_stored_blocks_are_within_a_step_of_what_was_written(bits):
     batch, kv = _step(store, [50], gen, [0])
     layer = store.layers_of[FULL][0]
     H, D = config.n_heads, config.head_dim
-    batch.attend(layer, torch.randn(H, 50, D), *kv[FULL], None, None)
+    _attend(batch, layer, torch.randn(H, 50, D), *kv[FULL], None, None)
     keys, values = store.gather(0, layer)  # (K, 50, D)
     k, v = kv[FULL]
     qmax = (1 << bits) - 1

@@ -49,7 +49,8 @@ def test_update_returns_every_visible_key_by_position(kind):
         T = min(120 - pos, rng.choice([1, 1, 1, 3, 9, 17]))
         new = history[:, :, pos : pos + T]  # (B, K, T, D)
         for layer in range(CFG.n_layers):
-            keys, values, first = cache.update(layer, new, -new, pos)  # (B, K, S, D)
+            read = cache.update(layer, new, -new, pos)
+            (keys, values), first = read.materialize(), read.first  # (B, K, S, D)
             S = keys.shape[2]
             assert first + S == pos + T and first >= 0 and torch.equal(values, -keys)
             lowest_visible = 0 if not CFG.is_sliding(layer) else max(0, pos - W + 1)

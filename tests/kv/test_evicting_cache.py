@@ -5,12 +5,12 @@ import torch
 
 from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.generation import generate, stream_generate
-from gptoss_lite.kv.base import KVBlocks, TensorSegment
+from gptoss_lite.kv.base import KVRead, TensorSegment
 from gptoss_lite.kv.evict import heavy_hitter_indices, streaming_keep_indices
 from gptoss_lite.kv.evicting_cache import EvictingBuffer, EvictingKVCache
 from gptoss_lite.kv.mixed import MixedKVCache
 from gptoss_lite.kv.settings import KVSettings
-from gptoss_lite.model.attention import attention_blocks, attention_mass_reference
+from gptoss_lite.model.attention import attend, attention_mass_reference
 
 
 def _ids(model, B=2, T=40, seed=0):
@@ -70,20 +70,21 @@ def test_streaming_keeps_sinks_and_recent_at_exact_positions(tiny_model):
 
 @pytest.mark.parametrize("window", [None, 5])
 def test_kernel_mass_equals_dense_probabilities(window):
-    """The attention mass attention_blocks adds (second pass, block by block) equals the column sums of
+    """The attention mass `attend` adds (second pass, block by block) equals the column sums of
     the dense reference probabilities, per KV head (1e-5), with sinks."""
     g = torch.Generator().manual_seed(0)
     B, H, K, T, P, D = 2, 4, 2, 7, 30, 8
     q = torch.randn(B, H, T, D, generator=g)
     k, v = torch.randn(B, K, P + T, D, generator=g), torch.randn(B, K, P + T, D, generator=g)
     sinks = torch.randn(H, generator=g)
-    blocks = KVBlocks(
+    blocks = KVRead(
         [TensorSegment(k[:, :, :P], v[:, :, :P]), TensorSegment(k[:, :, P:], v[:, :, P:])],
+        0,
         K,
         mass=torch.zeros(B, K, P + T),
     )
     list(blocks.blocks(4))  # iterable more than once
-    attention_blocks(q, blocks, sinks, P, window)
+    attend(q, blocks, sinks, P, window)
     ref = attention_mass_reference(q, k, sinks, P, window)
     assert blocks.mass.shape == (B, K, P + T)
     assert torch.allclose(blocks.mass, ref, atol=1e-5)
@@ -139,7 +140,7 @@ def test_bad_arguments_raise():
     cache = EvictingKVCache(cfg, budget=8)
     x = torch.randn(1, cfg.n_kv_heads, 3, cfg.head_dim)
     with pytest.raises(ValueError, match="start_pos=1"):
-        cache.update_blocks(1, x, x, 1)
+        cache.update(1, x, x, 1)
     assert cache.num_tokens == 0
 
 

@@ -94,14 +94,16 @@ def test_sliding_blocks_bounded_over_long_decode():
     for p in range(n):
         k = history[p].view(1, K, 1, D)  # (B, K, T, D)
         for layer in range(cfg.n_layers):
-            keys, values, first = cache.update(layer, k, -k, p)
+            read = cache.update(layer, k, -k, p)
+            (keys, _), first = read.materialize(), read.first
             if layer == 0 and p in (0, 7, 8, 13, 1999):  # sliding reads are exactly the window's blocks
                 assert first == p + 1 - keys.shape[2] and first % BS == 0
                 assert first <= max(0, p - W + 1) < first + BS
                 assert torch.equal(keys[0].transpose(0, 1), history[first : p + 1])
         assert len(wpool.page_table("s")) <= bound
         assert len(gpool.page_table("s")) == p // BS + 1
-    keys, _, first = cache.update(1, history[:1].view(1, K, 1, D), history[:1].view(1, K, 1, D), n)
+    read = cache.update(1, history[:1].view(1, K, 1, D), history[:1].view(1, K, 1, D), n)
+    (keys, _), first = read.materialize(), read.first
     assert first == 0 and keys.shape == (1, K, n + 1, D)
     assert torch.equal(keys[0, :, :n].transpose(0, 1), history)
 

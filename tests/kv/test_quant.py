@@ -8,7 +8,7 @@ from gptoss_lite import plan as P
 from gptoss_lite.config import get_preset
 from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.generation import generate
-from gptoss_lite.kv.base import BlockKVCache, KVBlocks
+from gptoss_lite.kv.base import KVRead
 from gptoss_lite.kv.quant import (
     QuantizedKVCache,
     QuantSpec,
@@ -19,7 +19,7 @@ from gptoss_lite.kv.quant import (
     quantize_values,
     unpack_int4,
 )
-from gptoss_lite.model.attention import attention_blocks, attention_reference
+from gptoss_lite.model.attention import attend, attention_reference
 
 
 def test_int4_pack_roundtrip():
@@ -59,12 +59,12 @@ def test_constant_group_is_exact():
 
 
 def _fill(cache, layer, chunks, K, D, seed=0):
-    """Append random K/V in the given chunk sizes through update_blocks; return all K and V appended."""
+    """Append random K/V in the given chunk sizes through update; return all K and V appended."""
     g = torch.Generator().manual_seed(seed)
     ks, vs, pos = [], [], 0
     for T in chunks:
         k, v = torch.randn(1, K, T, D, generator=g), torch.randn(1, K, T, D, generator=g)
-        cache.update_blocks(layer, k, v, pos)
+        cache.update(layer, k, v, pos)
         ks.append(k)
         vs.append(v)
         pos += T
@@ -90,7 +90,7 @@ def test_residual_window_invariant(chunks):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("window", [None, 6])
 def test_quantized_attention_equals_dequantize_then_reference(bits, window):
-    """attention_blocks over quantised blocks == attention_reference over the dequantised keys (1e-5),
+    """`attend` over quantised blocks == attention_reference over the dequantised keys (1e-5),
     for prefill chunks (own keys full precision) and decode steps, with sinks, with and without a window."""
     cfg = resolve_config("lite-tiny")
     K, D, H = cfg.n_kv_heads, cfg.head_dim, cfg.n_heads
@@ -101,9 +101,10 @@ def test_quantized_attention_equals_dequantize_then_reference(bits, window):
     for T in (9, 1, 1, 1, 12, 1, 1):
         k, v = torch.randn(1, K, T, D, generator=g), torch.randn(1, K, T, D, generator=g)
         q = torch.randn(1, H, T, D, generator=g)
-        blocks, first = cache.update_blocks(1, k, v, pos)
-        assert isinstance(blocks, KVBlocks) and blocks.num_keys == pos + T
-        y = attention_blocks(q, blocks, sinks, pos - first, window)
+        blocks = cache.update(1, k, v, pos)
+        first = blocks.first
+        assert isinstance(blocks, KVRead) and blocks.tensors() is None and blocks.num_keys == pos + T
+        y = attend(q, blocks, sinks, pos - first, window)
         keys, values = blocks.materialize()
         y_ref = attention_reference(q, keys, values, sinks, pos - first, window)
         assert y.shape == (1, H, T, D)
@@ -118,7 +119,7 @@ def test_blocks_are_read_group_by_group():
     cfg = resolve_config("lite-tiny")
     cache = QuantizedKVCache(cfg, bits=4, key_group=4, residual=3)
     _fill(cache, 1, [60], cfg.n_kv_heads, cfg.head_dim)
-    blocks, _ = cache.update_blocks(1, *(torch.randn(1, cfg.n_kv_heads, 1, cfg.head_dim),) * 2, 60)
+    blocks = cache.update(1, *(torch.randn(1, cfg.n_kv_heads, 1, cfg.head_dim),) * 2, 60)
     sizes = [k.shape[2] for _, k, _ in blocks.blocks(8)]
     assert max(sizes) == 8 and sum(sizes) == 61
 
@@ -145,14 +146,17 @@ def test_quantized_generation_fast_equals_reference_impl(tiny_model):
     assert torch.equal(outs[0], outs[1])
 
 
-def test_is_a_block_cache_and_plain_update_materialises():
-    """QuantizedKVCache is a BlockKVCache; its plain `update` returns the dequantised keys of every token."""
+def test_full_layers_return_segmented_reads_that_materialise():
+    """A quantised full layer returns a segmented read (no dense tensors) whose materialised keys cover
+    every token; a sliding layer returns the ring's dense read."""
     cfg = resolve_config("lite-tiny")
     cache = QuantizedKVCache(cfg, bits=8, key_group=4, residual=2)
-    assert isinstance(cache, BlockKVCache) and cache.is_blocked(1) and not cache.is_blocked(0)
     x = torch.randn(1, cfg.n_kv_heads, 11, cfg.head_dim)
-    keys, values, first = cache.update(1, x, x, 0)
-    assert keys.shape == (1, cfg.n_kv_heads, 11, cfg.head_dim) and first == 0
+    read = cache.update(1, x, x, 0)
+    assert read.tensors() is None and read.first == 0
+    keys, values = read.materialize()
+    assert keys.shape == (1, cfg.n_kv_heads, 11, cfg.head_dim)
+    assert cache.update(0, x, x, 0).tensors() is not None
 
 
 def test_bad_settings_raise():
@@ -165,9 +169,9 @@ def test_bad_settings_raise():
     cache = QuantizedKVCache(cfg, bits=8)
     x = torch.randn(1, cfg.n_kv_heads, 3, cfg.head_dim)
     with pytest.raises(ValueError, match="start_pos=2"):
-        cache.update_blocks(1, x, x, 2)
+        cache.update(1, x, x, 2)
     with pytest.raises(ValueError, match="expected"):
-        cache.update_blocks(1, x[:, :1], x[:, :1], 0)
+        cache.update(1, x[:, :1], x[:, :1], 0)
     assert cache[1].num_tokens == 0
 
 
@@ -212,10 +216,7 @@ def test_real_bytes_at_8192_match_the_planner(bits, min_ratio):
     cache = QuantizedKVCache(cfg, bits=bits)
     for start in range(0, T, chunk):
         for layer in range(cfg.n_layers):
-            if cache.is_blocked(layer):
-                cache.update_blocks(layer, x, x, start)
-            else:
-                cache.update(layer, x, x, start)
+            cache.update(layer, x, x, start)
     sliding = geometry.sliding_layers * cfg.sliding_window * geometry.bytes_per_token_per_layer
     planned_full = P.quantized_kv_bytes(geometry, T, bits) - sliding
     assert cache.payload_bytes == P.quantized_kv_bytes(geometry, T, bits)

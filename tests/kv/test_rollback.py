@@ -82,7 +82,8 @@ def _check_update(cache: RollbackKVCache, start: int, T: int) -> None:
     for layer in range(CFG.n_layers):
         window = CFG.sliding_window if CFG.is_sliding(layer) else None
         k, v = _kv(layer, start, T)
-        keys, values, first = cache.update(layer, k, v, start)
+        read = cache.update(layer, k, v, start)
+        (keys, values), first = read.materialize(), read.first
         S = keys.shape[2]
         positions = values[0, 0, :, 0].long().tolist()
         ordered = list(range(first, first + S))

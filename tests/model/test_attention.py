@@ -1,16 +1,9 @@
 import pytest
 import torch
 
-from gptoss_lite.model import attention as attention_module
-from gptoss_lite.model.attention import (
-    MIN_UNMASKED_KEYS,
-    _attend_blocked,
-    _band_blocks,
-    _key_blocks,
-    attention_fast,
-    attention_reference,
-    visible_mask,
-)
+from gptoss_lite.model.attention import attention_fast, attention_reference, visible_mask
+from gptoss_lite.model.attention import blocks as blocks_module
+from gptoss_lite.model.attention.plan import MIN_UNMASKED_KEYS, key_blocks
 
 
 def _qkv(B=2, H=4, K=2, T=7, S=19, D=16, seed=0):
@@ -62,7 +55,7 @@ def test_fast_matches_reference(T, S, window, with_sinks, blocks):
 def test_key_blocks_tile_the_range_and_respect_the_band(lo, hi, k_block, first_q, last_q, window):
     """Key blocks tile [lo, hi) in order, each at most k_block keys; when the band every query sees
     is long enough, no block straddles its edges (so only edge blocks are masked)."""
-    blocks = _key_blocks(lo, hi, k_block, first_q, last_q, window)
+    blocks = key_blocks(lo, hi, k_block, first_q, last_q, window, band_block=k_block)
     assert blocks[0][0] == lo and blocks[-1][1] == hi
     assert all(a < b <= a + k_block for a, b in blocks) and all(p[1] == n[0] for p, n in zip(blocks, blocks[1:]))
     band_lo = lo if window is None else max(lo, last_q - window + 1)
@@ -157,8 +150,8 @@ def test_flash_path_matches_reference(T, S, window, with_sinks, monkeypatch):
     log-sum-exp (several query blocks at T = 2,100, masked window edges, a cached past): within 1e-5 of
     dense attention in fp32."""
     calls = []
-    flash = attention_module._FLASH
-    monkeypatch.setattr(attention_module, "_FLASH", lambda *a, **kw: calls.append(1) or flash(*a, **kw))
+    flash = blocks_module._FLASH
+    monkeypatch.setattr(blocks_module, "_FLASH", lambda *a, **kw: calls.append(1) or flash(*a, **kw))
     q, k, v, sinks = _qkv(B=1, T=T, S=S)
     sinks = sinks if with_sinks else None
     ref = attention_reference(q, k, v, sinks, S - T, window)
@@ -170,7 +163,7 @@ def test_flash_path_in_bf16_is_as_close_as_the_blocked_kernel():
     q, k, v, sinks = (t.bfloat16() for t in _qkv(B=1, T=200, S=260))
     ref = attention_reference(q.float(), k.float(), v.float(), sinks.float(), 60, 64)
     flash = attention_fast(q, k, v, sinks, 60, 64).float()
-    blocked = _attend_blocked(q, k, v, sinks, 60, 64).float()
+    blocked = attention_fast(q, k, v, sinks, 60, 64, q_block=200).float()  # a forced block size: online softmax
     assert (flash - ref).abs().max() <= max(2e-2, 1.5 * (blocked - ref).abs().max())
 
 
@@ -184,9 +177,10 @@ def test_flash_path_in_bf16_is_as_close_as_the_blocked_kernel():
     ],
 )
 def test_band_blocks_tile_the_range(lo, hi, k_block, first_q, last_q, window):
-    """`_band_blocks` tiles [lo, hi) in order; masked blocks hold at most k_block keys, and a band of
-    MIN_UNMASKED_KEYS keys or more is one unmasked block."""
-    blocks = _band_blocks(lo, hi, k_block, first_q, last_q, window)
+    """Without a band block size, `key_blocks` tiles [lo, hi) in order; masked blocks hold at most
+    k_block keys, and a band of MIN_UNMASKED_KEYS keys or more is one unmasked block (the fused kernel's
+    plan)."""
+    blocks = key_blocks(lo, hi, k_block, first_q, last_q, window)
     assert blocks[0][0] == lo and blocks[-1][1] == hi
     assert all(p[1] == n[0] for p, n in zip(blocks, blocks[1:]))
     band_lo = lo if window is None else max(lo, last_q - window + 1)
@@ -197,7 +191,7 @@ def test_band_blocks_tile_the_range(lo, hi, k_block, first_q, last_q, window):
 
 
 def test_flash_block_masks_are_reused_without_autograd_and_built_fresh_with_it():
-    from gptoss_lite.model.attention import _cached_block_mask, flash_block_mask, visible_mask
+    from gptoss_lite.model.attention.plan import _cached_block_mask, flash_block_mask
 
     _cached_block_mask.cache_clear()
     with torch.inference_mode():
@@ -213,8 +207,6 @@ def test_flash_block_masks_are_reused_without_autograd_and_built_fresh_with_it()
 def test_flash_attention_trains_after_an_inference_call_of_the_same_shape():
     # The masks cached by an inference call must not reach a training forward (inference tensors
     # cannot be saved for backward): with autograd on they are built fresh.
-    from gptoss_lite.model.attention import attention_fast, attention_reference
-
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(1, 4, 40, 8, generator=gen)
     k, v = torch.randn(1, 2, 40, 8, generator=gen), torch.randn(1, 2, 40, 8, generator=gen)

@@ -108,20 +108,10 @@ def measure_cache_bytes(config, settings, contexts: tuple[int, ...], chunk: int 
         for start in range(0, t, chunk):
             piece = block[:, :, : min(chunk, t - start)]
             for layer in range(config.n_layers):
-                if cache_is_blocked(cache, layer):
-                    cache.update_blocks(layer, piece, piece, start)
-                else:
-                    cache.update(layer, piece, piece, start)
+                cache.update(layer, piece, piece, start)  # a read is returned, not materialised
         out[t] = (cache.payload_bytes, cache.nbytes)
         cache.reset()
     return out
-
-
-def cache_is_blocked(cache, layer: int) -> bool:
-    """Whether `layer` of `cache` is read block by block (filled through update_blocks, no materialising)."""
-    from gptoss_lite.kv.base import BlockKVCache
-
-    return isinstance(cache, BlockKVCache) and cache.is_blocked(layer)
 
 
 def measure_quantized_cache(contexts: tuple[int, ...], bits: int, chunk: int = 2048) -> dict[int, tuple[int, int]]:

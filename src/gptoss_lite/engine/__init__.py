@@ -2,7 +2,7 @@
 
 `LLM` is the facade; `SamplingParams`, `RequestOutput` and `EngineStats` are what callers exchange
 with it. The parts: request.py (request state), kv_manager.py (blocks per layer kind + prefix cache),
-scheduler.py (token budget, chunked prefill, preemption), paged_attention.py (attention over block
+scheduler.py (token budget, chunked prefill, preemption), paged_batch.py (writes and reads over block
 tables for a ragged batch), runner.py (one forward per step), llm.py (the facade).
 """
 

@@ -16,7 +16,7 @@ import torch
 
 from gptoss_lite.config import FULL
 from gptoss_lite.engine.kv_manager import KVManager
-from gptoss_lite.engine.paged_attention import PagedBatch, Segment
+from gptoss_lite.engine.paged_batch import PagedBatch, Segment
 from gptoss_lite.engine.request import Request, TokenLogprobs
 from gptoss_lite.engine.scheduler import ScheduledStep
 from gptoss_lite.model.transformer import GPTOSS

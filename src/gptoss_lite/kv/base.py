@@ -13,17 +13,35 @@ Division of labour:
   of every future window), but it never changes which keys a query sees: the layer masks with its own
   window.
 
-Shapes (legend of `gptoss_lite.model`): new keys and values are (B, K, T, D); `update` returns keys
-and values of shape (B, K, S, D) with S >= T, the last T being the new tokens, and `first`, the
-position of key 0. Key j is the token at position `first + j`, so new query i (position
-`start_pos + i`) sits at key index `start_pos - first + i`, and on a sliding layer sees keys j with
-`0 <= (start_pos + i) - (first + j) < W`. The returned keys include every key that any new query may
-see: all positions `0 …` on a full layer, at least `start_pos - W + 1 …` on a sliding layer.
+The seam is one call. A forward pass over T new tokens calls `update(layer, k, v, start_pos)` once
+per layer: the cache *writes* the new rotated keys and values and *returns a read*, a `KVRead` of
+the keys the new queries may see. The layer then attends over the read itself
+(`gptoss_lite.model.attention`): the cache never computes attention.
+
+Shapes (legend of `gptoss_lite.model`): new keys and values are (B, K, T, D). A `KVRead` holds S >= T
+keys, the last T being the new tokens, in one or more *segments*, and `first`, the position of key
+0. Key j is the token at position `first + j`, so new query i (position `start_pos + i`) sits at key
+index `start_pos - first + i`, and on a sliding layer sees keys j with
+`0 <= (start_pos + i) - (first + j) < W`. The read includes every key that any new query may see: all
+positions `0 …` on a full layer, at least `start_pos - W + 1 …` on a sliding layer.
+
+A read is either *dense* (one full-precision (B, K, S, D) tensor pair, `tensors()`) or *segmented*:
+segments read one block at a time (quantised codes dequantised on demand, an evicting cache's kept
+past), so no full-history full-precision copy is ever built. `block_tokens` is the storage granule
+(a quantised cache's key group); `spans` cuts blocks at multiples of it. `mass`, when a cache sets it
+to a zero (B, K, S) fp32 tensor, asks the layer to add the attention each key received, summed over
+the new queries and the G query heads of its KV head (H2O's accumulated attention).
 
 One freedom: when T == 1 and the returned keys are exactly the last S <= W positions (a ring buffer
 holding one window), the cache may return them in storage order rather than by position. The single
 query sees every one of them, and attention is a sum over keys that carry their own rotation, so the
 order cannot change the result. `first` is then `start_pos - S + 1`, as if they were in order.
+
+A second freedom, for full layers (window None) only: the past keys returned may be a subset of the
+earlier positions (an evicting cache), as long as the new tokens come last and in order; `first` is
+then `start_pos - P` with P past keys returned. Every past key is visible to every new query on a
+full layer, so which positions they were does not change the mask, and each key carries its own
+rotation (RoPE at its original position).
 
 Rollback (`RollbackKVCache`, a caller-side protocol; the model never calls it): `truncate(position)`
 forgets every token at or after `position`. It is allowed back to any position whose K/V every layer
@@ -34,32 +52,20 @@ interval* `[lowest, num_tokens]`; anything outside raises ValueError naming the 
 interval, and leaves the cache unchanged (`check_rollback`). A cache built with rollback slack R
 keeps R tokens more than one window on sliding layers, so a rollback of R tokens is always allowed.
 
-Block-read caches (`BlockKVCache`, optional; docs/kv-cache.md#block-reads-quantised-and-evicting-caches):
-a cache that stores a layer in a form other than one (B, K, S, D) tensor (quantised codes, or a subset
-of the past under a token budget) may say so with `is_blocked(layer)`. The layer then calls
-`update_blocks` instead of `update` and gets a `KVBlocks`: the same keys and values as `update`
-would return, in segments that are read (dequantised) one block at a time, so no full-history
-full-precision copy is ever built. `update` keeps working on such a cache (it returns the
-materialised tensors), so every consumer of the plain protocol still runs on it.
-
-A second freedom, for full layers (window None) only: the past keys returned may be a subset of the
-earlier positions (an evicting cache), as long as the new tokens come last and in order; `first` is
-then `start_pos - P` with P past keys returned. Every past key is visible to every new query on a
-full layer, so which positions they were does not change the mask, and each key carries its own
-rotation (RoPE at its original position).
-
 Ragged batches (`RaggedBatch`, continuous batching). A serving engine runs the new tokens of many
-sequences, each at its own position and with its own history, as one flat batch of N tokens. There
-is no common `start_pos` and no rectangular (B, K, S, D) key tensor to return, so such a batch does
-not implement `update`; it carries the per-token `positions` explicitly and `attend`s for the layer:
-the layer still rotates (at `positions`) and still supplies its own window and sinks, and the batch
-applies exactly the visibility rule above to each token against its own sequence's keys. Tests pin
-every ragged kernel to `attention_reference` run on each sequence alone.
+sequences, each at its own position and with its own history, as one flat batch (1, ·, N, ·) of N
+tokens. It carries the per-token `positions` explicitly (the layer rotates at them), and its
+`update` returns a `RaggedRead`: the one-token rows together (`DecodeRows`: fixed-shape keys per row
+and each key's distance to its query, which the layer turns into a mask with its own window), and
+each prompt chunk as a `KVRead` of its own sequence. A batch under a KV budget N keeps only the last
+N keys of a full layer and says so with `horizon`: the layer then attends as if its window were N.
+Tests pin every ragged path to `attention_reference` run on each sequence alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -79,12 +85,10 @@ class KVCache(Protocol):
         """Tokens held per row: the absolute position of the next token."""
         ...
 
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> KVRead:
         """Store `layer`'s rotated keys and values of T new tokens, k and v (B, K, T, D), at positions
-        start_pos … start_pos + T - 1; return (keys, values, first): (B, K, S, D) each, key j at
-        position first + j, covering every key the new queries may see.
+        start_pos … start_pos + T - 1; return the read of every key the new queries may see (key j at
+        position read.first + j).
 
         Raises ValueError (cache unchanged) when start_pos is not where `layer` ends or the shapes,
         dtype or device do not match the cache.
@@ -162,57 +166,106 @@ class TensorSegment:
         return self.k[:, :, start:end], self.v[:, :, start:end]
 
 
-class KVBlocks:
-    """The keys and values `update` would return for one layer, as consecutive segments read block by
-    block: key j of the concatenation is key j of what `update` returns (position `first + j`, or
-    under the full-layer freedom the j-th kept key).
-
-    `block_tokens` is the storage granule (a quantised cache's group); readers should cut blocks at
-    multiples of it. `mass`, when the cache sets it to a zero (B, K, S) fp32 tensor, asks the kernel
-    to add the attention each key received, summed over the new queries and the G query heads of its
-    KV head (H2O's accumulated attention); None (the default) asks for nothing.
-    """
+class KVRead:
+    """The keys and values a layer's new queries may see, returned by `KVCache.update`: consecutive
+    segments, key j of the concatenation at position `first + j` (or, under the full-layer freedom,
+    the j-th kept key). See "The seam is one call" in the module docstring."""
 
     def __init__(
-        self, segments: list[KVSegment], kv_heads: int, block_tokens: int = 1, mass: torch.Tensor | None = None
+        self,
+        segments: list[KVSegment],
+        first: int,
+        kv_heads: int,
+        block_tokens: int = 1,
+        mass: torch.Tensor | None = None,
     ):
         self.segments = [s for s in segments if s.num_tokens > 0]
+        self.first = first
         self.kv_heads = kv_heads  # K
         self.block_tokens = block_tokens
         self.num_keys = sum(s.num_tokens for s in self.segments)
         self.mass = mass
 
-    def blocks(self, max_tokens: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-        """(first key index, keys, values) of consecutive blocks of at most max(max_tokens, block_tokens)
-        keys, each (B, K, n, D) full precision, never crossing a segment's end."""
+    @classmethod
+    def dense(cls, k: torch.Tensor, v: torch.Tensor, first: int) -> KVRead:
+        """A read of full-precision (B, K, S, D) keys and values."""
+        return cls([TensorSegment(k, v)], first, k.shape[1])
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(keys, values) when the read is dense (one full-precision segment), else None."""
+        if len(self.segments) == 1 and isinstance(self.segments[0], TensorSegment) and self.block_tokens == 1:
+            seg = self.segments[0]
+            return seg.k, seg.v
+        return None
+
+    def spans(self, max_tokens: int) -> list[tuple[int, int]]:
+        """Key ranges [start, end) of consecutive blocks of at most max(max_tokens, block_tokens) keys,
+        at multiples of block_tokens, never crossing a segment's end."""
         step = max(self.block_tokens, max_tokens // self.block_tokens * self.block_tokens)
-        offset = 0
+        out, offset = [], 0
         for seg in self.segments:
             n = seg.num_tokens
-            for s in range(0, n, step):
-                e = min(n, s + step)
-                k, v = seg.read(s, e)
-                yield offset + s, k, v
+            out += [(offset + s, offset + min(n, s + step)) for s in range(0, n, step)]
             offset += n
+        return out
+
+    def read(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values start … end - 1, each (B, K, end - start, D) full precision (dequantised if
+        need be); a range within one segment is that segment's read, otherwise the pieces joined."""
+        parts, offset = [], 0
+        for seg in self.segments:
+            n = seg.num_tokens
+            lo, hi = max(start, offset), min(end, offset + n)
+            if lo < hi:
+                parts.append(seg.read(lo - offset, hi - offset))
+            offset += n
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2)
+
+    def blocks(self, max_tokens: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """(first key index, keys, values) of each block of `spans(max_tokens)`."""
+        for start, end in self.spans(max_tokens):
+            yield (start, *self.read(start, end))
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All keys and values as one (B, K, S, D) pair each: the dequantise-then-attend oracle (this is
-        the full-history copy the blocked kernel avoids)."""
-        parts = [seg.read(0, seg.num_tokens) for seg in self.segments]
-        return torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2)
+        the full-history copy a segmented read avoids)."""
+        return self.read(0, self.num_keys)
 
 
-@runtime_checkable
-class BlockKVCache(KVCache, Protocol):
-    """A cache whose layers may be read block by block (see "Block-read caches" above)."""
+@dataclass
+class DecodeChunk:
+    """Keys of the one-token rows of a ragged batch, in the engine's head-major layout: `load()` gives
+    keys and values (K, Bd, S, D) (gathered, or dequantised when called), and `distance` (Bd, S) is
+    each key's query position minus its own (negative for padding or a future key). `memo` is shared
+    by the layers that read the same distances (one step, one layer kind), so the layer builds each
+    window's mask once."""
 
-    def is_blocked(self, layer: int) -> bool:
-        """Whether `layer` is stored in blocks (the layer then calls `update_blocks`)."""
-        ...
+    load: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    distance: torch.Tensor
+    memo: dict = field(default_factory=dict)
 
-    def update_blocks(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> tuple[KVBlocks, int]:
-        """`update` for a blocked layer: store the new tokens and return (KVBlocks, first), the same
-        keys and values `update` would return, unmaterialised."""
+
+@dataclass
+class DecodeRows:
+    """The one-token rows of a ragged batch: `rows` (Bd,) their flat-batch rows (None: every row of
+    the batch), and their keys as chunks (one for full-precision blocks; several, dequantised one
+    after the other, for quantised ones)."""
+
+    rows: torch.Tensor | None
+    chunks: list[DecodeChunk]
+
+
+@dataclass
+class RaggedRead:
+    """What `RaggedBatch.update` returns: the decode rows, and each prompt chunk as (flat-batch offset,
+    length, start position, read of its sequence's keys). `horizon`, under a KV budget N, says the
+    layer keeps only the last N keys: it attends as with a window of N."""
+
+    decode: DecodeRows | None
+    prefill: list[tuple[int, int, int, KVRead]]
+    horizon: int | None = None
 
 
 @runtime_checkable
@@ -229,16 +282,7 @@ class RaggedBatch(Protocol):
         """(M,) int64: the flat-batch rows whose next-token logits the caller wants."""
         ...
 
-    def attend(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        sinks: torch.Tensor | None,
-        window: int | None,
-    ) -> torch.Tensor:
-        """Store `layer`'s rotated k, v (K, N, D) and return the attention output (H, N, D) of the
-        rotated queries q (H, N, D): token i of sequence s attends over the keys of s at positions
-        <= its own (and > its own - `window`), with `sinks` as the layer would apply them."""
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> RaggedRead:
+        """Store `layer`'s rotated k, v (1, K, N, D) in each token's sequence; return what each token
+        may see. `start_pos` is unused (every token has its own position)."""
         ...

@@ -8,7 +8,7 @@ of `gptoss_lite.kv.evict`, applied to the cache while it generates:
   `budget - sink_tokens`.
 - `h2o` (H2O, heavy hitters): keep the most recent `recent` positions and, of the rest, the ones with
   the largest accumulated attention, per KV head. The attention mass comes from the attention kernel
-  (`KVBlocks.mass`, filled block by block, no dense score matrix).
+  (`KVRead.mass`, filled block by block, no dense score matrix).
 
 Keys are stored already rotated at their original positions and never re-rotated, so positions stay
 exact; `positions(layer)` says which positions each head holds. A forward pass of T new tokens
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from gptoss_lite.config import ModelConfig
-from gptoss_lite.kv.base import BlockKVCache, KVBlocks, TensorSegment
+from gptoss_lite.kv.base import KVRead, TensorSegment
 from gptoss_lite.kv.mixed import DEFAULT_FULL_CAP_TOKENS, MixedKVCache, _LayerStore
 from gptoss_lite.validation import check_int
 
@@ -45,7 +45,7 @@ class EvictingBuffer(_LayerStore):
         self._held = 0  # committed tokens per (row, head), <= budget
         self.pos: torch.Tensor | None = None  # (B, K, budget) int64 position of each slot
         self.mass: torch.Tensor | None = None  # (B, K, budget) fp32 accumulated attention (h2o)
-        self._pending: tuple[KVBlocks, torch.Tensor, torch.Tensor, int] | None = None
+        self._pending: tuple[KVRead, torch.Tensor, torch.Tensor, int] | None = None
 
     @property
     def num_resident(self) -> int:
@@ -53,8 +53,8 @@ class EvictingBuffer(_LayerStore):
         self.commit()
         return self._held
 
-    def stage(self, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> KVBlocks:
-        """Return the kept past followed by the T new tokens as `KVBlocks` (asking for attention mass
+    def stage(self, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> KVRead:
+        """Return the kept past followed by the T new tokens as a `KVRead` (asking for attention mass
         under h2o); the new tokens are stored, and the layer evicted down to the budget, by `commit`."""
         self.commit()
         T = self._check(k, v)
@@ -70,7 +70,8 @@ class EvictingBuffer(_LayerStore):
         mass = None
         if self.policy == "h2o":
             mass = torch.zeros(self.batch_size, self.kv_heads, n + T, device=k.device)
-        blocks = KVBlocks([TensorSegment(kb[:, :, :n], vb[:, :, :n]), TensorSegment(k, v)], self.kv_heads, 1, mass)
+        segments = [TensorSegment(kb[:, :, :n], vb[:, :, :n]), TensorSegment(k, v)]
+        blocks = KVRead(segments, start_pos - n, self.kv_heads, 1, mass)
         self._pending = (blocks, k, v, start_pos)
         self.num_tokens += T
         return blocks
@@ -161,7 +162,7 @@ class EvictingBuffer(_LayerStore):
         self._held, self.pos, self.mass, self._pending = 0, None, None, None
 
 
-class EvictingKVCache(MixedKVCache, BlockKVCache):
+class EvictingKVCache(MixedKVCache):
     """A MixedKVCache whose full layers hold at most `budget` tokens (per row and KV head), evicted by
     `policy` ('streaming' or 'h2o'; module docstring). `recent` (h2o) defaults to budget // 2."""
 
@@ -200,32 +201,15 @@ class EvictingKVCache(MixedKVCache, BlockKVCache):
                     batch_size, config.n_kv_heads, config.head_dim, budget, policy, sink_tokens, recent
                 )
 
-    def is_blocked(self, layer: int) -> bool:
-        return isinstance(self.layers[layer], EvictingBuffer)
-
-    def update_blocks(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> tuple[KVBlocks, int]:
-        """The kept past (<= budget keys, any order: the full-layer freedom of the protocol) then the new
-        tokens; first = start_pos - (past keys)."""
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> KVRead:
+        """An evicting layer returns the kept past (<= budget keys, any order: the full-layer freedom of
+        the protocol) then the new tokens, first = start_pos - (past keys), asking for the attention
+        mass under h2o; a sliding layer is the mixed cache's ring."""
         store = self.layers[layer]
-        assert isinstance(store, EvictingBuffer), f"layer {layer} does not evict"
-        if start_pos != store.num_tokens:
-            raise ValueError(
-                f"layer {layer}: start_pos={start_pos} but the cache holds {store.num_tokens} "
-                f"tokens; positions must continue where the cache ends"
-            )
-        blocks = store.stage(k, v, start_pos)
-        return blocks, start_pos - (blocks.num_keys - k.shape[2])
-
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The plain protocol: the kept past and the new tokens as tensors (no attention mass is
-        gathered this way, so h2o then ranks by what earlier block reads gathered)."""
-        if not self.is_blocked(layer):
+        if not isinstance(store, EvictingBuffer):
             return super().update(layer, k, v, start_pos)
-        blocks, first = self.update_blocks(layer, k, v, start_pos)
-        keys, values = blocks.materialize()
-        return keys, values, first
+        self._check_start(layer, start_pos)
+        return store.stage(k, v, start_pos)
 
     def positions(self, layer: int) -> torch.Tensor:
         """(B, K, held) original positions of the tokens a full layer holds (slot order)."""

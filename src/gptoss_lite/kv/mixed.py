@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from gptoss_lite.config import ModelConfig
-from gptoss_lite.kv.base import RollbackKVCache, check_rollback, rollback_floor
+from gptoss_lite.kv.base import KVRead, RollbackKVCache, check_rollback, rollback_floor
 from gptoss_lite.validation import check_int
 
 DEFAULT_FULL_CAP_TOKENS = 4_000_000  # per full layer (docs/kv-cache.md#mixed-kv-cache)
@@ -278,11 +278,9 @@ class MixedKVCache(RollbackKVCache):
         for store in self.layers:
             store.reset()
 
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Store new rotated (B, K, T, D) keys/values of `layer`; return (keys, values, first) as the
-        `KVCache` protocol says.
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> KVRead:
+        """Store new rotated (B, K, T, D) keys/values of `layer`; return the dense read the `KVCache`
+        protocol says.
 
         Full layers append and return a view of the whole buffer. Sliding layers: a single decode
         token is written first and the last min(W, held) keys come back (`RingBuffer.slots`: in
@@ -291,25 +289,29 @@ class MixedKVCache(RollbackKVCache):
         slack, which no new query can see) followed by itself, and is written afterwards.
         """
         store = self.layers[layer]
-        if start_pos != store.num_tokens:
-            raise ValueError(
-                f"layer {layer}: start_pos={start_pos} but the cache holds {store.num_tokens} "
-                f"tokens; positions must continue where the cache ends"
-            )
+        self._check_start(layer, start_pos)
         T = k.shape[2]
         if isinstance(store, GrowingBuffer):
             store.append(k, v)
-            keys, values = store.get()
-            return keys, values, 0
+            return KVRead.dense(*store.get(), 0)
         if T == 1:
             store.append(k, v)
             keys, values = store.slots()
-            return keys, values, start_pos + 1 - keys.shape[2]
+            return KVRead.dense(keys, values, start_pos + 1 - keys.shape[2])
         past_k, past_v = store.last(min(store.window, store.num_resident))
         keys = torch.cat((past_k.to(k), k), dim=2)  # (B, K, past + T, D), past <= W
         values = torch.cat((past_v.to(v), v), dim=2)
         store.append(k, v)
-        return keys, values, start_pos - past_k.shape[2]
+        return KVRead.dense(keys, values, start_pos - past_k.shape[2])
+
+    def _check_start(self, layer: int, start_pos: int) -> None:
+        """ValueError unless start_pos is where `layer` ends."""
+        held = self.layers[layer].num_tokens
+        if start_pos != held:
+            raise ValueError(
+                f"layer {layer}: start_pos={start_pos} but the cache holds {held} "
+                f"tokens; positions must continue where the cache ends"
+            )
 
     # ---- byte accounting -------------------------------------------------------------------------
     @property

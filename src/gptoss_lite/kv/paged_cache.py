@@ -50,7 +50,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from gptoss_lite.config import FULL, SLIDING, ModelConfig
-from gptoss_lite.kv.base import RollbackKVCache, check_rollback, rollback_floor
+from gptoss_lite.kv.base import KVRead, RollbackKVCache, check_rollback, rollback_floor
 from gptoss_lite.kv.block_pool import DEFAULT_BLOCK_SIZE, PagedKVPool, PoolExhaustedError
 from gptoss_lite.kv.prefix import PrefixCache
 from gptoss_lite.validation import check_int
@@ -308,11 +308,9 @@ class PagedKVCache(RollbackKVCache):
         """Tokens held per row: the absolute position of the next token."""
         return self._num_tokens
 
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Store new rotated K/V (B, K, T, D) of `layer`; return (keys, values, first) as the
-        `KVCache` protocol says, chronological.
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> KVRead:
+        """Store new rotated K/V (B, K, T, D) of `layer`; return the dense read the `KVCache` protocol
+        says, chronological.
 
         Full layers: every key (first = 0). Sliding layers: the resident blocks from the one that
         holds position start_pos - W + 1, so first is that block's first position.
@@ -358,7 +356,7 @@ class PagedKVCache(RollbackKVCache):
         rows = table.view(-1)
         keys = self.store.k[layer].index_select(1, rows).view(K, B, -1, D)[:, :, :S].transpose(0, 1)  # (B, K, S, D)
         values = self.store.v[layer].index_select(1, rows).view(K, B, -1, D)[:, :, :S].transpose(0, 1)
-        return keys, values, first
+        return KVRead.dense(keys, values, first)
 
     def _release_target(self, start_pos: int) -> int:
         """Sliding-layer tokens before this index are outside every future window (minus slack)."""

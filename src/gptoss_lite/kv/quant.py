@@ -9,8 +9,8 @@ most recent `residual` to `residual + key_group - 1` tokens stay in full precisi
 quantised only once it is complete and has left the residual window.
 
 `QuantizedKVCache` is a `MixedKVCache` whose full layers are `QuantizedBuffer`s (sliding layers keep
-their full-precision rings: they hold only W tokens). Its layers are block-read
-(`gptoss_lite.kv.base.BlockKVCache`): attention dequantises one block of key groups at a time.
+their full-precision rings: they hold only W tokens). A full layer's `update` returns a segmented
+`gptoss_lite.kv.base.KVRead`: attention dequantises one block of key groups at a time.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from gptoss_lite.config import ModelConfig
-from gptoss_lite.kv.base import BlockKVCache, KVBlocks, KVSegment, TensorSegment
+from gptoss_lite.kv.base import KVRead, KVSegment, TensorSegment
 from gptoss_lite.kv.mixed import DEFAULT_FULL_CAP_TOKENS, MixedKVCache, _LayerStore
 from gptoss_lite.validation import check_int
 
@@ -263,7 +263,7 @@ class QuantizedBuffer(_LayerStore):
         """Dequantised keys and values of every stored token, oldest first, each (B, K, n, D)."""
         if self.k is None:
             return self._empty()
-        return KVBlocks(self.segments(copy_residual=False), self.kv_heads).materialize()
+        return KVRead(self.segments(copy_residual=False), 0, self.kv_heads).materialize()
 
     def rollback_floor(self) -> int:
         """Quantised tokens cannot be taken back: `truncate` goes back at most to the residual window."""
@@ -298,9 +298,10 @@ class QuantizedBuffer(_LayerStore):
         return codes + scales + self.num_residual * self._token_bytes()
 
 
-class QuantizedKVCache(MixedKVCache, BlockKVCache):
+class QuantizedKVCache(MixedKVCache):
     """A MixedKVCache whose full layers store int8 or int4 K/V (`QuantizedBuffer`); sliding layers keep
-    their full-precision rings. Block-read: attention dequantises one block of key groups at a time.
+    their full-precision rings. Its reads are segmented: attention dequantises one block of key groups at
+    a time.
 
     `value_group` defaults to min(64, head_dim) when it divides head_dim, else head_dim. A cache built
     with rollback slack R keeps at least R + 1 tokens in the residual window, so speculative decoding
@@ -333,37 +334,21 @@ class QuantizedKVCache(MixedKVCache, BlockKVCache):
                     batch_size, config.n_kv_heads, D, self.spec, max_tokens_per_full_layer
                 )
 
-    def is_blocked(self, layer: int) -> bool:
-        return isinstance(self.layers[layer], QuantizedBuffer)
-
-    def update_blocks(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> tuple[KVBlocks, int]:
-        """Store the new tokens; return the layer's keys (quantised groups, residual window, and for a
-        chunk the new tokens themselves in full precision) as `KVBlocks`, first = 0."""
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> KVRead:
+        """Store the new tokens. A quantised layer returns a segmented read (quantised groups, residual
+        window, and for a chunk the new tokens themselves in full precision), first = 0; a sliding
+        layer is the mixed cache's ring."""
         store = self.layers[layer]
-        assert isinstance(store, QuantizedBuffer), f"layer {layer} is not quantised"
-        if start_pos != store.num_tokens:
-            raise ValueError(
-                f"layer {layer}: start_pos={start_pos} but the cache holds {store.num_tokens} "
-                f"tokens; positions must continue where the cache ends"
-            )
+        if not isinstance(store, QuantizedBuffer):
+            return super().update(layer, k, v, start_pos)
+        self._check_start(layer, start_pos)
         if k.shape[2] == 1 and self.spec.residual >= 1:
             store.append(k, v)  # the new token stays in the residual window
             segs = store.segments(copy_residual=False)
         else:  # a chunk attends to its own keys in full precision, then is stored
             segs = store.segments(copy_residual=True) + [TensorSegment(k, v)]
             store.append(k, v)
-        return KVBlocks(segs, self.config.n_kv_heads, self.spec.key_group), 0
-
-    def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The plain protocol: on a quantised layer, the dequantised keys (a full-history copy; the
-        model reads blocks through `update_blocks` instead)."""
-        if not self.is_blocked(layer):
-            return super().update(layer, k, v, start_pos)
-        blocks, first = self.update_blocks(layer, k, v, start_pos)
-        keys, values = blocks.materialize()
-        return keys, values, first
+        return KVRead(segs, 0, self.config.n_kv_heads, self.spec.key_group)
 
     @property
     def payload_bytes(self) -> int:

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gptoss_lite.kv.mixed import MixedKVCache, RingBuffer
-from gptoss_lite.model.attention import Attention
+from gptoss_lite.model.attention.layer import Attention
 from gptoss_lite.model.moe import Experts
 from gptoss_lite.model.rope import apply_rotary_tables, rotary_tables
 

@@ -47,8 +47,8 @@ class Block(nn.Module):
         self.moe = MoE(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x, cos, sin, cache=None, start_pos=0, impl="fast", need_aux=True, batch=None):
-        h = self.attn(self.norm1(x), cos, sin, cache, start_pos, impl, batch)
+    def forward(self, x, cos, sin, cache=None, start_pos=0, impl="fast", need_aux=True):
+        h = self.attn(self.norm1(x), cos, sin, cache, start_pos, impl)
         x = x + (self.drop(h) if self.training else h)
         h, aux = self.moe(self.norm2(x), need_aux)
         return x + (self.drop(h) if self.training else h), aux
@@ -162,13 +162,14 @@ class GPTOSS(nn.Module):
     def forward_batch(self, input_ids: torch.Tensor, batch: RaggedBatch) -> torch.Tensor:
         """One forward over a ragged batch (continuous batching, `gptoss_lite.kv.base.RaggedBatch`):
         input_ids (N,) are the new tokens of several sequences at `batch.positions`; returns the
-        logits (M, V) of the rows `batch.logits_index`. Inference only; the batch stores the keys."""
+        logits (M, V) of the rows `batch.logits_index`. Inference only. The batch is the layers' cache:
+        it stores the keys and returns what each token may see."""
         x = self.embed(input_ids)[None]  # (1, N, C)
         rope_w = rotary_tables(*self.rope_sliding.at(batch.positions))  # (N, D) each
         rope_g = rotary_tables(*self.rope_full.at(batch.positions))
         for block in self.blocks:
             cos, sin = rope_w if block.sliding else rope_g
-            x, _ = block(x, cos, sin, None, 0, "fast", False, batch)
+            x, _ = block(x, cos, sin, batch, 0, "fast", False)
         x = self.norm(x[0, batch.logits_index])  # (M, C)
         return linear(x, self.head_weight())  # (M, V)
 

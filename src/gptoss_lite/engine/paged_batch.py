@@ -1,0 +1,252 @@
+"""One engine step's flat batch over block tables: metadata, writes and gathers (no attention here).
+
+`PagedBatch` is the `RaggedBatch` (gptoss_lite.kv.base) the runner builds for one engine step. The
+step's N new tokens sit in one flat batch; each belongs to a *segment* (one request's run of tokens
+at consecutive positions). Per layer, `update`:
+
+1. writes the N new keys and values into their (block, slot) of the layer's head-major block tensors
+   (K, blocks, bs, D) with one `index_copy_` each;
+2. returns a `RaggedRead`: the *decode* segments (one token each) as `DecodeRows`, whose block tables,
+   padded to the longest, gather the keys of all of them at once, with each key's distance to its
+   query (built once per layer kind and step); and each *prefill* segment (a chunk of a prompt) as a
+   dense `KVRead` of that request's resident blocks.
+
+The layer attends over that read with its own window and sinks (`Attention._attend_ragged`).
+
+On a `QuantizedPagedStore` the full layers differ in storage only: the step's writes are planned once
+(`plan_writes`: tail slots, blocks the step completes) and carried out per layer; decode rows read
+their complete blocks a chunk of columns at a time, dequantised when the layer reaches that chunk,
+then their full-precision tail; prefill segments read a segmented `KVRead` over the same blocks.
+
+Under a KV budget N (`full_window`) full layers attend like sliding layers with a window of N keys
+(the read's `horizon`; their blocks are released the same way, see docs/engine.md#kv-budget).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gptoss_lite.config import FULL
+from gptoss_lite.kv.base import DecodeChunk, DecodeRows, KVRead, KVSegment, RaggedRead, TensorSegment
+from gptoss_lite.kv.paged_cache import PagedKVStore
+from gptoss_lite.kv.paged_quant import QuantizedPagedStore
+
+QUANT_READ_ELEMENTS = 1 << 22  # dequantised keys held at once by a decode read (per K and V)
+
+
+@dataclass
+class Segment:
+    """One request's tokens in the flat batch: rows [offset, offset + length) at positions
+    start_pos …; `tables[kind]` = (resident blocks, position of the first resident token)."""
+
+    offset: int
+    length: int
+    start_pos: int
+    tables: dict[str, tuple[tuple[int, ...], int]]
+
+
+class PagedBatch:
+    """One step's flat batch over a `PagedKVStore` (see the module docstring)."""
+
+    def __init__(
+        self,
+        store: PagedKVStore,
+        segments: list[Segment],
+        write_slots: dict[str, list[int]],
+        logits_index: list[int],
+        *,
+        full_window: int | None = None,
+    ) -> None:
+        self.store = store
+        self.full_window = full_window  # a KV budget: full layers attend to the last full_window keys
+        dev = store.device
+        self.segments = segments
+        self.num_rows = sum(s.length for s in segments)
+        positions = [s.start_pos + i for s in segments for i in range(s.length)]
+        self._positions = torch.tensor(positions, dtype=torch.long, device=dev)
+        self._logits_index = torch.tensor(logits_index, dtype=torch.long, device=dev)
+        bs = store.block_size
+        # flat slot index (block * bs + slot) of each new token, per layer kind
+        self.write_slots = {kind: torch.tensor(s, dtype=torch.long, device=dev) for kind, s in write_slots.items()}
+        self.decode = [s for s in segments if s.length == 1]
+        self.prefill = [s for s in segments if s.length > 1]
+        all_decode = not self.prefill and len(self.decode) == self.num_rows
+        rows = [s.offset for s in self.decode]
+        self.decode_rows = None if all_decode else torch.tensor(rows, dtype=torch.long, device=dev)
+        # per kind: (flat block ids row by row (Bd·nb,), distances (Bd, S), the layers' mask memo)
+        self._decode_tables: dict[str, tuple[torch.Tensor, torch.Tensor, dict]] = {}
+        self._prefill_tables: dict[tuple[int, str], torch.Tensor] = {}
+        self.quant: _QuantReads | None = None
+        if isinstance(store, QuantizedPagedStore) and FULL in store.pools:
+            self.quant = _QuantReads(store, self.decode, self.prefill, write_slots[FULL])
+        for kind in store.pools:
+            if self.quant is not None and kind == FULL:
+                continue  # the quantised blocks have tables of their own
+            if self.decode:
+                width = max(len(s.tables[kind][0]) for s in self.decode)
+                table = torch.zeros(len(self.decode), width, dtype=torch.long)  # padding reads block 0, masked
+                for row, s in enumerate(self.decode):
+                    blocks = s.tables[kind][0]
+                    table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+                # key j of row b sits at position first_b + j; the query at start_pos
+                firsts = torch.tensor([s.tables[kind][1] for s in self.decode], dtype=torch.long)
+                key_pos = firsts[:, None] + torch.arange(width * bs)[None, :]  # (Bd, S)
+                query_pos = torch.tensor([s.start_pos for s in self.decode], dtype=torch.long)[:, None]
+                self._decode_tables[kind] = (table.view(-1).to(dev), (query_pos - key_pos).to(dev), {})
+            for i, s in enumerate(self.prefill):
+                self._prefill_tables[(i, kind)] = torch.tensor(s.tables[kind][0], dtype=torch.long, device=dev)
+
+    # ------------------------------------------------------------------ RaggedBatch
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._positions
+
+    @property
+    def logits_index(self) -> torch.Tensor:
+        return self._logits_index
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int = 0) -> RaggedRead:
+        """Write k, v (1, K, N, D) rotated into each token's slot; return what each token may see (see
+        `gptoss_lite.kv.base.RaggedBatch`)."""
+        store = self.store
+        kind = store.kind(layer)
+        horizon = self.full_window if kind == FULL else None
+        k, v = k[0], v[0]  # (K, N, D)
+        if self.quant is not None and kind == FULL:
+            return self.quant.update(layer, k, v, self.decode_rows, horizon)
+        K, _, D = k.shape
+        slots = self.write_slots[kind]
+        store.k[layer].view(K, -1, D).index_copy_(1, slots, k)  # (K, blocks·bs, D) <- (K, N, D)
+        store.v[layer].view(K, -1, D).index_copy_(1, slots, v)
+        decode = None
+        if self.decode:
+            flat, distance, memo = self._decode_tables[kind]
+            Bd = len(self.decode)
+
+            def gather() -> tuple[torch.Tensor, torch.Tensor]:
+                """Every decode row's blocks of the head-major store as (K, Bd, S, D), one index_select each."""
+                keys = store.k[layer].index_select(1, flat).view(K, Bd, -1, D)
+                return keys, store.v[layer].index_select(1, flat).view(K, Bd, -1, D)
+
+            decode = DecodeRows(self.decode_rows, [DecodeChunk(gather, distance, memo)])
+        prefill = []
+        for i, s in enumerate(self.prefill):
+            table = self._prefill_tables[(i, kind)]
+            first = s.tables[kind][1]
+            n_keys = s.start_pos + s.length - first
+            keys = store.k[layer].index_select(1, table).view(1, K, -1, D)[:, :, :n_keys]  # (1, K, S, D)
+            values = store.v[layer].index_select(1, table).view(1, K, -1, D)[:, :, :n_keys]
+            prefill.append((s.offset, s.length, s.start_pos, KVRead.dense(keys, values, first)))
+        return RaggedRead(decode, prefill, horizon)
+
+
+class _QuantReads:
+    """The full layers of one step on a `QuantizedPagedStore`: the write plan, and per decode row /
+    prefill segment its complete blocks and its tail (see the module docstring)."""
+
+    def __init__(
+        self, store: QuantizedPagedStore, decode: list[Segment], prefill: list[Segment], write_slots: list[int]
+    ) -> None:
+        self.store = store
+        dev = store.device
+        bs = store.block_size
+        K, D = store.config.n_kv_heads, store.config.head_dim
+        self.plan = store.plan_writes(write_slots)
+
+        def split(s: Segment) -> tuple[tuple[int, ...], int, int]:
+            """(complete blocks, tokens in the tail, tail index) of the segment after this step."""
+            blocks, first = s.tables[FULL]
+            assert first == 0, "full layers release nothing"
+            n = s.start_pos + s.length
+            complete, fill = divmod(n, bs)
+            tail = store.tail_of[blocks[complete]] if fill else 0
+            return blocks[:complete], fill, tail
+
+        # decode rows: complete blocks in chunks of columns, each with each key's distance to its query
+        # (padding columns lie past the row's blocks, so their distance is negative: hidden)
+        self.decode_chunks: list[tuple[torch.Tensor, torch.Tensor, dict]] = []
+        self.num_decode = len(decode)
+        if decode:
+            parts = [split(s) for s in decode]
+            Bd = len(decode)
+            width = max(len(p[0]) for p in parts)
+            table = torch.zeros(Bd, max(width, 1), dtype=torch.long)
+            for row, (blocks, _, _) in enumerate(parts):
+                table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+            query_pos = torch.tensor([s.start_pos for s in decode], dtype=torch.long)[:, None]
+            counts = torch.tensor([len(p[0]) * bs for p in parts], dtype=torch.long)[:, None]
+            cols = max(1, QUANT_READ_ELEMENTS // (K * Bd * bs * D))
+            for c0 in range(0, width, cols):
+                c1 = min(width, c0 + cols)
+                key_pos = torch.arange(c0 * bs, c1 * bs)[None, :].expand(Bd, -1)
+                distance = torch.where(key_pos < counts, query_pos - key_pos, -1)  # (Bd, C·bs)
+                self.decode_chunks.append((table[:, c0:c1].reshape(-1).to(dev), distance.to(dev), {}))
+            # the tail: slot j holds position counts + j, valid while j < fill
+            fills = torch.tensor([p[1] for p in parts], dtype=torch.long)[:, None]
+            slot = torch.arange(bs)[None, :]
+            self.tail_distance = torch.where(slot < fills, query_pos - counts - slot, -1).to(dev)  # (Bd, bs)
+            self.tail_memo: dict = {}
+            self.decode_tails = torch.tensor([p[2] for p in parts], dtype=torch.long, device=dev)
+        self.prefill_parts = []
+        for s in prefill:
+            blocks, fill, tail = split(s)
+            self.prefill_parts.append((s, torch.tensor(blocks, dtype=torch.long, device=dev), fill, tail))
+
+    def update(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, decode_rows: torch.Tensor | None, horizon: int | None
+    ) -> RaggedRead:
+        if horizon is not None:
+            raise ValueError("quantised paged blocks hold every full-layer key (no KV budget)")
+        store = self.store
+        store.write_planned(layer, self.plan, k, v)
+        K, _, D = k.shape
+        decode = None
+        if self.num_decode:
+            Bd = self.num_decode
+
+            def dequantised(flat: torch.Tensor):
+                def load() -> tuple[torch.Tensor, torch.Tensor]:
+                    keys, values = store.dequantize_blocks(layer, flat)  # (K, Bd·C, bs, D)
+                    return keys.view(K, Bd, -1, D), values.view(K, Bd, -1, D)
+
+                return load
+
+            def tails() -> tuple[torch.Tensor, torch.Tensor]:
+                keys = store.tk[layer].index_select(1, self.decode_tails)  # (K, Bd, bs, D)
+                return keys, store.tv[layer].index_select(1, self.decode_tails)
+
+            chunks = [DecodeChunk(dequantised(flat), distance, memo) for flat, distance, memo in self.decode_chunks]
+            chunks.append(DecodeChunk(tails, self.tail_distance, self.tail_memo))
+            decode = DecodeRows(decode_rows, chunks)
+        prefill = []
+        for s, blocks, fill, tail in self.prefill_parts:
+            segments: list[KVSegment] = [_QuantBlocksSegment(store, layer, blocks)]
+            if fill:
+                segments.append(
+                    TensorSegment(store.tk[layer][None, :, tail, :fill], store.tv[layer][None, :, tail, :fill])
+                )
+            prefill.append((s.offset, s.length, s.start_pos, KVRead(segments, 0, K, block_tokens=store.block_size)))
+        return RaggedRead(decode, prefill)
+
+
+class _QuantBlocksSegment:
+    """A sequence's complete quantised blocks as a `KVSegment` (B = 1); `read` dequantises only the
+    blocks covering the range asked for."""
+
+    def __init__(self, store: QuantizedPagedStore, layer: int, blocks: torch.Tensor) -> None:
+        self.store, self.layer, self.blocks = store, layer, blocks
+
+    @property
+    def num_tokens(self) -> int:
+        return self.blocks.numel() * self.store.block_size
+
+    def read(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        bs = self.store.block_size
+        b0, b1 = start // bs, -(-end // bs)
+        k, v = self.store.dequantize_blocks(self.layer, self.blocks[b0:b1])  # (K, nb, bs, D)
+        K, _, _, D = k.shape
+        lo = start - b0 * bs
+        return k.reshape(1, K, -1, D)[:, :, lo : lo + end - start], v.reshape(1, K, -1, D)[:, :, lo : lo + end - start]
