@@ -106,12 +106,17 @@ def main(argv: list[str] | None = None) -> int:
 
         eager_times = time_steps(eager_step, args.steps)
         cache.truncate(args.context)
+        cache.reserve(args.context + args.steps + 1)  # full layers hold every compiled step's token
         eager.prepare_for_inference(compile_decode=True)  # the same weights, re-packed out-major
         decoder = eager.compiled_decoder
-        state = decoder.start(cache, capacity=args.context + args.steps + 1)
-        decoder.step(state, token)  # compiles (or loads the cached graph)
+
+        def compiled_step() -> None:
+            decoder.step(cache.static_decode(), token)  # writes into the cache's own storage
+            cache.advance(1)
+
+        compiled_step()  # compiles (or loads the cached graph)
         result["compile_s"] = decoder.compile_seconds
-        compiled_times = time_steps(lambda: decoder.step(state, token), args.steps)
+        compiled_times = time_steps(compiled_step, args.steps)
     for name, times in (("eager", eager_times), ("compiled", compiled_times)):
         med = statistics.median(times)
         result[name] = {

@@ -112,7 +112,10 @@ def stream_generate(
     B, T = input_ids.shape
     _validate_speculation(model, input_ids, max_new_tokens, attn_impl, speculate, cache, stats)
     if cache is None:
-        cache = MixedKVCache(model.config, batch_size=B, rollback_tokens=0 if speculate is None else speculate.k)
+        capacity = T + max_new_tokens if model.compiled_decoder is not None else 0
+        cache = MixedKVCache(
+            model.config, batch_size=B, rollback_tokens=0 if speculate is None else speculate.k, capacity=capacity
+        )
     elif not isinstance(cache, KVCache):
         raise TypeError(f"cache: expected a KV cache (gptoss_lite.kv.base.KVCache), got {type(cache).__name__}")
     elif cache.batch_size != B or not 0 <= cache.num_tokens < T:
@@ -135,16 +138,16 @@ def stream_generate(
             speculate,
             stats,
         )
-    # The compiled decode step runs on static buffers seeded from a plain mixed cache (not a quantised
-    # or evicting one, whose reads it does not implement, nor one with rollback slack); the cache is
-    # caught up when the steps end.
-    plain = type(cache) is MixedKVCache and cache.rollback_tokens == 0
-    decoder = model.compiled_decoder if plain and attn_impl == "fast" else None
+    # The compiled decode step runs over the cache's own storage where it has a static form
+    # (`static_decode`: a mixed cache whose layers are plain rings and growing buffers).
+    decoder = model.compiled_decoder if attn_impl == "fast" and hasattr(cache, "static_decode") else None
     if decoder is not None and not decoder.current(model):
         raise ValueError(
             "the model's weights changed after prepare_for_inference(compile_decode=True); call it "
             "again so that the compiled decoder reads the current weights"
         )
+    if decoder is not None:
+        cast(MixedKVCache, cache).reserve(T + max_new_tokens)  # full layers never move during decode
     return _cached_steps(
         model, input_ids.long(), max_new_tokens, sampling, stop_tokens, prefill_chunk, cache, attn_impl, stats, decoder
     )
@@ -203,8 +206,8 @@ def _cached_steps(
     decoder: CompiledDecoder | None = None,
 ) -> Iterator[torch.Tensor]:
     """Prefill, then one decode step per token: eager through the cache, or, with a `decoder`, the
-    compiled step over static buffers seeded from the prefilled cache, which gets the decoded tokens'
-    K/V back when the steps end (also when the caller stops early)."""
+    compiled step over the cache's own storage (`MixedKVCache.static_decode`), which it writes in
+    place; a step the cache has no static form for runs eagerly."""
     B, T = input_ids.shape
     generator = _generator(sampling, input_ids.device)
     stops = _stop_ids(stop_tokens, input_ids.device)
@@ -212,32 +215,24 @@ def _cached_steps(
     if max_new_tokens == 0:
         return
     logits = model.prefill(input_ids, cache, prefill_chunk, attn_impl)
-    state = None
-    if decoder is not None and max_new_tokens > 1:
-        state = decoder.start(cast(MixedKVCache, cache), capacity=T + max_new_tokens - 1)
     prev = None
-    try:
-        for step in range(max_new_tokens):
-            token = sample(logits[:, -1], sampling, generator)
-            token, done = _apply_stops(token, done, stops, prev)
-            if stats is not None:
-                stats.new_tokens += 1
-                stats.target_forwards += 1
-            yield token
-            prev = token
-            if step + 1 == max_new_tokens or (stops.numel() and bool(done.all())):
-                return
-            if state is not None:
-                assert decoder is not None  # a state comes from a decoder
-                logits = decoder.step(state, token)[:, None]
-            else:
-                logits = model(
-                    token[:, None], cache=cache, start_pos=T + step, last_only=True, attn_impl=attn_impl
-                ).logits
-    finally:
-        if state is not None:
-            assert decoder is not None
-            decoder.write_back(state, cast(MixedKVCache, cache))
+    for step in range(max_new_tokens):
+        token = sample(logits[:, -1], sampling, generator)
+        token, done = _apply_stops(token, done, stops, prev)
+        if stats is not None:
+            stats.new_tokens += 1
+            stats.target_forwards += 1
+        yield token
+        prev = token
+        if step + 1 == max_new_tokens or (stops.numel() and bool(done.all())):
+            return
+        static = None if decoder is None else cast(MixedKVCache, cache).static_decode()
+        if static is not None:
+            assert decoder is not None  # a static state is only asked for with a decoder
+            logits = decoder.step(static, token)[:, None]
+            cast(MixedKVCache, cache).advance(1)
+        else:
+            logits = model(token[:, None], cache=cache, start_pos=T + step, last_only=True, attn_impl=attn_impl).logits
 
 
 @torch.inference_mode()

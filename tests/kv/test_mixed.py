@@ -25,11 +25,13 @@ def test_ring_window3_tokens_1_to_7():
 
 
 def test_ring_long_prefill_keeps_last_w():
-    """A prefill of T >= W keeps only the last W, chronological from slot 0."""
+    """A prefill of T >= W keeps only the last W, position p at slot p mod W (the layout a static decode
+    step reads), and reads back chronological."""
     ring = RingBuffer(1, 1, 2, window=3)
-    ring.append(_tok([1, 2, 3, 4, 5]), _tok([1, 2, 3, 4, 5]))
+    ring.append(_tok([1, 2, 3, 4, 5]), _tok([1, 2, 3, 4, 5]))  # positions 0 … 4
     assert ring.get()[0][0, 0, :, 0].tolist() == [3, 4, 5]
-    assert ring.head == 0 and ring.num_resident == 3
+    assert ring.k[0, 0, :, 0].tolist() == [4, 5, 3]  # positions 3, 4, 2 at slots 0, 1, 2
+    assert ring.head == 5 % 3 and ring.num_resident == 3
 
 
 @given(st.lists(st.integers(1, 9), min_size=1, max_size=12), st.integers(1, 6))

@@ -1,4 +1,4 @@
-"""CompiledDecoder: the decode step as one compiled graph, checked against the eager decode path."""
+"""GPTOSS.decode_step and its compiled form (CompiledDecoder), checked against the eager decode path."""
 
 import pytest
 import torch
@@ -16,39 +16,40 @@ def _compiled(preset: str, dtype: torch.dtype = torch.float32):
     return make_model(preset).prepare_for_inference(dtype=dtype, compile_decode=True)
 
 
-def _decode_pair(eager, compiled, prompt: torch.Tensor, steps: int, compile_graph: bool):
+def _decode_pair(eager, compiled, prompt: torch.Tensor, steps: int, compile_graph: bool, rollback: int = 0):
     """Logits of `steps` greedy decode steps after `prompt`, eager (the cache path) and through the
-    decoder (its graph, or `step_eager` uncompiled); the eager path's tokens drive both."""
+    static step over a preallocated cache (compiled, or `GPTOSS.decode_step` uncompiled); the eager
+    path's tokens drive both. `rollback` gives the static cache's rings R more slots than a window."""
     B, T = prompt.shape
     decoder = compiled.compiled_decoder
     out = []
     with torch.inference_mode():
         cache = MixedKVCache(eager.config, batch_size=B)
         logits = eager.prefill(prompt, cache, 2048)
-        side = MixedKVCache(compiled.config, batch_size=B)
-        compiled.prefill(prompt, side, 2048)
-        state = decoder.start(side, capacity=T + steps)
+        side = MixedKVCache(compiled.config, batch_size=B, capacity=T + steps, rollback_tokens=rollback)
+        compiled.prefill(prompt, side, 7)  # chunks: the rings are written by prefill, read by the step
         for i in range(steps):
             token = logits[:, -1].argmax(-1)
             logits = eager(token[:, None], cache=cache, start_pos=T + i, last_only=True).logits
-            if compile_graph:
-                fast = decoder.step(state, token)
-            else:
-                fast = decoder.step_eager(token, torch.tensor([T + i]), state.keys, state.values)
+            static = side.static_decode()
+            fast = decoder.step(static, token) if compile_graph else compiled.decode_step(token, static)
+            side.advance(1)
             out.append((logits[:, -1], fast))
     return out
 
 
-# Uncompiled (`step_eager`): 2 rows, 20 prompt tokens and 12 steps, so the sliding layers' 8-slot rings
-# wrap several times; compiled: the graph itself, within 1e-4.
+# Uncompiled (`GPTOSS.decode_step`): 2 rows, 20 prompt tokens and 12 steps, so the sliding layers' 8-slot
+# rings wrap several times, also with rollback slack (rings of 11 slots); compiled: the graph itself,
+# within 1e-4.
 @pytest.mark.parametrize(
-    "compile_graph,shape,steps,atol,seed", [(False, (2, 20), 12, 1e-5, 1), (True, (1, 13), 10, 1e-4, 3)]
+    "compile_graph,shape,steps,atol,seed,rollback",
+    [(False, (2, 20), 12, 1e-5, 1, 0), (False, (2, 20), 12, 1e-5, 2, 3), (True, (1, 13), 10, 1e-4, 3, 0)],
 )
 @pytest.mark.parametrize("preset", PRESETS)
-def test_decoder_step_equals_eager_decode(preset, compile_graph, shape, steps, atol, seed):
+def test_decoder_step_equals_eager_decode(preset, compile_graph, shape, steps, atol, seed, rollback):
     eager, compiled = make_model(preset), _compiled(preset)
     prompt = torch.randint(0, eager.config.vocab_size, shape, generator=torch.Generator().manual_seed(seed))
-    for ref, fast in _decode_pair(eager, compiled, prompt, steps, compile_graph=compile_graph):
+    for ref, fast in _decode_pair(eager, compiled, prompt, steps, compile_graph=compile_graph, rollback=rollback):
         torch.testing.assert_close(fast, ref, atol=atol, rtol=0)
     if compile_graph:
         assert compiled.compiled_decoder.compile_seconds is not None
@@ -88,8 +89,9 @@ def test_generate_with_compiled_decode_matches_eager_tokens():
 
 @pytest.mark.parametrize("stop_early", [False, True])
 def test_compiled_generate_leaves_the_cache_as_eager_does(stop_early):
-    # The decoded tokens' K/V are written back into the caller's cache, also when a stop token (or
-    # the caller) ends the steps early; 30 new tokens wrap the sliding layers' 8-slot rings.
+    # The compiled step writes the decoded tokens' K/V into the caller's cache in place (grown once to
+    # hold the whole generation), also when a stop token ends the steps early; 30 new tokens wrap the
+    # sliding layers' 8-slot rings.
     eager, compiled = make_model(), _compiled("lite-tiny")
     prompt = torch.randint(0, 264, (1, 6), generator=torch.Generator().manual_seed(4))
     stops = None
@@ -122,17 +124,29 @@ def test_decoder_refuses_input_major_weights_and_changed_weights():
     assert compiled.compiled_decoder.current(compiled)
 
 
-def test_decode_state_capacity_is_checked():
+def test_static_state_needs_a_free_full_layer_slot_and_plain_layers():
+    """`static_decode` offers the cache's storage while every full layer has a free slot; a full cache
+    offers none (generate then steps eagerly, which grows it), and advancing past it is refused. A
+    quantised cache has no static form."""
+    from gptoss_lite.kv.quant import QuantizedKVCache
+
     compiled = _compiled("lite-tiny")
     with torch.inference_mode():
-        cache = MixedKVCache(compiled.config)
+        cache = MixedKVCache(compiled.config, capacity=5)
+        assert cache.static_decode() is None  # nothing stored yet
         compiled.prefill(torch.tensor([[1, 2, 3, 4]]), cache, 16)
-        with pytest.raises(ValueError, match="capacity"):
-            compiled.compiled_decoder.start(cache, capacity=4)
-        state = compiled.compiled_decoder.start(cache, capacity=5)
-        state.position = 5
-        with pytest.raises(ValueError, match="full"):
-            compiled.compiled_decoder.step(state, torch.tensor([1]))
+        static = cache.static_decode()
+        assert static is not None and static.positions.tolist() == [4]
+        compiled.decode_step(torch.tensor([5]), static)
+        cache.advance(1)
+        assert cache.num_tokens == 5 and cache.static_decode() is None
+        with pytest.raises(MemoryError, match="slots"):
+            cache.advance(1)
+        cache.reserve(8)
+        assert cache.static_decode() is not None and cache.num_tokens == 5
+        quantised = QuantizedKVCache(compiled.config, bits=8, key_group=4, residual=2)
+        compiled.prefill(torch.tensor([[1, 2, 3, 4]]), quantised, 16)
+        assert quantised.static_decode() is None
 
 
 @pytest.mark.parametrize("preset", PRESETS)

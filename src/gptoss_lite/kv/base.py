@@ -60,6 +60,14 @@ and each key's distance to its query, which the layer turns into a mask with its
 each prompt chunk as a `KVRead` of its own sequence. A batch under a KV budget N keeps only the last
 N keys of a full layer and says so with `horizon`: the layer then attends as if its window were N.
 Tests pin every ragged path to `attention_reference` run on each sequence alone.
+
+Static decode (`StaticKV`, what a compiled decode step runs over). One new token per row, and
+every tensor of a fixed shape from one step to the next, so that one compiled graph serves them all:
+`write_read(layer, k, v)` writes each row's new key at its slot of the storage tensors and returns
+the whole (B, K, S, D) storage with each slot's `distance` (query position minus the slot's
+position; negative for an empty, padding or future slot). The layer masks with its own window, as
+for a ragged batch. `MixedKVCache.static_decode()` gives one over its own storage (rings written at
+position mod their size), the engine's paged batch one over block tables.
 """
 
 from __future__ import annotations
@@ -285,4 +293,25 @@ class RaggedBatch(Protocol):
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> RaggedRead:
         """Store `layer`'s rotated k, v (1, K, N, D) in each token's sequence; return what each token
         may see. `start_pos` is unused (every token has its own position)."""
+        ...
+
+
+@runtime_checkable
+class StaticKV(Protocol):
+    """Fixed-shape K/V state of one decode step (see "Static decode")."""
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """(B,) int64 (or (1,) when every row is at the same position): each row's new token's position."""
+        ...
+
+    def write_read(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Write the rotated k, v (B, K, D) of one token per row; return (keys, values, distance): the
+        layer's (B, K, S, D) storage and (B or 1, S) distances, as "Static decode" says."""
+        ...
+
+    def horizon(self, layer: int) -> int | None:
+        """Under a KV budget N, N for a full layer (it attends as with a window of N); else None."""
         ...

@@ -79,28 +79,30 @@ class RingBuffer(_LayerStore):
         self.num_resident = 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write T new slots in place; a write of T >= capacity keeps only the last `capacity`
-        (chronological from slot 0)."""
+        """Write T new tokens in place, position p at slot p mod capacity (so `head`, the next slot, is
+        always num_tokens mod capacity); a write of T >= capacity keeps only the last `capacity`."""
         T = self._check(k, v)
         cap = self.capacity
         if self.k is None:
             shape = (self.batch_size, self.kv_heads, cap, self.head_dim)
-            self.k = torch.empty(shape, dtype=k.dtype, device=k.device)
-            self.v = torch.empty(shape, dtype=v.dtype, device=v.device)
+            # zeros, not empty: a static decode step reads every slot (masked), and 0 × NaN is NaN
+            self.k = torch.zeros(shape, dtype=k.dtype, device=k.device)
+            self.v = torch.zeros(shape, dtype=v.dtype, device=v.device)
         kb, vb = self._buffers()
-        if T >= cap:
-            kb.copy_(k[:, :, T - cap :])
-            vb.copy_(v[:, :, T - cap :])
-            self.head, self.num_resident = 0, cap
-        else:
-            first = min(T, cap - self.head)  # slots before the wrap point
-            kb[:, :, self.head : self.head + first] = k[:, :, :first]
-            vb[:, :, self.head : self.head + first] = v[:, :, :first]
-            if first < T:
-                kb[:, :, : T - first] = k[:, :, first:]
-                vb[:, :, : T - first] = v[:, :, first:]
-            self.head = (self.head + T) % cap
-            self.num_resident = min(cap, self.num_resident + T)
+        keep = min(T, cap)
+        start = (self.num_tokens + T - keep) % cap  # slot of the first token kept
+        first = min(keep, cap - start)  # tokens before the wrap point
+        kb[:, :, start : start + first] = k[:, :, T - keep : T - keep + first]
+        vb[:, :, start : start + first] = v[:, :, T - keep : T - keep + first]
+        if first < keep:
+            kb[:, :, : keep - first] = k[:, :, T - keep + first :]
+            vb[:, :, : keep - first] = v[:, :, T - keep + first :]
+        self.advance(T)
+
+    def advance(self, T: int) -> None:
+        """Count T tokens whose K/V were written at their slots (by `append`, or by a compiled step)."""
+        self.head = (self.head + T) % self.capacity
+        self.num_resident = min(self.capacity, self.num_resident + T)
         self.num_tokens += T
 
     def last(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,9 +158,10 @@ class RingBuffer(_LayerStore):
 class GrowingBuffer(_LayerStore):
     """Append-only buffer with 1.5× amortised growth and a hard token cap."""
 
-    def __init__(self, batch_size: int, kv_heads: int, head_dim: int, cap_tokens: int):
+    def __init__(self, batch_size: int, kv_heads: int, head_dim: int, cap_tokens: int, reserve: int = 0):
         super().__init__(batch_size, kv_heads, head_dim)
         self.cap_tokens = cap_tokens
+        self.reserve = min(reserve, cap_tokens)  # slots the first append allocates at least
         self.num_resident = 0  # == num_tokens: a growing buffer forgets nothing
         self.capacity = 0
 
@@ -171,10 +174,13 @@ class GrowingBuffer(_LayerStore):
                 f"{self.cap_tokens}; raise max_tokens_per_full_layer or shorten the sequence"
             )
         if self.k is None or needed > self.capacity:
-            new_cap = needed if self.k is None else min(self.cap_tokens, max(needed, int(self.capacity * 1.5) + 1))
+            if self.k is None:
+                new_cap = max(needed, self.reserve)
+            else:
+                new_cap = min(self.cap_tokens, max(needed, int(self.capacity * 1.5) + 1))
             shape = (self.batch_size, self.kv_heads, new_cap, self.head_dim)
-            new_k = torch.empty(shape, dtype=k.dtype, device=k.device)
-            new_v = torch.empty(shape, dtype=v.dtype, device=v.device)
+            new_k = torch.zeros(shape, dtype=k.dtype, device=k.device)  # as RingBuffer's: finite free slots
+            new_v = torch.zeros(shape, dtype=v.dtype, device=v.device)
             if self.num_resident:
                 old_k, old_v = self._buffers()
                 new_k[:, :, : self.num_resident] = old_k[:, :, : self.num_resident]
@@ -183,7 +189,13 @@ class GrowingBuffer(_LayerStore):
         kb, vb = self._buffers()
         kb[:, :, self.num_resident : needed] = k
         vb[:, :, self.num_resident : needed] = v
-        self.num_resident = needed
+        self.advance(T)
+
+    def advance(self, T: int) -> None:
+        """Count T tokens whose K/V were written at their slots (by `append`, or by a compiled step)."""
+        if self.num_resident + T > self.capacity:
+            raise MemoryError(f"full-layer KV buffer holds {self.capacity} slots; {self.num_resident} + {T} do not fit")
+        self.num_resident += T
         self.num_tokens += T
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,6 +224,8 @@ class MixedKVCache(RollbackKVCache):
 
     `rollback_tokens` (R) is the rollback slack: sliding layers keep W + R slots, so `truncate` can
     always take back R tokens (speculative decoding drafts k tokens and needs R >= k - 1).
+    `capacity` (N) makes full layers allocate N slots at their first write, so that a generation of
+    up to N tokens never moves them: the static state of a compiled decode step (`static_decode`).
     """
 
     def __init__(
@@ -221,16 +235,18 @@ class MixedKVCache(RollbackKVCache):
         max_tokens_per_full_layer: int = DEFAULT_FULL_CAP_TOKENS,
         *,
         rollback_tokens: int = 0,
+        capacity: int = 0,
     ):
         self.config = config
         self._batch_size = check_int("batch_size", batch_size, minimum=1)
         check_int("max_tokens_per_full_layer", max_tokens_per_full_layer, minimum=1)
         self.rollback_tokens = check_int("rollback_tokens", rollback_tokens, minimum=0)
+        check_int("capacity", capacity, minimum=0)
         K, D = config.n_kv_heads, config.head_dim
         self.layers: list[RingBuffer | GrowingBuffer] = [
             RingBuffer(batch_size, K, D, config.sliding_window, rollback_tokens)
             if config.is_sliding(i)
-            else GrowingBuffer(batch_size, K, D, max_tokens_per_full_layer)
+            else GrowingBuffer(batch_size, K, D, max_tokens_per_full_layer, reserve=capacity)
             for i in range(config.n_layers)
         ]
 
@@ -313,6 +329,43 @@ class MixedKVCache(RollbackKVCache):
                 f"tokens; positions must continue where the cache ends"
             )
 
+    # ---- static decode ---------------------------------------------------------------------------
+    def static_decode(self) -> StaticMixed | None:
+        """The fixed-shape state of one decode step over this cache's own storage
+        (`gptoss_lite.kv.base.StaticKV`), or None where it has none: a layer that is not a plain ring or
+        growing buffer (quantised, evicting), nothing stored yet, or a full layer with no free slot.
+        After the step, `advance(1)` counts the token the step wrote."""
+        stores = self.layers
+        if not all(isinstance(s, (RingBuffer, GrowingBuffer)) and s.k is not None for s in stores):
+            return None
+        if any(isinstance(s, GrowingBuffer) and s.num_resident >= s.capacity for s in stores):
+            return None
+        return StaticMixed(self)
+
+    def reserve(self, num_tokens: int) -> None:
+        """Make full layers hold `num_tokens` tokens without moving again (a no-op where they do)."""
+        for store in self.layers:
+            if isinstance(store, GrowingBuffer):
+                store.reserve = max(store.reserve, min(num_tokens, store.cap_tokens))
+                if store.k is not None and store.capacity < store.reserve:
+                    kb, vb = store._buffers()
+                    shape = (*kb.shape[:2], store.reserve, kb.shape[3])
+                    new_k, new_v = kb.new_zeros(shape), vb.new_zeros(shape)
+                    new_k[:, :, : store.num_resident] = kb[:, :, : store.num_resident]
+                    new_v[:, :, : store.num_resident] = vb[:, :, : store.num_resident]
+                    store.k, store.v, store.capacity = new_k, new_v, store.reserve
+
+    def advance(self, T: int) -> None:
+        """Count T tokens per row that a static step wrote into every layer's slots. MemoryError (cache
+        unchanged) when a full layer has no room for them."""
+        for store in self.layers:
+            if isinstance(store, GrowingBuffer) and store.num_resident + T > store.capacity:
+                raise MemoryError(
+                    f"full-layer KV buffer holds {store.capacity} slots; {store.num_resident} + {T} do not fit"
+                )
+        for store in self.layers:
+            store.advance(T)
+
     # ---- byte accounting -------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
@@ -323,3 +376,45 @@ class MixedKVCache(RollbackKVCache):
     def payload_bytes(self) -> int:
         """Bytes of valid K and V across layers."""
         return sum(store.num_resident * store._token_bytes() for store in self.layers)
+
+
+class StaticMixed:
+    """`StaticKV` over a `MixedKVCache`'s storage: every row at position `num_tokens`; a ring slot s
+    holds position p - ((p - s) mod size), a full-layer slot s position s (see kv/base.py, "Static
+    decode"). Built per step by `MixedKVCache.static_decode`; the full layers' slot count is marked
+    dynamic, so one compiled graph serves every capacity."""
+
+    def __init__(self, cache: MixedKVCache) -> None:
+        stores = cache.layers
+        self.keys = [s._buffers()[0] for s in stores]
+        self.values = [s._buffers()[1] for s in stores]
+        self.ring = [isinstance(s, RingBuffer) for s in stores]
+        self._positions = torch.tensor([cache.num_tokens], device=self.keys[0].device)
+        for kb, vb, ring in zip(self.keys, self.values, self.ring):
+            if not ring:
+                torch._dynamo.maybe_mark_dynamic(kb, 2)
+                torch._dynamo.maybe_mark_dynamic(vb, 2)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._positions
+
+    def write_read(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        kb, vb = self.keys[layer], self.values[layer]
+        pos = self._positions  # (1,)
+        slots = kb.shape[2]
+        slot = pos % slots
+        kb.index_copy_(2, slot, k[:, :, None])
+        vb.index_copy_(2, slot, v[:, :, None])
+        index = torch.arange(slots, device=pos.device)
+        if self.ring[layer]:
+            back = torch.remainder(pos - index, slots)  # how far behind the new token each slot is
+            distance = torch.where(pos - back >= 0, back, -1)  # -1: not written yet
+        else:
+            distance = pos - index  # negative past the new token: free slots
+        return kb, vb, distance[None]
+
+    def horizon(self, layer: int) -> int | None:
+        return None

@@ -58,3 +58,18 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x (B, in) · w (out, in)ᵀ (+ b) in fp32, written as one reduction: the one-token path of the
+    compiled decode step. Inductor turns it into one vectorised loop that reads an out-major weight
+    once in its own dtype (a bf16 weight moves half the bytes of fp32) and fuses the bias, and, for
+    experts, the gather of the selected rows. Eager, it is slow; use `linear`."""
+    y = (x[:, None, :].float() * w.float()).sum(-1)
+    return y if b is None else y + b.float()
+
+
+def rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x rounded to `dtype` and widened back to fp32 (nothing for fp32): where the eager path would
+    hold a value in the model's dtype, the fp32 one-token path rounds it the same way."""
+    return x if dtype == torch.float32 else x.to(dtype).float()

@@ -9,7 +9,7 @@ from torch import nn
 
 from gptoss_lite.config import ModelConfig
 from gptoss_lite.model.decode_pack import input_major_for, pack_pair, pack_rows, still_packed, store_for_decode
-from gptoss_lite.model.matmul import Linear, linear
+from gptoss_lite.model.matmul import Linear, gemv, linear, rounded
 
 
 class Experts(nn.Module):
@@ -132,6 +132,33 @@ class Experts(nn.Module):
             self._activate(gate, up), self.down_proj[e], None if self.down_bias is None else self.down_bias[e]
         )
 
+    def decode_step(self, h: torch.Tensor, top_idx: torch.Tensor | None, weights: torch.Tensor | None) -> torch.Tensor:
+        """The one-token path: experts top_idx (B, A) of each row h (B, C) (model dtype; None: every
+        expert, the shared ones) as `gemv` reductions over the gathered rows of the out-major packed
+        weights, nothing copied -> their outputs (B, A, C) rounded to the dtype, each times its weight
+        (B, A) when given, rounded again."""
+        dt = h.dtype
+        packed = self._gate_up if torch.compiler.is_compiling() else self._packed_gate_up()  # as Attention's
+        if packed is None or packed[2]:
+            raise ValueError(
+                "decode_step needs out-major expert weights; build the model with "
+                "prepare_for_inference(compile_decode=True)"
+            )
+        buf, bias, down, down_b = packed[0], packed[1], self.down_proj, self.down_bias  # (E, 2I, C), (E, 2I), ...
+
+        def pick(w: torch.Tensor) -> torch.Tensor:  # (B, A, ...) rows of the selected experts, or (1, E, ...)
+            return w[None] if top_idx is None else w[top_idx]
+
+        gate_up = (pick(buf).float() * h[:, None, None, :].float()).sum(-1)  # (B, A, 2I)
+        if bias is not None:
+            gate_up = gate_up + pick(bias).float()
+        act = self._activate(*rounded(gate_up, dt).chunk(2, dim=-1)).to(dt)  # (B, A, I)
+        out = (pick(down).float() * act[:, :, None, :].float()).sum(-1)  # (B, A, C)
+        if down_b is not None:
+            out = out + pick(down_b).float()
+        out = rounded(out, dt)
+        return out if weights is None else rounded(out * weights[..., None], dt)
+
 
 FEW_TOKENS = 16  # up to this many tokens (inference), `Experts.mix_few_tokens` replaces the grouping
 
@@ -195,6 +222,24 @@ class MoE(nn.Module):
         mean_prob = torch.softmax(logits.float(), dim=-1).mean(dim=0)  # (E,)
         aux = E * (frac * mean_prob).sum()
         return y.view(B, T, C), aux
+
+    def decode_step(self, h: torch.Tensor) -> torch.Tensor:
+        """The one-token path of `forward`: h (B, C) in the model's dtype -> (B, C) in it. Router as a
+        `gemv`, top-k, the selected experts gathered inside their reductions (`Experts.decode_step`),
+        summed in order and rounded each time as `Experts.mix_one_token`, then the shared experts."""
+        dt = h.dtype
+        logits = gemv(h, self.router.weight, self.router.bias).to(dt)  # (B, E)
+        top_logits, top_idx = logits.topk(self.top_k, dim=-1)  # (B, A)
+        weights = torch.softmax(top_logits.float(), dim=-1).to(dt).float()  # (B, A)
+        out = self.experts.decode_step(h, top_idx, weights)  # (B, A, C)
+        y = out[:, 0]
+        for j in range(1, self.top_k):
+            y = rounded(y + out[:, j], dt)
+        if self.shared is not None:
+            shared = self.shared.decode_step(h, None, None)  # (B, n, C): every shared expert
+            for s in range(shared.shape[1]):
+                y = rounded(y + shared[:, s], dt)
+        return y
 
     def _add_shared(self, flat: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y + every shared expert applied to every token."""

@@ -10,11 +10,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gptoss_lite.config import ModelConfig
-from gptoss_lite.kv.base import KVCache, RaggedBatch
+from gptoss_lite.kv.base import KVCache, RaggedBatch, StaticKV
 from gptoss_lite.model.attention import Attention
 from gptoss_lite.model.compiled_decode import CompiledDecoder
 from gptoss_lite.model.decode_pack import store_for_decode
-from gptoss_lite.model.matmul import Linear, linear
+from gptoss_lite.model.matmul import Linear, gemv, linear, rounded
 from gptoss_lite.model.moe import Experts, MoE
 from gptoss_lite.model.rope import RotaryEmbedding, rotary_tables
 
@@ -52,6 +52,12 @@ class Block(nn.Module):
         x = x + (self.drop(h) if self.training else h)
         h, aux = self.moe(self.norm2(x), need_aux)
         return x + (self.drop(h) if self.training else h), aux
+
+    def decode_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: StaticKV, dt: torch.dtype):
+        """The one-token path: x (B, C) fp32 holding model-dtype values -> the same. Every value the
+        eager path holds in the model's dtype is rounded to it here."""
+        x = rounded(x + rounded(self.attn.decode_step(self.norm1(x).to(dt), cos, sin, kv), dt), dt)
+        return rounded(x + self.moe.decode_step(self.norm2(x).to(dt)).float(), dt)
 
 
 @dataclass
@@ -172,6 +178,22 @@ class GPTOSS(nn.Module):
             x, _ = block(x, cos, sin, batch, 0, "fast", False)
         x = self.norm(x[0, batch.logits_index])  # (M, C)
         return linear(x, self.head_weight())  # (M, V)
+
+    def decode_step(self, tokens: torch.Tensor, kv: StaticKV) -> torch.Tensor:
+        """One decode step as fixed-shape tensor code: tokens (B,), one per row at `kv.positions`, their
+        K/V written into `kv` -> logits (B, V) in the model's dtype. The one-token paths of the
+        model's own modules (`Block.decode_step`, `Attention.decode_step`, `MoE.decode_step`), equal
+        to `forward` to rounding; what `prepare_for_inference(compile_decode=True)` compiles."""
+        dt = self.embed.weight.dtype
+        x = F.embedding(tokens, self.embed.weight).float()  # (B, C)
+        pos = kv.positions
+        tables = {}
+        for sliding, rope in ((True, self.rope_sliding), (False, self.rope_full)):
+            cos, sin = rotary_tables(*rope.at(pos))  # (B or 1, D)
+            tables[sliding] = (cos[:, None], sin[:, None])
+        for block in self.blocks:
+            x = block.decode_step(x, *tables[block.sliding], kv, dt)
+        return gemv(self.norm(x).to(dt), self.head_weight()).to(dt)
 
     def head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight

@@ -11,13 +11,13 @@ import torch
 from torch import nn
 
 from gptoss_lite.config import ModelConfig
-from gptoss_lite.kv.base import DecodeChunk, KVCache, KVRead, RaggedRead
+from gptoss_lite.kv.base import DecodeChunk, KVCache, KVRead, RaggedRead, StaticKV
 from gptoss_lite.model.attention.blocks import attend, chunked_decode
 from gptoss_lite.model.attention.decode import masked_decode
 from gptoss_lite.model.attention.plan import distance_bias
 from gptoss_lite.model.attention.reference import attention_mass_reference, attention_reference
 from gptoss_lite.model.decode_pack import input_major_for, pack_pair, pack_rows, still_packed
-from gptoss_lite.model.matmul import Linear, linear
+from gptoss_lite.model.matmul import Linear, gemv, linear
 from gptoss_lite.model.rope import apply_rotary_tables
 
 
@@ -139,6 +139,40 @@ class Attention(nn.Module):
             if read.mass is not None:
                 read.mass += attention_mass_reference(q, keys, sinks, start_pos - read.first, self.window)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
+
+    def decode_step(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: StaticKV) -> torch.Tensor:
+        """The one-token path (what the compiled decode step traces): h (B, C) in the model's dtype,
+        one new token per row at `kv.positions`, cos/sin (B or 1, 1, D) -> the attention output after
+        o_proj (B, C), fp32. Projections are `gemv` reductions over out-major weights
+        (`prepare_for_inference(compile_decode=True)`); the new K/V go into `kv`'s fixed-shape
+        storage; attention is `masked_decode` over all of it, widened to fp32 and rounded where eager
+        16-bit matmuls round."""
+        B = h.shape[0]
+        H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
+        dt = h.dtype
+        # Traced, the packing is not re-checked (data_ptr cannot be traced): `CompiledDecoder.current`
+        # refuses weights that moved since the model was prepared.
+        packed = self._qkv if torch.compiler.is_compiling() else self._packed_qkv()
+        if packed is None or packed[2]:
+            raise ValueError(
+                "decode_step needs out-major q/kv weights; build the model with "
+                "prepare_for_inference(compile_decode=True)"
+            )
+        qkv = gemv(h, packed[0], packed[1]).to(dt)  # (B, H·D + 2·K·D)
+        q, k, v = qkv.split((H * D, K * D, K * D), dim=-1)
+        q = apply_rotary_tables(q.view(B, H, D), cos, sin)
+        k = apply_rotary_tables(k.view(B, K, D), cos, sin)
+        keys, values, distance = kv.write_read(self.layer, k, v.view(B, K, D))
+        window = self.window
+        horizon = kv.horizon(self.layer)
+        if horizon is not None:
+            window = horizon if window is None else min(window, horizon)
+        bias = distance_bias(distance, window)[:, None, None, :]  # (B or 1, 1, 1, S)
+        sinks = self.sinks if self.sink_clamp is None else self.sinks.clamp(*self.sink_clamp)
+        sink = sinks.float().view(1, K, H // K, 1)
+        rows = q.float().view(B, K, H // K, D)
+        att = masked_decode(rows, keys.float(), values.float(), bias, sink, round_to=dt)  # (B, K, G, D)
+        return gemv(att.reshape(B, H * D), self.o_proj.weight, self.o_proj.bias)
 
 
 def attend_ragged(
