@@ -7,7 +7,9 @@
   max_running=..., max_model_len=..., enable_prefix_caching=False)` and `llm.generate(prompts,
   SamplingParams(max_tokens=N, temperature=0, ignore_eos=True))`: requests are scheduled, prefilled in
   chunks of the token budget and decoded together in one ragged batch per step. Prefix caching is off
-  because the driver sends the same prompts every round (vLLM's is off too).
+  because the driver sends the same prompts every round (vLLM's is off too). With `--compile`
+  (`LLM(compile_decode=True)`), all-decode steps run as the model's compiled decode step over the block
+  tables, compiled when the worker starts.
 - `static`: the baseline before the engine, `gptoss_lite.generation.generate` on one (B, T) tensor of the
   equal-length prompts: one static batch (no padding), prefilled together, decoded in lockstep. With
   `--compile`, its decode steps run as one compiled graph (`prepare_for_inference(compile_decode=True)`).
@@ -27,7 +29,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="model directory (HF gpt-oss or native layout)")
     ap.add_argument("--mode", default="engine", choices=["engine", "static"])
-    ap.add_argument("--compile", action="store_true", help="static: decode steps as one compiled graph")
+    ap.add_argument("--compile", action="store_true", help="decode steps as one compiled graph (both modes)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     ap.add_argument("--max-running", type=int, default=16, help="engine: requests decoded together (default 16)")
@@ -53,9 +55,11 @@ def main() -> None:
             max_running=args.max_running,
             max_model_len=args.max_model_len,
             enable_prefix_caching=False,
+            compile_decode=args.compile,
         )
         info.update(
-            engine=f"gptoss-lite {gptoss_lite.__version__} engine",
+            engine=f"gptoss-lite {gptoss_lite.__version__} engine" + (", compiled decode" if args.compile else ""),
+            compile_s=llm.compile_seconds,
             max_running=args.max_running,
             max_batch_tokens=args.max_batch_tokens,
             max_model_len=llm.max_model_len,

@@ -24,6 +24,8 @@ Engines (`--engines`, default `vllm ours`), each a long-lived worker process:
   ours    benchmarks/ours_worker.py --mode engine run with --ours-python (default: this interpreter):
           gptoss_lite.engine.LLM with max_running = --max-running, max_batch_tokens = --max-batch-tokens,
           prefix caching off;
+  ours-compiled  the same engine with --compile: its all-decode steps run as the model's compiled
+          decode step over the block tables (LLM(compile_decode=True); compiled during the worker's start);
   static  the same worker, --mode static: gptoss_lite.generation.generate on one (16, 256) tensor, the
           baseline before the engine (labelled "static batch").
 
@@ -70,8 +72,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ENGINES = ("vllm", "ours", "static")
-LABELS = {"vllm": "vLLM", "ours": "ours", "static": "static batch"}
+ENGINES = ("vllm", "ours", "ours-compiled", "static")
+LABELS = {"vllm": "vLLM", "ours": "ours", "ours-compiled": "ours, compiled decode", "static": "static batch"}
 SHORT = {"float32": "f32", "bfloat16": "bf16"}
 AGREE = 16  # leading tokens compared between engines
 TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib")
@@ -180,9 +182,9 @@ def worker_command(engine: str, args: argparse.Namespace, dtype: str, threads: i
             if os.environ.get("VLLM_PRELOAD", "1") == "1" and tcmalloc and iomp.exists():
                 env["LD_PRELOAD"] = f"{tcmalloc}:{iomp}"
         return [args.vllm_python, str(HERE / "vllm_worker.py"), *shared], env
-    mode = "engine" if engine == "ours" else "static"
+    mode = "engine" if engine in ("ours", "ours-compiled") else "static"
     cmd = [args.ours_python, str(HERE / "ours_worker.py"), *shared, "--mode", mode, "--threads", str(threads)]
-    return [*cmd, "--compile"] if engine == "compiled" else cmd, env
+    return [*cmd, "--compile"] if engine in ("compiled", "ours-compiled") else cmd, env
 
 
 class Worker:

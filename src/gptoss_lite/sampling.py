@@ -85,3 +85,14 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Ten
     drop[..., 0] = False
     sorted_p = sorted_p.masked_fill(drop, 0.0)
     return sorted_p / sorted_p.sum(dim=-1, keepdim=True), sorted_idx
+
+
+def log_probs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """logits (V,) -> (log-probability of `token`, the k most likely (id, log-probability), most likely
+    first); log_softmax in fp32."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top: list[tuple[int, float]] = []
+    if k:
+        values, ids = logp.topk(k)
+        top = list(zip(ids.tolist(), values.tolist()))
+    return float(logp[token]), top

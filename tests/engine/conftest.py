@@ -35,8 +35,8 @@ def models():
 class RecordingRunner(ModelRunner):
     """A runner that keeps every sampled row's logits per request, to explain a differing token."""
 
-    def __init__(self, model, kv):
-        super().__init__(model, kv)
+    def __init__(self, model, kv, decoder=None):
+        super().__init__(model, kv, decoder)
         self.logits: dict[str, list[torch.Tensor]] = {}
 
     def forward(self, step):
@@ -47,7 +47,7 @@ class RecordingRunner(ModelRunner):
 
 
 def recording(llm: LLM) -> RecordingRunner:
-    llm.runner = RecordingRunner(llm.model, llm.kv)
+    llm.runner = RecordingRunner(llm.model, llm.kv, llm.runner.decoder)
     return llm.runner
 
 

@@ -86,7 +86,14 @@ def run(args: argparse.Namespace) -> int:
         **kv_kwargs,
     )
     result = _head_of_line(llm, args) if args.long_prompt else _workload(llm, args)
-    result = {"model": str(source), "dtype": args.dtype, "threads": args.threads, **kv_kwargs, **result}
+    result = {
+        "model": str(source),
+        "dtype": args.dtype,
+        "threads": args.threads,
+        **kv_kwargs,
+        "compile_s": llm.compile_seconds,
+        **result,
+    }
     if args.json:
         print(json.dumps(result, indent=2))
     else:
@@ -217,14 +224,17 @@ def _print(result: dict) -> None:
     if "engine" not in result:
         print(f"head-of-line: {result['decoders']} decoding requests, one {result['long_prompt']:,}-token prompt")
         for key, value in result.items():
-            if key not in ("model", "dtype", "threads", "kv_bits", "kv_budget"):
+            if key not in ("model", "dtype", "threads", "kv_bits", "kv_budget", "compile_decode"):
                 print(f"  {key:32s} {value}")
         return
     e, p = result["engine"], result["planner"]
     kv = f"int{result['kv_bits']} KV" if result["kv_bits"] != 16 else "16-bit KV"
     if result["kv_budget"] is not None:
         kv += f", budget {result['kv_budget']:,} tokens"
-    setup = f"{result['dtype']}, {result['threads']} threads, {kv}"
+    compiled = "eager decode"
+    if result["compile_s"] is not None:
+        compiled = f"compiled decode ({result['compile_s']:.1f} s to compile)"
+    setup = f"{result['dtype']}, {result['threads']} threads, {kv}, {compiled}"
     print(f"bench-serve: {e['requests']} requests, {result['model']} ({setup})")
     rows = [
         ("generated tok/s", f"{e['generated_tok_s']:,.1f}"),

@@ -364,10 +364,16 @@ def add_engine_kv_args(parser: argparse.ArgumentParser) -> None:
         help="full layers attend to their last N tokens and release older blocks (a sliding window; the "
         "model's learned sinks stand in for sink tokens); needs --no-prefix-caching (default: no budget)",
     )
+    parser.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="decode eagerly; by default all-decode steps run as the compiled decode step, compiled at start "
+        "(tens of seconds the first time, seconds from inductor's disk cache)",
+    )
 
 
 def engine_kv_kwargs(args: argparse.Namespace) -> dict:
-    """LLM keyword arguments from --kv-bits / --kv-budget, checked before the model loads."""
+    """LLM keyword arguments from --kv-bits / --kv-budget / --no-compile, checked before the model loads."""
     from gptoss_lite.validation import check_int
 
     if args.kv_budget is not None:
@@ -376,4 +382,4 @@ def engine_kv_kwargs(args: argparse.Namespace) -> dict:
             raise ValueError(f"--kv-budget {args.kv_budget} with --kv-bits {args.kv_bits}: give one of them")
         if not args.no_prefix_caching:
             raise ValueError("--kv-budget releases prompt blocks the prefix cache would need; add --no-prefix-caching")
-    return {"kv_bits": args.kv_bits, "kv_budget": args.kv_budget}
+    return {"kv_bits": args.kv_bits, "kv_budget": args.kv_budget, "compile_decode": not args.no_compile}

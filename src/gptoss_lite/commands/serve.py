@@ -184,6 +184,8 @@ def run(args: argparse.Namespace) -> int:
         f"{'open: no API key' if keys is None else f'{len(set(keys.values()))} tenant(s)'})",
         file=sys.stderr,
     )
+    if llm.compile_seconds is not None:
+        print(f"gptoss-lite serve: compiled decode step ready in {llm.compile_seconds:.1f} s", file=sys.stderr)
     hosts = state.allowed_hosts
     if hosts is not None and args.host in ("0.0.0.0", "::"):
         print(

@@ -75,8 +75,10 @@ class PagedBatch:
         all_decode = not self.prefill and len(self.decode) == self.num_rows
         rows = [s.offset for s in self.decode]
         self.decode_rows = None if all_decode else torch.tensor(rows, dtype=torch.long, device=dev)
+        self.all_decode = all_decode
         # per kind: (flat block ids row by row (Bd·nb,), distances (Bd, S), the layers' mask memo)
         self._decode_tables: dict[str, tuple[torch.Tensor, torch.Tensor, dict]] = {}
+        self._decode_widths: dict[str, int] = {}
         self._prefill_tables: dict[tuple[int, str], torch.Tensor] = {}
         self.quant: _QuantReads | None = None
         if isinstance(store, QuantizedPagedStore) and FULL in store.pools:
@@ -95,6 +97,7 @@ class PagedBatch:
                 key_pos = firsts[:, None] + torch.arange(width * bs)[None, :]  # (Bd, S)
                 query_pos = torch.tensor([s.start_pos for s in self.decode], dtype=torch.long)[:, None]
                 self._decode_tables[kind] = (table.view(-1).to(dev), (query_pos - key_pos).to(dev), {})
+                self._decode_widths[kind] = width
             for i, s in enumerate(self.prefill):
                 self._prefill_tables[(i, kind)] = torch.tensor(s.tables[kind][0], dtype=torch.long, device=dev)
 
@@ -141,6 +144,78 @@ class PagedBatch:
             values = store.v[layer].index_select(1, table).view(1, K, -1, D)[:, :, :n_keys]
             prefill.append((s.offset, s.length, s.start_pos, KVRead.dense(keys, values, first)))
         return RaggedRead(decode, prefill, horizon)
+
+    def static(self, rows: int) -> PagedDecode | None:
+        """The fixed-shape form of an all-decode step for the compiled step (`PagedDecode`), its rows
+        padded to `rows` by repeating the first (same token, position, blocks and slot: the repeated
+        writes store the same values); None for a step with prompt chunks or quantised blocks."""
+        if not self.all_decode or self.quant is not None:
+            return None
+        Bd = len(self.decode)
+        pad = torch.zeros(rows - Bd, dtype=torch.long, device=self.store.device)
+        order = torch.cat([torch.arange(Bd, device=pad.device), pad])  # (rows,): row i reads decode row order[i]
+        tables, slots, distances = {}, {}, {}
+        for kind, (flat, distance, _) in self._decode_tables.items():
+            table, distance = flat.view(Bd, self._decode_widths[kind])[order], distance[order]
+            if table.shape[1] == 1:  # a width of 1 would get a graph of its own: add a hidden column
+                table = torch.cat([table, torch.zeros_like(table)], dim=1)
+                distance = torch.cat([distance, torch.full_like(distance, -1)], dim=1)
+            tables[kind], slots[kind], distances[kind] = table, self.write_slots[kind][order], distance
+        horizon = {kind: self.full_window if kind == FULL else None for kind in tables}
+        return PagedDecode(self.store, self._positions[order], tables, slots, distances, horizon)
+
+
+class PagedDecode:
+    """`StaticKV` (gptoss_lite.kv.base) over the paged store for one all-decode step: per layer kind the
+    rows' block tables (B, nb), each row's write slot (B,) (flat block · bs + slot) and each key's
+    distance to its row's query (B, nb · bs). The batch and table dimensions are marked dynamic, so
+    one compiled graph serves every batch size from 2 and every context length."""
+
+    def __init__(
+        self,
+        store: PagedKVStore,
+        positions: torch.Tensor,
+        tables: dict[str, torch.Tensor],
+        slots: dict[str, torch.Tensor],
+        distances: dict[str, torch.Tensor],
+        horizon: dict[str, int | None],
+    ) -> None:
+        self.k, self.v = store.k, store.v
+        self.kinds = [store.kind(layer) for layer in range(len(store.k))]
+        self._positions, self.tables, self.slots, self.distances, self._horizon = (
+            positions,
+            tables,
+            slots,
+            distances,
+            horizon,
+        )
+        for t in (positions, *tables.values(), *slots.values(), *distances.values()):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        for t in (*tables.values(), *distances.values()):
+            torch._dynamo.maybe_mark_dynamic(t, 1)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._positions
+
+    def write_read(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """k, v (B, K, D) into each row's slot; every row's blocks gathered as (B, K, nb · bs, D)."""
+        kind = self.kinds[layer]
+        kb, vb = self.k[layer], self.v[layer]  # (K, blocks, bs, D)
+        K, D = kb.shape[0], kb.shape[3]
+        slots = self.slots[kind]
+        kb.view(K, -1, D).index_copy_(1, slots, k.transpose(0, 1))
+        vb.view(K, -1, D).index_copy_(1, slots, v.transpose(0, 1))
+        table = self.tables[kind]
+        B = table.shape[0]
+        keys = kb.index_select(1, table.reshape(-1)).view(K, B, -1, D).transpose(0, 1)
+        values = vb.index_select(1, table.reshape(-1)).view(K, B, -1, D).transpose(0, 1)
+        return keys, values, self.distances[kind]
+
+    def horizon(self, layer: int) -> int | None:
+        return self._horizon[self.kinds[layer]]
 
 
 class _QuantReads:

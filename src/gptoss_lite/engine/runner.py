@@ -10,17 +10,19 @@ rows are one batched argmax; sampled rows draw one at a time with their own gene
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
 
 from gptoss_lite.config import FULL
 from gptoss_lite.engine.kv_manager import KVManager
-from gptoss_lite.engine.paged_batch import PagedBatch, Segment
+from gptoss_lite.engine.paged_batch import PagedBatch, PagedDecode, Segment
 from gptoss_lite.engine.request import Request, TokenLogprobs
 from gptoss_lite.engine.scheduler import ScheduledStep
+from gptoss_lite.model.compiled_decode import CompiledDecoder
 from gptoss_lite.model.transformer import GPTOSS
-from gptoss_lite.sampling import sample
+from gptoss_lite.sampling import log_probs, sample
 
 logger = logging.getLogger(__name__)
 
@@ -28,9 +30,13 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     """Runs scheduled steps of `model` over the blocks of `kv` (see the module docstring)."""
 
-    def __init__(self, model: GPTOSS, kv: KVManager) -> None:
+    def __init__(self, model: GPTOSS, kv: KVManager, decoder: CompiledDecoder | None = None) -> None:
         self.model = model
         self.kv = kv
+        # With a decoder, an all-decode step runs as the model's compiled decode step over the block
+        # tables (`PagedBatch.static`); prompt chunks and quantised blocks stay on the eager forward.
+        self.decoder = decoder
+        self.compiled_steps = 0
         self.device = next(model.parameters()).device
         # Test-only fault injection: called with each request just before its token is sampled; what
         # it raises fails that request alone (tests/engine/test_isolation.py).
@@ -60,9 +66,47 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.long, device=self.device), batch, samplers
 
     @torch.inference_mode()
+    def warm_up(self) -> float:
+        """Compile the decode step (or load it from inductor's disk cache) on a dummy two-row step at
+        position 0 of block 0 of each pool, which no request holds yet; its wall time in seconds."""
+        assert self.decoder is not None, "warm_up() compiles the decoder"
+        store = self.kv.store
+        if any(pool.allocated_blocks for pool in store.pools.values()):
+            raise RuntimeError("warm_up() writes block 0: call it before any request is admitted")
+        dev, bs = self.device, store.block_size
+        rows = 2
+        kinds = list(store.pools)
+        # distinct sizes (rows, and a table width per kind): sizes equal at trace time would be taken for
+        # one symbol, and a later step where they differ would compile again
+        widths = {kind: 3 + i for i, kind in enumerate(kinds)}
+        zeros = torch.zeros(rows, dtype=torch.long, device=dev)
+        static = PagedDecode(
+            store,
+            zeros.clone(),
+            {kind: torch.zeros(rows, w, dtype=torch.long, device=dev) for kind, w in widths.items()},
+            {kind: zeros.clone() for kind in kinds},
+            # only slot 0 (position 0) is visible
+            {kind: -torch.arange(w * bs, device=dev).expand(rows, -1).contiguous() for kind, w in widths.items()},
+            {kind: None for kind in kinds},
+        )
+        torch._dynamo.maybe_mark_dynamic(zeros, 0)
+        t0 = time.perf_counter()
+        self.decoder.step(static, zeros)
+        return time.perf_counter() - t0
+
+    @torch.inference_mode()
     def forward(self, step: ScheduledStep) -> tuple[torch.Tensor, list[Request]]:
         """Run the step's one forward: (logits (M, V), the requests they belong to, in order)."""
         input_ids, batch, samplers = self.build_batch(step)
+        if self.decoder is not None:
+            n = input_ids.shape[0]
+            rows = max(2, n)  # one row would get a graph of its own: repeat it
+            static = batch.static(rows)
+            if static is not None:
+                ids = torch.cat([input_ids, input_ids[:1].expand(rows - n)])
+                torch._dynamo.maybe_mark_dynamic(ids, 0)  # the batch is dynamic, as in the state
+                self.compiled_steps += 1
+                return self.decoder.step(static, ids)[:n], samplers
         return self.model.forward_batch(input_ids, batch), samplers
 
     @torch.inference_mode()
@@ -123,10 +167,6 @@ class ModelRunner:
 
 
 def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
-    """logits (V,) -> the chosen token's log-probability and the k most likely (log_softmax, fp32)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    top: list[tuple[int, float]] = []
-    if k:
-        values, ids = logp.topk(k)
-        top = list(zip(ids.tolist(), values.tolist()))
-    return TokenLogprobs(token, float(logp[token]), top)
+    """logits (V,) -> the chosen token's log-probability and the k most likely (`sampling.log_probs`)."""
+    chosen, top = log_probs(logits, token, k)
+    return TokenLogprobs(token, chosen, top)

@@ -24,6 +24,8 @@ from torch import Tensor
 
 from gptoss_lite.kv.base import StaticKV
 
+RECOMPILE_LIMIT = 256  # compiled entries of the decode step per process (see CompiledDecoder)
+
 
 class CompiledDecoder:
     """`GPTOSS.decode_step` of `model`, compiled. Built by
@@ -37,6 +39,10 @@ class CompiledDecoder:
                 "model with prepare_for_inference(compile_decode=True)"
             )
         self._captured = self._weights_key(model)
+        # Dynamo keeps one entry per model instance (and per static-state type) under the one code object
+        # of GPTOSS.decode_step; a process that builds many models (tests, an evaluation over
+        # checkpoints) would pass its default limit of 8 and fail.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         # cpp_wrapper: the ~40 kernel calls of a step are made from generated C++, not Python (bf16
         # step of the 20M model 3.13 -> 2.66 ms, medians of 6 alternating runs in one process).
         self._compiled = torch.compile(model.decode_step, dynamic=False, fullgraph=True, options={"cpp_wrapper": True})

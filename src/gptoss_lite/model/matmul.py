@@ -69,6 +69,16 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> tor
     return y if b is None else y + b.float()
 
 
+def decode_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """The one-token projection of the compiled step, x (B, in) · w (out, in)ᵀ (+ b) in fp32: one row
+    is a `gemv` reduction (bandwidth-bound: the weight read once, in its own dtype); several rows (the
+    engine's batched decode) are one fp32 matrix product, which reads the weight once for all rows where
+    a reduction per row would read it B times."""
+    if x.shape[0] == 1:
+        return gemv(x, w, b)
+    return F.linear(x.float(), w.float(), None if b is None else b.float())
+
+
 def rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x rounded to `dtype` and widened back to fp32 (nothing for fp32): where the eager path would
     hold a value in the model's dtype, the fp32 one-token path rounds it the same way."""

@@ -9,7 +9,7 @@ from torch import nn
 
 from gptoss_lite.config import ModelConfig
 from gptoss_lite.model.decode_pack import input_major_for, pack_pair, pack_rows, still_packed, store_for_decode
-from gptoss_lite.model.matmul import Linear, gemv, linear, rounded
+from gptoss_lite.model.matmul import Linear, decode_linear, linear, rounded
 
 
 class Experts(nn.Module):
@@ -228,7 +228,7 @@ class MoE(nn.Module):
         `gemv`, top-k, the selected experts gathered inside their reductions (`Experts.decode_step`),
         summed in order and rounded each time as `Experts.mix_one_token`, then the shared experts."""
         dt = h.dtype
-        logits = gemv(h, self.router.weight, self.router.bias).to(dt)  # (B, E)
+        logits = decode_linear(h, self.router.weight, self.router.bias).to(dt)  # (B, E)
         top_logits, top_idx = logits.topk(self.top_k, dim=-1)  # (B, A)
         weights = torch.softmax(top_logits.float(), dim=-1).to(dt).float()  # (B, A)
         out = self.experts.decode_step(h, top_idx, weights)  # (B, A, C)

@@ -14,7 +14,7 @@ from gptoss_lite.kv.base import KVCache, RaggedBatch, StaticKV
 from gptoss_lite.model.attention import Attention
 from gptoss_lite.model.compiled_decode import CompiledDecoder
 from gptoss_lite.model.decode_pack import store_for_decode
-from gptoss_lite.model.matmul import Linear, gemv, linear, rounded
+from gptoss_lite.model.matmul import Linear, decode_linear, linear, rounded
 from gptoss_lite.model.moe import Experts, MoE
 from gptoss_lite.model.rope import RotaryEmbedding, rotary_tables
 
@@ -193,7 +193,7 @@ class GPTOSS(nn.Module):
             tables[sliding] = (cos[:, None], sin[:, None])
         for block in self.blocks:
             x = block.decode_step(x, *tables[block.sliding], kv, dt)
-        return gemv(self.norm(x).to(dt), self.head_weight()).to(dt)
+        return decode_linear(self.norm(x).to(dt), self.head_weight()).to(dt)
 
     def head_weight(self) -> torch.Tensor:
         return self.embed.weight if self.lm_head is None else self.lm_head.weight

@@ -17,7 +17,7 @@ from gptoss_lite.model.attention.decode import masked_decode
 from gptoss_lite.model.attention.plan import distance_bias
 from gptoss_lite.model.attention.reference import attention_mass_reference, attention_reference
 from gptoss_lite.model.decode_pack import input_major_for, pack_pair, pack_rows, still_packed
-from gptoss_lite.model.matmul import Linear, gemv, linear
+from gptoss_lite.model.matmul import Linear, decode_linear, linear
 from gptoss_lite.model.rope import apply_rotary_tables
 
 
@@ -143,7 +143,7 @@ class Attention(nn.Module):
     def decode_step(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: StaticKV) -> torch.Tensor:
         """The one-token path (what the compiled decode step traces): h (B, C) in the model's dtype,
         one new token per row at `kv.positions`, cos/sin (B or 1, 1, D) -> the attention output after
-        o_proj (B, C), fp32. Projections are `gemv` reductions over out-major weights
+        o_proj (B, C), fp32. Projections are `decode_linear` (a reduction for one row) over out-major weights
         (`prepare_for_inference(compile_decode=True)`); the new K/V go into `kv`'s fixed-shape
         storage; attention is `masked_decode` over all of it, widened to fp32 and rounded where eager
         16-bit matmuls round."""
@@ -158,7 +158,7 @@ class Attention(nn.Module):
                 "decode_step needs out-major q/kv weights; build the model with "
                 "prepare_for_inference(compile_decode=True)"
             )
-        qkv = gemv(h, packed[0], packed[1]).to(dt)  # (B, H·D + 2·K·D)
+        qkv = decode_linear(h, packed[0], packed[1]).to(dt)  # (B, H·D + 2·K·D)
         q, k, v = qkv.split((H * D, K * D, K * D), dim=-1)
         q = apply_rotary_tables(q.view(B, H, D), cos, sin)
         k = apply_rotary_tables(k.view(B, K, D), cos, sin)
@@ -172,7 +172,7 @@ class Attention(nn.Module):
         sink = sinks.float().view(1, K, H // K, 1)
         rows = q.float().view(B, K, H // K, D)
         att = masked_decode(rows, keys.float(), values.float(), bias, sink, round_to=dt)  # (B, K, G, D)
-        return gemv(att.reshape(B, H * D), self.o_proj.weight, self.o_proj.bias)
+        return decode_linear(att.reshape(B, H * D), self.o_proj.weight, self.o_proj.bias)
 
 
 def attend_ragged(
