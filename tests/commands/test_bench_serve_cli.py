@@ -91,3 +91,13 @@ def test_bad_kv_flags_are_refused_before_loading(capsys, flags, message):
         code = exc.code
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_decode_is_compiled_by_default_and_no_compile_keeps_eager(capsys):
+    """The report carries the compile time of the engine's decode step; --no-compile compiles nothing.
+    The seeded workload is scheduled the same way on both paths."""
+    compiled = run_json(capsys, "--requests", "3", "--prompt-len", "8:40", "--max-tokens", "6")
+    eager = run_json(capsys, "--requests", "3", "--prompt-len", "8:40", "--max-tokens", "6", "--no-compile")
+    assert compiled["compile_decode"] and compiled["compile_s"] > 0
+    assert not eager["compile_decode"] and eager["compile_s"] is None
+    assert compiled["engine"]["steps"] == eager["engine"]["steps"]
