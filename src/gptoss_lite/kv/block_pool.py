@@ -35,7 +35,7 @@ Without pins and dropped blocks these are exactly the docs/paged.md#block-pool f
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -412,6 +412,13 @@ class PagedKVPool:
     def refcount(self, block_id: int) -> int:
         """Page tables holding the block plus its pins."""
         return self._refs[self._check_block(block_id)]
+
+    def held_only_by(self, pins: Mapping[int, int]) -> int:
+        """How many of the blocks `pins` maps to a pin count have no other reference (no page table,
+        no other pin): what the owner of those pins could free. One pass, no per-block checks: the
+        scheduler asks this of the prefix cache's blocks for every request it considers admitting."""
+        refs = self._refs
+        return sum(1 for block, n in pins.items() if refs[block] == n)
 
     def pins(self, block_id: int, owner: Any = _ALL) -> int:
         """Pins taken on the block by `retain` (by every owner, or by `owner` only)."""
