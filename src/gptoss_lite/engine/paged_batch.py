@@ -67,7 +67,6 @@ class PagedBatch:
         positions = [s.start_pos + i for s in segments for i in range(s.length)]
         self._positions = torch.tensor(positions, dtype=torch.long, device=dev)
         self._logits_index = torch.tensor(logits_index, dtype=torch.long, device=dev)
-        bs = store.block_size
         # flat slot index (block * bs + slot) of each new token, per layer kind
         self.write_slots = {kind: torch.tensor(s, dtype=torch.long, device=dev) for kind, s in write_slots.items()}
         self.decode = [s for s in segments if s.length == 1]
@@ -76,9 +75,10 @@ class PagedBatch:
         rows = [s.offset for s in self.decode]
         self.decode_rows = None if all_decode else torch.tensor(rows, dtype=torch.long, device=dev)
         self.all_decode = all_decode
-        # per kind: (flat block ids row by row (Bd·nb,), distances (Bd, S), the layers' mask memo)
-        self._decode_tables: dict[str, tuple[torch.Tensor, torch.Tensor, dict]] = {}
-        self._decode_widths: dict[str, int] = {}
+        # per kind, the decode rows in buckets of similar length (`_buckets`), each gathered padded to its
+        # own longest row: (flat-batch rows or None for all, flat block ids row by row (Bb·nb,), distances
+        # (Bb, nb·bs), the layers' mask memo)
+        self._decode_buckets: dict[str, list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, dict]]] = {}
         self._prefill_tables: dict[tuple[int, str], torch.Tensor] = {}
         self.quant: _QuantReads | None = None
         if isinstance(store, QuantizedPagedStore) and FULL in store.pools:
@@ -86,20 +86,8 @@ class PagedBatch:
         for kind in store.pools:
             if self.quant is not None and kind == FULL:
                 continue  # the quantised blocks have tables of their own
-            if self.decode:
-                width = max(len(s.tables[kind][0]) for s in self.decode)
-                table = torch.zeros(len(self.decode), width, dtype=torch.long)  # padding reads block 0, masked
-                for row, s in enumerate(self.decode):
-                    blocks = s.tables[kind][0]
-                    table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-                # key j of row b sits at position first_b + j; the query at start_pos
-                firsts = torch.tensor([s.tables[kind][1] for s in self.decode], dtype=torch.long)
-                key_pos = firsts[:, None] + torch.arange(width * bs)[None, :]  # (Bd, S)
-                query_pos = torch.tensor([s.start_pos for s in self.decode], dtype=torch.long)[:, None]
-                self._decode_tables[kind] = (table.view(-1).to(dev), (query_pos - key_pos).to(dev), {})
-                self._decode_widths[kind] = width
-            for i, s in enumerate(self.prefill):
-                self._prefill_tables[(i, kind)] = torch.tensor(s.tables[kind][0], dtype=torch.long, device=dev)
+            for i, seg in enumerate(self.prefill):
+                self._prefill_tables[(i, kind)] = torch.tensor(seg.tables[kind][0], dtype=torch.long, device=dev)
 
     # ------------------------------------------------------------------ RaggedBatch
 
@@ -124,17 +112,16 @@ class PagedBatch:
         slots = self.write_slots[kind]
         store.k[layer].view(K, -1, D).index_copy_(1, slots, k)  # (K, blocks·bs, D) <- (K, N, D)
         store.v[layer].view(K, -1, D).index_copy_(1, slots, v)
-        decode = None
-        if self.decode:
-            flat, distance, memo = self._decode_tables[kind]
-            Bd = len(self.decode)
+        decode = []
+        for at, flat, distance, memo in self._buckets_of(kind):
+            Bb = distance.shape[0]
 
-            def gather() -> tuple[torch.Tensor, torch.Tensor]:
-                """Every decode row's blocks of the head-major store as (K, Bd, S, D), one index_select each."""
-                keys = store.k[layer].index_select(1, flat).view(K, Bd, -1, D)
-                return keys, store.v[layer].index_select(1, flat).view(K, Bd, -1, D)
+            def gather(flat: torch.Tensor = flat, Bb: int = Bb) -> tuple[torch.Tensor, torch.Tensor]:
+                """A bucket's blocks of the head-major store as (K, Bb, S, D), one index_select each."""
+                keys = store.k[layer].index_select(1, flat).view(K, Bb, -1, D)
+                return keys, store.v[layer].index_select(1, flat).view(K, Bb, -1, D)
 
-            decode = DecodeRows(self.decode_rows, [DecodeChunk(gather, distance, memo)])
+            decode.append(DecodeRows(at, [DecodeChunk(gather, distance, memo)]))
         prefill = []
         for i, s in enumerate(self.prefill):
             table = self._prefill_tables[(i, kind)]
@@ -144,6 +131,23 @@ class PagedBatch:
             values = store.v[layer].index_select(1, table).view(1, K, -1, D)[:, :, :n_keys]
             prefill.append((s.offset, s.length, s.start_pos, KVRead.dense(keys, values, first)))
         return RaggedRead(decode, prefill, horizon)
+
+    def _buckets_of(self, kind: str) -> list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, dict]]:
+        """The decode rows' buckets for `kind`, built on the first layer of that kind that asks (a step
+        the compiled decoder runs never does)."""
+        if kind not in self._decode_buckets:
+            dev = self.store.device
+            entries: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, dict]] = []
+            buckets = _buckets([len(seg.tables[kind][0]) for seg in self.decode]) if self.decode else []
+            for members in buckets:
+                segs = [self.decode[i] for i in members]
+                table, distance = _decode_table(segs, kind, self.store.block_size)
+                at = None
+                if not (self.all_decode and len(buckets) == 1):
+                    at = torch.tensor([seg.offset for seg in segs], dtype=torch.long, device=dev)
+                entries.append((at, table.view(-1).to(dev), distance.to(dev), {}))
+            self._decode_buckets[kind] = entries
+        return self._decode_buckets[kind]
 
     def static(self, rows: int) -> PagedDecode | None:
         """The fixed-shape form of an all-decode step for the compiled step (`PagedDecode`), its rows
@@ -155,14 +159,48 @@ class PagedBatch:
         pad = torch.zeros(rows - Bd, dtype=torch.long, device=self.store.device)
         order = torch.cat([torch.arange(Bd, device=pad.device), pad])  # (rows,): row i reads decode row order[i]
         tables, slots, distances = {}, {}, {}
-        for kind, (flat, distance, _) in self._decode_tables.items():
-            table, distance = flat.view(Bd, self._decode_widths[kind])[order], distance[order]
+        for kind in self.store.pools:
+            table, distance = _decode_table(self.decode, kind, self.store.block_size)  # one table, padded
+            dev = self.store.device
+            table, distance = table.to(dev)[order], distance.to(dev)[order]
             if table.shape[1] == 1:  # a width of 1 would get a graph of its own: add a hidden column
                 table = torch.cat([table, torch.zeros_like(table)], dim=1)
                 distance = torch.cat([distance, torch.full_like(distance, -1)], dim=1)
             tables[kind], slots[kind], distances[kind] = table, self.write_slots[kind][order], distance
         horizon = {kind: self.full_window if kind == FULL else None for kind in tables}
         return PagedDecode(self.store, self._positions[order], tables, slots, distances, horizon)
+
+
+# Decode rows are gathered in at most this many buckets of similar length, each padded to its own
+# longest row, and only from this many rows on: each bucket costs a few more ops per layer, and the
+# padding a bucket saves is gathered and multiplied by every layer.
+MAX_DECODE_BUCKETS = 4
+ROWS_PER_BUCKET = 8
+
+
+def _buckets(widths: list[int]) -> list[list[int]]:
+    """Indices of the decode rows (their block-table widths) in buckets of similar width: sorted by
+    width and cut into equal counts, at most MAX_DECODE_BUCKETS and ROWS_PER_BUCKET rows or more each;
+    one bucket, in the rows' own order, when that is all there is."""
+    n = min(MAX_DECODE_BUCKETS, len(widths) // ROWS_PER_BUCKET)
+    if n <= 1 or min(widths) == max(widths):
+        return [list(range(len(widths)))]
+    order = sorted(range(len(widths)), key=widths.__getitem__)
+    return [order[i * len(order) // n : (i + 1) * len(order) // n] for i in range(n)]
+
+
+def _decode_table(segments: list[Segment], kind: str, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block table (B, nb) of one-token segments, padded with block 0 to the longest row, and each
+    key's distance to its row's query (B, nb·bs): key j of row b sits at position first_b + j."""
+    width = max(len(seg.tables[kind][0]) for seg in segments)
+    table = torch.zeros(len(segments), width, dtype=torch.long)  # padding reads block 0, masked
+    for row, seg in enumerate(segments):
+        blocks = seg.tables[kind][0]
+        table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+    firsts = torch.tensor([seg.tables[kind][1] for seg in segments], dtype=torch.long)
+    key_pos = firsts[:, None] + torch.arange(width * bs)[None, :]  # (B, S)
+    query_pos = torch.tensor([seg.start_pos for seg in segments], dtype=torch.long)[:, None]
+    return table, query_pos - key_pos
 
 
 class PagedDecode:
@@ -278,7 +316,7 @@ class _QuantReads:
         store = self.store
         store.write_planned(layer, self.plan, k, v)
         K, _, D = k.shape
-        decode = None
+        decode = []
         if self.num_decode:
             Bd = self.num_decode
 
@@ -295,7 +333,7 @@ class _QuantReads:
 
             chunks = [DecodeChunk(dequantised(flat), distance, memo) for flat, distance, memo in self.decode_chunks]
             chunks.append(DecodeChunk(tails, self.tail_distance, self.tail_memo))
-            decode = DecodeRows(decode_rows, chunks)
+            decode.append(DecodeRows(decode_rows, chunks))
         prefill = []
         for s, blocks, fill, tail in self.prefill_parts:
             segments: list[KVSegment] = [_QuantBlocksSegment(store, layer, blocks)]

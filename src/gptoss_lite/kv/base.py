@@ -267,11 +267,12 @@ class DecodeRows:
 
 @dataclass
 class RaggedRead:
-    """What `RaggedBatch.update` returns: the decode rows, and each prompt chunk as (flat-batch offset,
-    length, start position, read of its sequence's keys). `horizon`, under a KV budget N, says the
-    layer keeps only the last N keys: it attends as with a window of N."""
+    """What `RaggedBatch.update` returns: the decode rows (in buckets of similar length, each with its
+    own fixed shape), and each prompt chunk as (flat-batch offset, length, start position, read of its
+    sequence's keys). `horizon`, under a KV budget N, says the layer keeps only the last N keys: it
+    attends as with a window of N."""
 
-    decode: DecodeRows | None
+    decode: list[DecodeRows]
     prefill: list[tuple[int, int, int, KVRead]]
     horizon: int | None = None
 

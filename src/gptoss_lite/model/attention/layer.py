@@ -178,18 +178,18 @@ class Attention(nn.Module):
 def attend_ragged(
     q: torch.Tensor, read: RaggedRead, sinks: torch.Tensor | None, window: int | None, kv_heads: int
 ) -> torch.Tensor:
-    """q (H, N, D) of a flat batch -> (H, N, D): the decode rows in one masked kernel (one call per
-    chunk of quantised keys), each prompt chunk over its own sequence's read. `window` is the layer's;
+    """q (H, N, D) of a flat batch -> (H, N, D): each bucket of decode rows in one masked kernel (one
+    call per chunk of quantised keys), each prompt chunk over its own sequence's read. `window` is the layer's;
     the read's horizon (a KV budget) narrows it."""
     H, N, D = q.shape
     if read.horizon is not None:
         window = read.horizon if window is None else min(window, read.horizon)
     decode = read.decode
-    if decode is not None and decode.rows is None and not read.prefill:
-        return _attend_decode(q, decode.chunks, sinks, window, kv_heads)
+    if len(decode) == 1 and decode[0].rows is None and not read.prefill:
+        return _attend_decode(q, decode[0].chunks, sinks, window, kv_heads)
     out = q.new_empty(H, N, D)
-    if decode is not None:
-        out[:, decode.rows] = _attend_decode(q[:, decode.rows], decode.chunks, sinks, window, kv_heads)
+    for rows in decode:  # a bucket of one-token rows of similar length
+        out[:, rows.rows] = _attend_decode(q[:, rows.rows], rows.chunks, sinks, window, kv_heads)
     for offset, length, start_pos, part in read.prefill:
         rows = q[None, :, offset : offset + length]  # (1, H, T, D)
         out[:, offset : offset + length] = attend(rows, part, sinks, start_pos - part.first, window)[0]
