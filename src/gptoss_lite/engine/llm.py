@@ -71,9 +71,27 @@ class EngineStats:
     kv_bytes: int = 0  # bytes allocated for K/V (both pools, scales and full-precision tails included)
 
 
+def _checkpoint_revision(source: str, model_dir: Path | None, config: object) -> str:
+    """The weights' revision from the checkpoint's identity, without reading a tensor: for a directory,
+    every file's name, size and modification time (a rewritten or replaced checkpoint gets a new
+    revision); for a preset name (seeded weights), the name and its config. The engine's prefix cache
+    keys on it, so a prefix cached under one checkpoint is never a hit under another."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(repr(config).encode())
+    if model_dir is None:
+        h.update(f"preset:{source}".encode())
+        return h.hexdigest()
+    for path in sorted(model_dir.iterdir()):
+        if path.is_file():
+            stat = path.stat()
+            h.update(f"{path.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+    return h.hexdigest()
+
+
 def _weights_revision(model: GPTOSS) -> str:
-    """A fingerprint of the weights (config, names, shapes and a checksum of every tensor), so that a
-    prefix cached under one set of weights is never a hit under another."""
+    """A fingerprint of an in-memory model's weights (config, names, shapes and a checksum of every
+    tensor): a model handed to the engine as an object has no checkpoint to name it, so this reads
+    every weight once (pass `revision=` to skip it)."""
     h = hashlib.blake2b(digest_size=8)
     h.update(repr(model.config).encode())
     with torch.no_grad():
@@ -116,6 +134,7 @@ class LLM:
         max_batch_tokens = check_int("max_batch_tokens", max_batch_tokens, 1)
         max_running = check_int("max_running", max_running, 1)
         self.chat_template: str | None = None
+        source_name: str | None = None  # the checkpoint directory or preset the model was loaded from
         if isinstance(model, GPTOSS):
             if dtype is not None or device is not None:
                 model.prepare_for_inference(device, dtype)
@@ -124,7 +143,7 @@ class LLM:
             self.model_name = "model"
             model_dir = None
         else:
-            source = str(model)
+            source = source_name = str(model)
             model_dir = Path(source) if Path(source).is_dir() else None
             self.model_name = model_dir.name if model_dir is not None else source
             model = load_model(source, device=device, dtype=dtype)
@@ -180,7 +199,7 @@ class LLM:
             self.max_model_len = min(self.max_model_len, store.pools[next(iter(store.pools))].total_blocks * block_size)
         self.kv = KVManager(
             store,
-            revision=revision if revision is not None else _weights_revision(model),
+            revision=revision if revision is not None else self._default_revision(model, source_name, model_dir),
             enable_prefix_caching=enable_prefix_caching,
             kv_budget=kv_budget,
         )
@@ -197,6 +216,13 @@ class LLM:
         self._check_pool_fits(max_batch_tokens)
 
     # ------------------------------------------------------------------ setup helpers
+
+    @staticmethod
+    def _default_revision(model: GPTOSS, source: str | None, model_dir: Path | None) -> str:
+        """The checkpoint's identity when the engine loaded it; a checksum of an in-memory model."""
+        if source is None:
+            return _weights_revision(model)
+        return _checkpoint_revision(source, model_dir, (model.config, model.embed.weight.dtype))
 
     def _default_blocks(
         self, block_size: int, max_running: int, max_batch_tokens: int, dtype: torch.dtype, budget: int
