@@ -159,9 +159,9 @@ class PagedBatch:
         pad = torch.zeros(rows - Bd, dtype=torch.long, device=self.store.device)
         order = torch.cat([torch.arange(Bd, device=pad.device), pad])  # (rows,): row i reads decode row order[i]
         tables, slots, distances = {}, {}, {}
+        dev = self.store.device
         for kind in self.store.pools:
             table, distance = _decode_table(self.decode, kind, self.store.block_size)  # one table, padded
-            dev = self.store.device
             table, distance = table.to(dev)[order], distance.to(dev)[order]
             if table.shape[1] == 1:  # a width of 1 would get a graph of its own: add a hidden column
                 table = torch.cat([table, torch.zeros_like(table)], dim=1)
@@ -220,13 +220,8 @@ class PagedDecode:
     ) -> None:
         self.k, self.v = store.k, store.v
         self.kinds = [store.kind(layer) for layer in range(len(store.k))]
-        self._positions, self.tables, self.slots, self.distances, self._horizon = (
-            positions,
-            tables,
-            slots,
-            distances,
-            horizon,
-        )
+        self._positions, self._horizon = positions, horizon
+        self.tables, self.slots, self.distances = tables, slots, distances
         for t in (positions, *tables.values(), *slots.values(), *distances.values()):
             torch._dynamo.maybe_mark_dynamic(t, 0)
         for t in (*tables.values(), *distances.values()):

@@ -191,10 +191,14 @@ class GrowingBuffer(_LayerStore):
         vb[:, :, self.num_resident : needed] = v
         self.advance(T)
 
-    def advance(self, T: int) -> None:
-        """Count T tokens whose K/V were written at their slots (by `append`, or by a compiled step)."""
+    def check_room(self, T: int) -> None:
+        """MemoryError unless T more tokens fit in the allocated slots."""
         if self.num_resident + T > self.capacity:
             raise MemoryError(f"full-layer KV buffer holds {self.capacity} slots; {self.num_resident} + {T} do not fit")
+
+    def advance(self, T: int) -> None:
+        """Count T tokens whose K/V were written at their slots (by `append`, or by a compiled step)."""
+        self.check_room(T)
         self.num_resident += T
         self.num_tokens += T
 
@@ -358,11 +362,9 @@ class MixedKVCache(RollbackKVCache):
     def advance(self, T: int) -> None:
         """Count T tokens per row that a static step wrote into every layer's slots. MemoryError (cache
         unchanged) when a full layer has no room for them."""
-        for store in self.layers:
-            if isinstance(store, GrowingBuffer) and store.num_resident + T > store.capacity:
-                raise MemoryError(
-                    f"full-layer KV buffer holds {store.capacity} slots; {store.num_resident} + {T} do not fit"
-                )
+        for store in self.layers:  # every layer checked before any moves: nothing half-advanced
+            if isinstance(store, GrowingBuffer):
+                store.check_room(T)
         for store in self.layers:
             store.advance(T)
 

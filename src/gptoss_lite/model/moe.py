@@ -62,7 +62,9 @@ class Experts(nn.Module):
 
     def _packed_gate_up(self) -> tuple[torch.Tensor, torch.Tensor | None, bool] | None:
         """The packed (weight, bias, input_major) while the parameters still live in it (e.g. not after
-        .to(dtype))."""
+        .to(dtype)); not re-checked when traced, as `Attention._packed_qkv`."""
+        if torch.compiler.is_compiling():
+            return self._gate_up
         if self._gate_up is not None:
             buf, bias, input_major = self._gate_up
             split = self.gate_proj.shape[1]
@@ -138,7 +140,7 @@ class Experts(nn.Module):
         weights, nothing copied -> their outputs (B, A, C) rounded to the dtype, each times its weight
         (B, A) when given, rounded again."""
         dt = h.dtype
-        packed = self._gate_up if torch.compiler.is_compiling() else self._packed_gate_up()  # as Attention's
+        packed = self._packed_gate_up()
         if packed is None or packed[2]:
             raise ValueError(
                 "decode_step needs out-major expert weights; build the model with "

@@ -61,7 +61,10 @@ class Attention(nn.Module):
 
     def _packed_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None, bool] | None:
         """The packed (weight, bias, input_major) while the parameters still live in it (e.g. not after
-        .to(dtype))."""
+        .to(dtype)). Traced by torch.compile the check is skipped (data_ptr cannot be traced):
+        `CompiledDecoder.current` refuses weights that moved since the model was prepared."""
+        if torch.compiler.is_compiling():
+            return self._qkv
         if self._qkv is not None:
             buf, bias, input_major = self._qkv
             q, kv, split = self.q_proj, self.kv_proj, self.q_proj.weight.shape[0]
@@ -83,7 +86,7 @@ class Attention(nn.Module):
         """
         if self.sink_clamp is None:
             return self.sinks
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():  # a traced step clamps in its graph
             return self.sinks.clamp(*self.sink_clamp)
         key = (self.sinks.data_ptr(), self.sinks._version)
         if self._clamped_sinks is None or self._clamped_sinks[0] != key:
@@ -150,9 +153,7 @@ class Attention(nn.Module):
         B = h.shape[0]
         H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
         dt = h.dtype
-        # Traced, the packing is not re-checked (data_ptr cannot be traced): `CompiledDecoder.current`
-        # refuses weights that moved since the model was prepared.
-        packed = self._qkv if torch.compiler.is_compiling() else self._packed_qkv()
+        packed = self._packed_qkv()
         if packed is None or packed[2]:
             raise ValueError(
                 "decode_step needs out-major q/kv weights; build the model with "
@@ -168,8 +169,7 @@ class Attention(nn.Module):
         if horizon is not None:
             window = horizon if window is None else min(window, horizon)
         bias = distance_bias(distance, window)[:, None, None, :]  # (B or 1, 1, 1, S)
-        sinks = self.sinks if self.sink_clamp is None else self.sinks.clamp(*self.sink_clamp)
-        sink = sinks.float().view(1, K, H // K, 1)
+        sink = self.sink_logits().float().view(1, K, H // K, 1)
         rows = q.float().view(B, K, H // K, D)
         att = masked_decode(rows, keys.float(), values.float(), bias, sink, round_to=dt)  # (B, K, G, D)
         return decode_linear(att.reshape(B, H * D), self.o_proj.weight, self.o_proj.bias)
