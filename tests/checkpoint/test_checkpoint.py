@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -496,13 +497,108 @@ def test_mxfp4_checkpoint_loads_dequantised(tmp_path):
         tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
         expected[name] = dequantize_mxfp4(blocks, scales)
     _rewrite(tmp_path, tensors)
-    loaded = load_model(tmp_path)
+    loaded = load_model(tmp_path, mxfp4="dequantize")
     hf = native_to_hf(loaded.state_dict(), HF_TINY)
     assert all(torch.equal(hf[k], v) for k, v in expected.items())
     # and an orphan scale tensor is refused by name
     tensors["model.layers.0.mlp.experts.extra_scales"] = scales.clone()
     _rewrite(tmp_path, tensors)
     with pytest.raises(ValueError, match=r"scales without blocks: \['model\.layers\.0\.mlp\.experts\.extra_scales'\]"):
+        load_model(tmp_path, mxfp4="dequantize")
+    with pytest.raises(ValueError, match=r"unexpected tensor model\.layers\.0\.mlp\.experts\.extra_scales"):
+        load_model(tmp_path)
+
+
+def _mxfp4_dir(tmp_path, dtype=torch.float32):
+    """An HF directory of HF_TINY with MXFP4 experts, as save_hf writes a packed model."""
+    model = _hf_model().to(dtype).use_mxfp4_experts()
+    save_hf(model, tmp_path)
+    return model
+
+
+def test_mxfp4_checkpoint_loads_packed_and_round_trips(tmp_path):
+    """By default on a CPU the experts stay packed: the file's own codes, memory-mapped, equal logits."""
+    from gptoss_lite.model.moe import MXFP4Experts
+
+    model = _mxfp4_dir(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "mxfp4"
+    packed = load_model(tmp_path)
+    dense = load_model(tmp_path, mxfp4="dequantize")
+    assert isinstance(packed.blocks[0].moe.experts, MXFP4Experts)
+    assert not dense.mxfp4_experts
+    for name, t in model.state_dict().items():
+        assert torch.equal(packed.state_dict()[name], t), name
+    ids = torch.randint(0, HF_TINY.vocab_size, (1, 50), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (packed(ids).logits - dense(ids).logits).abs().max().item() <= 1e-4
+    again = tmp_path / "again"
+    save_hf(packed, again)  # packed out, packed in, byte for byte
+    for name, t in load_file(str(again / WEIGHTS_NAME)).items():
+        assert torch.equal(t, load_file(str(tmp_path / WEIGHTS_NAME))[name]), name
+
+
+def test_mxfp4_bf16_dense_weights_stay_bf16(tmp_path):
+    _mxfp4_dir(tmp_path, torch.bfloat16)
+    model = load_model(tmp_path)
+    assert model.embed.weight.dtype == torch.bfloat16
+    assert model.blocks[0].moe.experts.gate_up_blocks.dtype == torch.uint8
+    assert model.blocks[0].moe.experts.gate_up_bias.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (
+            lambda t: t.update({K + "down_proj_scales": t[K + "down_proj_scales"][:, :, :1].clone()}),
+            r"tensor model\.layers\.1\.mlp\.experts\.down_proj_scales: shape \[4, 64, 1\] in checkpoint, "
+            r"model expects \[4, 64, 2\]",
+        ),
+        (
+            lambda t: t.update({K + "gate_up_proj_blocks": t[K + "gate_up_proj_blocks"].reshape(4, 128, 4, 8).clone()}),
+            r"gate_up_proj_blocks: shape \[4, 128, 4, 8\] in checkpoint, model expects \[4, 128, 2, 16\]",
+        ),
+        (
+            lambda t: t.update({K + "down_proj_blocks": t[K + "down_proj_blocks"].to(torch.int16)}),
+            r"down_proj_blocks: dtype torch\.int16, expected uint8 MXFP4 codes",
+        ),
+        (
+            lambda t: t[K + "down_proj_scales"].view(-1)[5:6].fill_(255),
+            r"MXFP4 scales hold the NaN code 255: \['model\.layers\.1\.mlp\.experts\.down_proj_scales'\]",
+        ),
+        (lambda t: t.pop(K + "down_proj_scales"), r"missing tensor model\.layers\.1\.mlp\.experts\.down_proj_scales"),
+    ],
+)
+def test_bad_mxfp4_tensors_are_one_clear_error(tmp_path, edit, match):
+    _mxfp4_dir(tmp_path)
+    tensors = load_file(str(tmp_path / WEIGHTS_NAME))
+    edit(tensors)
+    _rewrite(tmp_path, tensors)
+    with pytest.raises(ValueError, match=match):
+        load_model(tmp_path)
+
+
+K = "model.layers.1.mlp.experts."
+
+
+def test_truncated_shard_and_missing_index_entry_are_named(tmp_path):
+    from gptoss_lite.checkpoint import INDEX_NAME
+
+    model = _hf_model().use_mxfp4_experts()
+    save_hf(model, tmp_path, max_shard_bytes=20_000)
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    index = json.loads((tmp_path / INDEX_NAME).read_text())
+    files = list(index["weight_map"].values())
+    dropped = next(k for k, f in index["weight_map"].items() if files.count(f) > 1)
+    del index["weight_map"][dropped]
+    (tmp_path / INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=rf"in the file but not the index \['{re.escape(dropped)}'\]"):
+        load_model(tmp_path)
+    save_hf(model, tmp_path, max_shard_bytes=20_000)
+    data = shards[-1].read_bytes()
+    shards[-1].write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=rf"{re.escape(shards[-1].name)}: not a readable safetensors file"):
         load_model(tmp_path)
 
 

@@ -170,7 +170,7 @@ def test_mxfp4_copy_loads_to_dequantised(tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4"}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    ours = load_model(tmp_path)
+    ours = load_model(tmp_path, mxfp4="dequantize")
     for i in range(4):
         gate_up = reference[f"model.layers.{i}.mlp.experts.gate_up_proj"]  # (E, C, 2I)
         experts = ours.blocks[i].moe.experts
@@ -200,3 +200,38 @@ def test_save_hf_loads_in_transformers(original, tmp_path):
         ref = hf(ids, attention_mask=torch.ones_like(ids)).logits
         got = model(ids).logits
     assert (got - ref).abs().max().item() < TOL
+
+
+def test_packed_mxfp4_checkpoint_matches_transformers(tmp_path):
+    """A tiny MXFP4 checkpoint, loaded packed, gives transformers' logits on the same weight values
+    (transformers holding them dequantised, as it does on a CPU), and the same greedy tokens."""
+    hf, _ = _hf_model(256, tmp_path)
+    tensors = load_file(str(tmp_path / WEIGHTS_NAME))
+    with torch.no_grad():
+        for name in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            blocks, scales = quantize_mxfp4(tensors.pop(name))
+            tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+            getattr(hf.model.layers[int(name.split(".")[2])].mlp.experts, name.rsplit(".", 1)[1]).copy_(
+                dequantize_mxfp4(blocks, scales)
+            )
+    save_file(tensors, str(tmp_path / WEIGHTS_NAME))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    ours = load_model(tmp_path)
+    assert ours.mxfp4_experts
+    ids = torch.randint(0, 264, (2, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=torch.ones_like(ids)).logits
+        got = ours(ids).logits
+    assert (got - ref).abs().max().item() <= TOL
+    with torch.no_grad():
+        want = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=24,
+            min_new_tokens=24,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    assert torch.equal(generate(ours, ids, 24, temperature=0, prefill_chunk=16), want)

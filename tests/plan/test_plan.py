@@ -446,3 +446,24 @@ def test_hf_config_validation():
         P.geometry_from_hf_config(
             {"num_hidden_layers": 1, "num_attention_heads": 1, "head_dim": 8, "layer_types": ["chunked"]}
         )
+
+
+def test_gpt_oss_weights_are_counted_with_mxfp4_experts():
+    """gpt-oss-20b as released: bf16 dense weights, routed experts at 4.25 bits (resident 13.76 GB, 3.71 GB
+    read per decode step); the same counts at 16 bits give the dequantised 41.83 / 7.22 GB."""
+    from gptoss_lite.commands.plan import build_report
+
+    w = P.MODEL_WEIGHTS["gpt-oss-20b"]
+    cfg = PRESETS["gpt-oss-20b"]
+    experts = cfg.n_layers * cfg.n_experts * 3 * cfg.d_model * cfg.expert_hidden
+    assert w.expert_parameters == experts and w.active_expert_parameters == experts * cfg.top_k // cfg.n_experts
+    dense = w.total_parameters - experts
+    assert w.resident_weight_bytes == math.ceil(dense * 2 + experts * 4.25 / 8)
+    assert round(w.resident_weight_bytes / 1e9, 2) == 13.76 and round(w.streamed_weight_bytes / 1e9, 2) == 3.71
+    args = dict(hardware="a100-80gb", contexts=[4096], batches=[1], kv_bits=[16], chunk=2048)
+    packed = build_report("gpt-oss-20b", **args)["model"]
+    dequantised = build_report("gpt-oss-20b", **args, expert_bits=16)["model"]
+    assert packed["expert_bytes_per_parameter"] == 4.25 / 8
+    assert round(dequantised["resident_weight_bytes"] / 1e9, 2) == 41.83
+    assert round(dequantised["streamed_weight_bytes"] / 1e9, 2) == 7.22
+    assert P.MODEL_WEIGHTS["gptoss-lite-502m"].expert_bytes == 2.0  # ours: stored like the rest

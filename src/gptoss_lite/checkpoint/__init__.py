@@ -2,7 +2,6 @@
 
 native.py  save_model / load_model / default_model_source, strict validation
 hf.py      GptOssForCausalLM layout: config mapping, key mapping, save_hf
-mxfp4.py   MXFP4 expert weights: dequantise on load, quantise for tests
 io.py      safetensors directory reading/writing (sharding, atomic replace)
 state_dict.py  check_state_dict: the strict names/shapes/finiteness check both readers run
 """
@@ -16,7 +15,6 @@ from gptoss_lite.checkpoint.hf import (
     save_hf,
 )
 from gptoss_lite.checkpoint.io import CONFIG_NAME, INDEX_NAME, WEIGHTS_NAME, read_tensors
-from gptoss_lite.checkpoint.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from gptoss_lite.checkpoint.native import (
     DEFAULT_MODEL,
     FALLBACK_PRESET,
@@ -28,6 +26,7 @@ from gptoss_lite.checkpoint.native import (
     save_model,
 )
 from gptoss_lite.checkpoint.state_dict import check_state_dict
+from gptoss_lite.kernels.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 
 __all__ = [
     "save_model",

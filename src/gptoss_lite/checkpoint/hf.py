@@ -9,7 +9,8 @@ This is both the layout of the released checkpoints once MXFP4 is dequantised an
 transformers 5.23 `save_pretrained` writes for an unquantised model (GptOssExperts holds exactly
 these parameters and 5.23 has no save-time conversion for gpt_oss; pinned by tests/test_hf_oracle.py).
 Released checkpoints store gate_up_proj / down_proj as MXFP4 `*_blocks` / `*_scales` in the
-(out, in) orientation; they are dequantised and transposed here (see mxfp4.py).
+(out, in) orientation (docs/mxfp4.md). They are either kept as they are, for `MXFP4Experts`, or
+dequantised and transposed here.
 
 Ours stores every expert matrix nn.Linear-style (out × in) with separate gate/up, and fuses K and
 V into one kv_proj (K rows first); the mapping below converts between the two exactly.
@@ -32,9 +33,10 @@ from gptoss_lite.checkpoint.io import (
     read_tensors,
     write_checkpoint_dir,
 )
-from gptoss_lite.checkpoint.mxfp4 import dequantize_mxfp4
 from gptoss_lite.checkpoint.state_dict import check_state_dict
 from gptoss_lite.config import FULL, SLIDING, ModelConfig
+from gptoss_lite.kernels.mxfp4 import BLOCK as MXFP4_BLOCK
+from gptoss_lite.kernels.mxfp4 import NAN_SCALE, dequantize_mxfp4
 
 SWIGLU_ALPHA = (
     1.702  # sigmoid gain of the gpt-oss activation, fixed in our model code (docs/model.md#gpt-oss-family-knobs)
@@ -49,6 +51,16 @@ _HF_DEFAULT_ROPE = {
     "original_max_position_embeddings": 4096,
 }
 _HF_DEFAULT_THETA = 150_000.0
+# What the released gpt-oss config.json says of its MXFP4 experts; save_hf writes it for packed experts.
+MXFP4_QUANTIZATION_CONFIG = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+}
 
 
 # ---- config -----------------------------------------------------------------------------------------
@@ -147,7 +159,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> ModelConfig:
     if quant is not None and not isinstance(quant, Mapping):
         raise ValueError(f'quantization_config={quant!r}: must be an object such as {{"quant_method": "mxfp4"}}')
     if quant is not None and quant.get("quant_method") != "mxfp4":
-        raise ValueError(f"quantization_config {quant}: only MXFP4 (dequantised on load) is supported")
+        raise ValueError(f"quantization_config {quant}: only MXFP4 is supported")
     layer_types = hf.get("layer_types")
     if layer_types is not None and (isinstance(layer_types, str) or not isinstance(layer_types, (list, tuple))):
         raise ValueError(f"layer_types={layer_types!r}: must be a list of 'sliding_attention'/'full_attention'")
@@ -285,8 +297,9 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
 # ---- tensors ----------------------------------------------------------------------------------------
 
 
-def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor name of the (unquantised) HF layout for `cfg`, with its shape."""
+def hf_shapes(cfg: ModelConfig, mxfp4: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every tensor name of the HF layout for `cfg`, with its shape: unquantised, or with the expert
+    matrices as MXFP4 `*_blocks` / `*_scales` (the released checkpoints' layout) when `mxfp4`."""
     C, H, K, D, E, I = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_experts, cfg.expert_hidden
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, C), "model.norm.weight": (C,)}
     if not cfg.tie_embeddings:
@@ -319,6 +332,13 @@ def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                     p + "self_attn.o_proj.bias": (C,),
                 }
             )
+    if mxfp4:
+        for i in range(cfg.n_layers):
+            p = f"model.layers.{i}.mlp.experts."
+            del out[p + "gate_up_proj"], out[p + "down_proj"]
+            for name, (rows, n_in) in (("gate_up_proj", (2 * I, C)), ("down_proj", (C, I))):
+                out[p + name + "_blocks"] = (E, rows, n_in // MXFP4_BLOCK, MXFP4_BLOCK // 2)
+                out[p + name + "_scales"] = (E, rows, n_in // MXFP4_BLOCK)
     return out
 
 
@@ -340,12 +360,25 @@ def _dequantize_experts(state: dict[str, torch.Tensor], dtype: torch.dtype) -> N
         raise ValueError(f"MXFP4 scales without blocks: {orphans}")
 
 
-def load_hf_state_dict(directory: str | Path, cfg: ModelConfig | None = None) -> dict[str, torch.Tensor]:
-    """Read an HF gpt-oss directory into a NATIVE state dict (strictly checked, MXFP4 dequantised).
+def _check_scales(state: Mapping[str, torch.Tensor], source: str) -> None:
+    """Every MXFP4 scale is a number: the E8M0 code 255 means NaN."""
+    bad = sorted(k for k, t in state.items() if k.endswith("_scales") and bool((t == NAN_SCALE).any()))
+    if bad:
+        raise ValueError(f"{source}: MXFP4 scales hold the NaN code {NAN_SCALE}: {bad}")
 
-    The HF tensors are checked by their HF names first (missing / unexpected / both shapes /
-    non-finite), so errors name what is actually in the files.
+
+def load_hf_state_dict(
+    directory: str | Path, cfg: ModelConfig | None = None, mxfp4: str = "dequantize"
+) -> dict[str, torch.Tensor]:
+    """Read an HF gpt-oss directory into a NATIVE state dict, strictly checked.
+
+    MXFP4 experts are dequantised (`mxfp4="dequantize"`) or kept as stored (`"packed"`, for
+    `MXFP4Experts`: the codes stay the file's memory-mapped tensors). The HF tensors are checked by
+    their HF names first (missing / unexpected / both shapes / dtype / non-finite), so errors name
+    what is actually in the files.
     """
+    if mxfp4 not in ("dequantize", "packed"):
+        raise ValueError(f"mxfp4={mxfp4!r}: must be 'dequantize' or 'packed'")
     directory = Path(directory)
     if cfg is None:
         try:
@@ -355,15 +388,20 @@ def load_hf_state_dict(directory: str | Path, cfg: ModelConfig | None = None) ->
                 raise
             raise ValueError(f"{directory / CONFIG_NAME}: {e}") from None
     state = read_tensors(directory)
-    floats = {t.dtype for t in state.values() if t.is_floating_point()}
-    _dequantize_experts(state, floats.pop() if len(floats) == 1 else torch.float32)
+    packed = mxfp4 == "packed" and any(k.endswith("_blocks") for k in state)
+    if packed:
+        _check_scales(state, str(directory))
+    else:
+        floats = {t.dtype for t in state.values() if t.is_floating_point()}
+        _dequantize_experts(state, floats.pop() if len(floats) == 1 else torch.float32)
     if cfg.tie_embeddings and "lm_head.weight" in state:
         # Some writers store the tied head anyway; accept it only if it really is the embedding.
         head = state.pop("lm_head.weight")
         emb = state.get("model.embed_tokens.weight")
         if emb is not None and not (head.shape == emb.shape and torch.equal(head, emb)):
             raise ValueError("tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight")
-    check_state_dict(hf_shapes(cfg), state, str(directory))
+    codes = [k for k in state if k.endswith(("_blocks", "_scales"))] if packed else ()
+    check_state_dict(hf_shapes(cfg, mxfp4=packed), state, str(directory), codes)
     return hf_to_native(state, cfg, consume=True)
 
 
@@ -397,6 +435,13 @@ def hf_to_native(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, consume: bool
             out[n + "attn.o_proj.bias"] = take(p + "self_attn.o_proj.bias")
         out[n + "moe.router.weight"] = take(p + "mlp.router.weight")
         out[n + "moe.router.bias"] = take(p + "mlp.router.bias")
+        e = p + "mlp.experts."
+        if e + "gate_up_proj_blocks" in hf:  # MXFP4Experts: the stored tensors themselves, nothing copied
+            for ours, theirs in (("gate_up", "gate_up_proj"), ("down", "down_proj")):
+                for part in ("blocks", "scales"):
+                    out[n + f"moe.experts.{ours}_{part}"] = take(e + f"{theirs}_{part}")
+                out[n + f"moe.experts.{ours}_bias"] = take(e + f"{theirs}_bias")
+            continue
         gate_up = take(p + "mlp.experts.gate_up_proj")  # (E, C, 2I), interleaved columns
         hidden = gate_up.shape[-1] // 2
         packed = torch.cat((gate_up[..., 0::2], gate_up[..., 1::2]), dim=-1)  # (E, C, 2I): gate | up
@@ -431,6 +476,11 @@ def native_to_hf(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[st
         router_w = state[n + "moe.router.weight"]
         out[p + "mlp.router.weight"] = router_w
         out[p + "mlp.router.bias"] = state.get(n + "moe.router.bias", router_w.new_zeros(E))
+        if n + "moe.experts.gate_up_blocks" in state:  # MXFP4Experts hold the HF layout already
+            for ours, theirs in (("gate_up", "gate_up_proj"), ("down", "down_proj")):
+                for part in ("blocks", "scales", "bias"):
+                    out[p + f"mlp.experts.{theirs}_{part}"] = state[n + f"moe.experts.{ours}_{part}"]
+            continue
         gate, up = state[n + "moe.experts.gate_proj"], state[n + "moe.experts.up_proj"]  # (E, I, C)
         gate_up = torch.stack((gate, up), dim=2).reshape(E, 2 * I, -1)  # rows g0, u0, g1, u1, …
         out[p + "mlp.experts.gate_up_proj"] = gate_up.transpose(1, 2).contiguous()  # (E, C, 2I)
@@ -453,4 +503,6 @@ def save_hf(model, directory: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHA
     hf_config = config_to_hf(cfg)
     state = {k: v.detach() for k, v in model.state_dict().items()}
     hf_config["dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+    if getattr(model, "mxfp4_experts", False):
+        hf_config["quantization_config"] = dict(MXFP4_QUANTIZATION_CONFIG)
     return write_checkpoint_dir(directory, hf_config, native_to_hf(state, cfg), max_shard_bytes)

@@ -93,7 +93,7 @@ def _resolve_dtype(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None)
         if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"dtype={dtype!r}: must be a floating torch.dtype")
         return dtype
-    stored = {t.dtype for t in state.values()}
+    stored = {t.dtype for t in state.values() if t.is_floating_point()}  # not the uint8 MXFP4 codes
     return stored.pop() if len(stored) == 1 else torch.float32
 
 
@@ -111,10 +111,16 @@ def model_from_state_dict(
     """
     with torch.device("meta"):
         model = GPTOSS(cfg)  # no memory, no random init: every parameter comes from `state`
-    check_state_dict({k: tuple(v.shape) for k, v in model.state_dict().items()}, state, source)
+        if any(k.endswith("experts.gate_up_blocks") for k in state):
+            model.use_mxfp4_experts()
+    expected = model.state_dict()
+    codes = [k for k, v in expected.items() if v.dtype == torch.uint8]
+    check_state_dict({k: tuple(v.shape) for k, v in expected.items()}, state, source, codes)
     dtype = _resolve_dtype(state, dtype)
     device = torch.device(device) if device is not None else torch.device("cpu")
-    model.load_state_dict({k: v.to(device=device, dtype=dtype) for k, v in state.items()}, strict=True, assign=True)
+    # Tensors already in the asked device and dtype are taken as they are (memory-mapped from the file).
+    state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
     # Non-persistent buffers (rotary inverse frequencies) are not in the checkpoint: rebuild them.
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
@@ -124,19 +130,32 @@ def model_from_state_dict(
     return model.prepare_for_inference()
 
 
+MXFP4_MODES = ("auto", "packed", "dequantize")
+
+
 def load_model(
-    source: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | None = None, seed: int = 0
+    source: str | Path,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+    mxfp4: str = "auto",
 ) -> GPTOSS:
     """Load a GPTOSS from a directory or a preset name, prepared for inference (eval mode, on
     `device`, in `dtype`, decode-packed weights: `GPTOSS.prepare_for_inference`).
 
     - a directory with our config.json ("format_version") -> native layout;
-    - a directory with an HF gpt-oss config.json (model_type "gpt_oss") -> HF layout (MXFP4 experts
-      are dequantised);
+    - a directory with an HF gpt-oss config.json (model_type "gpt_oss") -> HF layout. MXFP4 experts
+      stay packed (`mxfp4="packed"`: `MXFP4Experts`, 4.25 bits per weight, read by the kernels in
+      `gptoss_lite.kernels.mxfp4`) or are dequantised to the dense dtype (`"dequantize"`); `"auto"`
+      packs them on a CPU and dequantises elsewhere. `dtype` applies to the dense weights and biases;
     - a preset or test-fixture name (`fixtures.resolve_config`) -> RANDOM weights seeded by `seed`
       (announced with a warning).
     Loading is strict (see check_state_dict) and never unpickles.
     """
+    if mxfp4 not in MXFP4_MODES:
+        raise ValueError(f"mxfp4={mxfp4!r}: must be one of {MXFP4_MODES}")
+    if mxfp4 == "auto":
+        mxfp4 = "packed" if device is None or torch.device(device).type == "cpu" else "dequantize"
     cfg, layout = read_model_config(source)
     if layout == "preset":
         warnings.warn(
@@ -146,7 +165,7 @@ def load_model(
         model.reset_parameters(seed)
         return model.prepare_for_inference(device, dtype)
     directory = Path(source)
-    state = load_hf_state_dict(directory, cfg) if layout == "hf" else read_tensors(directory)
+    state = load_hf_state_dict(directory, cfg, mxfp4) if layout == "hf" else read_tensors(directory)
     return model_from_state_dict(cfg, state, str(directory), device, dtype)
 
 

@@ -6,16 +6,22 @@ neither: each imports it from here, and neither imports the other for it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 
 
-def check_state_dict(expected: Mapping[str, tuple[int, ...]], state: Mapping[str, torch.Tensor], source: str) -> None:
+def check_state_dict(
+    expected: Mapping[str, tuple[int, ...]],
+    state: Mapping[str, torch.Tensor],
+    source: str,
+    codes: Collection[str] = (),
+) -> None:
     """Raise ValueError unless `state` has exactly the expected names and shapes, all finite.
 
-    Every problem is listed (missing, unexpected, mis-shaped with both shapes, non-finite), so one
-    error message shows everything that is wrong with a checkpoint.
+    `codes` names the tensors that hold packed uint8 codes (MXFP4 blocks and scales) rather than
+    floating-point values. Every problem is listed (missing, unexpected, mis-shaped with both shapes,
+    wrong dtype, non-finite), so one error message shows everything that is wrong with a checkpoint.
     """
     problems = []
     for name in sorted(set(expected) - set(state)):
@@ -26,6 +32,9 @@ def check_state_dict(expected: Mapping[str, tuple[int, ...]], state: Mapping[str
         got = tuple(state[name].shape)
         if got != tuple(expected[name]):
             problems.append(f"tensor {name}: shape {list(got)} in checkpoint, model expects {list(expected[name])}")
+        elif name in codes:
+            if state[name].dtype != torch.uint8:
+                problems.append(f"tensor {name}: dtype {state[name].dtype}, expected uint8 MXFP4 codes")
         elif not state[name].is_floating_point():
             problems.append(f"tensor {name}: dtype {state[name].dtype} is not floating point")
         elif not bool(torch.isfinite(state[name]).all()):

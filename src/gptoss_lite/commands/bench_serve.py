@@ -57,9 +57,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
 
-    from gptoss_lite.commands.common import configure_threads, engine_kv_kwargs, resolve_device
+    from gptoss_lite.commands.common import configure_threads, engine_kv_kwargs, resolve_device, torch_dtype
     from gptoss_lite.engine import LLM
     from gptoss_lite.validation import check_int
 
@@ -80,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         max_batch_tokens=args.max_batch_tokens,
         max_running=args.max_running,
-        dtype=getattr(torch, args.dtype),
+        dtype=torch_dtype(args.dtype),
         device=resolve_device(args.device),
         enable_prefix_caching=not args.no_prefix_caching,
         **kv_kwargs,

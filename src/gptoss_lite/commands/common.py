@@ -19,10 +19,21 @@ def add_model_arg(parser: argparse.ArgumentParser) -> None:
         "(seeded random weights); default: the shipped demo model",
     )
     parser.add_argument(
-        "--dtype", choices=("float32", "bfloat16"), default="float32", help="weight/activation dtype (default: float32)"
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="dense weight/activation dtype (default: auto, the checkpoint's own: float32 for the demo model "
+        "and presets, bfloat16 for gpt-oss; MXFP4 experts stay packed either way)",
     )
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
     add_threads_arg(parser)
+
+
+def torch_dtype(name: str):
+    """--dtype as a torch.dtype, None for auto (the checkpoint's own)."""
+    import torch
+
+    return None if name == "auto" else getattr(torch, name)
 
 
 def add_compile_arg(parser: argparse.ArgumentParser) -> None:
@@ -160,7 +171,6 @@ def load_model_and_tokenizer(args: argparse.Namespace):
     Everything that can be checked from the config is checked before any weight is built or read,
     so a model the tokenizer cannot serve fails at once instead of after generating.
     """
-    import torch
 
     from gptoss_lite.checkpoint import default_model_source, load_model
     from gptoss_lite.checkpoint.native import read_model_config
@@ -179,7 +189,7 @@ def load_model_and_tokenizer(args: argparse.Namespace):
             f"reads only ids 0..{tokenizer.vocab_size - 1}; put the model's tokenizer.json in its "
             "directory or use a byte-vocabulary model (vocab_size 264, e.g. lite-tiny)"
         )
-    model = load_model(source, device=device, dtype=getattr(torch, args.dtype))
+    model = load_model(source, device=device, dtype=torch_dtype(args.dtype))
     if getattr(args, "compile", False):
         model.prepare_for_inference(compile_decode=True)
     return model, tokenizer, source
@@ -260,7 +270,6 @@ def add_speculate_args(parser: argparse.ArgumentParser) -> None:
 def build_speculation(args: argparse.Namespace, model):
     """The `speculate=` argument for generate() from --speculate / --draft-tokens (None for 'none');
     a draft model is loaded like --model, on the same device and dtype."""
-    import torch
 
     from gptoss_lite.speculative import DraftModel, PromptLookup
 
@@ -272,7 +281,7 @@ def build_speculation(args: argparse.Namespace, model):
         return PromptLookup() if k is None else PromptLookup(k=k)
     from gptoss_lite.checkpoint import load_model
 
-    draft = load_model(mode[len("draft:") :], device=args.device, dtype=getattr(torch, args.dtype))
+    draft = load_model(mode[len("draft:") :], device=args.device, dtype=torch_dtype(args.dtype))
     if draft.config.vocab_size != model.config.vocab_size:
         raise ValueError(
             f"--speculate {mode}: the draft's vocab_size {draft.config.vocab_size} differs "

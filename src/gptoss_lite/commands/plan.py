@@ -48,7 +48,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--weight-bits",
         type=float,
         default=16.0,
-        help="bits per stored weight (default: 16 = BF16; about 4.25 for MXFP4 blocks)",
+        help="bits per stored dense weight (default: 16 = BF16)",
+    )
+    p.add_argument(
+        "--expert-bits",
+        type=float,
+        default=None,
+        help="bits per routed-expert weight (default: as the model is stored: 4.25 = MXFP4 for gpt-oss-20b "
+        "and -120b, else --weight-bits)",
     )
     p.add_argument(
         "--context",
@@ -89,6 +96,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 # ---- model resolution ---------------------------------------------------------------------------------
+
+
+def _weight_format(m: dict[str, Any]) -> str:
+    dense = f"{m['bytes_per_parameter'] * 8:g}-bit"
+    if not m["expert_parameters"] or m["expert_bytes_per_parameter"] == m["bytes_per_parameter"]:
+        return dense
+    bits = m["expert_bytes_per_parameter"] * 8
+    return f"{dense}, routed experts {'MXFP4 ' if bits == 4.25 else ''}{bits:g}-bit"
 
 
 def resolve_model(name: str) -> tuple[P.KVGeometry, P.ModelWeights]:
@@ -198,6 +213,7 @@ def build_report(
     devices: int = 1,
     weight_bits: float = 16.0,
     measure: bool = False,
+    expert_bits: float | None = None,
 ) -> dict[str, Any]:
     """Every figure `plan` prints, as a JSON-ready dict (schema: docs/plan.md). `measure` fills real
     caches for the compression scenarios (`measured_bytes`)."""
@@ -211,8 +227,11 @@ def build_report(
         raise ValueError(f"--chunk {chunk}: must be >= 1 token")
     if not (isinstance(weight_bits, (int, float)) and 0 < weight_bits <= 64):
         raise ValueError(f"--weight-bits {weight_bits}: must be in (0, 64]")
+    if expert_bits is not None and not (isinstance(expert_bits, (int, float)) and 0 < expert_bits <= 64):
+        raise ValueError(f"--expert-bits {expert_bits}: must be in (0, 64]")
     geometry, weights = resolve_model(model)
-    weights = dataclasses.replace(weights, bytes_per_parameter=weight_bits / 8)
+    experts = weights.expert_bytes_per_parameter if expert_bits is None else expert_bits / 8
+    weights = dataclasses.replace(weights, bytes_per_parameter=weight_bits / 8, expert_bytes_per_parameter=experts)
     spec = P.get_hardware(hardware)
     hw = P.serving_hardware(spec, weights, devices)
     native_bits = 8 * geometry.bytes_per_element
@@ -306,6 +325,9 @@ def build_report(
             "total_parameters": weights.total_parameters,
             "active_parameters": weights.active_parameters,
             "bytes_per_parameter": weights.bytes_per_parameter,
+            "expert_parameters": weights.expert_parameters,
+            "active_expert_parameters": weights.active_expert_parameters,
+            "expert_bytes_per_parameter": weights.expert_bytes,
             "streamed_weight_bytes": hw.weight_bytes,
             "resident_weight_bytes": hw.resident_bytes,
             "query_heads": weights.query_heads,
@@ -358,7 +380,7 @@ def format_text(r: dict[str, Any]) -> str:
         + f" ({h['source']})",
         f"  model: {shape}, {r['native_kv_bits']}-bit KV; {m['total_parameters']:,} parameters total, "
         f"{m['active_parameters']:,} active per token",
-        f"  weights ({m['bytes_per_parameter'] * 8:g}-bit): {m['streamed_weight_bytes'] / P.GB:.3f} GB read per "
+        f"  weights ({_weight_format(m)}): {m['streamed_weight_bytes'] / P.GB:.3f} GB read per "
         "decode step (active parameters), "
         f"{m['resident_weight_bytes'] / P.GB:.3f} GB resident",
         f"  hardware ({label}): {h['bandwidth_bytes_per_second'] / P.GB:,.0f} GB/s, "
@@ -537,6 +559,7 @@ def run(args: argparse.Namespace) -> int:
         args.devices,
         args.weight_bits,
         measure=args.measured,
+        expert_bits=args.expert_bits,
     )
     if args.json:
         print(json.dumps(report, sort_keys=True, indent=2))

@@ -141,10 +141,9 @@ def check_args(args: argparse.Namespace) -> dict[str, str] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
 
     from gptoss_lite.checkpoint import default_model_source
-    from gptoss_lite.commands.common import configure_threads, engine_kv_kwargs, resolve_device
+    from gptoss_lite.commands.common import configure_threads, engine_kv_kwargs, resolve_device, torch_dtype
     from gptoss_lite.engine import LLM
     from gptoss_lite.server import create_app
     from gptoss_lite.server.http import uvicorn_config
@@ -159,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         max_batch_tokens=args.max_batch_tokens,
         max_running=args.max_running,
-        dtype=getattr(torch, args.dtype),
+        dtype=torch_dtype(args.dtype),
         device=device,
         enable_prefix_caching=not args.no_prefix_caching,
         max_model_len=args.max_model_len,

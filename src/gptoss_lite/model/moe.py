@@ -8,8 +8,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptoss_lite.config import ModelConfig
+from gptoss_lite.kernels.mxfp4 import BLOCK, dequantize_rows, matvec, quantize_mxfp4, reference_rows
 from gptoss_lite.model.decode_pack import input_major_for, pack_pair, pack_rows, still_packed, store_for_decode
 from gptoss_lite.model.matmul import Linear, decode_linear, linear, rounded
+
+
+def activate(gate: torch.Tensor, up: torch.Tensor, activation: str, limit: float) -> torch.Tensor:
+    """The expert MLP's gated activation: SwiGLU, or gpt-oss's clamped variant."""
+    if activation == "swiglu":
+        return F.silu(gate) * up
+    gate = gate.clamp(max=limit)
+    up = up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * 1.702))
 
 
 class Experts(nn.Module):
@@ -77,12 +87,7 @@ class Experts(nn.Module):
         return None
 
     def _activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if self.activation == "swiglu":
-            return F.silu(gate) * up
-        # gpt-oss clamped variant
-        gate = gate.clamp(max=self.limit)
-        up = up.clamp(-self.limit, self.limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * 1.702))
+        return activate(gate, up, self.activation, self.limit)
 
     def mix_one_token(self, x: torch.Tensor, experts: list[int], weights: list[float]) -> torch.Tensor:
         """Σ weights[j] · expert(experts[j], x) for one token x (1, C), on the packed weights when the
@@ -159,6 +164,140 @@ class Experts(nn.Module):
         if down_b is not None:
             out = out + pick(down_b).float()
         out = rounded(out, dt)
+        return out if weights is None else rounded(out * weights[..., None], dt)
+
+
+MATVEC_ROWS = 16  # MXFP4Experts: up to this many rows per expert read the codes; more dequantise a copy
+
+
+class MXFP4Experts(nn.Module):
+    """E expert MLPs whose weights stay packed in MXFP4, as gpt-oss checkpoints store them
+    (docs/mxfp4.md): 4.25 bits per weight where `Experts` holds 16 or 32.
+
+    The tensors are the checkpoint's own, in its layout, so loading copies nothing: gate_up_blocks
+    (E, 2I, C/32, 16) and gate_up_scales (E, 2I, C/32) uint8 with gate and up rows INTERLEAVED (row 2j
+    is gate j, row 2j+1 up j); down_blocks (E, C, I/32, 16) and down_scales (E, C, I/32); biases
+    gate_up_bias (E, 2I, interleaved the same way) and down_bias (E, C) in the model's dtype.
+
+    Same methods as `Experts`, so `MoE` routes the same way: a few rows per expert go through
+    `kernels.mxfp4.matvec`, which reads the codes directly (the decode case); more rows dequantise
+    one expert at a time into a scratch copy for one matmul (prefill). Products are fp32 and every
+    value the eager `Experts` holds in the model's dtype is rounded to it, so this equals
+    `dequantized()` to accumulation order. Inference only.
+    """
+
+    def __init__(self, n: int, d_model: int, hidden: int, activation: str, limit: float, bias: bool):
+        super().__init__()
+        if d_model % BLOCK or hidden % BLOCK:
+            raise ValueError(
+                f"MXFP4 experts need d_model and expert_hidden divisible by {BLOCK}; got {d_model}, {hidden}"
+            )
+        self.activation, self.limit, self.hidden = activation, limit, hidden
+        codes = dict(dtype=torch.uint8)
+        self.register_buffer("gate_up_blocks", torch.zeros(n, 2 * hidden, d_model // BLOCK, BLOCK // 2, **codes))
+        self.register_buffer("gate_up_scales", torch.zeros(n, 2 * hidden, d_model // BLOCK, **codes))
+        self.register_buffer("down_blocks", torch.zeros(n, d_model, hidden // BLOCK, BLOCK // 2, **codes))
+        self.register_buffer("down_scales", torch.zeros(n, d_model, hidden // BLOCK, **codes))
+        self.gate_up_bias = nn.Parameter(torch.zeros(n, 2 * hidden), requires_grad=False) if bias else None
+        self.down_bias = nn.Parameter(torch.zeros(n, d_model), requires_grad=False) if bias else None
+
+    @classmethod
+    @torch.no_grad()
+    def quantize(cls, experts: Experts) -> MXFP4Experts:
+        """`experts` rounded to MXFP4 (`kernels.mxfp4.quantize_mxfp4`); biases kept, in their dtype."""
+        E, hidden, d_model = experts.gate_proj.shape
+        out = cls(E, d_model, hidden, experts.activation, experts.limit, experts.gate_bias is not None)
+        out.to(device=experts.gate_proj.device, dtype=experts.gate_proj.dtype)
+        if experts.gate_proj.is_meta:
+            return out
+        gate_up = torch.stack((experts.gate_proj, experts.up_proj), dim=2).reshape(E, 2 * hidden, d_model)
+        gate_up = gate_up.transpose(1, 2)  # (E, C, 2I), the (in, out) layout quantize_mxfp4 takes
+        out.gate_up_blocks, out.gate_up_scales = quantize_mxfp4(gate_up)
+        out.down_blocks, out.down_scales = quantize_mxfp4(experts.down_proj.transpose(1, 2))  # from (E, I, C)
+        if out.gate_up_bias is not None:
+            out.gate_up_bias.copy_(torch.stack((experts.gate_bias, experts.up_bias), dim=2).reshape(E, 2 * hidden))
+            out.down_bias.copy_(experts.down_bias)
+        return out
+
+    @torch.no_grad()
+    def dequantized(self) -> Experts:
+        """The same weights as a plain `Experts`, in the biases' dtype: the reference this is tested against."""
+        E, R, G, _ = self.gate_up_blocks.shape
+        dt = self.down_bias.dtype if self.down_bias is not None else torch.float32
+        dense = Experts(E, G * BLOCK, self.hidden, self.activation, self.limit, self.gate_up_bias is not None)
+        gate_up = reference_rows(self.gate_up_blocks, self.gate_up_scales)  # (E, 2I, C)
+        dense.gate_proj.data, dense.up_proj.data = gate_up[:, 0::2].contiguous(), gate_up[:, 1::2].contiguous()
+        dense.down_proj.data = reference_rows(self.down_blocks, self.down_scales)  # (E, C, I)
+        if self.gate_up_bias is not None:
+            dense.gate_bias.data = self.gate_up_bias[:, 0::2].contiguous()
+            dense.up_bias.data = self.gate_up_bias[:, 1::2].contiguous()
+            dense.down_bias.data = self.down_bias.clone()
+        return dense.to(dt).eval()
+
+    def pack_for_decode(self, input_major: bool | None = None) -> None:
+        """Nothing to do: the codes are read as stored by every path."""
+
+    def is_packed(self) -> bool:
+        return True
+
+    def _bias(self, which: torch.Tensor | None, experts: torch.Tensor) -> torch.Tensor | float:
+        return 0.0 if which is None else which[experts].float()
+
+    def _run(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Row m of x (M, C) through expert experts[m] -> (M, C) in x's dtype, on the codes."""
+        dt = x.dtype
+        gate_up = (
+            matvec(x, self.gate_up_blocks, self.gate_up_scales, experts, None) + self._bias(self.gate_up_bias, experts)
+        ).to(dt)
+        act = activate(gate_up[:, 0::2], gate_up[:, 1::2], self.activation, self.limit)  # (M, I)
+        out = matvec(act, self.down_blocks, self.down_scales, experts, None) + self._bias(self.down_bias, experts)
+        return out.to(dt)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Apply expert e to x (N, C) -> (N, C), down-projection bias included."""
+        if x.shape[0] <= MATVEC_ROWS:
+            return self._run(x, torch.full((x.shape[0],), e, dtype=torch.int64, device=x.device))
+        wdt = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        gate_up_w = dequantize_rows(self.gate_up_blocks[e], self.gate_up_scales[e], wdt).to(x.dtype)  # (2I, C)
+        bias = None if self.gate_up_bias is None else self.gate_up_bias[e]
+        gate_up = linear(x, gate_up_w, bias)  # (N, 2I)
+        del gate_up_w
+        act = activate(gate_up[:, 0::2], gate_up[:, 1::2], self.activation, self.limit)
+        down_w = dequantize_rows(self.down_blocks[e], self.down_scales[e], wdt).to(x.dtype)  # (C, I)
+        return linear(act, down_w, None if self.down_bias is None else self.down_bias[e])
+
+    def mix_one_token(self, x: torch.Tensor, experts: list[int], weights: list[float]) -> torch.Tensor:
+        """Σ weights[j] · expert(experts[j], x) for one token x (1, C), summed in order as `Experts`."""
+        out = self._run(x.expand(len(experts), -1), torch.tensor(experts, dtype=torch.int64, device=x.device))
+        y = None
+        for j, w in enumerate(weights):
+            term = out[j : j + 1] * w
+            y = term if y is None else y + term
+        return y
+
+    def mix_few_tokens(self, x: torch.Tensor, top_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Σ_j weights[n, j] · expert(top_idx[n, j], x[n]) for a few tokens x (N, C): every (token,
+        expert) pair in one pass over the codes."""
+        N, A = top_idx.shape
+        out = self._run(x.repeat_interleave(A, dim=0), top_idx.reshape(-1)).view(N, A, -1)
+        return (out * weights[..., None]).sum(dim=1)
+
+    def decode_step(self, h: torch.Tensor, top_idx: torch.Tensor | None, weights: torch.Tensor | None) -> torch.Tensor:
+        """`Experts.decode_step` on the codes: rows h (B, C), experts top_idx (B, A) -> (B, A, C)
+        rounded to the dtype, each times its weight (B, A) when given, rounded again."""
+        if top_idx is None:
+            raise ValueError("MXFP4 experts are routed experts; shared experts are stored unpacked")
+        dt = h.dtype
+        B, A = top_idx.shape
+        experts = top_idx.reshape(-1)
+        rows = h[:, None].expand(B, A, h.shape[-1]).reshape(B * A, -1)
+        gate_up = matvec(rows, self.gate_up_blocks, self.gate_up_scales, experts, None) + self._bias(
+            self.gate_up_bias, experts
+        )
+        gate_up = rounded(gate_up, dt)
+        act = activate(gate_up[:, 0::2], gate_up[:, 1::2], self.activation, self.limit).to(dt)  # (B·A, I)
+        out = matvec(act, self.down_blocks, self.down_scales, experts, None) + self._bias(self.down_bias, experts)
+        out = rounded(out, dt).view(B, A, -1)
         return out if weights is None else rounded(out * weights[..., None], dt)
 
 
@@ -242,6 +381,12 @@ class MoE(nn.Module):
             for s in range(shared.shape[1]):
                 y = rounded(y + shared[:, s], dt)
         return y
+
+    def use_mxfp4(self) -> None:
+        """Store the routed experts packed in MXFP4 (`MXFP4Experts.quantize`; on the meta device an
+        empty module for a checkpoint to fill)."""
+        if isinstance(self.experts, Experts):
+            self.experts = MXFP4Experts.quantize(self.experts)
 
     def _add_shared(self, flat: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y + every shared expert applied to every token."""

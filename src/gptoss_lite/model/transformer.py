@@ -15,7 +15,7 @@ from gptoss_lite.model.attention import Attention
 from gptoss_lite.model.compiled_decode import CompiledDecoder
 from gptoss_lite.model.decode_pack import store_for_decode
 from gptoss_lite.model.matmul import Linear, decode_linear, linear, rounded
-from gptoss_lite.model.moe import Experts, MoE
+from gptoss_lite.model.moe import Experts, MoE, MXFP4Experts
 from gptoss_lite.model.rope import RotaryEmbedding, rotary_tables
 
 
@@ -117,12 +117,25 @@ class GPTOSS(nn.Module):
         Idempotent; `prepare_for_inference` calls it.
         """
         for module in self.modules():
-            if isinstance(module, (Attention, Experts)):
+            if isinstance(module, (Attention, Experts, MXFP4Experts)):
                 module.pack_for_decode(input_major)
             elif isinstance(module, nn.Linear):
                 store_for_decode(module.weight, input_major)  # o_proj, router, lm_head (q/kv are packed above)
         store_for_decode(self.embed.weight, input_major)  # the output head when tied
         return self
+
+    @torch.no_grad()
+    def use_mxfp4_experts(self) -> GPTOSS:
+        """Store every routed expert packed in MXFP4, as gpt-oss checkpoints do (`MXFP4Experts`):
+        the dense weights are rounded to MXFP4 (on the meta device: empty, for a checkpoint to fill).
+        Inference only: the codes are buffers, not trainable. Returns self."""
+        for block in self.blocks:
+            block.moe.use_mxfp4()
+        return self
+
+    @property
+    def mxfp4_experts(self) -> bool:
+        return any(isinstance(block.moe.experts, MXFP4Experts) for block in self.blocks)
 
     @torch.no_grad()
     def prepare_for_inference(
@@ -152,7 +165,9 @@ class GPTOSS(nn.Module):
     def inference_ready(self) -> bool:
         """Eval mode with decode-packed weights, as `prepare_for_inference` leaves the model; a later
         .train() or .to(dtype) undoes it."""
-        return not self.training and all(m.is_packed() for m in self.modules() if isinstance(m, (Attention, Experts)))
+        return not self.training and all(
+            m.is_packed() for m in self.modules() if isinstance(m, (Attention, Experts, MXFP4Experts))
+        )
 
     def prefill(self, input_ids: torch.Tensor, cache: KVCache, chunk: int, attn_impl: str = "fast") -> torch.Tensor:
         """Run the part of input_ids (B, T) that `cache` does not hold yet (positions cache.num_tokens

@@ -28,6 +28,10 @@ class ModelWeights:
     bytes_per_parameter: float = 2.0  # 2 = BF16
     query_heads: int = 1  # H_q, for attention FLOPs
     attention_head_dim: int = 1  # D used in 4·H·D per query-key pair
+    # Routed-expert matrices stored in their own format (gpt-oss: MXFP4, 4.25 bits per weight):
+    expert_parameters: int = 0  # of total_parameters
+    active_expert_parameters: int = 0  # of active_parameters
+    expert_bytes_per_parameter: float | None = None  # None: bytes_per_parameter
 
     def __post_init__(self) -> None:
         _int("total_parameters", self.total_parameters, 1)
@@ -39,15 +43,33 @@ class ModelWeights:
         _real("bytes_per_parameter", self.bytes_per_parameter)
         _int("query_heads", self.query_heads, 1)
         _int("attention_head_dim", self.attention_head_dim, 1)
+        _int("expert_parameters", self.expert_parameters, 0)
+        _int("active_expert_parameters", self.active_expert_parameters, 0)
+        if self.expert_parameters > self.total_parameters or self.active_expert_parameters > min(
+            self.active_parameters, self.expert_parameters
+        ):
+            raise ValueError(
+                f"expert_parameters={self.expert_parameters} / active_expert_parameters="
+                f"{self.active_expert_parameters}: must fit in the total / active parameters"
+            )
+        if self.expert_bytes_per_parameter is not None:
+            _real("expert_bytes_per_parameter", self.expert_bytes_per_parameter)
+
+    @property
+    def expert_bytes(self) -> float:
+        return self.bytes_per_parameter if self.expert_bytes_per_parameter is None else self.expert_bytes_per_parameter
+
+    def _bytes(self, parameters: int, experts: int) -> int:
+        return math.ceil((parameters - experts) * self.bytes_per_parameter + experts * self.expert_bytes)
 
     @property
     def streamed_weight_bytes(self) -> int:
         """Weight bytes read per decode step (active parameters), rounded up to whole bytes."""
-        return math.ceil(self.active_parameters * self.bytes_per_parameter)
+        return self._bytes(self.active_parameters, self.active_expert_parameters)
 
     @property
     def resident_weight_bytes(self) -> int:
-        return math.ceil(self.total_parameters * self.bytes_per_parameter)
+        return self._bytes(self.total_parameters, self.expert_parameters)
 
 
 # ---- our model presets: geometry and parameter counts derived from config.PRESETS --------------------
@@ -70,15 +92,22 @@ def geometry_from_model_config(
 
 
 def weights_from_model_config(
-    cfg: ModelConfig, bytes_per_parameter: float = 2.0, *, name: str = "model-config"
+    cfg: ModelConfig,
+    bytes_per_parameter: float = 2.0,
+    *,
+    name: str = "model-config",
+    expert_bytes_per_parameter: float | None = None,
 ) -> ModelWeights:
     """Parameter counts of a `ModelConfig`, from `config.count_parameters` / `count_active_parameters`.
 
     Active (streamed) parameters leave out an untied input embedding: a token looks up one row of it,
     which is neither a read of the whole table nor a multiply (the gpt-oss model card's active counts
     exclude it too). A tied embedding is also the output head, read in full every step, so it counts.
+    The routed experts' gate, up and down matrices (not their biases) are counted apart, for a
+    storage of their own (`expert_bytes_per_parameter`: 4.25 / 8 for MXFP4).
     """
     embedding = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
+    per_expert = 3 * cfg.d_model * cfg.expert_hidden
     return ModelWeights(
         name,
         count_parameters(cfg),
@@ -86,7 +115,15 @@ def weights_from_model_config(
         bytes_per_parameter,
         cfg.n_heads,
         cfg.head_dim,
+        expert_parameters=cfg.n_layers * cfg.n_experts * per_expert,
+        active_expert_parameters=cfg.n_layers * cfg.top_k * per_expert,
+        expert_bytes_per_parameter=expert_bytes_per_parameter,
     )
+
+
+MXFP4_BYTES_PER_PARAMETER = 4.25 / 8  # 32 four-bit codes + one 8-bit scale per block
+# Models whose released checkpoints store the routed experts in MXFP4 (and which load them packed).
+MXFP4_MODELS = ("gpt-oss-20b", "gpt-oss-120b")
 
 
 # ---- presets ----------------------------------------------------------------------------------------
@@ -120,8 +157,13 @@ MODEL_WEIGHTS: dict[str, ModelWeights] = {
         # Approximate published figures (DeepSeek-V3 report): 671B total, 37B active. Attention D is
         # 160 = mean of the QK (192) and V (128) head dims, so 4·H·D counts QK + AV exactly.
         ModelWeights("deepseek-v3", 671_000_000_000, 37_000_000_000, 2.0, 128, 160),
-        # BF16 here, although the gpt-oss release stores experts in MXFP4 (see --weight-bits).
-        *(weights_from_model_config(cfg, name=name) for name, cfg in PRESETS.items()),
+        # BF16, with the routed experts in MXFP4 where the release stores them so (see --expert-bits).
+        *(
+            weights_from_model_config(
+                cfg, name=name, expert_bytes_per_parameter=MXFP4_BYTES_PER_PARAMETER if name in MXFP4_MODELS else None
+            )
+            for name, cfg in PRESETS.items()
+        ),
     )
 }
 

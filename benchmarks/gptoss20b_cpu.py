@@ -1,0 +1,356 @@
+"""gpt-oss-20b on this CPU: ours (MXFP4 experts kept packed) against llama.cpp on the same weights.
+
+    python benchmarks/gptoss20b_cpu.py write [--dir DIR]   # ~13 GB seeded random gpt-oss-20b, released layout
+    python benchmarks/gptoss20b_cpu.py gguf --hf-python VENV/bin/python --converter LLAMA_CPP/convert_hf_to_gguf.py
+    python benchmarks/gptoss20b_cpu.py run --llama-python LLAMA_VENV/bin/python --rounds 3 \\
+        --lengths 512 4096 8192 --out docs/img/gptoss20b_cpu.json
+
+`write` makes what a user downloads from the Hub, with random values: config.json of gpt-oss-20b
+(the `gpt-oss-20b` preset through `config_to_hf`, plus the MXFP4 quantization_config), three
+safetensors shards with their index (MXFP4 `*_blocks` / `*_scales` uint8 experts with gate and up
+interleaved, every other tensor bf16), generation_config.json, and a byte-level BPE tokenizer.json of
+exactly 201,088 ids (the 256 bytes, every byte pair, then byte triples: the benchmark feeds token
+ids, so the vocabulary never affects a number; llama.cpp's converter and our CLI need one). Dense
+weights are N(0, 0.02), biases and sinks N(0, 0.1); codes are uniform and scales 2^-9..2^-6, so
+expert weights have a spread like the dense ones. Seeded: the same bytes every time. One shard is
+built in memory at a time (~4.5 GB) and written atomically.
+
+`gguf` runs llama.cpp's own `convert_hf_to_gguf.py` (from the llama-cpp-python sdist's
+`vendor/llama.cpp`, with a Python that has torch, transformers and the sdist's `gguf-py`) on that
+directory, with `--outtype bf16`: its gpt-oss converter keeps the MXFP4 experts as MXFP4 and writes
+the rest in bf16, the same bytes we load. The one change to its behaviour: an unknown BPE
+pre-tokenizer hash (ours is synthetic) is read as "gpt-2", the split the tokenizer was built with.
+
+`run` measures both engines in one sitting, 2 threads, rounds alternating the order. The engines run
+one at a time, each in a worker process of its own (`ours_worker.py --mode static`: `generate()`,
+MXFP4 experts packed; `llama_worker.py`: llama-cpp-python over the GGUF), because two 20b models do
+not fit in 24 GB together. Per round and engine: load (process start to ready, page cache as the
+other engine left it), one untimed 16-token warm-up, then for each prompt length L of `--lengths`
+(prompt `numpy.random.default_rng(L).integers(1, 200000, L)`) a 1-token request (TTFT) and a
+`--new-tokens` request: prefill tok/s = L / TTFT, decode tok/s at context L = (new - 1) / (total -
+TTFT). Peak RSS is the worker's VmHWM. The table gives medians over rounds, ours / llama.cpp, and
+for decode the bytes a token reads (`decode_bytes`) with the GB/s that implies, beside this machine's
+read bandwidth (the best of 5 passes of `torch.sum` over 2 GiB, 2 threads).
+
+The default directory is `$XDG_CACHE_HOME/gptoss-lite/gpt-oss-20b-random` (~/.cache/...), outside
+the repository; the GGUF goes beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from gptoss_lite.checkpoint.hf import MXFP4_QUANTIZATION_CONFIG, config_to_hf, hf_shapes
+from gptoss_lite.config import PRESETS
+
+CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gptoss-lite"
+DEFAULT_DIR = CACHE / "gpt-oss-20b-random"
+SHARDS = 3
+HERE = Path(__file__).resolve().parent
+
+
+def _tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    if name.endswith("_blocks"):
+        return torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+    if name.endswith("_scales"):
+        return torch.randint(127 - 9, 127 - 5, shape, dtype=torch.uint8, generator=gen)
+    if name.endswith("norm.weight") or "layernorm" in name:
+        return torch.ones(shape, dtype=torch.bfloat16)
+    std = 0.1 if name.endswith(("bias", "sinks")) else 0.02
+    return (torch.randn(shape, generator=gen) * std).to(torch.bfloat16)
+
+
+def _tokenizer(vocab_size: int) -> dict:
+    """tokenizer.json of a byte-level BPE with exactly `vocab_size` ids, built without training."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    alphabet.sort()
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    merges = []
+    pairs = [(a, b) for a in alphabet for b in alphabet]
+    for a, b in pairs:
+        vocab[a + b] = len(vocab)
+        merges.append((a, b))
+    for a, b in pairs:  # triples (ab, c): each string made once
+        for c in alphabet:
+            if len(vocab) == vocab_size:
+                break
+            vocab[a + b + c] = len(vocab)
+            merges.append((a + b, c))
+        if len(vocab) == vocab_size:
+            break
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    assert tok.get_vocab_size() == vocab_size
+    return json.loads(tok.to_str())
+
+
+def write(directory: Path, seed: int = 0) -> None:
+    cfg = PRESETS["gpt-oss-20b"]
+    shapes = hf_shapes(cfg, mxfp4=True)
+    if (directory / "config.json").is_file():
+        print(f"{directory}: already written", file=sys.stderr)
+        return
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    tmp.chmod(0o755)
+    try:
+        gen = torch.Generator().manual_seed(seed)
+        per_shard = -(-cfg.n_layers // SHARDS)
+        groups: list[list[str]] = [[] for _ in range(SHARDS)]
+        for name in shapes:
+            if name.startswith("model.layers."):
+                groups[int(name.split(".")[2]) // per_shard].append(name)
+            else:
+                groups[0 if name.startswith("model.embed") else SHARDS - 1].append(name)
+        weight_map, total = {}, 0
+        for i, names in enumerate(groups, start=1):
+            t0 = time.perf_counter()
+            fname = f"model-{i:05d}-of-{SHARDS:05d}.safetensors"
+            tensors = {n: _tensor(n, shapes[n], gen) for n in names}
+            size = sum(t.numel() * t.element_size() for t in tensors.values())
+            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            (tmp / fname).chmod(0o644)
+            del tensors
+            weight_map.update({n: fname for n in names})
+            total += size
+            print(
+                f"{fname}: {len(names)} tensors, {size / 1e9:.2f} GB, {time.perf_counter() - t0:.0f} s", file=sys.stderr
+            )
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
+        config = config_to_hf(cfg)
+        config.update(
+            dtype="bfloat16",
+            quantization_config=dict(MXFP4_QUANTIZATION_CONFIG),
+            eos_token_id=200002,
+            pad_token_id=199999,
+        )
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": [200002, 199999, 200012]}, indent=2))
+        (tmp / "tokenizer.json").write_text(json.dumps(_tokenizer(cfg.vocab_size)))
+        os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"{directory}: {total / 1e9:.2f} GB of weights", file=sys.stderr)
+
+
+# ---- gguf --------------------------------------------------------------------------------------------
+
+_CONVERT = """
+import logging, runpy, sys
+from pathlib import Path
+script = Path(sys.argv[1])
+sys.path[:0] = [str(script.parent), str(script.parent / "gguf-py")]
+from conversion import base
+original = base.TextModel.get_vocab_base_pre
+def get_vocab_base_pre(self, tokenizer):
+    try:
+        return original(self, tokenizer)
+    except NotImplementedError:
+        logging.warning("unknown BPE pre-tokenizer hash: using 'gpt-2', the split of the synthetic tokenizer")
+        return "gpt-2"
+base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+sys.argv = [str(script), *sys.argv[2:]]
+runpy.run_path(str(script), run_name="__main__")
+"""
+
+
+def gguf_path(directory: Path) -> Path:
+    return directory.with_suffix(".gguf")
+
+
+def gguf(directory: Path, hf_python: str, converter: Path) -> None:
+    out = gguf_path(directory)
+    if out.is_file():
+        print(f"{out}: already converted", file=sys.stderr)
+        return
+    tmp = out.with_suffix(".gguf.tmp")
+    cmd = [hf_python, "-c", _CONVERT, str(converter), str(directory), "--outtype", "bf16", "--outfile", str(tmp)]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    os.replace(tmp, out)
+    print(f"{out}: {out.stat().st_size / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+
+
+# ---- run ---------------------------------------------------------------------------------------------
+
+
+def decode_bytes(context: int) -> dict[str, float]:
+    """Bytes one decode token reads at `context` tokens: dense weights in bf16, the top-4 of 32 experts
+    in MXFP4 (4.25 bits per weight), the K/V of each layer's window (bf16)."""
+    cfg = PRESETS["gpt-oss-20b"]
+    C, H, K, D, I = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.expert_hidden
+    per_layer_attn = (C * H * D * 2 + C * 2 * K * D) * 2
+    per_layer_experts = cfg.top_k * (3 * C * I) * 4.25 / 8
+    router = C * cfg.n_experts * 2
+    kv = sum(min(context, cfg.sliding_window if cfg.is_sliding(i) else context) for i in range(cfg.n_layers))
+    parts = {
+        "attention": cfg.n_layers * (per_layer_attn + router),
+        "experts": cfg.n_layers * per_layer_experts,
+        "head": cfg.vocab_size * C * 2,
+        "kv": kv * 2 * K * D * 2,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def read_bandwidth(threads: int) -> float:
+    """GB/s of the best of 5 passes of torch.sum over 2 GiB of fp32."""
+    import torch
+
+    torch.set_num_threads(threads)
+    x = torch.ones(2**29)
+    best = float("inf")
+    for _ in range(6):
+        t0 = time.perf_counter()
+        float(x.sum())
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+def _peak_rss_gib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def _worker(engine: str, args: argparse.Namespace, max_len: int, log: Path):
+    sys.path.insert(0, str(HERE))
+    from serve_vs_vllm import Worker
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if engine == "ours":
+        cmd = [sys.executable, str(HERE / "ours_worker.py"), str(args.dir), "--mode", "static"]
+        cmd += ["--dtype", "bfloat16", "--threads", str(args.threads)]
+    else:
+        env.pop("PYTHONPATH", None)
+        cmd = [args.llama_python, str(HERE / "llama_worker.py"), str(gguf_path(args.dir)), "--dtype", "bfloat16"]
+        cmd += ["--threads", str(args.threads), "--max-model-len", str(max_len)]
+    return Worker(engine, cmd, env, log)
+
+
+def run(args: argparse.Namespace) -> dict:
+    engines = ["ours", "llama.cpp"] if args.llama_python else ["ours"]
+    max_len = max(args.lengths) + args.new_tokens + 8
+    logs = Path(tempfile.mkdtemp(prefix="gptoss20b-"))
+    samples: list[dict] = []
+    bandwidth = read_bandwidth(args.threads)
+    print(f"read bandwidth: {bandwidth:.1f} GB/s; worker logs in {logs}", file=sys.stderr)
+    for r in range(args.rounds):
+        for engine in engines if r % 2 == 0 else engines[::-1]:
+            t0 = time.perf_counter()
+            worker = _worker(engine, args, max_len, logs / f"{engine}-{r}.log")
+            try:
+                info = worker.expect("READY")
+                load_s = time.perf_counter() - t0
+                worker.run([[int(t) for t in np.random.default_rng(16).integers(1, 200000, 16)]], 2)
+                row = {"round": r, "engine": engine, "info": info, "load_s": load_s, "cells": {}}
+                for L in args.lengths:
+                    prompt = [int(t) for t in np.random.default_rng(L).integers(1, 200000, L)]
+                    first = worker.run([prompt], 1)
+                    whole = worker.run([prompt], args.new_tokens)
+                    row["cells"][L] = {
+                        "prefill_tok_s": L / first["wall_s"],
+                        "decode_tok_s": (args.new_tokens - 1) / (whole["wall_s"] - first["wall_s"]),
+                        "tokens": whole["tokens"][0],
+                    }
+                    print(
+                        f"round {r} {engine} L={L}: {row['cells'][L]['prefill_tok_s']:.1f} prefill, "
+                        f"{row['cells'][L]['decode_tok_s']:.2f} decode tok/s",
+                        file=sys.stderr,
+                    )
+                row["peak_rss_gib"] = _peak_rss_gib(worker.proc.pid)
+            finally:
+                worker.close()
+            print(f"round {r} {engine}: load {load_s:.0f} s, peak RSS {row['peak_rss_gib']:.1f} GiB", file=sys.stderr)
+            samples.append(row)
+    return {
+        "bandwidth_gb_s": bandwidth,
+        "threads": args.threads,
+        "lengths": args.lengths,
+        "new_tokens": args.new_tokens,
+        "rounds": args.rounds,
+        "samples": samples,
+        "decode_bytes": {L: decode_bytes(L) for L in args.lengths},
+    }
+
+
+def table(result: dict) -> str:
+    engines = sorted({s["engine"] for s in result["samples"]}, key=lambda e: e != "ours")
+
+    def med(engine: str, key: str, L: int | None = None) -> float:
+        rows = [s for s in result["samples"] if s["engine"] == engine]
+        return statistics.median(s[key] if L is None else s["cells"][L][key] for s in rows)
+
+    lines = [
+        "| figure | " + " | ".join(engines) + (" | ours / llama.cpp |" if len(engines) > 1 else " |"),
+        "|---|" + "---:|" * (len(engines) + (len(engines) > 1)),
+    ]
+
+    def add(label: str, values: list[float], fmt: str) -> None:
+        ratio = f" {values[0] / values[1]:.2f}× |" if len(values) > 1 else ""
+        lines.append(f"| {label} | " + " | ".join(format(v, fmt) for v in values) + " |" + ratio)
+
+    add("load s", [med(e, "load_s") for e in engines], ".0f")
+    add("peak RSS GiB", [med(e, "peak_rss_gib") for e in engines], ".1f")
+    for L in result["lengths"]:
+        add(f"prefill tok/s, {L} tokens", [med(e, "prefill_tok_s", L) for e in engines], ".1f")
+        add(f"decode tok/s at {L}", [med(e, "decode_tok_s", L) for e in engines], ".2f")
+    bw = result["bandwidth_gb_s"]
+    for L in result["lengths"]:
+        b = result["decode_bytes"][L]["total"]
+        gbs = ", ".join(f"{e} {med(e, 'decode_tok_s', L) * b / 1e9:.1f} GB/s" for e in engines)
+        lines.append(f"\ndecode at {L}: {b / 1e9:.2f} GB per token: {gbs} (machine: {bw:.1f} GB/s read)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=["write", "gguf", "run"])
+    parser.add_argument("--dir", type=Path, default=DEFAULT_DIR)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf-python", help="gguf: Python with torch + transformers for the converter")
+    parser.add_argument("--converter", type=Path, help="gguf: llama.cpp's convert_hf_to_gguf.py")
+    parser.add_argument("--llama-python", help="run: Python of a venv with llama-cpp-python (else ours alone)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 4096, 8192])
+    parser.add_argument("--new-tokens", type=int, default=33)
+    parser.add_argument("--out", type=Path, help="run: write every sample as JSON")
+    args = parser.parse_args(argv)
+    if args.what == "write":
+        write(args.dir, args.seed)
+    elif args.what == "gguf":
+        if not (args.hf_python and args.converter):
+            parser.error("gguf needs --hf-python and --converter")
+        gguf(args.dir, args.hf_python, args.converter)
+    else:
+        if not (args.dir / "config.json").is_file():
+            parser.error(f"{args.dir}: no checkpoint; run `write` first")
+        result = run(args)
+        print(table(result))
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Build a kernel's C source into a shared library once per machine, and load it with ctypes.
+
+The library is cached under `$GPTOSS_LITE_KERNEL_DIR`, else `$XDG_CACHE_HOME/gptoss-lite/kernels`,
+else `~/.cache/gptoss-lite/kernels`, in a folder named by a hash of the source, the compiler's
+version, the flags and this CPU's feature flags, so an edited source or another CPU builds anew.
+A build writes a temporary file and renames it into place: two processes building at once both
+succeed, and a crash leaves no half-written library. Compiling takes about a second.
+
+No compiler, a failed build, or `GPTOSS_LITE_NO_KERNELS=1` gives None and one line on stderr; the
+callers then use their PyTorch fallbacks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import cache
+from pathlib import Path
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+_HERE = Path(__file__).resolve().parent
+
+
+def cache_dir() -> Path:
+    if os.environ.get("GPTOSS_LITE_KERNEL_DIR"):
+        return Path(os.environ["GPTOSS_LITE_KERNEL_DIR"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "gptoss-lite" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _say(message: str) -> None:
+    print(f"gptoss-lite: {message}", file=sys.stderr)
+
+
+@cache
+def load(name: str) -> ctypes.CDLL | None:
+    """The shared library built from `kernels/NAME.c`, or None (with a notice) where it cannot be built."""
+    if os.environ.get("GPTOSS_LITE_NO_KERNELS") == "1":
+        return None
+    cc = _compiler()
+    if cc is None:
+        _say(f"no C compiler (cc, gcc or clang) found; the {name} kernels use the slower PyTorch fallback")
+        return None
+    source = _HERE / f"{name}.c"
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(
+        b"\0".join(x.encode() for x in (source.read_text(), version, " ".join(FLAGS), _cpu_flags()))
+    ).hexdigest()[:16]
+    target = cache_dir() / key / f"lib{name}.so"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        done = subprocess.run([cc, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if done.returncode != 0:
+            os.unlink(tmp)
+            detail = (done.stderr or done.stdout).strip().splitlines()
+            _say(f"building the {name} kernels failed ({detail[-1] if detail else cc}); using the PyTorch fallback")
+            return None
+        os.replace(tmp, target)
+    # torch is imported first, so libgomp.so.1 resolves to the OpenMP runtime torch already loaded.
+    import torch  # noqa: F401
+
+    return ctypes.CDLL(str(target))

@@ -1,0 +1,252 @@
+/* MXFP4 matrix-vector products and dequantisation for gptoss-lite (docs/mxfp4.md).
+ *
+ * A weight matrix W (R, K) in MXFP4 is `blocks` (R, G, 16) uint8 + `scales` (R, G) uint8, G = K / 32:
+ * each byte holds two 4-bit E2M1 codes, the LOW nibble the even element, and each block of 32 shares
+ * the power of two 2^(scale - 127). A code's value is read from a table of twice the E2M1 values
+ * (small integers, so the table is int8) and the block's factor is 0.5 * 2^(scale - 127), so every
+ * weight is the exact value the dequantising reference builds. Products and sums are fp32: this
+ * code and the reference differ only in the order of the additions.
+ *
+ * Built on first use by gptoss_lite/kernels/build.py with the machine's C compiler (-O3
+ * -march=native -fopenmp) and called through ctypes. OpenMP here is the runtime PyTorch already
+ * loaded (the same libgomp.so.1), so the thread count is torch's.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define GL_AVX2 1
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define GL_AVX512BF16 1
+#endif
+
+static const int8_t TWICE_E2M1[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static float HALF_POW2[256]; /* 0.5 * 2^(e - 127): exact in fp32, subnormal only for e < 2 */
+static int READY = 0;
+
+static void init_tables(void) {
+    if (READY) return;
+    for (int e = 0; e < 256; e++) HALF_POW2[e] = ldexpf(0.5f, e - 127);
+    READY = 1;
+}
+
+int gl_has_avx2(void) {
+#ifdef GL_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Whether gl_mxfp4_matvec takes bf16 inputs (x_bf16 != 0) with AVX-512 BF16 dot products. */
+int gl_has_bf16_dot(void) {
+#ifdef GL_AVX512BF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#define MAX_ROWS 4 /* input rows that share one decoded weight block */
+
+#ifdef GL_AVX2
+/* The 32 weights of one block, times the block's factor, as four vectors of 8. */
+static inline void decode_block(const uint8_t *b, float factor, __m128i lut, __m256 w[4]) {
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    __m128i q = _mm_loadu_si128((const __m128i *)b);
+    __m128i even = _mm_shuffle_epi8(lut, _mm_and_si128(q, low4));
+    __m128i odd = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(q, 4), low4));
+    __m128i first = _mm_unpacklo_epi8(even, odd); /* elements 0..15 */
+    __m128i second = _mm_unpackhi_epi8(even, odd); /* elements 16..31 */
+    __m256 s = _mm256_set1_ps(factor);
+    w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(first)), s);
+    w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(first, 8))), s);
+    w[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(second)), s);
+    w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(second, 8))), s);
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* dot products of one weight row (G blocks) with n <= MAX_ROWS input rows xs[j] (K floats each) */
+static void row_dots(const uint8_t *blocks, const uint8_t *scales, int64_t G, const float *const *xs, int n,
+                     float *dots) {
+#ifdef GL_AVX2
+    const __m128i lut = _mm_loadu_si128((const __m128i *)TWICE_E2M1);
+    __m256 w[4];
+    if (n == 1) { /* the decode case: four independent sums hide the FMA latency */
+        const float *x = xs[0];
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t g = 0; g < G; g++) {
+            decode_block(blocks + 16 * g, HALF_POW2[scales[g]], lut, w);
+            const float *xg = x + 32 * g;
+            a0 = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xg), a0);
+            a1 = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), a1);
+            a2 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), a2);
+            a3 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), a3);
+        }
+        dots[0] = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+        return;
+    }
+    __m256 acc[MAX_ROWS][2];
+    for (int j = 0; j < n; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        decode_block(blocks + 16 * g, HALF_POW2[scales[g]], lut, w);
+        for (int j = 0; j < n; j++) {
+            const float *xg = xs[j] + 32 * g;
+            acc[j][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xg), acc[j][0]);
+            acc[j][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), acc[j][1]);
+            acc[j][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), acc[j][0]);
+            acc[j][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), acc[j][1]);
+        }
+    }
+    for (int j = 0; j < n; j++) dots[j] = hsum(_mm256_add_ps(acc[j][0], acc[j][1]));
+#else
+    for (int j = 0; j < n; j++) dots[j] = 0.0f;
+    for (int64_t g = 0; g < G; g++) {
+        float factor = HALF_POW2[scales[g]];
+        for (int i = 0; i < 16; i++) {
+            uint8_t byte = blocks[16 * g + i];
+            float w0 = TWICE_E2M1[byte & 15] * factor, w1 = TWICE_E2M1[byte >> 4] * factor;
+            for (int j = 0; j < n; j++) dots[j] += w0 * xs[j][32 * g + 2 * i] + w1 * xs[j][32 * g + 2 * i + 1];
+        }
+    }
+#endif
+}
+
+#ifdef GL_AVX512BF16
+/* The E2M1 values as bf16 bits, twice over (vpermw reads 32 entries). */
+static const uint16_t E2M1_BF16[32] = {
+    0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+    0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,
+    0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+    0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,
+};
+
+/* The 32 codes of one block as bf16 values (exact), in element order: the low nibble of byte i is
+ * element 2i, the high nibble element 2i + 1, so each byte widens to one dword holding both words. */
+static inline __m512i decode_block_bf16(const uint8_t *b, __m512i table) {
+    __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
+    __m512i idx = _mm512_or_si512(_mm512_and_si512(d, _mm512_set1_epi32(0x0F)),
+                                  _mm512_slli_epi32(_mm512_srli_epi32(d, 4), 16));
+    return _mm512_permutexvar_epi16(idx, table);
+}
+
+/* row_dots for bf16 inputs: a block's 32 products are one bf16 dot-product instruction into a
+ * zeroed fp32 vector (bf16 times bf16 is exact in fp32), then times the block's 2^(scale - 127). */
+static void row_dots_bf16(const uint8_t *blocks, const uint8_t *scales, int64_t G, const uint16_t *const *xs, int n,
+                          float *dots) {
+    const __m512i table = _mm512_loadu_si512((const void *)E2M1_BF16);
+    const __m512 zero = _mm512_setzero_ps();
+    __m512 acc[MAX_ROWS], acc2 = zero;
+    for (int j = 0; j < n; j++) acc[j] = zero;
+    int64_t g = 0;
+    if (n == 1) { /* two blocks at a time: two independent sums */
+        for (; g + 1 < G; g += 2) {
+            __m512i w0 = decode_block_bf16(blocks + 16 * g, table), w1 = decode_block_bf16(blocks + 16 * g + 16, table);
+            __m512 p0 = _mm512_dpbf16_ps(zero, (__m512bh)w0, (__m512bh)_mm512_loadu_si512(xs[0] + 32 * g));
+            __m512 p1 = _mm512_dpbf16_ps(zero, (__m512bh)w1, (__m512bh)_mm512_loadu_si512(xs[0] + 32 * g + 32));
+            acc[0] = _mm512_fmadd_ps(p0, _mm512_set1_ps(2.0f * HALF_POW2[scales[g]]), acc[0]);
+            acc2 = _mm512_fmadd_ps(p1, _mm512_set1_ps(2.0f * HALF_POW2[scales[g + 1]]), acc2);
+        }
+    }
+    for (; g < G; g++) {
+        __m512i w = decode_block_bf16(blocks + 16 * g, table);
+        __m512 s = _mm512_set1_ps(2.0f * HALF_POW2[scales[g]]);
+        for (int j = 0; j < n; j++) {
+            __m512 p = _mm512_dpbf16_ps(zero, (__m512bh)w, (__m512bh)_mm512_loadu_si512(xs[j] + 32 * g));
+            acc[j] = _mm512_fmadd_ps(p, s, acc[j]);
+        }
+    }
+    acc[0] = _mm512_add_ps(acc[0], acc2);
+    for (int j = 0; j < n; j++) dots[j] = _mm512_reduce_add_ps(acc[j]);
+}
+#endif
+
+/* out[m, r] = sum_k W[experts[m], r, k] * x[m, k] (+ bias[experts[m], r]), for m < M.
+ * x (M, K) fp32, or bf16 bits when x_bf16 (only where gl_has_bf16_dot()); blocks (E, R, G, 16); scales (E, R, G); experts (M,) int64 in [0, E) (the caller
+ * checks); bias (E, R) fp32 or NULL; out (M, R) fp32. Rows that use the same expert share each
+ * decoded weight block, MAX_ROWS at a time. Work is split over (group of rows, tile of R). */
+void gl_mxfp4_matvec(const void *x, int x_bf16, const uint8_t *blocks, const uint8_t *scales, const int64_t *experts,
+                     const float *bias, int64_t M, int64_t E, int64_t R, int64_t G, float *out) {
+    init_tables();
+    const int64_t K = 32 * G;
+    /* rows grouped by expert, MAX_ROWS per group: a counting sort keeps them in order */
+    int64_t *order = malloc(sizeof(int64_t) * (M + 2 * E + 2 * M + 2));
+    int64_t *count = order + M, *gstart = count + E + 1, ngroups = 0;
+    memset(count, 0, sizeof(int64_t) * (E + 1));
+    for (int64_t m = 0; m < M; m++) count[experts[m] + 1]++;
+    for (int64_t e = 0; e < E; e++) count[e + 1] += count[e];
+    for (int64_t m = 0; m < M; m++) order[count[experts[m]]++] = m; /* count[e] ends at e's end */
+    for (int64_t m = 0; m < M;) {
+        int64_t e = experts[order[m]], n = 0;
+        gstart[ngroups++] = m;
+        while (m < M && n < MAX_ROWS && experts[order[m]] == e) m++, n++;
+    }
+    gstart[ngroups] = M;
+    const int64_t TILE = 16;
+    const int64_t ntiles = (R + TILE - 1) / TILE;
+#pragma omp parallel for schedule(dynamic, 4)
+    for (int64_t u = 0; u < ngroups * ntiles; u++) {
+        int64_t grp = u / ntiles, r0 = (u % ntiles) * TILE, r1 = r0 + TILE < R ? r0 + TILE : R;
+        int n = (int)(gstart[grp + 1] - gstart[grp]);
+        const int64_t *rows = order + gstart[grp];
+        int64_t e = experts[rows[0]];
+        const float *xs[MAX_ROWS];
+        const uint16_t *xh[MAX_ROWS];
+        float dots[MAX_ROWS];
+        for (int j = 0; j < n; j++) {
+            xs[j] = (const float *)x + rows[j] * K;
+            xh[j] = (const uint16_t *)x + rows[j] * K;
+        }
+        for (int64_t r = r0; r < r1; r++) {
+            int64_t wr = e * R + r;
+#ifdef GL_AVX512BF16
+            if (x_bf16)
+                row_dots_bf16(blocks + wr * G * 16, scales + wr * G, G, xh, n, dots);
+            else
+#endif
+                row_dots(blocks + wr * G * 16, scales + wr * G, G, xs, n, dots);
+            float b = bias ? bias[wr] : 0.0f;
+            for (int j = 0; j < n; j++) out[rows[j] * R + r] = dots[j] + b;
+        }
+    }
+    free(order);
+}
+
+/* W (R, K) of one matrix as fp32 (out_bf16 == 0) or as bf16 bits (out_bf16 != 0); both exact. */
+void gl_mxfp4_dequant(const uint8_t *blocks, const uint8_t *scales, int64_t R, int64_t G, void *out, int out_bf16) {
+    init_tables();
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < R; r++) {
+        float row[32];
+        for (int64_t g = 0; g < G; g++) {
+            float factor = HALF_POW2[scales[r * G + g]];
+            const uint8_t *b = blocks + (r * G + g) * 16;
+            for (int i = 0; i < 16; i++) {
+                row[2 * i] = TWICE_E2M1[b[i] & 15] * factor;
+                row[2 * i + 1] = TWICE_E2M1[b[i] >> 4] * factor;
+            }
+            int64_t at = r * G * 32 + g * 32;
+            if (out_bf16) {
+                uint16_t *o = (uint16_t *)out + at;
+                for (int i = 0; i < 32; i++) {
+                    uint32_t bits;
+                    memcpy(&bits, &row[i], 4);
+                    o[i] = (uint16_t)(bits >> 16); /* exact: E2M1 times a power of two has 2 mantissa bits */
+                }
+            } else {
+                memcpy((float *)out + at, row, sizeof row);
+            }
+        }
+    }
+}

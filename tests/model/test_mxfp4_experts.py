@@ -1,0 +1,98 @@
+"""MXFP4-packed experts (`MXFP4Experts`) against the same weights dequantised (`Experts`): every path
+of the model, fp32 to 1e-4, bf16 to the same greedy tokens."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from gptoss_lite.fixtures import resolve_config
+from gptoss_lite.generation import generate
+from gptoss_lite.model import GPTOSS
+from gptoss_lite.model.moe import MATVEC_ROWS, Experts, MXFP4Experts
+
+
+def pair(dtype: torch.dtype, seed: int = 0) -> tuple[GPTOSS, GPTOSS]:
+    """(packed model, the same weights with every expert dequantised), both prepared for inference."""
+    cfg = resolve_config("gpt-oss-tiny")
+    model = GPTOSS(cfg)
+    model.reset_parameters(seed)
+    with torch.no_grad():  # biases and sinks are zero after reset: give them values
+        for name, p in model.named_parameters():
+            if "bias" in name or name.endswith("sinks"):
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(hash(name) % 1000))
+    packed = copy.deepcopy(model).use_mxfp4_experts()
+    dense = copy.deepcopy(packed)
+    for block in dense.blocks:
+        block.moe.experts = block.moe.experts.dequantized()
+    return packed.prepare_for_inference(dtype=dtype), dense.prepare_for_inference(dtype=dtype)
+
+
+def test_packed_and_dense_hold_the_same_weights():
+    packed, dense = pair(torch.float32)
+    assert packed.mxfp4_experts and not dense.mxfp4_experts
+    assert isinstance(packed.blocks[0].moe.experts, MXFP4Experts)
+    assert isinstance(dense.blocks[0].moe.experts, Experts)
+    # re-quantising the dequantised values is exact (the codes may differ: -0 and +0, or a block's scale)
+    again = MXFP4Experts.quantize(dense.blocks[0].moe.experts).dequantized()
+    for name, p in dense.blocks[0].moe.experts.named_parameters():
+        assert torch.equal(p, getattr(again, name)), name
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 12, 2 * MATVEC_ROWS + 7])
+def test_forward_logits_match_fp32(tokens):
+    packed, dense = pair(torch.float32)
+    ids = torch.randint(0, packed.config.vocab_size, (2, tokens), generator=torch.Generator().manual_seed(tokens))
+    with torch.no_grad():
+        a, b = packed(ids).logits, dense(ids).logits
+    assert (a - b).abs().max().item() <= 1e-4
+
+
+def test_greedy_generation_matches_fp32_and_bf16():
+    ids = torch.randint(0, 264, (1, 40), generator=torch.Generator().manual_seed(1))
+    for dtype in (torch.float32, torch.bfloat16):
+        packed, dense = pair(dtype)
+        a = generate(packed, ids, max_new_tokens=32, temperature=0)
+        b = generate(dense, ids, max_new_tokens=32, temperature=0)
+        assert torch.equal(a, b), dtype
+
+
+def test_compiled_decode_reads_the_codes():
+    packed, dense = pair(torch.float32)
+    compiled = copy.deepcopy(packed).prepare_for_inference(compile_decode=True)
+    ids = torch.randint(0, 264, (2, 20), generator=torch.Generator().manual_seed(2))
+    a = generate(compiled, ids, max_new_tokens=12, temperature=0)
+    b = generate(dense, ids, max_new_tokens=12, temperature=0)
+    assert torch.equal(a, b)
+
+
+def test_codes_are_not_trainable_and_stay_uint8_under_to():
+    packed, _ = pair(torch.float32)
+    experts = packed.blocks[0].moe.experts
+    packed.to(torch.bfloat16)
+    assert experts.gate_up_blocks.dtype == torch.uint8 and experts.down_scales.dtype == torch.uint8
+    assert experts.down_bias.dtype == torch.bfloat16
+    assert not any(p.requires_grad for p in experts.parameters())
+
+
+def test_sizes_not_divisible_by_the_block_are_refused():
+    with pytest.raises(ValueError, match="divisible by 32"):
+        MXFP4Experts(4, 48, 64, "gptoss", 7.0, True)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_engine_matches_generate_on_packed_experts(compiled):
+    import random
+
+    from gptoss_lite.engine import LLM
+    from tests.engine.conftest import assert_same_as_generate, random_workload, run
+
+    packed, _ = pair(torch.float32)
+    engine_model = copy.deepcopy(packed).prepare_for_inference(compile_decode=compiled)
+    work = random_workload(random.Random(3), packed.config.vocab_size, 10, 120, 12, 8)
+    llm = LLM(engine_model, kv_blocks=400, max_batch_tokens=128, max_running=8)
+    done = run(llm, work)
+    assert len(done) == 10
+    assert_same_as_generate(packed, llm, work, done, exact=False)
