@@ -86,3 +86,21 @@ def test_fallback_without_kernels_agrees():
         text=True,
     )
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("rows, out, k", [(1, 100, 2880), (3, 77, 4096), (1, 33, 50), (4, 9, 31)])
+def test_bf16_gemv_equals_f_linear(rows, out, k):
+    from gptoss_lite.kernels import bf16
+
+    if not bf16.available():
+        pytest.skip("this CPU has no AVX-512 BF16: linear keeps F.linear")
+    g = torch.Generator().manual_seed(rows * out)
+    x, w, b = (torch.randn(*s, generator=g).bfloat16() for s in ((rows, k), (out, k), (out,)))
+    assert bf16.applies(x, w) and not bf16.applies(torch.cat([x] * 5), w)
+    got = bf16.gemv(x, w, b)
+    want = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    assert got.dtype == torch.bfloat16
+    assert ((got.double() - want).abs() / want.abs().max()).max().item() < 8e-3  # one bf16 rounding
+    assert (
+        got.float() - torch.nn.functional.linear(x, w, b).float()
+    ).abs().max().item() <= 2 * 2**-7 * want.abs().max()

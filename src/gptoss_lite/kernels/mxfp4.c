@@ -135,9 +135,10 @@ static const uint16_t E2M1_BF16[32] = {
 /* The 32 codes of one block as bf16 values (exact), in element order: the low nibble of byte i is
  * element 2i, the high nibble element 2i + 1, so each byte widens to one dword holding both words. */
 static inline __m512i decode_block_bf16(const uint8_t *b, __m512i table) {
+    /* vpermw reads the low 5 bits of each word: word 2i needs byte i's low nibble (bits 0-3, bit 4
+     * clear) and word 2i+1 its high nibble, which d << 12 puts at bits 16-19 with bit 20 clear. */
     __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)b));
-    __m512i idx = _mm512_or_si512(_mm512_and_si512(d, _mm512_set1_epi32(0x0F)),
-                                  _mm512_slli_epi32(_mm512_srli_epi32(d, 4), 16));
+    __m512i idx = _mm512_ternarylogic_epi32(_mm512_set1_epi32(0x0F), d, _mm512_slli_epi32(d, 12), 0xCA);
     return _mm512_permutexvar_epi16(idx, table);
 }
 
