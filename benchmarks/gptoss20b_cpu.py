@@ -25,12 +25,14 @@ pre-tokenizer hash (ours is synthetic) is read as "gpt-2", the split the tokeniz
 one at a time, each in a worker process of its own (`ours_worker.py --mode static`: `generate()`,
 MXFP4 experts packed; `llama_worker.py`: llama-cpp-python over the GGUF), because two 20b models do
 not fit in 24 GB together. Per round and engine: load (process start to ready, page cache as the
-other engine left it), one untimed 16-token warm-up, then for each prompt length L of `--lengths`
-(prompt `numpy.random.default_rng(L).integers(1, 200000, L)`) a 1-token request (TTFT) and a
-`--new-tokens` request: prefill tok/s = L / TTFT, decode tok/s at context L = (new - 1) / (total -
-TTFT). Peak RSS is the worker's VmHWM. The table gives medians over rounds, ours / llama.cpp, and
+other engine left it), one untimed warm-up with a prompt as long as the shortest cell (so that every
+expert's pages are in memory), then for each prompt length L of `--lengths` (prompt
+`numpy.random.default_rng(L).integers(1, 200000, L)`) a 1-token request (TTFT) and a `--new-tokens`
+request: prefill tok/s = L / TTFT, decode tok/s at context L = (new - 1) / (its end - its first
+token), both times taken inside that one request (two requests' prefills differ by more than a
+whole decode takes). Peak RSS is the worker's VmHWM. The table gives medians over rounds, ours / llama.cpp, and
 for decode the bytes a token reads (`decode_bytes`) with the GB/s that implies, beside this machine's
-read bandwidth (the best of 5 passes of `torch.sum` over 2 GiB, 2 threads).
+read bandwidth (the median of 5 passes of `torch.sum` over 2 GiB, 2 threads).
 
 The default directory is `$XDG_CACHE_HOME/gptoss-lite/gpt-oss-20b-random` (~/.cache/...), outside
 the repository; the GGUF goes beside it.
@@ -213,17 +215,18 @@ def decode_bytes(context: int) -> dict[str, float]:
 
 
 def read_bandwidth(threads: int) -> float:
-    """GB/s of the best of 5 passes of torch.sum over 2 GiB of fp32."""
+    """GB/s of the median of 5 passes of torch.sum over 2 GiB of fp32 (after one untimed pass)."""
     import torch
 
     torch.set_num_threads(threads)
     x = torch.ones(2**29)
-    best = float("inf")
-    for _ in range(6):
+    float(x.sum())
+    times = []
+    for _ in range(5):
         t0 = time.perf_counter()
         float(x.sum())
-        best = min(best, time.perf_counter() - t0)
-    return x.numel() * 4 / best / 1e9
+        times.append(time.perf_counter() - t0)
+    return x.numel() * 4 / statistics.median(times) / 1e9
 
 
 def _peak_rss_gib(pid: int) -> float:
@@ -262,15 +265,22 @@ def run(args: argparse.Namespace) -> dict:
             try:
                 info = worker.expect("READY")
                 load_s = time.perf_counter() - t0
-                worker.run([[int(t) for t in np.random.default_rng(16).integers(1, 200000, 16)]], 2)
+                # warm-up, untimed: a prompt as long as the shortest cell, so that every expert's
+                # pages are in memory (both engines map their files) before anything is timed
+                warm = min(args.lengths)
+                worker.run([[int(t) for t in np.random.default_rng(warm + 1).integers(1, 200000, warm)]], 2)
                 row = {"round": r, "engine": engine, "info": info, "load_s": load_s, "cells": {}}
                 for L in args.lengths:
                     prompt = [int(t) for t in np.random.default_rng(L).integers(1, 200000, L)]
                     first = worker.run([prompt], 1)
                     whole = worker.run([prompt], args.new_tokens)
+                    in_request = whole["wall_s"] - whole["first_token_s"][0]  # decode, inside one request
                     row["cells"][L] = {
                         "prefill_tok_s": L / first["wall_s"],
-                        "decode_tok_s": (args.new_tokens - 1) / (whole["wall_s"] - first["wall_s"]),
+                        "decode_tok_s": (args.new_tokens - 1) / in_request,
+                        "ttft_s": first["wall_s"],
+                        "whole_s": whole["wall_s"],
+                        "first_token_s": whole["first_token_s"][0],
                         "tokens": whole["tokens"][0],
                     }
                     print(

@@ -54,7 +54,7 @@ def main() -> None:
             ctx.memory_clear(True)
 
     def run(prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]], dict]:
-        outputs = []
+        outputs, first = [], []
         t0 = time.perf_counter()
         for ids in prompts:
             clear()
@@ -62,10 +62,12 @@ def main() -> None:
             sampling = {"temp": 0.0, "top_k": 1, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0}
             for token in llm.generate(ids, reset=True, **sampling):
                 new.append(int(token))
+                if len(new) == 1:
+                    first.append(time.perf_counter() - t0)  # the prompt's prefill, for a decode rate in one request
                 if len(new) == max_tokens:
                     break
             outputs.append(new)
-        return time.perf_counter() - t0, outputs, {}
+        return time.perf_counter() - t0, outputs, {"first_token_s": first}
 
     info = {
         "engine": f"llama.cpp (llama-cpp-python {llama_cpp.__version__})",

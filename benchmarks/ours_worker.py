@@ -78,7 +78,7 @@ def main() -> None:
 
     else:
         from gptoss_lite.checkpoint import load_model
-        from gptoss_lite.generation import generate
+        from gptoss_lite.generation import stream_generate
 
         model = load_model(args.model, dtype=dtype)
         info["engine"] = f"gptoss-lite {gptoss_lite.__version__} static batch (generation.generate)"
@@ -89,9 +89,14 @@ def main() -> None:
         def run(prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]], dict]:
             ids = torch.tensor(prompts, dtype=torch.long)  # (B, T): the prompts must have one length
             t0 = time.perf_counter()
-            out = generate(model, ids, max_tokens, temperature=0)  # (B, T + max_tokens): no stop token given
+            steps, first = [], None
+            for step in stream_generate(model, ids, max_tokens, temperature=0):  # no stop token given
+                steps.append(step)
+                first = time.perf_counter() - t0 if first is None else first
             wall = time.perf_counter() - t0
-            return wall, out[:, ids.shape[1] :].tolist(), {}
+            # first_token_s: when the first new token was out (the prompt's prefill), for a decode rate
+            # measured inside one request
+            return wall, torch.stack(steps, dim=1).tolist(), {"first_token_s": [first] * len(prompts)}
 
     serve(channel, info, run)
 
