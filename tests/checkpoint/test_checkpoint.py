@@ -611,3 +611,16 @@ def test_shipped_demo_model_is_the_default_and_runs():
     assert model.config.train_context_length == 256 and model.config.sliding_window == 128
     out = generate(model, torch.tensor([[256, 65, 66]]), 4, temperature=0)
     assert out.shape == (1, 7)
+
+
+def test_cli_bad_mxfp4_checkpoint_is_one_line(tmp_path, capsys):
+    """`generate --model DIR` of an MXFP4 checkpoint with mis-shaped scales: one line naming the tensor."""
+    from gptoss_lite.cli import main
+
+    _mxfp4_dir(tmp_path)
+    tensors = load_file(str(tmp_path / WEIGHTS_NAME))
+    tensors[K + "down_proj_scales"] = tensors[K + "down_proj_scales"][:, :, :1].clone()
+    _rewrite(tmp_path, tensors)
+    assert main(["generate", "x", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "down_proj_scales: shape [4, 64, 1]" in err and "Traceback" not in err

@@ -96,3 +96,12 @@ def test_engine_matches_generate_on_packed_experts(compiled):
     done = run(llm, work)
     assert len(done) == 10
     assert_same_as_generate(packed, llm, work, done, exact=False)
+
+
+def test_speculative_decoding_on_packed_experts_keeps_greedy_tokens():
+    from gptoss_lite.speculative import PromptLookup
+
+    packed, _ = pair(torch.float32)
+    ids = torch.randint(0, 264, (1, 24), generator=torch.Generator().manual_seed(4)).repeat(1, 3)  # repeats to look up
+    plain = generate(packed, ids, 24, temperature=0)
+    assert torch.equal(generate(packed, ids, 24, temperature=0, speculate=PromptLookup(k=4, min_ngram=1)), plain)

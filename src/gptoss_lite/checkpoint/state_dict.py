@@ -40,6 +40,8 @@ def check_state_dict(
         elif not bool(torch.isfinite(state[name]).all()):
             n_bad = int((~torch.isfinite(state[name])).sum())
             problems.append(f"tensor {name}: {n_bad} non-finite value(s) (nan/inf)")
+    if len(problems) == 1:  # one problem, one line
+        raise ValueError(f"{source}: checkpoint does not match the model config: {problems[0]}")
     if problems:
         shown = problems[:20] + ([f"... and {len(problems) - 20} more"] if len(problems) > 20 else [])
         raise ValueError(f"{source}: checkpoint does not match the model config:\n  " + "\n  ".join(shown))
