@@ -109,11 +109,16 @@ def test_kv_bench_passes(capsys):
 
 
 def test_plan_weight_bits_fit_gpt_oss_120b_on_one_h100(capsys):
-    """BF16 gpt-oss-120b does not fit one 80 GB H100; at 4.25-bit weights it does."""
-    assert main(["plan", "--model", "gpt-oss-120b", "--hardware", "h100-sxm"]) == 2
+    """gpt-oss-120b as released (MXFP4 experts) fits one 80 GB H100; with the experts in BF16 it does not."""
+    assert main(["plan", "--model", "gpt-oss-120b", "--hardware", "h100-sxm", "--expert-bits", "16"]) == 2
     assert "at least 3" in capsys.readouterr().err
+    assert main(["plan", "--json", "--model", "gpt-oss-120b", "--hardware", "h100-sxm"]) == 0
+    model = json.loads(capsys.readouterr().out)["model"]
+    assert model["expert_bytes_per_parameter"] == 4.25 / 8 and model["bytes_per_parameter"] == 2
     assert main(["plan", "--json", "--model", "gpt-oss-120b", "--hardware", "h100-sxm", "--weight-bits", "4.25"]) == 0
     assert json.loads(capsys.readouterr().out)["model"]["bytes_per_parameter"] == 4.25 / 8
+    assert main(["plan", "--expert-bits", "0"]) == 2
+    assert "--expert-bits 0.0: must be in (0, 64]" in capsys.readouterr().err
     assert main(["plan", "--weight-bits", "0"]) == 2
     assert "--weight-bits 0.0: must be in (0, 64]" in capsys.readouterr().err
     assert main(["plan", "--kv-bits", "0"]) == 2
