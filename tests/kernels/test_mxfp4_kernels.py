@@ -104,3 +104,48 @@ def test_bf16_gemv_equals_f_linear(rows, out, k):
     assert (
         got.float() - torch.nn.functional.linear(x, w, b).float()
     ).abs().max().item() <= 2 * 2**-7 * want.abs().max()
+
+
+@pytest.mark.parametrize("arch", ["x86-64", "haswell"])
+def test_other_cpus_builds_agree(tmp_path, arch):
+    """The C source as built for a CPU without AVX2 (the scalar path) and for an AVX2-only CPU (no
+    AVX-512): both agree with the reference, so machines unlike this one get correct kernels too."""
+    import ctypes
+    import platform
+    import shutil
+
+    from gptoss_lite.kernels.build import _HERE
+
+    if platform.machine() != "x86_64" or shutil.which("gcc") is None:
+        pytest.skip("needs gcc on x86-64")
+    lib_path = tmp_path / f"mxfp4-{arch}.so"
+    cmd = ["gcc", "-O3", f"-march={arch}", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+    subprocess.run([*cmd, str(_HERE / "mxfp4.c"), "-o", str(lib_path), "-lm"], check=True)
+    lib = ctypes.CDLL(str(lib_path))
+    assert lib.gl_has_avx2() == (arch == "haswell") and lib.gl_has_bf16_dot() == 0
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.gl_mxfp4_matvec.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr]
+    lib.gl_mxfp4_dequant.argtypes = [ptr, ptr, i64, i64, ptr, ctypes.c_int]
+    blocks, scales = codes(5, 72, 160, seed=7)
+    g = torch.Generator().manual_seed(7)
+    x, experts, bias = torch.randn(7, 160, generator=g), torch.randint(0, 5, (7,), generator=g), torch.randn(5, 72)
+    out = torch.empty(7, 72)
+    lib.gl_mxfp4_matvec(
+        x.data_ptr(),
+        0,
+        blocks.data_ptr(),
+        scales.data_ptr(),
+        experts.data_ptr(),
+        bias.data_ptr(),
+        7,
+        5,
+        72,
+        5,
+        out.data_ptr(),
+    )
+    w = mxfp4.reference_rows(blocks, scales)
+    want = torch.einsum("mrk,mk->mr", w[experts].double(), x.double()) + bias[experts].double()
+    assert ((out.double() - want).abs() / want.abs().max()).max().item() < 1e-6
+    dense = torch.empty(72, 160, dtype=torch.bfloat16)
+    lib.gl_mxfp4_dequant(blocks[1].data_ptr(), scales[1].data_ptr(), 72, 5, dense.data_ptr(), 1)
+    assert torch.equal(dense, w[1].bfloat16())
