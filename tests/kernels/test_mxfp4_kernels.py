@@ -149,3 +149,14 @@ def test_other_cpus_builds_agree(tmp_path, arch):
     dense = torch.empty(72, 160, dtype=torch.bfloat16)
     lib.gl_mxfp4_dequant(blocks[1].data_ptr(), scales[1].data_ptr(), 72, 5, dense.data_ptr(), 1)
     assert torch.equal(dense, w[1].bfloat16())
+
+
+def test_matvec_refuses_what_would_read_out_of_bounds():
+    blocks, scales = codes(3, 8, 64)
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match=r"expert ids must be in \[0, 3\)"):
+        mxfp4.matvec(x, blocks, scales, torch.tensor([0, 3]), None)
+    with pytest.raises(ValueError, match="do not fit"):
+        mxfp4.matvec(torch.randn(2, 96), blocks, scales, torch.tensor([0, 1]), None)
+    with pytest.raises(ValueError, match=r"bias \[3, 7\] must be"):
+        mxfp4.matvec(x, blocks, scales, torch.tensor([0, 1]), torch.zeros(3, 7))

@@ -122,6 +122,16 @@ def matvec(
     -> (M, R) float32. Rows that share an expert share each decoded block of its codes."""
     M, K = x.shape
     E, R, G = scales.shape
+    # The C code trusts its indices and sizes: a bad one would read outside the tensors.
+    if K != G * BLOCK or tuple(blocks.shape) != (E, R, G, BLOCK // 2) or experts.shape != (M,):
+        raise ValueError(
+            f"mxfp4 matvec: x {list(x.shape)}, blocks {list(blocks.shape)}, scales {list(scales.shape)} and "
+            f"experts {list(experts.shape)} do not fit (x (M, 32·G), blocks (E, R, G, 16), experts (M,))"
+        )
+    if M and (int(experts.min()) < 0 or int(experts.max()) >= E):
+        raise ValueError(f"mxfp4 matvec: expert ids must be in [0, {E}); got {experts.min()}..{experts.max()}")
+    if bias is not None and tuple(bias.shape) != (E, R):
+        raise ValueError(f"mxfp4 matvec: bias {list(bias.shape)} must be (E, R) = {[E, R]}")
     bf = None if bias is None else bias.float().contiguous()
     lib = _library()
     if lib is not None and _on_cpu(blocks, scales, experts) and experts.dtype == torch.int64:
@@ -160,6 +170,9 @@ def _(x, blocks, scales, experts, bias):
 def dequantize_rows(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """One matrix: blocks (R, G, 16) + scales (R, G) -> (R, 32·G) in `dtype`, out-major (the
     nn.Linear weight), by the C kernel for fp32 and bf16 (both exact), else `reference_rows`."""
+    check_packed(blocks, scales)
+    if blocks.dim() != 3:
+        raise ValueError(f"dequantize_rows: blocks {list(blocks.shape)} must be one matrix (R, G, 16)")
     lib = _library()
     if lib is None or dtype not in (torch.float32, torch.bfloat16) or not _on_cpu(blocks, scales):
         return reference_rows(blocks, scales, dtype)
