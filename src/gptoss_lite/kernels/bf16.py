@@ -23,6 +23,7 @@ def _library() -> ctypes.CDLL | None:
     return lib
 
 
+@torch.compiler.assume_constant_result  # a trace takes the answer as a constant (it builds or loads a file)
 def available() -> bool:
     lib = _library()
     return lib is not None and lib.usable
@@ -45,15 +46,43 @@ def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     )
 
 
+def traceable(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `gemv_fp32` serves x (B, K) · wᵀ inside the compiled decode step: the shape and dtype
+    rules of `applies`, checked on what a trace knows (no autograd there)."""
+    return (
+        x.dtype == torch.bfloat16
+        and w.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and w.dim() == 2
+        and w.is_contiguous()
+        and available()
+    )
+
+
+@torch.library.custom_op("gptoss_lite::bf16_gemv", mutates_args=())
+def gemv_fp32(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x (M, K) · w (R, K)ᵀ (+ b) as fp32 sums, not rounded: (M, R) float32. A torch custom op, so the
+    compiled decode step calls it as one node; rows beyond MAX_ROWS are done MAX_ROWS at a time."""
+    M, K = x.shape
+    R = w.shape[0]
+    if w.shape[1] != K or (b is not None and tuple(b.shape) != (R,)):
+        raise ValueError(f"bf16 gemv: x {list(x.shape)}, w {list(w.shape)}, b {None if b is None else list(b.shape)}")
+    flat = x.contiguous()
+    out = torch.empty(M, R, dtype=torch.float32)
+    bias = None if b is None else b.float().contiguous()
+    _library().gl_bf16_gemv(
+        flat.data_ptr(), w.data_ptr(), None if bias is None else bias.data_ptr(), M, R, K, out.data_ptr()
+    )
+    return out
+
+
+@gemv_fp32.register_fake
+def _(x, w, b):
+    return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32)
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., K) · w (R, K)ᵀ + b in fp32, rounded once to bf16: F.linear's result, read at the memory's
     rate (the caller checks `applies`)."""
     lead, K = x.shape[:-1], x.shape[-1]
-    flat = x.reshape(-1, K).contiguous()
-    R = w.shape[0]
-    out = torch.empty(flat.shape[0], R, dtype=torch.float32)
-    bias = None if b is None else b.float().contiguous()
-    _library().gl_bf16_gemv(
-        flat.data_ptr(), w.data_ptr(), None if bias is None else bias.data_ptr(), flat.shape[0], R, K, out.data_ptr()
-    )
-    return out.to(torch.bfloat16).reshape(*lead, R)
+    return gemv_fp32(x.reshape(-1, K), w, b).to(torch.bfloat16).reshape(*lead, w.shape[0])

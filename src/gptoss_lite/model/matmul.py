@@ -79,7 +79,11 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = Non
     """The one-token projection of the compiled step, x (B, in) · w (out, in)ᵀ (+ b) in fp32: one row
     is a `gemv` reduction (bandwidth-bound: the weight read once, in its own dtype); several rows (the
     engine's batched decode) are one fp32 matrix product, which reads the weight once for all rows where
-    a reduction per row would read it B times."""
+    a reduction per row would read it B times. On CPUs with AVX-512 BF16, bf16 rows go to
+    `kernels.bf16.gemv_fp32` instead, for any B (a condition on B would split the engine's one graph
+    in two): the same fp32 sums, the weight read at the memory's rate, once per four rows."""
+    if bf16_kernel.traceable(x, w):
+        return bf16_kernel.gemv_fp32(x, w, b)
     if x.shape[0] == 1:
         return gemv(x, w, b)
     return F.linear(x.float(), w.float(), None if b is None else b.float())
