@@ -29,6 +29,14 @@ TOL = 1e-4  # fp32 logits
 ORIGINALS = [256, 64]
 
 
+def _hf_greedy(hf, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """transformers' greedy generate of exactly n tokens, with the explicit attention mask it needs
+    (docs/checkpoints.md#comparing-with-transformers)."""
+    return hf.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+    )
+
+
 def _hf_model(original: int, tmp_path) -> tuple[torch.nn.Module, object]:
     """A small random GptOssForCausalLM (non-trivial biases, norms, sinks) saved to tmp_path."""
     config = transformers.GptOssConfig(
@@ -123,14 +131,7 @@ def test_greedy_tokens_match_hf_generate(original, tmp_path):
     ours = load_model(tmp_path)
     prompt = _prompt(40)
     with torch.no_grad():
-        ref = hf.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=32,
-            min_new_tokens=32,
-            do_sample=False,
-            pad_token_id=0,
-        )
+        ref = _hf_greedy(hf, prompt, 32)
         got = _greedy(ours, prompt, 32)
     assert ref[0, prompt.shape[1] :].tolist() == got
 
@@ -142,14 +143,7 @@ def test_generate_equals_hf_generate_64_tokens(batch, tmp_path):
     ours = load_model(tmp_path)
     prompt = torch.randint(0, 264, (batch, 30), generator=torch.Generator().manual_seed(batch))
     with torch.no_grad():
-        ref = hf.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=64,
-            min_new_tokens=64,
-            do_sample=False,
-            pad_token_id=0,
-        )
+        ref = _hf_greedy(hf, prompt, 64)
     got = generate(ours, prompt, 64, temperature=0, prefill_chunk=16)
     assert torch.equal(got, ref)
 
@@ -226,12 +220,5 @@ def test_packed_mxfp4_checkpoint_matches_transformers(tmp_path):
         got = ours(ids).logits
     assert (got - ref).abs().max().item() <= TOL
     with torch.no_grad():
-        want = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=24,
-            min_new_tokens=24,
-            do_sample=False,
-            pad_token_id=0,
-        )
+        want = _hf_greedy(hf, ids, 24)
     assert torch.equal(generate(ours, ids, 24, temperature=0, prefill_chunk=16), want)

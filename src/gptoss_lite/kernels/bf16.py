@@ -30,29 +30,24 @@ def available() -> bool:
 
 
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `gemv` computes x · wᵀ here: bf16 CPU tensors, at most MAX_ROWS rows, an out-major
-    contiguous weight, no autograd, not inside a traced graph."""
+    """Whether `gemv` computes x · wᵀ here, eagerly: what `traceable` asks, at most MAX_ROWS rows, no
+    autograd, not inside a traced graph."""
+    return (
+        x.numel() <= MAX_ROWS * x.shape[-1]
+        and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+        and not torch.compiler.is_compiling()
+        and traceable(x, w)
+    )
+
+
+def traceable(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `gemv_fp32` serves x · wᵀ: bf16 CPU tensors, an out-major contiguous weight, the kernel
+    built here. Also asked inside the compiled decode step, where no autograd runs."""
     return (
         x.dtype == torch.bfloat16
         and w.dtype == torch.bfloat16
         and x.device.type == "cpu"
         and w.device.type == "cpu"
-        and w.dim() == 2
-        and w.is_contiguous()
-        and x.numel() <= MAX_ROWS * x.shape[-1]
-        and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
-        and not torch.compiler.is_compiling()
-        and available()
-    )
-
-
-def traceable(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `gemv_fp32` serves x (B, K) · wᵀ inside the compiled decode step: the shape and dtype
-    rules of `applies`, checked on what a trace knows (no autograd there)."""
-    return (
-        x.dtype == torch.bfloat16
-        and w.dtype == torch.bfloat16
-        and x.device.type == "cpu"
         and w.dim() == 2
         and w.is_contiguous()
         and available()

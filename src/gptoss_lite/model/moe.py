@@ -240,18 +240,21 @@ class MXFP4Experts(nn.Module):
     def is_packed(self) -> bool:
         return True
 
-    def _bias(self, which: torch.Tensor | None, experts: torch.Tensor) -> torch.Tensor | float:
-        return 0.0 if which is None else which[experts].float()
+    def _gate_up(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Row m of x (M, C) through expert experts[m]'s gate/up matrix, bias added: (M, 2I) fp32, interleaved."""
+        out = matvec(x, self.gate_up_blocks, self.gate_up_scales, experts, None)
+        return out if self.gate_up_bias is None else out + self.gate_up_bias[experts].float()
+
+    def _down(self, act: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Row m of act (M, I) through expert experts[m]'s down matrix, bias added: (M, C) fp32."""
+        out = matvec(act, self.down_blocks, self.down_scales, experts, None)
+        return out if self.down_bias is None else out + self.down_bias[experts].float()
 
     def _run(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Row m of x (M, C) through expert experts[m] -> (M, C) in x's dtype, on the codes."""
-        dt = x.dtype
-        gate_up = (
-            matvec(x, self.gate_up_blocks, self.gate_up_scales, experts, None) + self._bias(self.gate_up_bias, experts)
-        ).to(dt)
+        gate_up = self._gate_up(x, experts).to(x.dtype)
         act = activate(gate_up[:, 0::2], gate_up[:, 1::2], self.activation, self.limit)  # (M, I)
-        out = matvec(act, self.down_blocks, self.down_scales, experts, None) + self._bias(self.down_bias, experts)
-        return out.to(dt)
+        return self._down(act, experts).to(x.dtype)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Apply expert e to x (N, C) -> (N, C), down-projection bias included."""
@@ -291,13 +294,9 @@ class MXFP4Experts(nn.Module):
         B, A = top_idx.shape
         experts = top_idx.reshape(-1)
         rows = h[:, None].expand(B, A, h.shape[-1]).reshape(B * A, -1)
-        gate_up = matvec(rows, self.gate_up_blocks, self.gate_up_scales, experts, None) + self._bias(
-            self.gate_up_bias, experts
-        )
-        gate_up = rounded(gate_up, dt)
+        gate_up = rounded(self._gate_up(rows, experts), dt)
         act = activate(gate_up[:, 0::2], gate_up[:, 1::2], self.activation, self.limit).to(dt)  # (B·A, I)
-        out = matvec(act, self.down_blocks, self.down_scales, experts, None) + self._bias(self.down_bias, experts)
-        out = rounded(out, dt).view(B, A, -1)
+        out = rounded(self._down(act, experts), dt).view(B, A, -1)
         return out if weights is None else rounded(out * weights[..., None], dt)
 
 
