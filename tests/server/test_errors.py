@@ -70,7 +70,7 @@ CASES = [
     ("content-int", "POST", CH, chat(messages=[{"role": "user", "content": 5}]), AUTH, 400, "messages", "string"),
     ("missing-messages", "POST", CH, without(chat(), "messages"), AUTH, 400, "messages", "missing"),
     ("top-logprobs-alone", "POST", CH, chat(top_logprobs=2), AUTH, 400, "top_logprobs", "needs logprobs"),
-    ("chat-tools", "POST", CH, chat(tools=[{"type": "function"}]), AUTH, 400, "tools", "not supported"),
+    ("chat-tools", "POST", CH, chat(tools=[{"type": "function"}]), AUTH, 400, "tools", "does not call tools"),
     ("both-limits", "POST", CH, chat(max_completion_tokens=4), AUTH, 400, "max_tokens", "not both"),
     ("bad-key", "POST", C, completion(), {"Authorization": "Bearer nope"}, 401, None, "Incorrect API key"),
     ("missing-key", "POST", C, completion(), {}, 401, None, "Missing API key"),

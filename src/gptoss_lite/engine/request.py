@@ -13,7 +13,7 @@ import dataclasses
 import enum
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +39,11 @@ class SamplingParams:
     from every token already generated and `frequency_penalty` once per time it was generated (both
     in [-2, 2]). `logprobs` k (0..20) reports, for every generated token, its log-probability and
     the k most likely tokens' (log_softmax of the adjusted logits, before temperature and top-p).
+
+    `logits_processor(token_ids, logits) -> logits` is called last, on every step of the request,
+    with the tokens generated so far and that step's fp32 logits (V,); it returns the logits to draw
+    from (for example -inf outside what a grammar allows). A processor that keeps state per sample
+    defines `fork()`, which gives samples 1..n-1 their own. What it raises fails its request alone.
     """
 
     max_tokens: int = 16
@@ -53,6 +58,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # also accepted as a {token id: bias} mapping
     n: int = 1  # samples of the prompt; sample i > 0 draws with seed + i (see `for_sample`)
+    logits_processor: Callable[[list[int], torch.Tensor], torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, minimum=1)
@@ -86,17 +92,27 @@ class SamplingParams:
             pairs.append((token, float(value)))
         object.__setattr__(self, "logit_bias", tuple(sorted(pairs)))
         check_int("n", self.n, 1, MAX_N)
+        if self.logits_processor is not None and not callable(self.logits_processor):
+            raise TypeError(f"logits_processor={self.logits_processor!r}: expected a callable")
 
     def for_sample(self, index: int) -> SamplingParams:
         """The parameters sample `index` of an n-sample request draws with: n=1, and the seed plus
         `index` (mod 2^64) when there is a seed. So sample i equals a single request with that seed."""
         seed = None if self.seed is None else (self.seed + index) % (MAX_SEED + 1)
-        return dataclasses.replace(self, n=1, seed=seed)
+        processor = self.logits_processor
+        if index > 0 and hasattr(processor, "fork"):
+            processor = processor.fork()
+        return dataclasses.replace(self, n=1, seed=seed, logits_processor=processor)
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether logit_bias or a penalty changes the logits before a token is chosen."""
-        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0
+        """Whether logit_bias, a penalty or a logits processor changes the logits before a token is chosen."""
+        return (
+            bool(self.logit_bias)
+            or self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.logits_processor is not None
+        )
 
     def sampling_config(self) -> SamplingConfig:
         """The `gptoss_lite.sampling` config these parameters draw with (raises on bad values)."""
@@ -263,8 +279,8 @@ class Request:
         return taken
 
     def adjusted_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits (1, V) after logit_bias and the penalties (fp32; a new tensor). The engine has
-        checked that every biased id is in the vocabulary."""
+        """logits (1, V) after logit_bias, the penalties and the logits processor (fp32; a new tensor).
+        The engine has checked that every biased id is in the vocabulary."""
         out = logits.float().clone()
         sampling = self.sampling
         if sampling.logit_bias:
@@ -276,6 +292,11 @@ class Request:
             ids = torch.tensor(list(self.token_counts), device=out.device)
             counts = torch.tensor(list(self.token_counts.values()), dtype=torch.float32, device=out.device)
             out[0, ids] -= sampling.frequency_penalty * counts + sampling.presence_penalty
+        if sampling.logits_processor is not None:
+            processed = sampling.logits_processor(self.output_token_ids, out[0])
+            if not isinstance(processed, torch.Tensor) or processed.shape != out[0].shape:
+                raise TypeError(f"logits_processor returned {type(processed).__name__}, not a tensor of shape (V,)")
+            out = processed.float().reshape(1, -1)
         return out
 
 

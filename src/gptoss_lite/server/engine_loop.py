@@ -42,6 +42,7 @@ class Update:
     failure: str | None  # the request was ended by the server (engine gone, stopping): why
     client_gone: bool  # the client disconnected
     logprobs: dict[int, list] = field(default_factory=dict)  # TokenLogprobs of those tokens, per sample
+    tokens: dict[int, list[int]] = field(default_factory=dict)  # the token ids of those steps, per sample
 
 
 class Channel:
@@ -51,6 +52,7 @@ class Channel:
     def __init__(self) -> None:
         self._parts: dict[int, list[str]] = {}
         self._logprobs: dict[int, list] = {}
+        self._tokens: dict[int, list[int]] = {}
         self._finals: dict[int, RequestOutput] = {}
         self._failure: str | None = None
         self._gone = False
@@ -61,6 +63,8 @@ class Channel:
             self._parts.setdefault(out.index, []).append(out.text_delta)
         if out.logprobs:
             self._logprobs.setdefault(out.index, []).extend(out.logprobs)
+        if out.new_token_ids:
+            self._tokens.setdefault(out.index, []).extend(out.new_token_ids)
         if out.finished:
             self._finals[out.index] = out
         self._wake.set()
@@ -79,8 +83,8 @@ class Channel:
         await self._wake.wait()
         self._wake.clear()
         text = {i: "".join(parts) for i, parts in self._parts.items()}
-        update = Update(text, self._finals, self._failure, self._gone, self._logprobs)
-        self._parts, self._logprobs, self._finals = {}, {}, {}
+        update = Update(text, self._finals, self._failure, self._gone, self._logprobs, self._tokens)
+        self._parts, self._logprobs, self._tokens, self._finals = {}, {}, {}, {}
         return update
 
 

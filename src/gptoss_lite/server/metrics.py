@@ -62,6 +62,11 @@ class ServerMetrics:
             "Streams aborted because their client stopped reading for the stall timeout",
             registry=self.registry,
         )
+        self.harmony_malformed = Counter(
+            f"{PREFIX}_harmony_malformed",
+            "Harmony completions the parser refused (their text was answered as content)",
+            registry=self.registry,
+        )
         self.registry.register(_EngineCollector(snapshot))
 
     def record_finished(self, output) -> None:

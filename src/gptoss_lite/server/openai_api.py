@@ -34,6 +34,7 @@ from gptoss_lite.engine import SamplingParams
 from gptoss_lite.server import protocol as P
 from gptoss_lite.server.chat import ChatTemplate, ChatTemplateError
 from gptoss_lite.server.engine_loop import Channel, EngineLoop, QueueFull, ShuttingDown
+from gptoss_lite.server.harmony import RenderError, chat_delta, chat_message, finish_reason, harmony_for
 from gptoss_lite.server.http import ABORT_EXTENSION, DEFAULT_BODY_TIMEOUT
 from gptoss_lite.server.metrics import ServerMetrics
 
@@ -59,6 +60,7 @@ class ServerState:
         metrics_open,
         stall_timeout,
         body_timeout,
+        harmony,
     ):
         self.llm = llm
         self.admin_key = admin_key
@@ -69,6 +71,9 @@ class ServerState:
         self.metrics_open = metrics_open or self.api_keys is None
         self.stall_timeout, self.body_timeout = stall_timeout, body_timeout
         self.template = ChatTemplate(llm.chat_template)
+        self.harmony = None if harmony is False else harmony_for(llm.tokenizer)
+        if harmony is True and self.harmony is None:
+            raise ValueError("harmony=True, but the model's tokenizer is not the gpt-oss (o200k_harmony) vocabulary")
         self.engine = EngineLoop(llm, max_waiting=max_waiting, on_finished=self._finished)
         self.metrics = ServerMetrics(lambda: self.engine.snapshot.stats)
         self.draining = False
@@ -155,6 +160,7 @@ def create_app(
     metrics_open: bool = False,
     stall_timeout: float = DEFAULT_STALL_TIMEOUT,
     body_timeout: float = DEFAULT_BODY_TIMEOUT,
+    harmony: bool | None = None,
 ) -> FastAPI:
     """A FastAPI app serving `llm`; the engine thread starts and stops with the app's lifespan.
 
@@ -166,6 +172,8 @@ def create_app(
     metrics_open: /metrics and /stats without a key on a keyed server.
     stall_timeout: seconds a stream may wait for its client to read before the request is aborted.
     body_timeout: seconds a client has to send a request body.
+    harmony: render and parse chats in the harmony format (None: when the model's tokenizer is the
+        gpt-oss vocabulary; False: never, the chat template instead).
     """
     state = ServerState(
         llm,
@@ -178,6 +186,7 @@ def create_app(
         metrics_open=metrics_open,
         stall_timeout=stall_timeout,
         body_timeout=body_timeout,
+        harmony=harmony,
     )
 
     @asynccontextmanager
@@ -256,6 +265,9 @@ def create_app(
         tenant = state.tenant(request)
         req = P.parse_request(P.ChatCompletionRequest, await _read_body(request, state))
         _check_model(state, req.model)
+        if state.harmony is not None:
+            return await _serve_harmony(state, request, tenant, req)
+        _refuse_harmony_fields(req)
         try:
             prompt = state.template.render([{"role": m.role, "content": m.text()} for m in req.messages])
         except ChatTemplateError as exc:
@@ -311,7 +323,37 @@ async def _read_body(request: Request, state: ServerState) -> bytes:
     return b"".join(chunks)
 
 
-def _sampling(state: ServerState, req, prompt) -> SamplingParams:
+def _refuse_harmony_fields(req: P.ChatCompletionRequest) -> None:
+    """What only a harmony model does: tools and reasoning effort are a 400 on any other model."""
+    if req.uses_tools:
+        raise P.APIError(400, "tools: this model does not call tools (it is not a harmony model)", param="tools")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise P.APIError(400, "tool_choice: this model does not call tools", param="tool_choice")
+    if req.reasoning_effort is not None:
+        raise P.APIError(
+            400, "reasoning_effort: this model does not reason (it is not a harmony model)", param="reasoning_effort"
+        )
+
+
+async def _serve_harmony(state: ServerState, request: Request, tenant: str, req: P.ChatCompletionRequest):
+    harmony = state.harmony
+    try:
+        prompt = harmony.prompt(
+            [m.as_dict() for m in req.messages],
+            tools=req.tools,
+            tool_choice=req.tool_choice,
+            effort=req.reasoning_effort,
+        )
+    except RenderError as exc:
+        raise P.APIError(400, str(exc), param=exc.param) from None
+    extra = {
+        "stop_token_ids": harmony.stop_token_ids,
+        "logits_processor": harmony.tool_choice_processor(req.tools, req.tool_choice),
+    }
+    return await _serve(state, request, tenant, req, prompt, chat=True, extra=extra, harmony_choice=req.tool_choice)
+
+
+def _sampling(state: ServerState, req, prompt, extra: dict | None = None) -> SamplingParams:
     """SamplingParams for `req`, after checking that prompt + max_tokens fits the context (400 if not)."""
     limit = state.llm.max_model_len
     if isinstance(prompt, list):
@@ -345,15 +387,20 @@ def _sampling(state: ServerState, req, prompt) -> SamplingParams:
             frequency_penalty=req.frequency_penalty or 0.0,
             logit_bias=req.logit_bias_ids(),
             n=req.n,
+            **(extra or {}),
         )
     except (ValueError, TypeError) as exc:
         raise P.APIError(400, str(exc)) from None
 
 
-async def _serve(state: ServerState, request: Request, tenant: str, req, prompt, *, chat: bool):
+async def _serve(
+    state: ServerState, request: Request, tenant: str, req, prompt, *, chat: bool, extra=None, harmony_choice=None
+):
+    """Queue the request and answer it. extra: more SamplingParams fields; harmony_choice: the
+    tool_choice of a harmony chat (its answer is parsed; None for a plain one, or "auto")."""
     if state.draining:
         raise P.APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
-    sampling = _sampling(state, req, prompt)
+    sampling = _sampling(state, req, prompt, extra)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     try:
         channel = await state.engine.add(rid, prompt, sampling, cache_scope(tenant, req.cache_salt))
@@ -365,6 +412,8 @@ async def _serve(state: ServerState, request: Request, tenant: str, req, prompt,
     except (ValueError, TypeError) as exc:  # the engine refused the request (nothing was queued)
         raise P.APIError(400, str(exc)) from None
     run = _Run(state, tenant, rid, channel, sampling.n)
+    if extra is not None and state.harmony is not None:  # a harmony chat: parse each sample's tokens
+        run.parsers = {i: state.harmony.stream(harmony_choice) for i in range(sampling.n)}
     if req.stream:
         return _SSEResponse(
             run.events(chat, req.include_usage),
@@ -385,6 +434,7 @@ class _Run:
         self.done = False  # the engine finished it (or failed it): nothing to abort
         self.finals: dict[int, object] = {}  # sample index -> final output
         self.logprob_offset: dict[int, int] = {}  # per sample: characters of token text before the next entry
+        self.parsers: dict[int, object] | None = None  # per sample, a HarmonyStream (a harmony chat)
 
     async def _watch(self, request: Request) -> None:
         """Wake the reader when the server reports that the client disconnected (the body is already
@@ -432,6 +482,13 @@ class _Run:
         generated = sum(len(out.token_ids) for out in self.finals.values())
         return P.usage(len(first.prompt_token_ids), generated, first.num_cached_tokens)
 
+    def _finish_parse(self, parser):
+        """End a sample's harmony parse; a stream the parser refused is counted (its text is content)."""
+        delta = parser.finish()
+        if parser.malformed is not None:
+            self.state.metrics.harmony_malformed.inc()
+        return delta
+
     def _logprobs(self, entries: list, chat: bool, index: int) -> dict | None:
         """The API's logprobs object for these TokenLogprobs of one sample (None when none were asked for)."""
         if not entries:
@@ -455,6 +512,9 @@ class _Run:
                 update = await self._next()
                 for index, lps in update.logprobs.items():
                     entries.setdefault(index, []).extend(lps)
+                if self.parsers is not None:
+                    for index, tokens in update.tokens.items():
+                        self.parsers[index].feed(tokens)
                 if self.complete:
                     break
                 if update.client_gone:
@@ -463,10 +523,14 @@ class _Run:
             watcher.cancel()
             self.abort()
         body, choice = (P.chat_body, P.chat_choice) if chat else (P.completion_body, P.completion_choice)
-        choices = [
-            choice(i, out.text, out.finish_reason, self._logprobs(entries.get(i, []), chat, i))
-            for i, out in sorted(self.finals.items())
-        ]
+        choices = []
+        for i, out in sorted(self.finals.items()):
+            answer, reason = out.text, out.finish_reason
+            if self.parsers is not None:
+                parser = self.parsers[i]
+                self._finish_parse(parser)
+                answer, reason = chat_message(parser), finish_reason(parser, reason)
+            choices.append(choice(i, answer, reason, self._logprobs(entries.get(i, []), chat, i)))
         return body(self.rid, self.state.model_name, choices, self._usage())
 
     async def events(self, chat: bool, include_usage: bool):
@@ -487,15 +551,24 @@ class _Run:
                     break
                 for index, lps in update.logprobs.items():
                     pending.setdefault(index, []).extend(lps)
-                for index in sorted(set(update.text) | set(update.finals)):
+                for index in sorted(set(update.text) | set(update.finals) | set(update.tokens)):
                     text = update.text.get(index, "")
                     final = update.finals.get(index)
                     reason = final.finish_reason if final is not None else None
-                    if not (text or reason):
+                    delta = {"content": text} if text else {}
+                    if self.parsers is not None:  # a harmony chat: the parsed pieces, not the raw text
+                        parser = self.parsers[index]
+                        parsed = parser.feed(update.tokens.get(index, ()))
+                        if final is not None:
+                            parsed.extend(self._finish_parse(parser))
+                            reason = finish_reason(parser, reason)
+                        delta = chat_delta(parsed)
+                    elif not (text or reason):
+                        continue
+                    if not (delta or reason):
                         continue
                     logprobs = self._logprobs(pending.pop(index, []), chat, index)
                     if chat:
-                        delta = {"content": text} if text else {}
                         yield _sse(P.chat_chunk(self.rid, name, delta, reason, logprobs=logprobs, index=index))
                     else:
                         yield _sse(P.completion_chunk(self.rid, name, text, reason, logprobs=logprobs, index=index))

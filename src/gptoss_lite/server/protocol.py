@@ -3,7 +3,7 @@
 Requests are parsed in strict mode with unknown fields forbidden, as the OpenAI API does: a string
 where a number belongs (`"max_tokens": "8"`) or a misspelt field (`"max_token": 8`) is a 400 naming
 the field, never silently coerced or ignored. Fields the API defines but this server does not
-implement (`tools`, `echo`, `best_of` > 1, ...) are accepted at their neutral value and refused with a
+implement (`echo`, `best_of` > 1, ...) are accepted at their neutral value and refused with a
 400 otherwise, so a client never gets an answer computed without the option it asked for.
 
 Two extensions beyond the OpenAI fields: `cache_salt` (a client-chosen string that further splits the
@@ -25,7 +25,8 @@ MAX_SEED = 2**63 - 1  # a JSON integer every client library can send
 MAX_TOKENS_LIMIT = 2**31 - 1  # above any context; the context check gives the real bound
 MAX_INT_DIGITS = 20  # a JSON integer with more digits is refused before it is converted
 MAX_NUMBER_CHARS = 64  # the same for a JSON number with a fraction or an exponent
-MAX_N = 128  # choices per request the API accepts (this server then allows 1)
+MAX_N = 128  # choices per request the API accepts
+MAX_TOOLS = 128  # function tools in one request (the OpenAI limit)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI default for /v1/completions, also for an explicit null
 
 
@@ -145,13 +146,48 @@ class TextPart(_Strict):
     text: str
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(_Strict):
+    """An assistant message's tool call, as a client sends the previous turn back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    # An assistant turn sent back: its chain of thought (either name) and its tool calls.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None  # a tool result: the call it answers
+    # What the official client includes when it sends back a message it received; nothing to render.
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: Any = None
+    function_call: Any = None
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as the harmony renderer reads it (OpenAI field names, None fields left out)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "reasoning_content", "reasoning", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        return out
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -162,10 +198,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = None  # accepted; a harmony turn makes at most one call
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     def check(self) -> None:
         super().check()
@@ -173,12 +210,13 @@ class ChatCompletionRequest(_SamplingFields):
             raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if self.tools:
-            raise APIError(400, "tools: not supported by this server", param="tools")
-        if self.tool_choice not in (None, "none"):
-            raise APIError(400, "tool_choice: not supported by this server", param="tool_choice")
         if self.response_format not in (None, {"type": "text"}):
             raise APIError(400, "response_format: only {'type': 'text'} is supported", param="response_format")
+
+    @property
+    def uses_tools(self) -> bool:
+        """Whether the request needs a model that can call tools (tools, or tool turns in its history)."""
+        return bool(self.tools) or any(m.role == "tool" or m.tool_calls for m in self.messages)
 
     @property
     def token_limit(self) -> int | None:
@@ -346,8 +384,10 @@ def chat_body(rid: str, model: str, choices: list[dict], use: dict | None) -> di
     return _envelope(rid, model, "chat.completion", choices, use)
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
-    message = {"role": "assistant", "content": text}
+def chat_choice(index: int, text: str | dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    """A chat choice: `text` is the answer, or the whole message (a harmony model's, with reasoning and
+    tool calls)."""
+    message = text if isinstance(text, dict) else {"role": "assistant", "content": text}
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 

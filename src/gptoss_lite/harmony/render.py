@@ -1,0 +1,199 @@
+"""OpenAI chat messages and tools -> a harmony conversation -> prompt token ids (openai-harmony renders).
+
+The mapping, the same as the released gpt-oss chat template and vLLM's (docs/server.md#harmony):
+
+| OpenAI | harmony |
+|---|---|
+| (always) | a system message: identity, cutoff 2024-06, today (UTC), `Reasoning: …`, the channels |
+| leading `system` / `developer` messages | the developer message's `# Instructions` (blank-line joined) |
+| `tools` (function tools) | the developer message's `functions` namespace |
+| a later `system` / `developer` message | a developer message in place |
+| `user` | a user message |
+| assistant `reasoning_content` (or `reasoning`) | an `analysis` message |
+| assistant `content` | a `final` message (a `commentary` preamble when the message also has `tool_calls`) |
+| assistant `tool_calls[i]` | `commentary` messages `to=functions.NAME <|constrain|>json`, one per call |
+| `tool` (`tool_call_id`) | a message from `functions.NAME` to the assistant on `commentary` |
+
+Earlier chains of thought are dropped once a `final` answer follows them, and kept inside a tool-call
+chain that has not reached one yet (openai-harmony's `auto_drop_analysis`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+EFFORTS = ("low", "medium", "high")
+DEFAULT_EFFORT = "medium"
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class RenderError(ValueError):
+    """A conversation harmony cannot express; `param` names the request field at fault."""
+
+    def __init__(self, message: str, param: str = "messages"):
+        super().__init__(message)
+        self.param = param
+
+
+def today() -> str:
+    return datetime.now(timezone.utc).date().isoformat()
+
+
+def message_text(content: Any, where: str) -> str:
+    """The text of an OpenAI message `content`: a string, a list of text parts, or None ("")."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text", "output_text"):
+                raise RenderError(f"{where}.content[{i}]: only text parts are supported")
+            parts.append(str(part.get("text", "")))
+        return "".join(parts)
+    raise RenderError(f"{where}.content: expected a string or a list of text parts")
+
+
+def function_tools(tools: Sequence[dict] | None) -> list[dict]:
+    """Validated function tools: [{"name", "description", "parameters"}] (RenderError on a bad one)."""
+    out, seen = [], set()
+    for i, tool in enumerate(tools or ()):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise RenderError(f"{where}: only tools of type 'function' are supported", "tools")
+        fn = tool.get("function", tool)  # chat nests {"function": {...}}; responses puts the fields flat
+        if not isinstance(fn, dict):
+            raise RenderError(f"{where}.function: expected an object", "tools")
+        name = fn.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.match(name):
+            raise RenderError(f"{where}: the function name must match [A-Za-z0-9_-]{{1,64}}", "tools")
+        if name in seen:
+            raise RenderError(f"{where}: two tools are named {name!r}", "tools")
+        seen.add(name)
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise RenderError(f"{where}: parameters must be a JSON schema object", "tools")
+        description = fn.get("description") or ""
+        if not isinstance(description, str):
+            raise RenderError(f"{where}: description must be a string", "tools")
+        out.append({"name": name, "description": description, "parameters": params})
+    return out
+
+
+def conversation(
+    messages: Sequence[dict],
+    *,
+    tools: Sequence[dict] | None = None,
+    effort: str = DEFAULT_EFFORT,
+    date: str | None = None,
+):
+    """The openai-harmony Conversation for OpenAI-shaped `messages` (dicts) and function `tools`."""
+    from openai_harmony import (
+        Author,
+        Conversation,
+        DeveloperContent,
+        Message,
+        ReasoningEffort,
+        Role,
+        SystemContent,
+        ToolDescription,
+    )
+
+    if effort not in EFFORTS:
+        raise RenderError(f"reasoning_effort={effort!r}: expected one of {', '.join(EFFORTS)}", "reasoning_effort")
+    system = (
+        SystemContent.new()
+        .with_reasoning_effort(ReasoningEffort(effort.capitalize()))
+        .with_conversation_start_date(date or today())
+    )
+    described = function_tools(tools)
+    head, rest = _leading_instructions(messages)
+    out = [Message.from_role_and_content(Role.SYSTEM, system)]
+    if head or described:
+        developer = DeveloperContent.new()
+        if head:
+            developer = developer.with_instructions("\n\n".join(head))
+        if described:
+            developer = developer.with_function_tools(
+                [ToolDescription.new(t["name"], t["description"], parameters=t["parameters"]) for t in described]
+            )
+        out.append(Message.from_role_and_content(Role.DEVELOPER, developer))
+    call_names: dict[str, str] = {}  # tool_call_id -> function name, for the tool results that follow
+    for index, message in rest:
+        where = f"messages[{index}]"
+        role = message.get("role")
+        if role in ("system", "developer"):
+            text = message_text(message.get("content"), where)
+            out.append(Message.from_role_and_content(Role.DEVELOPER, DeveloperContent.new().with_instructions(text)))
+        elif role == "user":
+            out.append(Message.from_role_and_content(Role.USER, message_text(message.get("content"), where)))
+        elif role == "assistant":
+            out.extend(_assistant(message, where, call_names))
+        elif role == "tool":
+            call_id = message.get("tool_call_id")
+            name = call_names.get(call_id) if isinstance(call_id, str) else None
+            name = name or message.get("name")
+            if not isinstance(name, str) or not name:
+                raise RenderError(f"{where}: a tool message needs the tool_call_id of an earlier assistant tool call")
+            text = message_text(message.get("content"), where)
+            author = Author.new(Role.TOOL, f"functions.{name}")
+            out.append(
+                Message.from_author_and_content(author, text).with_channel("commentary").with_recipient("assistant")
+            )
+        else:
+            raise RenderError(f"{where}.role: {role!r} is not a chat role")
+    return Conversation.from_messages(out)
+
+
+def _leading_instructions(messages: Sequence[dict]) -> tuple[list[str], list[tuple[int, dict]]]:
+    head: list[str] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise RenderError(f"messages[{i}]: expected an object")
+        if message.get("role") not in ("system", "developer"):
+            return head, list(enumerate(messages))[i:]
+        text = message_text(message.get("content"), f"messages[{i}]")
+        if text:
+            head.append(text)
+    return head, []
+
+
+def _assistant(message: dict, where: str, call_names: dict[str, str]) -> list:
+    from openai_harmony import Message, Role
+
+    out = []
+    reasoning = message.get("reasoning_content", message.get("reasoning"))
+    if reasoning:
+        if not isinstance(reasoning, str):
+            raise RenderError(f"{where}.reasoning_content: expected a string")
+        out.append(Message.from_role_and_content(Role.ASSISTANT, reasoning).with_channel("analysis"))
+    calls = message.get("tool_calls") or []
+    text = message_text(message.get("content"), where)
+    if text:
+        channel = "commentary" if calls else "final"
+        out.append(Message.from_role_and_content(Role.ASSISTANT, text).with_channel(channel))
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not TOOL_NAME.match(name):
+            raise RenderError(f"{where}.tool_calls[{j}].function.name: expected a function name")
+        arguments = fn.get("arguments", "")
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments)
+        if isinstance(call.get("id"), str):
+            call_names[call["id"]] = name
+        msg = Message.from_role_and_content(Role.ASSISTANT, arguments).with_channel("commentary")
+        out.append(msg.with_recipient(f"functions.{name}").with_content_type("<|constrain|>json"))
+    return out
+
+
+def render(encoding, messages: Sequence[dict], **kwargs) -> list[int]:
+    """Prompt token ids for `messages`, ending with `<|start|>assistant` (kwargs: see `conversation`)."""
+    from openai_harmony import Role
+
+    return encoding.render_conversation_for_completion(conversation(messages, **kwargs), Role.ASSISTANT)
