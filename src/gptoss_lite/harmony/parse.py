@@ -33,6 +33,15 @@ class ToolCall:
 
 
 @dataclass
+class Part:
+    """One message of the completion, in order: its kind (reasoning, content or call) and text so far."""
+
+    kind: str
+    text: str = ""
+    call: ToolCall | None = None
+
+
+@dataclass
 class CallDelta:
     """A piece of tool call `index`: `id` and `name` on its first piece, then argument text."""
 
@@ -49,6 +58,7 @@ class Delta:
     reasoning: str = ""
     content: str = ""
     calls: list[CallDelta] = field(default_factory=list)
+    parts: list[tuple[int, str]] = field(default_factory=list)  # (part index, text) in order; "" opens a part
 
     def __bool__(self) -> bool:
         return bool(self.reasoning or self.content or self.calls)
@@ -56,6 +66,7 @@ class Delta:
     def extend(self, other: Delta) -> None:
         self.reasoning += other.reasoning
         self.content += other.content
+        self.parts += other.parts
         for piece in other.calls:
             last = self.calls[-1] if self.calls else None
             if last is not None and last.index == piece.index and piece.id is None:
@@ -84,6 +95,8 @@ class HarmonyStream:
         self.reasoning = ""
         self.content = ""
         self.tool_calls: list[ToolCall] = []
+        self.parts: list[Part] = []  # every message in order (what /v1/responses answers as items)
+        self.reasoning_tokens = 0  # tokens of analysis text
         self.malformed: str | None = None  # openai-harmony's reason, once the stream fell back to content
         self.last_recipient: str | None = None  # of the last message that began: a call ends the turn
         self._kind = "content"  # where the current message's text goes: reasoning, content, or call
@@ -114,6 +127,8 @@ class HarmonyStream:
                 self._begin_message(delta)
             elif self._pending is not None:
                 self._pending.append(token)
+            if self._pending is None and self._kind == "reasoning" and not self.encoding.is_special_token(token):
+                self.reasoning_tokens += 1
             text = self._parser.last_content_delta
             if text:
                 self._route(delta, text)
@@ -142,6 +157,7 @@ class HarmonyStream:
         self._pending = None
         recipient = self._parser.current_recipient
         self.last_recipient = recipient
+        call = None
         if recipient and recipient.startswith("functions.") and self.tools:
             call = ToolCall(new_call_id(), recipient.removeprefix("functions."))
             self.tool_calls.append(call)
@@ -151,11 +167,20 @@ class HarmonyStream:
             self._kind = "reasoning"
         else:
             self._kind = "content"
+        self._open(delta, self._kind, call)
+
+    def _open(self, delta: Delta, kind: str, call: ToolCall | None = None) -> None:
+        self.parts.append(Part(kind, call=call))
+        delta.parts.append((len(self.parts) - 1, ""))
 
     def _route(self, delta: Delta, text: str) -> None:
         self._add(delta, self._kind, text)
 
     def _add(self, delta: Delta, kind: str, text: str) -> None:
+        if not self.parts or self.parts[-1].kind != kind:  # fallback text after a call or reasoning
+            self._open(delta, kind)
+        self.parts[-1].text += text
+        delta.parts.append((len(self.parts) - 1, text))
         if kind == "reasoning":
             self.reasoning += text
             delta.reasoning += text

@@ -32,6 +32,7 @@ from starlette.requests import ClientDisconnect
 
 from gptoss_lite.engine import SamplingParams
 from gptoss_lite.server import protocol as P
+from gptoss_lite.server import responses as R
 from gptoss_lite.server.chat import ChatTemplate, ChatTemplateError
 from gptoss_lite.server.engine_loop import Channel, EngineLoop, QueueFull, ShuttingDown
 from gptoss_lite.server.harmony import RenderError, chat_delta, chat_message, finish_reason, harmony_for
@@ -76,6 +77,7 @@ class ServerState:
             raise ValueError("harmony=True, but the model's tokenizer is not the gpt-oss (o200k_harmony) vocabulary")
         self.engine = EngineLoop(llm, max_waiting=max_waiting, on_finished=self._finished)
         self.metrics = ServerMetrics(lambda: self.engine.snapshot.stats)
+        self.responses = R.ResponseStore()  # for previous_response_id
         self.draining = False
         self.created = int(time.time())
 
@@ -267,12 +269,19 @@ def create_app(
         _check_model(state, req.model)
         if state.harmony is not None:
             return await _serve_harmony(state, request, tenant, req)
-        _refuse_harmony_fields(req)
+        _refuse_harmony_fields(req.uses_tools, req.tool_choice, req.reasoning_effort)
         try:
             prompt = state.template.render([{"role": m.role, "content": m.text()} for m in req.messages])
         except ChatTemplateError as exc:
             raise P.APIError(400, str(exc), param="messages") from None
         return await _serve(state, request, tenant, req, prompt, chat=True)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        tenant = state.tenant(request)
+        req = P.parse_request(R.ResponsesRequest, await _read_body(request, state))
+        _check_model(state, req.model)
+        return await _serve_response(state, request, tenant, req)
 
     return app
 
@@ -323,16 +332,15 @@ async def _read_body(request: Request, state: ServerState) -> bytes:
     return b"".join(chunks)
 
 
-def _refuse_harmony_fields(req: P.ChatCompletionRequest) -> None:
+def _refuse_harmony_fields(uses_tools: bool, tool_choice, effort: str | None) -> None:
     """What only a harmony model does: tools and reasoning effort are a 400 on any other model."""
-    if req.uses_tools:
+    if uses_tools:
         raise P.APIError(400, "tools: this model does not call tools (it is not a harmony model)", param="tools")
-    if req.tool_choice not in (None, "none", "auto"):
+    if tool_choice not in (None, "none", "auto"):
         raise P.APIError(400, "tool_choice: this model does not call tools", param="tool_choice")
-    if req.reasoning_effort is not None:
-        raise P.APIError(
-            400, "reasoning_effort: this model does not reason (it is not a harmony model)", param="reasoning_effort"
-        )
+    if effort is not None:
+        why = "reasoning_effort: this model does not reason (it is not a harmony model)"
+        raise P.APIError(400, why, param="reasoning_effort")
 
 
 async def _serve_harmony(state: ServerState, request: Request, tenant: str, req: P.ChatCompletionRequest):
@@ -353,6 +361,37 @@ async def _serve_harmony(state: ServerState, request: Request, tenant: str, req:
     return await _serve(state, request, tenant, req, prompt, chat=True, extra=extra, harmony_choice=req.tool_choice)
 
 
+async def _serve_response(state: ServerState, request: Request, tenant: str, req: R.ResponsesRequest):
+    """POST /v1/responses: the stored conversation (previous_response_id), then this input."""
+    history = state.responses.get(tenant, req.previous_response_id) if req.previous_response_id else []
+    messages = history + R.input_messages(req)
+    shown = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + messages
+    extra: dict = {}
+    if state.harmony is not None:
+        try:
+            prompt = state.harmony.prompt(shown, tools=req.tools, tool_choice=req.tool_choice, effort=req.effort)
+        except RenderError as exc:
+            raise P.APIError(400, str(exc), param="input" if exc.param == "messages" else exc.param) from None
+        extra = {
+            "stop_token_ids": state.harmony.stop_token_ids,
+            "logits_processor": state.harmony.tool_choice_processor(req.tools, req.tool_choice),
+        }
+    else:
+        _refuse_harmony_fields(req.uses_tools(messages), req.tool_choice, req.effort)
+        try:
+            prompt = state.template.render([{"role": m["role"], "content": m.get("content", "")} for m in shown])
+        except ChatTemplateError as exc:
+            raise P.APIError(400, str(exc), param="input") from None
+
+    def store(rid: str, items: list[dict]) -> None:
+        if req.store:
+            state.responses.put(tenant, rid, messages + R.output_messages(items))
+
+    return await _serve(
+        state, request, tenant, req, prompt, chat=True, extra=extra, harmony_choice=req.tool_choice, on_response=store
+    )
+
+
 def _sampling(state: ServerState, req, prompt, extra: dict | None = None) -> SamplingParams:
     """SamplingParams for `req`, after checking that prompt + max_tokens fits the context (400 if not)."""
     limit = state.llm.max_model_len
@@ -371,7 +410,7 @@ def _sampling(state: ServerState, req, prompt, extra: dict | None = None) -> Sam
             f"This model's maximum context length is {limit} tokens; the prompt has {n_prompt} tokens and "
             f"{max_tokens} more were requested ({n_prompt + max_tokens} in all); shorten the prompt or lower "
             "max_tokens",
-            param="messages" if isinstance(req, P.ChatCompletionRequest) else "prompt",
+            param="messages" if isinstance(req, P.ChatCompletionRequest) else getattr(req, "prompt_param", "prompt"),
             code="context_length_exceeded",
         )
     try:
@@ -394,14 +433,24 @@ def _sampling(state: ServerState, req, prompt, extra: dict | None = None) -> Sam
 
 
 async def _serve(
-    state: ServerState, request: Request, tenant: str, req, prompt, *, chat: bool, extra=None, harmony_choice=None
+    state: ServerState,
+    request: Request,
+    tenant: str,
+    req,
+    prompt,
+    *,
+    chat: bool,
+    extra=None,
+    harmony_choice=None,
+    on_response=None,
 ):
-    """Queue the request and answer it. extra: more SamplingParams fields; harmony_choice: the
-    tool_choice of a harmony chat (its answer is parsed; None for a plain one, or "auto")."""
+    """Queue the request and answer it. extra: more SamplingParams fields (a harmony chat's: its
+    answer is then parsed); harmony_choice: its tool_choice; on_response(id, output items): the
+    request is a /v1/responses one, answered as a Response, and this runs once it is complete."""
     if state.draining:
         raise P.APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
     sampling = _sampling(state, req, prompt, extra)
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    rid = R.response_id() if on_response is not None else f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     try:
         channel = await state.engine.add(rid, prompt, sampling, cache_scope(tenant, req.cache_salt))
     except QueueFull as exc:
@@ -412,11 +461,13 @@ async def _serve(
     except (ValueError, TypeError) as exc:  # the engine refused the request (nothing was queued)
         raise P.APIError(400, str(exc)) from None
     run = _Run(state, tenant, rid, channel, sampling.n)
-    if extra is not None and state.harmony is not None:  # a harmony chat: parse each sample's tokens
+    if extra and state.harmony is not None:  # a harmony chat: parse each sample's tokens
         run.parsers = {i: state.harmony.stream(harmony_choice) for i in range(sampling.n)}
+    if on_response is not None:
+        run.writer, run.on_response = R.EventWriter(rid, state.model_name, req), on_response
     if req.stream:
         return _SSEResponse(
-            run.events(chat, req.include_usage),
+            run.response_events() if run.writer is not None else run.events(chat, req.include_usage),
             on_close=run.abort,
             on_stall=run.stalled,
             stall_timeout=state.stall_timeout,
@@ -435,6 +486,8 @@ class _Run:
         self.finals: dict[int, object] = {}  # sample index -> final output
         self.logprob_offset: dict[int, int] = {}  # per sample: characters of token text before the next entry
         self.parsers: dict[int, object] | None = None  # per sample, a HarmonyStream (a harmony chat)
+        self.writer: R.EventWriter | None = None  # a /v1/responses request: its items and events
+        self.on_response = None
 
     async def _watch(self, request: Request) -> None:
         """Wake the reader when the server reports that the client disconnected (the body is already
@@ -482,6 +535,54 @@ class _Run:
         generated = sum(len(out.token_ids) for out in self.finals.values())
         return P.usage(len(first.prompt_token_ids), generated, first.num_cached_tokens)
 
+    # ---- /v1/responses ----------------------------------------------------------------------------
+
+    def _response_status(self) -> str:
+        return "incomplete" if self.finals[0].finish_reason == "length" else "completed"
+
+    def _response_usage(self) -> dict:
+        first = self.finals[0]
+        reasoning = self.parsers[0].reasoning_tokens if self.parsers is not None else 0
+        return R.usage(len(first.prompt_token_ids), len(first.token_ids), first.num_cached_tokens, reasoning)
+
+    def _response_events(self, update) -> list[dict]:
+        """The Response events of one update (output items open, grow and close as the text comes)."""
+        writer, events = self.writer, []
+        final = update.finals.get(0)
+        if self.parsers is not None:
+            parser = self.parsers[0]
+            delta = parser.feed(update.tokens.get(0, ()))
+            if final is not None:
+                delta.extend(self._finish_parse(parser))
+            for index, text in delta.parts:
+                events += writer.open(R.new_item(parser.parts[index])) if text == "" else writer.add(text)
+        elif update.text.get(0):
+            if not writer.items:
+                events += writer.open(R.new_message_item())
+            events += writer.add(update.text[0])
+        if final is not None:
+            if not writer.items:
+                events += writer.open(R.new_message_item())
+            events += writer.finish(self._response_status(), self._response_usage())
+            self.on_response(self.rid, writer.items)
+        return events
+
+    async def response_events(self):
+        """The SSE stream of a /v1/responses request (named events, no [DONE], as the API sends)."""
+        try:
+            for event in self.writer.start():
+                yield _sse_event(event)
+            while not self.complete:
+                try:
+                    update = await self._next()
+                except P.APIError as exc:
+                    yield _sse_event(self.writer.event("error", message=exc.message, code=exc.code, param=None))
+                    break
+                for event in self._response_events(update):
+                    yield _sse_event(event)
+        finally:
+            self.abort()
+
     def _finish_parse(self, parser):
         """End a sample's harmony parse; a stream the parser refused is counted (its text is content)."""
         delta = parser.finish()
@@ -512,7 +613,9 @@ class _Run:
                 update = await self._next()
                 for index, lps in update.logprobs.items():
                     entries.setdefault(index, []).extend(lps)
-                if self.parsers is not None:
+                if self.writer is not None:
+                    self._response_events(update)
+                elif self.parsers is not None:
                     for index, tokens in update.tokens.items():
                         self.parsers[index].feed(tokens)
                 if self.complete:
@@ -522,6 +625,8 @@ class _Run:
         finally:
             watcher.cancel()
             self.abort()
+        if self.writer is not None:
+            return self.writer.body(self._response_status(), self._response_usage())
         body, choice = (P.chat_body, P.chat_choice) if chat else (P.completion_body, P.completion_choice)
         choices = []
         for i, out in sorted(self.finals.items()):
@@ -586,6 +691,10 @@ def _piece(tokenizer, token_id: int) -> tuple[str, bytes]:
     raw_of = getattr(tokenizer, "token_bytes", None)
     raw = raw_of(token_id) if raw_of is not None else tokenizer.decode([token_id]).encode("utf-8")
     return raw.decode("utf-8", errors="replace"), raw
+
+
+def _sse_event(obj: dict) -> str:
+    return f"event: {obj['type']}\ndata: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 def _sse(obj: dict) -> str:
@@ -723,4 +832,4 @@ class _CountRequests:
             self.metrics.requests.labels(path, str(status["code"])).inc()
 
 
-KNOWN_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+KNOWN_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models")

@@ -1,0 +1,456 @@
+"""POST /v1/responses: the Responses API, minimal but real (docs/server.md#v1responses).
+
+- `input` is a string or a list of items: messages (`{"role", "content"}`, with or without
+  `"type": "message"`), `function_call` and `function_call_output` items, and `reasoning` items sent
+  back; `instructions` becomes the developer message's instructions;
+- `reasoning.effort`, function `tools` (the flat Responses shape) and `tool_choice`;
+- `previous_response_id` continues a stored conversation: every response with `store` (the default)
+  keeps its input and output in a bounded in-memory store, per tenant, so one tenant can never
+  continue another's;
+- the answer's `output` is items in the order the model wrote them: `reasoning`, `message`
+  (`output_text`) and `function_call`; streamed, the events the official client parses
+  (`response.created`, `response.output_item.added`, `response.reasoning_text.delta`,
+  `response.output_text.delta`, `response.function_call_arguments.delta`, ..., `response.completed`).
+
+A harmony model answers with reasoning and calls; any other model through its chat template, with
+one message item (tools and reasoning effort are then a 400, as for chat).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import OrderedDict
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from gptoss_lite.server import protocol as P
+
+MAX_STORED = 1024  # responses kept for previous_response_id (oldest dropped first)
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ReasoningParam(P._Strict):
+    effort: Literal["low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None  # accepted; no summaries are written
+
+
+class TextFormat(P._Strict):
+    type: Literal["text"]
+
+
+class TextParam(P._Strict):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # accepted; gpt-oss has no such control
+
+
+class ResponsesRequest(P._Strict):
+    """POST /v1/responses (module docstring). The sampling fields the chat endpoint shares are
+    exposed under its names, so the same checks and SamplingParams apply."""
+
+    model: str
+    input: str | Annotated[list[dict[str, Any]], Field(min_length=1)]
+    instructions: str | None = None
+    reasoning: ReasoningParam | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=P.MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: P.MaxTokens | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    stream: bool = False
+    previous_response_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    store: bool = True
+    metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] | None = None
+    text: TextParam | None = None
+    user: Annotated[str, Field(max_length=256)] | None = None
+    truncation: Literal["disabled"] | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+
+    # The names `_sampling` reads (the chat and completion requests define them as fields).
+    @property
+    def seed(self) -> None:
+        return None
+
+    @property
+    def n(self) -> int:
+        return 1
+
+    @property
+    def ignore_eos(self) -> bool:
+        return False
+
+    @property
+    def logprobs_k(self) -> None:
+        return None
+
+    @property
+    def presence_penalty(self) -> None:
+        return None
+
+    @property
+    def frequency_penalty(self) -> None:
+        return None
+
+    @property
+    def include_usage(self) -> bool:
+        return False
+
+    def check(self) -> None:
+        pass
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return ()
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {}
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_output_tokens
+
+    @property
+    def effort(self) -> str | None:
+        return self.reasoning.effort if self.reasoning is not None else None
+
+    def uses_tools(self, messages: list[dict]) -> bool:
+        return bool(self.tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+
+
+class ResponseStore:
+    """Conversations of stored responses, by (tenant, response id), at most MAX_STORED of them."""
+
+    def __init__(self, size: int = MAX_STORED):
+        self.size = size
+        self._items: OrderedDict[tuple[str, str], list[dict]] = OrderedDict()
+
+    def get(self, tenant: str, response_id: str) -> list[dict]:
+        found = self._items.get((tenant, response_id))
+        if found is None:
+            raise P.APIError(
+                404,
+                f"Previous response with id {response_id[:80]!r} not found",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+        self._items.move_to_end((tenant, response_id))
+        return list(found)
+
+    def put(self, tenant: str, response_id: str, messages: list[dict]) -> None:
+        self._items[(tenant, response_id)] = messages
+        while len(self._items) > self.size:
+            self._items.popitem(last=False)
+
+
+def _text_of(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
+                raise P.APIError(400, f"{where}.content[{i}]: only text parts are supported", param="input")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise P.APIError(400, f"{where}.content[{i}].text: expected a string", param="input")
+            out.append(text)
+        return "".join(out)
+    raise P.APIError(400, f"{where}.content: expected a string or a list of text parts", param="input")
+
+
+def _string(item: dict, key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise P.APIError(400, f"{where}.{key}: expected a string", param="input")
+    return value
+
+
+def input_messages(req: ResponsesRequest) -> list[dict]:
+    """The request's input as chat-shaped messages (reasoning and calls joined to assistant turns)."""
+    if isinstance(req.input, str):
+        return [{"role": "user", "content": req.input}]
+    messages: list[dict] = []
+    assistant: dict | None = None  # the assistant turn being gathered from reasoning / call / message items
+
+    def flush() -> None:
+        nonlocal assistant
+        if assistant is not None:
+            messages.append(assistant)
+            assistant = None
+
+    for i, item in enumerate(req.input):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise P.APIError(400, f"{where}.role: expected user, system, developer or assistant", param="input")
+            text = _text_of(item.get("content"), where)
+            if role == "assistant":
+                assistant = assistant or {"role": "assistant"}
+                assistant["content"] = assistant.get("content", "") + text
+                continue
+            flush()
+            messages.append({"role": role, "content": text})
+        elif kind == "reasoning":
+            if assistant is not None and (assistant.get("content") or assistant.get("tool_calls")):
+                flush()
+            assistant = assistant or {"role": "assistant"}
+            parts = item.get("content") or item.get("summary") or []
+            text = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            assistant["reasoning_content"] = assistant.get("reasoning_content", "") + text
+        elif kind == "function_call":
+            assistant = assistant or {"role": "assistant"}
+            call = {
+                "id": _string(item, "call_id", where),
+                "type": "function",
+                "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)},
+            }
+            assistant.setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            flush()
+            output = item.get("output")
+            text = output if isinstance(output, str) else _text_of(output, where)
+            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": text})
+        else:
+            raise P.APIError(400, f"{where}.type: {str(kind)[:40]!r} items are not supported", param="input")
+    flush()
+    return messages
+
+
+def output_messages(items: list[dict]) -> list[dict]:
+    """A response's output items as the chat-shaped assistant turn they continue a conversation with."""
+    turn: dict = {"role": "assistant"}
+    for item in items:
+        if item["type"] == "reasoning":
+            turn["reasoning_content"] = turn.get("reasoning_content", "") + item["content"][0]["text"]
+        elif item["type"] == "message":
+            turn["content"] = turn.get("content", "") + item["content"][0]["text"]
+        else:
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
+            turn.setdefault("tool_calls", []).append(call)
+    return [turn]
+
+
+# ---- the answer ----------------------------------------------------------------------------------------------
+
+
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
+    return {
+        "type": "reasoning",
+        "id": item_id,
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": status,
+    }
+
+
+def message_item(item_id: str, text: str, status: str = "completed") -> dict:
+    return {
+        "type": "message",
+        "id": item_id,
+        "role": "assistant",
+        "status": status,
+        "content": [output_text(text)],
+    }
+
+
+def output_text(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def response_body(
+    rid: str,
+    model: str,
+    req: ResponsesRequest,
+    output: list[dict],
+    *,
+    status: str,
+    usage: dict | None,
+    created: int,
+) -> dict:
+    """The Response object (what the official client's `Response` model parses)."""
+    incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+    return {
+        "id": rid,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "model": model,
+        "output": output,
+        "output_text": "".join(i["content"][0]["text"] for i in output if i["type"] == "message"),
+        "error": None,
+        "incomplete_details": incomplete,
+        "instructions": req.instructions,
+        "metadata": req.metadata or {},
+        "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
+        "previous_response_id": req.previous_response_id,
+        "reasoning": {"effort": req.effort, "summary": None},
+        "store": req.store,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "max_output_tokens": req.max_output_tokens,
+        "text": {"format": {"type": "text"}},
+        "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+        "tools": [_tool_shape(t) for t in req.tools or []],
+        "truncation": "disabled",
+        "usage": usage,
+        "user": req.user,
+    }
+
+
+def _tool_shape(tool: dict) -> dict:
+    fn = tool.get("function", tool)
+    return {
+        "type": "function",
+        "name": fn.get("name"),
+        "description": fn.get("description"),
+        "parameters": fn.get("parameters"),
+        "strict": fn.get("strict"),
+    }
+
+
+def usage(prompt_tokens: int, output_tokens: int, cached: int, reasoning_tokens: int) -> dict:
+    return {
+        "input_tokens": prompt_tokens,
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": prompt_tokens + output_tokens,
+    }
+
+
+class EventWriter:
+    """The streamed events of one response, from what the parser (or the plain text) adds.
+
+    Items open as their first piece arrives and close (`.done` events) when the next one opens or the
+    response ends; every event carries a `sequence_number`."""
+
+    def __init__(self, rid: str, model: str, req: ResponsesRequest):
+        self.rid, self.model, self.req = rid, model, req
+        self.created = int(time.time())
+        self.sequence = 0
+        self.items: list[dict] = []  # output items so far (the open one last)
+        self._open: int | None = None  # index of the item being written
+
+    def event(self, kind: str, **fields) -> dict:
+        out = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return out
+
+    def body(self, status: str, use: dict | None = None) -> dict:
+        return response_body(self.rid, self.model, self.req, self.items, status=status, usage=use, created=self.created)
+
+    def start(self) -> list[dict]:
+        snapshot = self.body("in_progress")
+        return [
+            self.event("response.created", response=snapshot),
+            self.event("response.in_progress", response=snapshot),
+        ]
+
+    def open(self, item: dict) -> list[dict]:
+        events = self.close()
+        self.items.append(item)
+        self._open = len(self.items) - 1
+        events.append(
+            self.event("response.output_item.added", output_index=self._open, item={**item, "status": "in_progress"})
+        )
+        if item["type"] == "message":
+            events.append(self._part_event("response.content_part.added", output_text("")))
+        return events
+
+    def add(self, text: str) -> list[dict]:
+        if not text or self._open is None:
+            return []
+        item = self.items[self._open]
+        where = {"item_id": item["id"], "output_index": self._open}
+        if item["type"] == "reasoning":
+            item["content"][0]["text"] += text
+            return [self.event("response.reasoning_text.delta", content_index=0, delta=text, **where)]
+        if item["type"] == "message":
+            item["content"][0]["text"] += text
+            return [self.event("response.output_text.delta", content_index=0, delta=text, logprobs=[], **where)]
+        item["arguments"] += text
+        return [self.event("response.function_call_arguments.delta", delta=text, **where)]
+
+    def close(self) -> list[dict]:
+        if self._open is None:
+            return []
+        index, self._open = self._open, None
+        item = self.items[index]
+        where = {"item_id": item["id"], "output_index": index}
+        events = []
+        if item["type"] == "reasoning":
+            events.append(
+                self.event("response.reasoning_text.done", content_index=0, text=item["content"][0]["text"], **where)
+            )
+        elif item["type"] == "message":
+            text = item["content"][0]["text"]
+            events.append(self.event("response.output_text.done", content_index=0, text=text, logprobs=[], **where))
+            events.append(self._part_event("response.content_part.done", output_text(text), index))
+        else:
+            events.append(self.event("response.function_call_arguments.done", arguments=item["arguments"], **where))
+        events.append(self.event("response.output_item.done", output_index=index, item=item))
+        return events
+
+    def _part_event(self, kind: str, part: dict, index: int | None = None) -> dict:
+        index = self._open if index is None else index
+        return self.event(kind, item_id=self.items[index]["id"], output_index=index, content_index=0, part=part)
+
+    def finish(self, status: str, use: dict) -> list[dict]:
+        events = self.close()
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        events.append(self.event(kind, response=self.body(status, use)))
+        return events
+
+
+def new_item(part) -> dict:
+    """A fresh output item (empty text) for a parsed harmony message that just began."""
+    if part.kind == "reasoning":
+        return reasoning_item(_id("rs"), "")
+    if part.kind == "call":
+        return call_item(_id("fc"), part.call.id, part.call.name, "")
+    return message_item(_id("msg"), "")
+
+
+def new_message_item() -> dict:
+    return message_item(_id("msg"), "")
+
+
+def response_id() -> str:
+    return _id("resp")
+
+
+__all__ = [
+    "ResponsesRequest",
+    "ResponseStore",
+    "EventWriter",
+    "input_messages",
+    "output_messages",
+    "new_item",
+    "new_message_item",
+    "response_id",
+    "usage",
+]

@@ -1,0 +1,187 @@
+"""/v1/responses through the official client: a harmony model (scripted) and a plain one."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from harmony_fixture import ScriptedLLM, gptoss_tiny_dir, tokens_of
+
+from gptoss_lite.engine import LLM, SamplingParams
+from gptoss_lite.harmony.render import render
+from gptoss_lite.server import create_app
+from gptoss_lite.server.background import BackgroundServer
+from gptoss_lite.server.responses import ResponseStore
+
+openai = pytest.importorskip("openai")
+
+TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Current weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+]
+CALL = (
+    "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+    'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
+)
+ANSWER = (
+    "<|channel|>analysis<|message|>It is sunny.<|end|><|start|>assistant<|channel|>final<|message|>Sunny.<|return|>"
+)
+
+
+@pytest.fixture(scope="module")
+def served():
+    llm = ScriptedLLM(str(gptoss_tiny_dir()), max_model_len=4096, max_running=4)
+    app = create_app(llm, api_keys={"ka": "alice", "kb": "bob"})
+    with BackgroundServer(app) as live:
+        yield llm, app.state.server, live
+
+
+def client(live, key="ka"):
+    return openai.OpenAI(base_url=f"{live.url}/v1", api_key=key, max_retries=0)
+
+
+def script(served, text):
+    llm, state, _ = served
+    llm.script(tokens_of(state.harmony.encoding, text))
+
+
+def test_two_tool_turns_then_an_answer_with_previous_response_id(served):
+    llm, state, live = served
+    c = client(live)
+    script(served, CALL)
+    first = c.responses.create(
+        model=llm.model_name,
+        input="Weather in Paris?",
+        instructions="Be brief.",
+        tools=TOOLS,
+        reasoning={"effort": "low"},
+    )
+    assert first.status == "completed"
+    assert [o.type for o in first.output] == ["reasoning", "function_call"]
+    assert first.output[0].content[0].text == "Need the weather."
+    call = first.output[1]
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
+    expected = render(
+        state.harmony.encoding,
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}],
+        tools=TOOLS,
+        effort="low",
+    )
+    assert first.usage.input_tokens == len(expected)
+    assert first.usage.output_tokens_details.reasoning_tokens > 0
+
+    script(served, CALL)
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"sky": "clear"}'}
+    second = c.responses.create(model=llm.model_name, previous_response_id=first.id, input=[result], tools=TOOLS)
+    assert second.output[-1].type == "function_call"
+
+    script(served, ANSWER)
+    result = {"type": "function_call_output", "call_id": second.output[-1].call_id, "output": "still clear"}
+    third = c.responses.create(model=llm.model_name, previous_response_id=second.id, input=[result], tools=TOOLS)
+    assert third.output_text == "Sunny."
+    assert [o.type for o in third.output] == ["reasoning", "message"]
+
+    # The same conversation sent as items, without the store, renders the same prompt.
+    script(served, ANSWER)
+    items = [
+        {"role": "user", "content": "Weather in Paris?"},
+        *[o.model_dump(exclude_none=True) for o in first.output],
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"sky": "clear"}'},
+    ]
+    by_items = c.responses.create(model=llm.model_name, input=items, instructions="Be brief.", tools=TOOLS)
+    script(served, ANSWER)
+    by_store = c.responses.create(
+        model=llm.model_name, previous_response_id=first.id, input=items[-1:], instructions="Be brief.", tools=TOOLS
+    )
+    assert by_items.usage.input_tokens == by_store.usage.input_tokens
+
+
+def test_streamed_events_build_the_same_response(served):
+    llm, _, live = served
+    c = client(live)
+    script(served, ANSWER)
+    whole = c.responses.create(model=llm.model_name, input="Weather?")
+    script(served, ANSWER)
+    kinds, reasoning, text = [], "", ""
+    with c.responses.stream(model=llm.model_name, input="Weather?") as stream:
+        for event in stream:
+            kinds.append(event.type)
+            if event.type == "response.reasoning_text.delta":
+                reasoning += event.delta
+            elif event.type == "response.output_text.delta":
+                text += event.delta
+        final = stream.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "response.output_item.added" in kinds and "response.output_item.done" in kinds
+    assert (reasoning, text) == ("It is sunny.", "Sunny.")
+    assert final.output_text == whole.output_text == "Sunny."
+    assert [o.type for o in final.output] == [o.type for o in whole.output]
+
+
+def test_a_length_cut_response_is_incomplete(served):
+    llm, _, live = served
+    script(served, ANSWER)
+    out = client(live).responses.create(model=llm.model_name, input="Weather?", max_output_tokens=8)
+    assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
+
+
+def test_previous_response_ids_are_per_tenant_and_store_false_keeps_nothing(served):
+    llm, _, live = served
+    script(served, ANSWER)
+    mine = client(live, "ka").responses.create(model=llm.model_name, input="hi")
+    body = {"model": llm.model_name, "input": "again", "previous_response_id": mine.id}
+    other = httpx.post(f"{live.url}/v1/responses", json=body, headers={"Authorization": "Bearer kb"})
+    assert other.status_code == 404 and other.json()["error"]["param"] == "previous_response_id"
+    script(served, ANSWER)
+    unstored = client(live, "ka").responses.create(model=llm.model_name, input="hi", store=False)
+    body["previous_response_id"] = unstored.id
+    again = httpx.post(f"{live.url}/v1/responses", json=body, headers={"Authorization": "Bearer ka"})
+    assert again.status_code == 404
+
+
+def test_bad_input_is_a_400_naming_the_field(served):
+    llm, _, live = served
+    headers = {"Authorization": "Bearer ka"}
+    for body, param in [
+        ({"input": [{"type": "image", "url": "x"}]}, "input"),
+        ({"input": [{"role": "robot", "content": "x"}]}, "input"),
+        ({"input": "x", "tools": [{"type": "function", "name": "a b"}]}, "tools"),
+        ({"input": "x", "text": {"format": {"type": "json_object"}}}, "text.format.type"),
+        ({"input": "x", "temperature": "hot"}, "temperature"),
+        ({"input": "x", "unknown_field": 1}, "unknown_field"),
+    ]:
+        r = httpx.post(f"{live.url}/v1/responses", json={"model": llm.model_name, **body}, headers=headers)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["param"] == param, r.text
+
+
+def test_the_store_is_bounded():
+    store = ResponseStore(size=2)
+    for i in range(3):
+        store.put("t", f"r{i}", [{"role": "user", "content": str(i)}])
+    assert store.get("t", "r2") and store.get("t", "r1")
+    with pytest.raises(Exception, match="not found"):
+        store.get("t", "r0")
+
+
+def test_a_model_without_harmony_answers_one_message(serve_plain):
+    live, llm = serve_plain
+    c = openai.OpenAI(base_url=f"{live.url}/v1", api_key="x", max_retries=0)
+    out = c.responses.create(model=llm.model_name, input="The pass key is", max_output_tokens=5, temperature=0)
+    assert [o.type for o in out.output] == ["message"] and out.usage.output_tokens == 5
+    expected = llm.generate(["User: The pass key is\nAssistant:"], SamplingParams(max_tokens=5, temperature=0))[0].text
+    assert out.output_text == expected
+    r = httpx.post(f"{live.url}/v1/responses", json={"model": llm.model_name, "input": "x", "tools": TOOLS})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
+@pytest.fixture(scope="module")
+def serve_plain():
+    llm = LLM("lite-tiny")
+    with BackgroundServer(create_app(llm)) as live:
+        yield live, llm
