@@ -6,6 +6,8 @@ import json
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from harmony_fixture import ScriptedLLM, gptoss_tiny_dir, tokens_of
 
 from gptoss_lite.engine import LLM, SamplingParams
@@ -185,3 +187,102 @@ def serve_plain():
     llm = LLM("lite-tiny")
     with BackgroundServer(create_app(llm)) as live:
         yield live, llm
+
+
+# ---- fuzzing ----------------------------------------------------------------------------------------------
+
+JUNK = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=8),
+    st.lists(st.integers(), max_size=2),
+    st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+)
+TEXT_PART = st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "image"]), "text": JUNK})
+ITEM = st.one_of(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "system", "developer", "assistant", "tool", "x"]),
+            "content": st.one_of(JUNK, st.lists(TEXT_PART, max_size=2)),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("function_call"),
+            "call_id": st.one_of(st.just("c1"), JUNK),
+            "name": st.sampled_from(["get_weather", "a b"]),
+            "arguments": st.one_of(st.just("{}"), JUNK),
+        }
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("function_call_output"), "call_id": st.one_of(st.just("c1"), JUNK), "output": JUNK}
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.sampled_from(["reasoning", "web_search_call", "item"]),
+            "content": st.one_of(JUNK, st.lists(TEXT_PART, max_size=2)),
+        }
+    ),
+)
+FIELDS = {
+    "input": st.one_of(st.text(min_size=1, max_size=20), st.lists(ITEM, min_size=1, max_size=4), JUNK),
+    "instructions": st.one_of(st.text(max_size=20), JUNK),
+    "reasoning": st.one_of(st.fixed_dictionaries({"effort": st.sampled_from(["low", "high", "max", None])}), JUNK),
+    "tools": st.one_of(
+        st.just(TOOLS),
+        st.lists(st.dictionaries(st.sampled_from(["type", "name", "parameters"]), JUNK), max_size=2),
+        JUNK,
+    ),
+    "tool_choice": st.one_of(
+        st.sampled_from(["auto", "none", "required", {"type": "function", "name": "get_weather"}]), JUNK
+    ),
+    "max_output_tokens": st.one_of(st.integers(1, 12), JUNK),
+    "temperature": st.one_of(st.floats(0, 2), JUNK),
+    "previous_response_id": st.one_of(st.text(max_size=10), JUNK),
+    "store": st.one_of(st.booleans(), JUNK),
+    "stream": st.booleans(),
+    "metadata": st.one_of(st.dictionaries(st.text(max_size=3), st.text(max_size=3), max_size=2), JUNK),
+    "text": st.one_of(st.just({"format": {"type": "text"}}), JUNK),
+}
+
+
+@st.composite
+def response_bodies(draw, model: str) -> dict:
+    body = {"model": model, "input": draw(st.text(min_size=1, max_size=12)), "max_output_tokens": 4}
+    for name in draw(st.lists(st.sampled_from(sorted(FIELDS)), max_size=4, unique=True)):
+        body[name] = draw(FIELDS[name])
+    return body
+
+
+def check_answer(r: httpx.Response, streamed: bool) -> None:
+    assert r.status_code < 500, r.text
+    if r.status_code != 200:
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}, r.text
+        return
+    if streamed:
+        kinds = [line[7:] for line in r.text.splitlines() if line.startswith("event: ")]
+        assert kinds[0] == "response.created" and kinds[-1] in ("response.completed", "response.incomplete"), kinds
+    else:
+        body = r.json()
+        assert body["object"] == "response" and body["status"] in ("completed", "incomplete"), body
+        assert all(item["type"] in ("reasoning", "message", "function_call") for item in body["output"]), body
+
+
+@pytest.mark.parametrize("which", ["harmony", "plain"])
+def test_fuzzed_requests_never_500(which, served, serve_plain):
+    live, model = (
+        (served[2], served[0].model_name) if which == "harmony" else (serve_plain[0], serve_plain[1].model_name)
+    )
+    headers = {"Authorization": "Bearer ka"} if which == "harmony" else {}
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(response_bodies(model))
+    def one(body):
+        r = httpx.post(f"{live.url}/v1/responses", json=body, headers=headers, timeout=60)
+        check_answer(r, body.get("stream") is True)
+
+    one()
+    assert httpx.get(f"{live.url}/health").json()["status"] == "ok"
