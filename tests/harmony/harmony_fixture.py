@@ -126,12 +126,15 @@ def gptoss_tiny_dir() -> Path:
     return target
 
 
-def forced_tokens(tokens: list[int]):
-    """A logits processor that makes a request emit `tokens` in order (then EOS-free repetition of the
-    last one): the scripted streams the parse tests drive through the real engine."""
+def forced_tokens(tokens: list[int], then=None):
+    """A logits processor that makes a request emit `tokens` in order, then hands over to `then` (the
+    request's own processor, if any): the scripted streams the parse tests drive through the real
+    engine, and the scripted prefixes of the structured-output tests."""
 
     def processor(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
-        step = min(len(output_ids), len(tokens) - 1)
+        step = len(output_ids)
+        if step >= len(tokens):
+            return logits if then is None else then(output_ids, logits)
         forced = torch.full_like(logits, float("-inf"))
         forced[..., tokens[step]] = 0.0
         return forced
@@ -152,7 +155,8 @@ class ScriptedLLM(LLM):
 
     def add_request(self, prompt, sampling=None, **kwargs):
         if self.scripts and sampling is not None:
-            sampling = dataclasses.replace(sampling, logits_processor=forced_tokens(self.scripts.popleft()))
+            script = forced_tokens(self.scripts.popleft(), then=sampling.logits_processor)
+            sampling = dataclasses.replace(sampling, logits_processor=script)
         return super().add_request(prompt, sampling, **kwargs)
 
 

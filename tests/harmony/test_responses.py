@@ -6,9 +6,9 @@ import json
 
 import httpx
 import pytest
+from harmony_fixture import ScriptedLLM, gptoss_tiny_dir, tokens_of
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from harmony_fixture import ScriptedLLM, gptoss_tiny_dir, tokens_of
 
 from gptoss_lite.engine import LLM, SamplingParams
 from gptoss_lite.harmony.render import render

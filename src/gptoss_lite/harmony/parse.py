@@ -23,6 +23,7 @@ from gptoss_lite.harmony.vocabulary import HARMONY_SPECIALS
 
 MESSAGE = HARMONY_SPECIALS["<|message|>"]
 START = HARMONY_SPECIALS["<|start|>"]
+ENDS = frozenset(HARMONY_SPECIALS[t] for t in ("<|end|>", "<|return|>", "<|call|>"))
 
 
 @dataclass
@@ -99,10 +100,18 @@ class HarmonyStream:
         self.reasoning_tokens = 0  # tokens of analysis text
         self.malformed: str | None = None  # openai-harmony's reason, once the stream fell back to content
         self.last_recipient: str | None = None  # of the last message that began: a call ends the turn
+        self.channel: str | None = None  # of the last message that began
+        self._in_text = False  # between a message's <|message|> and its end token
         self._kind = "content"  # where the current message's text goes: reasoning, content, or call
         self._pending: list[int] | None = []  # tokens of the header being read (None: in a message's text)
         self._bytes = codecs.getincrementaldecoder("utf-8")("replace")  # for the fallback text
         self._finished = False
+
+    @property
+    def in_final_text(self) -> bool:
+        """The tokens fed so far end inside the text of a `final` message (not a call): what structured
+        output constrains."""
+        return self._in_text and self.malformed is None and self.channel == "final" and not self.last_recipient
 
     @property
     def ended_in_call(self) -> bool:
@@ -123,6 +132,8 @@ class HarmonyStream:
                 continue
             if token == START:
                 self._pending = []
+            elif token in ENDS:
+                self._in_text = False
             elif token == MESSAGE:
                 self._begin_message(delta)
             elif self._pending is not None:
@@ -157,6 +168,8 @@ class HarmonyStream:
         self._pending = None
         recipient = self._parser.current_recipient
         self.last_recipient = recipient
+        self.channel = self._parser.current_channel
+        self._in_text = True
         call = None
         if recipient and recipient.startswith("functions.") and self.tools:
             call = ToolCall(new_call_id(), recipient.removeprefix("functions."))

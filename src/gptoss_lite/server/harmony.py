@@ -59,12 +59,34 @@ class ToolChoicePrefix:
         return masked
 
 
+class Chained:
+    """Logits processors applied in turn (a tool_choice prefix, then a JSON constraint)."""
+
+    def __init__(self, *processors):
+        self.processors = [p for p in processors if p is not None]
+
+    def __call__(self, token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        for processor in self.processors:
+            logits = processor(token_ids, logits)
+        return logits
+
+    def fork(self) -> Chained:
+        return Chained(*(p.fork() if hasattr(p, "fork") else p for p in self.processors))
+
+
+def chained(*processors):
+    """One processor for these (None for none, the one itself for one)."""
+    present = [p for p in processors if p is not None]
+    return None if not present else present[0] if len(present) == 1 else Chained(*present)
+
+
 class HarmonyServing:
     """One harmony model's rendering and parsing, as the chat and responses endpoints use them."""
 
     def __init__(self, encoding):
         self.encoding = encoding
         self.stop_token_ids = tuple(encoding.stop_tokens_for_assistant_actions())  # <|return|>, <|call|>
+        self.return_token = HARMONY_SPECIALS["<|return|>"]  # how a final answer ends
 
     def prompt(
         self, messages: Sequence[dict], *, tools, tool_choice, effort: str | None, date: str | None = None

@@ -31,11 +31,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from gptoss_lite.engine import SamplingParams
+from gptoss_lite.grammar import GrammarError, JsonConstraint, compile_schema, lltokenizer, schema_of
 from gptoss_lite.server import protocol as P
 from gptoss_lite.server import responses as R
 from gptoss_lite.server.chat import ChatTemplate, ChatTemplateError
 from gptoss_lite.server.engine_loop import Channel, EngineLoop, QueueFull, ShuttingDown
-from gptoss_lite.server.harmony import RenderError, chat_delta, chat_message, finish_reason, harmony_for
+from gptoss_lite.server.harmony import RenderError, chained, chat_delta, chat_message, finish_reason, harmony_for
 from gptoss_lite.server.http import ABORT_EXTENSION, DEFAULT_BODY_TIMEOUT
 from gptoss_lite.server.metrics import ServerMetrics
 
@@ -274,7 +275,8 @@ def create_app(
             prompt = state.template.render([{"role": m.role, "content": m.text()} for m in req.messages])
         except ChatTemplateError as exc:
             raise P.APIError(400, str(exc), param="messages") from None
-        return await _serve(state, request, tenant, req, prompt, chat=True)
+        extra = _structured(state, req.structured, "response_format")
+        return await _serve(state, request, tenant, req, prompt, chat=True, extra=extra)
 
     @app.post("/v1/responses")
     async def responses(request: Request):
@@ -354,9 +356,10 @@ async def _serve_harmony(state: ServerState, request: Request, tenant: str, req:
         )
     except RenderError as exc:
         raise P.APIError(400, str(exc), param=exc.param) from None
+    constraint = _structured(state, req.structured, "response_format").get("logits_processor")
     extra = {
         "stop_token_ids": harmony.stop_token_ids,
-        "logits_processor": harmony.tool_choice_processor(req.tools, req.tool_choice),
+        "logits_processor": chained(harmony.tool_choice_processor(req.tools, req.tool_choice), constraint),
     }
     return await _serve(state, request, tenant, req, prompt, chat=True, extra=extra, harmony_choice=req.tool_choice)
 
@@ -372,9 +375,10 @@ async def _serve_response(state: ServerState, request: Request, tenant: str, req
             prompt = state.harmony.prompt(shown, tools=req.tools, tool_choice=req.tool_choice, effort=req.effort)
         except RenderError as exc:
             raise P.APIError(400, str(exc), param="input" if exc.param == "messages" else exc.param) from None
+        constraint = _structured(state, req.structured, "text.format").get("logits_processor")
         extra = {
             "stop_token_ids": state.harmony.stop_token_ids,
-            "logits_processor": state.harmony.tool_choice_processor(req.tools, req.tool_choice),
+            "logits_processor": chained(state.harmony.tool_choice_processor(req.tools, req.tool_choice), constraint),
         }
     else:
         _refuse_harmony_fields(req.uses_tools(messages), req.tool_choice, req.effort)
@@ -382,6 +386,7 @@ async def _serve_response(state: ServerState, request: Request, tenant: str, req
             prompt = state.template.render([{"role": m["role"], "content": m.get("content", "")} for m in shown])
         except ChatTemplateError as exc:
             raise P.APIError(400, str(exc), param="input") from None
+        extra = _structured(state, req.structured, "text.format")
 
     def store(rid: str, items: list[dict]) -> None:
         if req.store:
@@ -390,6 +395,26 @@ async def _serve_response(state: ServerState, request: Request, tenant: str, req
     return await _serve(
         state, request, tenant, req, prompt, chat=True, extra=extra, harmony_choice=req.tool_choice, on_response=store
     )
+
+
+def _structured(state: ServerState, response_format: dict | None, param: str) -> dict:
+    """{"logits_processor": a JsonConstraint} for a JSON response format ({} for text; 400 for a schema
+    that does not compile). A harmony model's constraint holds only inside its final channel."""
+    if response_format is None:
+        return {}
+    tokenizer = state.llm.tokenizer
+    if tokenizer is None:
+        raise P.APIError(400, f"{param}: structured output needs a model with a tokenizer", param=param)
+    harmony = state.harmony
+    end = harmony.return_token if harmony is not None else tokenizer.eos_id
+    try:
+        schema = schema_of(response_format)
+        lltok = lltokenizer(tokenizer, state.llm.config.vocab_size, end)
+        grammar = compile_schema(schema, lltok)
+    except GrammarError as exc:
+        raise P.APIError(400, f"{param}: {exc}", param=param) from None
+    encoding = harmony.encoding if harmony is not None else None
+    return {"logits_processor": JsonConstraint(lltok, grammar, harmony=encoding, end_token=end)}
 
 
 def _sampling(state: ServerState, req, prompt, extra: dict | None = None) -> SamplingParams:

@@ -210,8 +210,16 @@ class ChatCompletionRequest(_SamplingFields):
             raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if self.response_format not in (None, {"type": "text"}):
-            raise APIError(400, "response_format: only {'type': 'text'} is supported", param="response_format")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind not in ("text", "json_object", "json_schema"):
+            why = "response_format: type must be 'text', 'json_object' or 'json_schema'"
+            raise APIError(400, why, param="response_format")
+
+    @property
+    def structured(self) -> dict | None:
+        """The response_format when it asks for JSON (None for text)."""
+        rf = self.response_format
+        return rf if rf is not None and rf.get("type", "text") != "text" else None
 
     @property
     def uses_tools(self) -> bool:

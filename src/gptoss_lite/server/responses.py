@@ -40,7 +40,11 @@ class ReasoningParam(P._Strict):
 
 
 class TextFormat(P._Strict):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    name: Annotated[str, Field(max_length=64)] | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
 
 
 class TextParam(P._Strict):
@@ -113,6 +117,16 @@ class ResponsesRequest(P._Strict):
     @property
     def token_limit(self) -> int | None:
         return self.max_output_tokens
+
+    @property
+    def structured(self) -> dict | None:
+        """The text format as a chat `response_format` when it asks for JSON (None for text)."""
+        fmt = self.text.format if self.text is not None else None
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return {"type": "json_object"}
+        return {"type": "json_schema", "json_schema": {"name": fmt.name, "schema": fmt.schema_ or {}}}
 
     @property
     def effort(self) -> str | None:
@@ -312,13 +326,18 @@ def response_body(
         "temperature": req.temperature,
         "top_p": req.top_p,
         "max_output_tokens": req.max_output_tokens,
-        "text": {"format": {"type": "text"}},
+        "text": {"format": _format_shape(req)},
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
         "tools": [_tool_shape(t) for t in req.tools or []],
         "truncation": "disabled",
         "usage": usage,
         "user": req.user,
     }
+
+
+def _format_shape(req: ResponsesRequest) -> dict:
+    fmt = req.text.format if req.text is not None else None
+    return {"type": "text"} if fmt is None else fmt.model_dump(by_alias=True, exclude_none=True)
 
 
 def _tool_shape(tool: dict) -> dict:
