@@ -1,13 +1,14 @@
 """Structured output: a JSON schema (or "any JSON object") as a logits processor, built with llguidance.
 
-`JsonConstraint(tokenizer, schema)` is a per-request logits processor (SamplingParams'
-`logits_processor`): before each token it masks every token the grammar does not allow, and once the
-JSON is complete it allows only the end token. The grammar engine is llguidance (a Rust library
-made for this: the token mask of a 200k vocabulary in well under a millisecond).
+`JsonConstraint` is a per-request logits processor (SamplingParams' `logits_processor`): before each
+token it masks every token the grammar does not allow, and once the JSON is complete it allows only
+the end token (the tokenizer's EOS). The grammar engine is llguidance (a Rust library made for this:
+the token mask of a 200k vocabulary in well under a millisecond).
 
-On a harmony model (`harmony=encoding`) only the `final` channel's text is constrained: the chain of
-thought, the control tokens and any tool-call header stay free, and the answer's end is
-`<|return|>`. Everything else constrains the whole completion and ends with the tokenizer's EOS.
+On a harmony model, `HarmonyConstraint` constrains only where the format says JSON belongs: the text
+of a `final` message (a `response_format`), ending with `<|return|>`, and the arguments of a call to
+a function tool (its `parameters` schema), ending with `<|call|>`. The chain of thought, the headers
+and the control tokens stay free.
 """
 
 from __future__ import annotations
@@ -90,51 +91,93 @@ def compile_schema(schema: dict, lltok) -> str:
     return grammar
 
 
-class JsonConstraint:
-    """A logits processor that keeps a completion (or a harmony model's `final` text) inside a grammar."""
+class _Masker:
+    """One grammar's token mask over a logits row (the shared part of both constraints)."""
 
-    def __init__(self, lltok, grammar: str, *, harmony=None, end_token: int | None = None):
+    def __init__(self, lltok, grammar: str, end_token: int):
         llg = _llguidance()
-        self.lltok, self.grammar, self.harmony, self.end_token = lltok, grammar, harmony, end_token
         self.matcher = llg.LLMatcher(lltok, grammar, log_level=0)
-        self.words = (lltok.vocab_size + 31) // 32
-        self._seen = 0  # output tokens looked at so far
-        self._stream = None
-        self._in_final = harmony is None  # a plain model is constrained from its first token
-        if harmony is not None:
-            from gptoss_lite.harmony.parse import HarmonyStream
+        self.end_token = end_token
+        self.eos = lltok.eos_token
 
-            self._stream = HarmonyStream(harmony, tools=False)
+    def consume(self, token: int) -> None:
+        self.matcher.consume_token(token)
 
-    def fork(self) -> JsonConstraint:
-        """A fresh constraint for another sample of the same request."""
-        return JsonConstraint(self.lltok, self.grammar, harmony=self.harmony, end_token=self.end_token)
-
-    def __call__(self, token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
-        for token in token_ids[self._seen :]:
-            self._advance(int(token))
-        self._seen = len(token_ids)
-        if not self._in_final or self.matcher.is_error():
-            return logits
-        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        allowed = np.unpackbits(bits, bitorder="little")[: logits.shape[-1]].astype(bool)
-        if len(allowed) < logits.shape[-1]:  # ids past the grammar's vocabulary (padding rows)
-            allowed = np.concatenate([allowed, np.zeros(logits.shape[-1] - len(allowed), dtype=bool)])
-        if self.matcher.is_accepting() and self.end_token is not None:
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        matcher = self.matcher
+        if matcher.is_error():
+            return logits  # cannot happen for sampled tokens; never fail a request over it
+        bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little").astype(bool)
+        size = logits.shape[-1]
+        allowed = allowed[:size] if len(allowed) >= size else np.pad(allowed, (0, size - len(allowed)))
+        if self.eos < size:
+            allowed[self.eos] = False  # the grammar's end is this constraint's end token
+        if matcher.is_accepting():
             allowed[self.end_token] = True
         if not allowed.any():
             return logits
         return logits.masked_fill(~torch.from_numpy(allowed).to(logits.device), float("-inf"))
 
+
+class JsonConstraint:
+    """A logits processor that keeps a whole completion inside a grammar, ending with `end_token`."""
+
+    def __init__(self, lltok, grammar: str, *, end_token: int):
+        self.lltok, self.grammar, self.end_token = lltok, grammar, end_token
+        self._masker = _Masker(lltok, grammar, end_token)
+        self._seen = 0  # output tokens consumed so far
+
+    def fork(self) -> JsonConstraint:
+        """A fresh constraint for another sample of the same request."""
+        return JsonConstraint(self.lltok, self.grammar, end_token=self.end_token)
+
+    def __call__(self, token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        for token in token_ids[self._seen :]:
+            self._masker.consume(int(token))
+        self._seen = len(token_ids)
+        return self._masker.mask(logits)
+
+
+class HarmonyConstraint:
+    """A logits processor for a harmony model: the text of a `final` message follows `final` (a
+    grammar, or free when None) and ends with <|return|>; the arguments of a call to
+    `functions.NAME` follow `calls[NAME]` and end with <|call|>. Everything else (the chain of
+    thought, headers, control tokens) is free."""
+
+    def __init__(self, lltok, encoding, *, final: str | None, calls: dict[str, str], ends: tuple[int, int]):
+        from gptoss_lite.harmony.parse import HarmonyStream
+
+        self.lltok, self.encoding, self.final, self.calls, self.ends = lltok, encoding, final, calls, ends
+        self._stream = HarmonyStream(encoding, tools=True)
+        self._masker: _Masker | None = None  # the grammar of the message being written, if any
+        self._seen = 0
+
+    def fork(self) -> HarmonyConstraint:
+        return HarmonyConstraint(self.lltok, self.encoding, final=self.final, calls=self.calls, ends=self.ends)
+
+    def __call__(self, token_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        for token in token_ids[self._seen :]:
+            self._advance(int(token))
+        self._seen = len(token_ids)
+        return logits if self._masker is None else self._masker.mask(logits)
+
     def _advance(self, token: int) -> None:
-        if self._stream is None:
-            self.matcher.consume_token(token)
-            return
-        was_final = self._in_final
-        self._stream.feed([token])
-        if was_final:
-            self.matcher.consume_token(token)
-        self._in_final = self._stream.in_final_text
+        if self._masker is not None:
+            self._masker.consume(token)
+        stream = self._stream
+        was_in_text = stream.in_text
+        stream.feed([token])
+        if not stream.in_text:
+            self._masker = None
+        elif not was_in_text:  # a message's text begins: pick its grammar
+            grammar, end = None, None
+            recipient = stream.last_recipient or ""
+            if recipient.startswith("functions."):
+                grammar, end = self.calls.get(recipient.removeprefix("functions.")), self.ends[1]
+            elif stream.channel == "final" and not recipient:
+                grammar, end = self.final, self.ends[0]
+            self._masker = None if grammar is None else _Masker(self.lltok, grammar, end)
 
 
-__all__ = ["GrammarError", "JsonConstraint", "compile_schema", "lltokenizer", "schema_of"]
+__all__ = ["GrammarError", "HarmonyConstraint", "JsonConstraint", "compile_schema", "lltokenizer", "schema_of"]

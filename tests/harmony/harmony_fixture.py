@@ -166,3 +166,13 @@ def tokens_of(encoding, text: str) -> list[int]:
 
 
 __all__ = ["ScriptedLLM", "build_tokenizer_json", "tokenizer_json", "gptoss_tiny_dir", "forced_tokens", "tokens_of"]
+
+
+if __name__ == "__main__":  # python tests/harmony/harmony_fixture.py DIR: the harmony test model, to try by hand
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' conftest (make_model)
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python tests/harmony/harmony_fixture.py DIR")
+    out = write_gptoss_tiny(Path(sys.argv[1]))
+    print(f"wrote a random-weight gpt-oss-tiny with the o200k_harmony tokenizer to {out}")

@@ -153,7 +153,7 @@ def test_bad_input_is_a_400_naming_the_field(served):
         ({"input": [{"type": "image", "url": "x"}]}, "input"),
         ({"input": [{"role": "robot", "content": "x"}]}, "input"),
         ({"input": "x", "tools": [{"type": "function", "name": "a b"}]}, "tools"),
-        ({"input": "x", "text": {"format": {"type": "json_object"}}}, "text.format.type"),
+        ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format.type"),
         ({"input": "x", "temperature": "hot"}, "temperature"),
         ({"input": "x", "unknown_field": 1}, "unknown_field"),
     ]:

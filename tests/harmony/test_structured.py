@@ -154,3 +154,47 @@ def test_a_schema_that_does_not_compile_is_a_400(plain, response_format):
     r = httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "response_format"
+
+
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 10},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOL = {"type": "function", "function": {"name": "forecast", "description": "Forecast", "parameters": CITY}}
+
+
+def test_tool_arguments_follow_the_tool_schema(harmony):
+    """tool_choice "required" forces the call's header; the grammar then makes its arguments valid
+    JSON for the tool's schema, ending with <|call|> (a random model, no script)."""
+    llm, state, live = harmony
+    bodies = [
+        {
+            "model": llm.model_name,
+            "messages": [{"role": "user", "content": "Forecast?"}],
+            "tools": [TOOL],
+            "tool_choice": "required",
+            "max_tokens": 200,
+            "seed": seed,
+        }
+        for seed in range(10)
+    ]
+    for answer in concurrently(live, bodies):
+        choice = answer["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        (call,) = choice["message"]["tool_calls"]
+        jsonschema.validate(json.loads(call["function"]["arguments"]), CITY)
+
+
+def test_a_strict_tool_whose_schema_does_not_compile_is_a_400(harmony):
+    llm, _, live = harmony
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}, "strict": True}}
+    body = {"model": llm.model_name, "messages": [{"role": "user", "content": "x"}], "tools": [bad], "max_tokens": 4}
+    r = httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    bad["function"]["strict"] = False  # not strict: served, its arguments unconstrained
+    assert httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=60).status_code == 200

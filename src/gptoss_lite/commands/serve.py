@@ -21,8 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
         help="serve the model over an OpenAI-compatible HTTP API",
-        description="Serve --model over HTTP: /v1/completions, /v1/chat/completions (streaming), /v1/models, "
-        "/health, /metrics, and a playground page at /.",
+        description="Serve --model over HTTP: /v1/completions, /v1/chat/completions, /v1/responses (all "
+        "streaming), /v1/models, /health, /metrics, and a playground page at /. A gpt-oss checkpoint (its "
+        "tokenizer.json is the o200k_harmony vocabulary) chats in the harmony format: reasoning, tool calls.",
     )
     add_model_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
@@ -53,6 +54,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks in the pool (default: sized by the engine)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     p.add_argument("--no-prefix-caching", action="store_true", help="never reuse cached prompt prefixes")
+    p.add_argument(
+        "--chat-format",
+        choices=("auto", "harmony", "template"),
+        default="auto",
+        help="how chats are rendered and parsed: harmony (gpt-oss: reasoning, tool calls), the checkpoint's "
+        "chat template, or auto: harmony when the tokenizer is the gpt-oss vocabulary (default: auto)",
+    )
     add_engine_kv_args(p)
     p.add_argument(
         "--drain-timeout",
@@ -175,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
         metrics_open=args.metrics_open,
         stall_timeout=args.stalled_client_timeout,
         body_timeout=args.body_timeout,
+        harmony={"auto": None, "harmony": True, "template": False}[args.chat_format],
     )
     state = app.state.server
     print(
@@ -183,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
         f"{'open: no API key' if keys is None else f'{len(set(keys.values()))} tenant(s)'})",
         file=sys.stderr,
     )
+    if state.harmony is not None:
+        print("gptoss-lite serve: chats in the harmony format (reasoning, tool calls)", file=sys.stderr)
     if llm.compile_seconds is not None:
         print(f"gptoss-lite serve: compiled decode step ready in {llm.compile_seconds:.1f} s", file=sys.stderr)
     hosts = state.allowed_hosts

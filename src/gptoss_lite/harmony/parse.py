@@ -108,10 +108,10 @@ class HarmonyStream:
         self._finished = False
 
     @property
-    def in_final_text(self) -> bool:
-        """The tokens fed so far end inside the text of a `final` message (not a call): what structured
-        output constrains."""
-        return self._in_text and self.malformed is None and self.channel == "final" and not self.last_recipient
+    def in_text(self) -> bool:
+        """The tokens fed so far end inside a message's text (after its <|message|>, before its end):
+        where structured output constrains (see `channel` and `last_recipient` for which message)."""
+        return self._in_text and self.malformed is None
 
     @property
     def ended_in_call(self) -> bool:

@@ -60,7 +60,7 @@ def message_text(content: Any, where: str) -> str:
 
 
 def function_tools(tools: Sequence[dict] | None) -> list[dict]:
-    """Validated function tools: [{"name", "description", "parameters"}] (RenderError on a bad one)."""
+    """Validated function tools: [{"name", "description", "parameters", "strict"}] (RenderError on a bad one)."""
     out, seen = [], set()
     for i, tool in enumerate(tools or ()):
         where = f"tools[{i}]"
@@ -81,7 +81,8 @@ def function_tools(tools: Sequence[dict] | None) -> list[dict]:
         description = fn.get("description") or ""
         if not isinstance(description, str):
             raise RenderError(f"{where}: description must be a string", "tools")
-        out.append({"name": name, "description": description, "parameters": params})
+        strict = fn.get("strict") is True
+        out.append({"name": name, "description": description, "parameters": params, "strict": strict})
     return out
 
 

@@ -20,19 +20,24 @@ from gptoss_lite.harmony.vocabulary import HARMONY_SPECIALS, HarmonyUnavailable,
 logger = logging.getLogger(__name__)
 
 
-def harmony_for(tokenizer):
+def harmony_for(tokenizer, *, required: bool = False):
     """The HarmonyServing of a tokenizer, or None for a model that does not speak harmony. A
     tokenizer with the harmony control tokens whose vocabulary is not gpt-oss's is served with its
-    template instead, and the reason is logged."""
+    template instead, and the reason is logged. required: raise HarmonyUnavailable (with the reason)
+    instead of answering None."""
     path = getattr(tokenizer, "path", None)
     token_to_id = getattr(getattr(tokenizer, "_tok", None), "token_to_id", None)
     if path is None or token_to_id is None:
+        if required:
+            raise HarmonyUnavailable("the model has no tokenizer.json, so it cannot be the gpt-oss vocabulary")
         return None
-    if any(token_to_id(name) != tid for name, tid in HARMONY_SPECIALS.items()):
+    if any(token_to_id(name) != tid for name, tid in HARMONY_SPECIALS.items()) and not required:
         return None
     try:
         return HarmonyServing(load_encoding(path))
     except HarmonyUnavailable as exc:
+        if required:
+            raise
         logger.warning("harmony control tokens, but not served as harmony: %s", exc)
         return None
 
@@ -87,6 +92,7 @@ class HarmonyServing:
         self.encoding = encoding
         self.stop_token_ids = tuple(encoding.stop_tokens_for_assistant_actions())  # <|return|>, <|call|>
         self.return_token = HARMONY_SPECIALS["<|return|>"]  # how a final answer ends
+        self.call_token = HARMONY_SPECIALS["<|call|>"]  # how a tool call ends
 
     def prompt(
         self, messages: Sequence[dict], *, tools, tool_choice, effort: str | None, date: str | None = None

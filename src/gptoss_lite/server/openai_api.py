@@ -31,7 +31,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from gptoss_lite.engine import SamplingParams
-from gptoss_lite.grammar import GrammarError, JsonConstraint, compile_schema, lltokenizer, schema_of
+from gptoss_lite.grammar import GrammarError, HarmonyConstraint, JsonConstraint, compile_schema, lltokenizer, schema_of
+from gptoss_lite.harmony.render import function_tools
 from gptoss_lite.server import protocol as P
 from gptoss_lite.server import responses as R
 from gptoss_lite.server.chat import ChatTemplate, ChatTemplateError
@@ -73,9 +74,7 @@ class ServerState:
         self.metrics_open = metrics_open or self.api_keys is None
         self.stall_timeout, self.body_timeout = stall_timeout, body_timeout
         self.template = ChatTemplate(llm.chat_template)
-        self.harmony = None if harmony is False else harmony_for(llm.tokenizer)
-        if harmony is True and self.harmony is None:
-            raise ValueError("harmony=True, but the model's tokenizer is not the gpt-oss (o200k_harmony) vocabulary")
+        self.harmony = None if harmony is False else harmony_for(llm.tokenizer, required=harmony is True)
         self.engine = EngineLoop(llm, max_waiting=max_waiting, on_finished=self._finished)
         self.metrics = ServerMetrics(lambda: self.engine.snapshot.stats)
         self.responses = R.ResponseStore()  # for previous_response_id
@@ -176,7 +175,8 @@ def create_app(
     stall_timeout: seconds a stream may wait for its client to read before the request is aborted.
     body_timeout: seconds a client has to send a request body.
     harmony: render and parse chats in the harmony format (None: when the model's tokenizer is the
-        gpt-oss vocabulary; False: never, the chat template instead).
+        gpt-oss vocabulary; True: always, a HarmonyUnavailable ValueError if it is not; False: never,
+        the chat template instead).
     """
     state = ServerState(
         llm,
@@ -356,7 +356,7 @@ async def _serve_harmony(state: ServerState, request: Request, tenant: str, req:
         )
     except RenderError as exc:
         raise P.APIError(400, str(exc), param=exc.param) from None
-    constraint = _structured(state, req.structured, "response_format").get("logits_processor")
+    constraint = _structured(state, req.structured, "response_format", req.tools).get("logits_processor")
     extra = {
         "stop_token_ids": harmony.stop_token_ids,
         "logits_processor": chained(harmony.tool_choice_processor(req.tools, req.tool_choice), constraint),
@@ -375,7 +375,7 @@ async def _serve_response(state: ServerState, request: Request, tenant: str, req
             prompt = state.harmony.prompt(shown, tools=req.tools, tool_choice=req.tool_choice, effort=req.effort)
         except RenderError as exc:
             raise P.APIError(400, str(exc), param="input" if exc.param == "messages" else exc.param) from None
-        constraint = _structured(state, req.structured, "text.format").get("logits_processor")
+        constraint = _structured(state, req.structured, "text.format", req.tools).get("logits_processor")
         extra = {
             "stop_token_ids": state.harmony.stop_token_ids,
             "logits_processor": chained(state.harmony.tool_choice_processor(req.tools, req.tool_choice), constraint),
@@ -397,24 +397,38 @@ async def _serve_response(state: ServerState, request: Request, tenant: str, req
     )
 
 
-def _structured(state: ServerState, response_format: dict | None, param: str) -> dict:
-    """{"logits_processor": a JsonConstraint} for a JSON response format ({} for text; 400 for a schema
-    that does not compile). A harmony model's constraint holds only inside its final channel."""
-    if response_format is None:
+def _structured(state: ServerState, response_format: dict | None, param: str, tools=None) -> dict:
+    """{"logits_processor": ...} that keeps JSON where JSON belongs ({} when nothing does; a 400 for a
+    schema that does not compile). A plain model: the whole completion follows `response_format`. A
+    harmony model: a final message's text follows it, and a call's arguments follow its tool's
+    `parameters` (a strict tool's schema must compile; another's is constrained where it does)."""
+    harmony = state.harmony
+    if response_format is None and (harmony is None or not tools):
         return {}
     tokenizer = state.llm.tokenizer
     if tokenizer is None:
         raise P.APIError(400, f"{param}: structured output needs a model with a tokenizer", param=param)
-    harmony = state.harmony
     end = harmony.return_token if harmony is not None else tokenizer.eos_id
     try:
-        schema = schema_of(response_format)
         lltok = lltokenizer(tokenizer, state.llm.config.vocab_size, end)
-        grammar = compile_schema(schema, lltok)
+        final = None if response_format is None else compile_schema(schema_of(response_format), lltok)
     except GrammarError as exc:
         raise P.APIError(400, f"{param}: {exc}", param=param) from None
-    encoding = harmony.encoding if harmony is not None else None
-    return {"logits_processor": JsonConstraint(lltok, grammar, harmony=encoding, end_token=end)}
+    if harmony is None:
+        return {"logits_processor": JsonConstraint(lltok, final, end_token=end)}
+    calls = {}
+    for tool in function_tools(tools):
+        if tool["parameters"] is None:
+            continue
+        try:
+            calls[tool["name"]] = compile_schema(tool["parameters"], lltok)
+        except GrammarError as exc:
+            if tool["strict"]:
+                raise P.APIError(400, f"tools: {tool['name']}: {exc}", param="tools") from None
+    if final is None and not calls:
+        return {}
+    ends = (harmony.return_token, harmony.call_token)
+    return {"logits_processor": HarmonyConstraint(lltok, harmony.encoding, final=final, calls=calls, ends=ends)}
 
 
 def _sampling(state: ServerState, req, prompt, extra: dict | None = None) -> SamplingParams:
