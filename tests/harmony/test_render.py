@@ -341,3 +341,26 @@ def test_what_harmony_cannot_express_is_a_named_error(chat, tools, effort, param
     with pytest.raises(RenderError, match=words) as caught:
         conversation(chat, tools=tools, effort=effort, date=DATE)
     assert caught.value.param == param
+
+
+def test_a_json_schema_adds_a_response_formats_section(encoding):
+    """openai-harmony has no field for it: the expected prompt is the developer message as plain text."""
+    schema = {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "string"}}}}
+    rf = {"type": "json_schema", "json_schema": {"name": "shopping_list", "description": "entries", "schema": schema}}
+    section = (
+        "# Response Formats\n\n## shopping_list\n\n// entries\n"
+        '{"type":"object","properties":{"items":{"type":"array","items":{"type":"string"}}}}'
+    )
+    for instructions in ("You shop.", None):
+        chat = [{"role": "system", "content": instructions}] if instructions else []
+        chat.append({"role": "user", "content": "eggs"})
+        text = f"# Instructions\n\n{instructions}\n\n{section}" if instructions else section
+        developer = Message.from_role_and_content(Role.DEVELOPER, text)
+        expected = encoding.render_conversation_for_completion(
+            Conversation.from_messages([_system("medium"), developer, U("eggs")]), Role.ASSISTANT
+        )
+        assert render(encoding, chat, date=DATE, response_format=rf) == expected
+    plain = [{"role": "user", "content": "x"}]
+    assert render(encoding, plain, date=DATE, response_format={"type": "json_object"}) == render(
+        encoding, plain, date=DATE
+    )

@@ -1,6 +1,6 @@
 """OpenAI chat messages and tools -> a harmony conversation -> prompt token ids (openai-harmony renders).
 
-The mapping, the same as the released gpt-oss chat template and vLLM's (docs/server.md#harmony):
+The mapping, the same as the released gpt-oss chat template and vLLM's (docs/server.md#harmony-gpt-oss):
 
 | OpenAI | harmony |
 |---|---|
@@ -193,8 +193,47 @@ def _assistant(message: dict, where: str, call_names: dict[str, str]) -> list:
     return out
 
 
-def render(encoding, messages: Sequence[dict], **kwargs) -> list[int]:
-    """Prompt token ids for `messages`, ending with `<|start|>assistant` (kwargs: see `conversation`)."""
+def response_formats_section(name: str | None, schema: dict, description: str | None = None) -> str:
+    """The developer message's `# Response Formats` section for a JSON schema, as harmony spells it."""
+    lines = ["# Response Formats", "", f"## {name or 'response'}", ""]
+    if description:
+        lines.append(f"// {description}")
+    lines.append(json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
+    return "\n".join(lines)
+
+
+def render(encoding, messages: Sequence[dict], *, response_format: dict | None = None, **kwargs) -> list[int]:
+    """Prompt token ids for `messages`, ending with `<|start|>assistant` (kwargs: see `conversation`).
+
+    A `json_schema` response_format adds a `# Response Formats` section at the end of the developer
+    message (openai-harmony has no field for it, so its rendering is extended in place: the
+    developer message's text is re-encoded with the section appended)."""
     from openai_harmony import Role
 
-    return encoding.render_conversation_for_completion(conversation(messages, **kwargs), Role.ASSISTANT)
+    convo = conversation(messages, **kwargs)
+    ids = encoding.render_conversation_for_completion(convo, Role.ASSISTANT)
+    spec = (response_format or {}).get("json_schema") if (response_format or {}).get("type") == "json_schema" else None
+    if not isinstance(spec, dict):
+        return ids
+    section = response_formats_section(spec.get("name"), spec.get("schema") or {}, spec.get("description"))
+    return _with_developer_text(encoding, ids, section)
+
+
+def _with_developer_text(encoding, ids: list[int], section: str) -> list[int]:
+    """`ids` with `section` appended to the developer message's text (one made after the system
+    message if there is none)."""
+    start, message, end = (
+        encoding.encode(t, allowed_special="all")[0] for t in ("<|start|>", "<|message|>", "<|end|>")
+    )
+    developer = encoding.encode("developer", allowed_special="all")
+    header = [start, *developer, message]
+    at = next((i for i in range(len(ids)) if ids[i : i + len(header)] == header), None)
+    if at is None:  # no developer message: one right after the system message
+        after_system = ids.index(end) + 1
+        body = encoding.encode(section, disallowed_special=())
+        return ids[:after_system] + header + body + [end] + ids[after_system:]
+    body_start = at + len(header)
+    body_end = ids.index(end, body_start)
+    text = encoding.decode_utf8(ids[body_start:body_end])
+    body = encoding.encode(f"{text}\n\n{section}", disallowed_special=())
+    return ids[:body_start] + body + ids[body_end:]

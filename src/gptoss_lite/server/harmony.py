@@ -1,5 +1,5 @@
 """Serving a harmony (gpt-oss) model: the prompt, the stop tokens, `tool_choice`, and the OpenAI shapes
-of what `gptoss_lite.harmony.parse.HarmonyStream` reads out of a completion (docs/server.md#harmony).
+of what `gptoss_lite.harmony.parse.HarmonyStream` reads out of a completion (docs/server.md#harmony-gpt-oss).
 
 A server is a harmony server when its model's `tokenizer.json` is the gpt-oss vocabulary (with the
 harmony control tokens at their released ids): chat requests are then rendered by openai-harmony,
@@ -95,14 +95,22 @@ class HarmonyServing:
         self.call_token = HARMONY_SPECIALS["<|call|>"]  # how a tool call ends
 
     def prompt(
-        self, messages: Sequence[dict], *, tools, tool_choice, effort: str | None, date: str | None = None
+        self,
+        messages: Sequence[dict],
+        *,
+        tools,
+        tool_choice,
+        effort: str | None,
+        response_format: dict | None = None,
+        date: str | None = None,
     ) -> list[int]:
         """Prompt ids (RenderError for a conversation harmony cannot express)."""
         described = function_tools(tools)
         names = {t["name"] for t in described}
         self.check_tool_choice(tool_choice, names)
         shown = None if tool_choice == "none" else tools
-        return render(self.encoding, messages, tools=shown, effort=effort or DEFAULT_EFFORT, date=date)
+        effort = effort or DEFAULT_EFFORT
+        return render(self.encoding, messages, tools=shown, effort=effort, date=date, response_format=response_format)
 
     @staticmethod
     def check_tool_choice(tool_choice, names: set[str]) -> None:

@@ -353,6 +353,7 @@ async def _serve_harmony(state: ServerState, request: Request, tenant: str, req:
             tools=req.tools,
             tool_choice=req.tool_choice,
             effort=req.reasoning_effort,
+            response_format=req.structured,
         )
     except RenderError as exc:
         raise P.APIError(400, str(exc), param=exc.param) from None
@@ -372,7 +373,9 @@ async def _serve_response(state: ServerState, request: Request, tenant: str, req
     extra: dict = {}
     if state.harmony is not None:
         try:
-            prompt = state.harmony.prompt(shown, tools=req.tools, tool_choice=req.tool_choice, effort=req.effort)
+            prompt = state.harmony.prompt(
+                shown, tools=req.tools, tool_choice=req.tool_choice, effort=req.effort, response_format=req.structured
+            )
         except RenderError as exc:
             raise P.APIError(400, str(exc), param="input" if exc.param == "messages" else exc.param) from None
         constraint = _structured(state, req.structured, "text.format", req.tools).get("logits_processor")

@@ -439,6 +439,8 @@ class EventWriter:
         return self.event(kind, item_id=self.items[index]["id"], output_index=index, content_index=0, part=part)
 
     def finish(self, status: str, use: dict) -> list[dict]:
+        if status == "incomplete" and self._open is not None:
+            self.items[self._open]["status"] = "incomplete"  # the item max_output_tokens cut off
         events = self.close()
         kind = "response.completed" if status == "completed" else "response.incomplete"
         events.append(self.event(kind, response=self.body(status, use)))
