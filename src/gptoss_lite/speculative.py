@@ -106,7 +106,7 @@ class SpeculationStats:
         }
 
 
-class _NgramIndex:
+class NgramIndex:
     """One row's tokens and, for each n in [min_ngram, ngram], the latest end of every n-gram that
     has at least one token after it. Indexing is incremental: O(ngram) dict writes per token."""
 
@@ -144,7 +144,7 @@ class _NgramIndex:
 class _LookupDrafter:
     def __init__(self, spec: PromptLookup, input_ids: torch.Tensor) -> None:
         self.spec = spec
-        self.rows = [_NgramIndex(spec.ngram, spec.min_ngram) for _ in range(input_ids.shape[0])]
+        self.rows = [NgramIndex(spec.ngram, spec.min_ngram) for _ in range(input_ids.shape[0])]
         for row, ids in zip(self.rows, input_ids.tolist()):
             row.tokens.extend(ids)
             row.index()  # the prompt's n-grams, once, with the prompt's processing (before prefill)

@@ -82,6 +82,11 @@ class KVManager:
             if request.request_id in pool:
                 pool.release(request.request_id)
 
+    def truncate(self, request: Request, n_tokens: int) -> None:
+        """Roll the request back to its first n_tokens in every pool (a rejected speculative draft)."""
+        for pool in self.store.pools.values():
+            pool.truncate(request.request_id, n_tokens)
+
     def holds(self, request: Request) -> bool:
         return any(request.request_id in pool for pool in self.store.pools.values())
 

@@ -37,6 +37,7 @@ from gptoss_lite.kv.paged_cache import PagedKVStore
 from gptoss_lite.kv.paged_quant import QuantizedPagedStore, quantized_block_bytes
 from gptoss_lite.kv.quant import KV_BITS
 from gptoss_lite.model.transformer import GPTOSS
+from gptoss_lite.speculative import NgramIndex, PromptLookup, SpeculationStats
 from gptoss_lite.tokenizer import ByteTokenizer, load_tokenizer
 from gptoss_lite.validation import check_int
 
@@ -69,6 +70,10 @@ class EngineStats:
     failed: int = 0  # requests finished with finish_reason "error" (a fault confined to them)
     kv_bits: int = 16  # full-layer K/V storage: 16 (the model's dtype), 8 or 4
     kv_bytes: int = 0  # bytes allocated for K/V (both pools, scales and full-precision tails included)
+    spec_drafted: int = 0  # speculative decoding: draft tokens proposed
+    spec_accepted: int = 0  # draft tokens the verification kept
+    spec_verifications: int = 0  # drafts verified (one per request per step that had one)
+    spec_tokens: int = 0  # tokens those verifications emitted (accepted drafts + one each)
 
 
 def _checkpoint_revision(source: str, model_dir: Path | None, config: object) -> str:
@@ -129,6 +134,7 @@ class LLM:
         kv_cache_bytes: int | None = None,
         kv_budget: int | None = None,
         compile_decode: bool | None = None,
+        speculate: PromptLookup | None = None,
     ) -> None:
         block_size = check_int("block_size", block_size, 1)
         max_batch_tokens = check_int("max_batch_tokens", max_batch_tokens, 1)
@@ -213,6 +219,10 @@ class LLM:
         self._groups: dict[str, list[Request]] = {}  # request id -> its n samples
         self._ids = itertools.count()
         self._finished = self._aborted = self._failed = self._generated = 0
+        if speculate is not None and not isinstance(speculate, PromptLookup):
+            raise TypeError(f"speculate: expected a PromptLookup (or None), got {type(speculate).__name__}")
+        self.speculate = speculate
+        self.speculation = SpeculationStats()  # drafted / accepted tokens, verifications (the engine's own)
         self._check_pool_fits(max_batch_tokens)
 
     # ------------------------------------------------------------------ setup helpers
@@ -388,6 +398,8 @@ class LLM:
         a time, so only the request that makes it raise fails. The other requests of the step go on
         with the tokens they would have had without it.
         """
+        if self.speculate is not None:
+            self._propose_drafts()
         step = self.scheduler.schedule()
         if not step.scheduled:
             if self.scheduler.has_unfinished():
@@ -407,14 +419,64 @@ class LLM:
                 self._fork(request)  # before its token: it may finish (and free its blocks) right here
             if logprobs is not None:
                 request.new_logprobs.append(logprobs)
+            tokens = token if isinstance(token, list) else [token]
+            verified = bool(request.draft)
+            if verified:
+                self._roll_back_draft(request, len(tokens) - 1)
             try:
-                self._append(request, token, now)
+                appended = []
+                for t in tokens:
+                    self._append(request, t, now)
+                    appended.append(t)
+                    if request.finished:
+                        break
             except Exception as exc:  # noqa: BLE001 - this request's text or stop rules; the others go on
                 logger.exception("request %s failed after sampling", request.request_id)
                 outputs.append(self._fail(request, f"{type(exc).__name__} while appending a token"))
                 continue
-            outputs.append(request.output([token]))
+            if verified:
+                self.speculation.new_tokens += len(appended)
+            outputs.append(request.output(appended))
+        for request, _, _ in step.scheduled:
+            request.draft = []  # verified, or its request failed
         return outputs
+
+    # ------------------------------------------------------------------ speculative decoding
+
+    def _propose_drafts(self) -> None:
+        """A prompt-lookup draft for every running request in decode that may speculate: up to k tokens
+        that followed the latest earlier occurrence of its last n-gram, no more than it may still emit.
+        Requests with logprobs, penalties, a logit bias or a logits processor decode one token a step
+        (their logits depend on every token before)."""
+        spec = self.speculate
+        for request in self.scheduler.running:
+            sampling = request.sampling
+            if (
+                request.num_tokens - request.num_computed != 1
+                or sampling.adjusts_logits
+                or sampling.logprobs is not None
+            ):
+                continue
+            room = sampling.max_tokens - len(request.output_token_ids) - 1
+            if room < 1:
+                continue
+            if request.lookup is None:
+                request.lookup = NgramIndex(spec.ngram, spec.min_ngram)
+                request.lookup.tokens.extend(request.prompt_token_ids)
+            index = request.lookup
+            index.tokens.extend(request.output_token_ids[len(index.tokens) - len(request.prompt_token_ids) :])
+            request.draft = index.draft(min(spec.k, room))
+
+    def _roll_back_draft(self, request: Request, accepted: int) -> None:
+        """After verifying a draft: forget the K/V of its rejected tokens (the pools' `truncate`)."""
+        rejected = len(request.draft) - accepted
+        stats = self.speculation
+        stats.drafted += len(request.draft)
+        stats.accepted += accepted
+        stats.target_forwards += 1
+        if rejected:
+            request.num_computed -= rejected
+            self.kv.truncate(request, request.num_computed)
 
     def _execute(self, step: ScheduledStep) -> tuple[list[tuple[Request, int, TokenLogprobs | None]], list]:
         """The runner's (sampled, failed) for the step; if the batched forward raises, each request
@@ -545,6 +607,10 @@ class LLM:
             generated_tokens=self._generated,
             kv_bits=self.kv_bits,
             kv_bytes=kv.store.nbytes,
+            spec_drafted=self.speculation.drafted,
+            spec_accepted=self.speculation.accepted,
+            spec_verifications=self.speculation.target_forwards,
+            spec_tokens=self.speculation.new_tokens,
         )
 
     def validate(self) -> None:

@@ -20,6 +20,7 @@ import torch
 
 from gptoss_lite.engine.detokenize import TextStream
 from gptoss_lite.sampling import MAX_SEED, SamplingConfig
+from gptoss_lite.speculative import NgramIndex
 from gptoss_lite.validation import check_int
 
 MAX_LOGPROBS = 20  # top alternatives a request may ask for per token
@@ -214,6 +215,10 @@ class Request:
         self.index = 0  # which sample
         self.forks: list[Request] = []  # samples 1..n-1, waiting for this one's prompt to be computed
         self.new_logprobs: list[TokenLogprobs] = []  # since the last output, when sampling.logprobs is set
+        # Speculative decoding (LLM(speculate=...)): the prompt-lookup index of this request's tokens,
+        # and the draft tokens this step verifies after its last token (docs/engine.md#speculative-decoding).
+        self.lookup: NgramIndex | None = None
+        self.draft: list[int] = []
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.config = sampling.sampling_config()
         self.stop_ids = set(sampling.stop_token_ids)
@@ -230,12 +235,23 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_range(self, start: int, n: int) -> list[int]:
-        """Tokens start … start + n - 1 of `all_token_ids`, without building the whole list (the runner
-        calls this for every request on every step)."""
+        """Tokens start … start + n - 1 of `all_token_ids` and then the draft, without building the
+        whole list (the runner calls this for every request on every step)."""
         P = len(self.prompt_token_ids)
         if start >= P:
-            return self.output_token_ids[start - P : start - P + n]
-        return self.prompt_token_ids[start : start + n] + self.output_token_ids[: max(0, start + n - P)]
+            out = self.output_token_ids[start - P : start - P + n]
+        else:
+            out = self.prompt_token_ids[start : start + n] + self.output_token_ids[: max(0, start + n - P)]
+        if len(out) < n and self.draft:
+            held = P + len(self.output_token_ids)
+            out += self.draft[max(0, start - held) : start + n - held]
+        return out
+
+    @property
+    def num_to_run(self) -> int:
+        """Tokens this request still has to run before it samples: the rest of its prompt (or the one
+        token decode feeds back), plus its draft."""
+        return self.num_tokens + len(self.draft) - self.num_computed
 
     @property
     def num_tokens(self) -> int:

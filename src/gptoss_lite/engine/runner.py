@@ -23,6 +23,7 @@ from gptoss_lite.engine.scheduler import ScheduledStep
 from gptoss_lite.model.compiled_decode import CompiledDecoder
 from gptoss_lite.model.transformer import GPTOSS
 from gptoss_lite.sampling import log_probs, sample
+from gptoss_lite.speculative import verify
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +44,9 @@ class ModelRunner:
         self.fault_hook: Callable[[Request], None] | None = None
 
     def build_batch(self, step: ScheduledStep) -> tuple[torch.Tensor, PagedBatch, list[Request]]:
-        """(input ids (N,), the batch, the requests that sample, in logits order). Advances each
-        scheduled request's `num_computed` past the tokens it runs."""
+        """(input ids (N,), the batch, the requests that sample, in logits order: a request with a draft
+        of k tokens has k + 1 rows). Advances each scheduled request's `num_computed` past the tokens it
+        runs."""
         bs = self.kv.block_size
         ids: list[int] = []
         segments: list[Segment] = []
@@ -59,8 +61,9 @@ class ModelRunner:
             segments.append(Segment(offset=len(ids), length=n, start_pos=start, tables=tables))
             ids.extend(request.token_range(start, n))
             request.num_computed = start + n
-            if request.num_computed == request.num_tokens:
-                logits_index.append(len(ids) - 1)
+            if request.num_computed == request.num_tokens + len(request.draft):
+                # one row of logits per token a draft is verified on (the fed token and each draft)
+                logits_index.extend(range(len(ids) - 1 - len(request.draft), len(ids)))
                 samplers.append(request)
         batch = PagedBatch(self.kv.store, segments, write_slots, logits_index, full_window=self.kv.windows[FULL])
         return torch.tensor(ids, dtype=torch.long, device=self.device), batch, samplers
@@ -112,18 +115,24 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(
         self, logits: torch.Tensor, samplers: list[Request]
-    ) -> tuple[list[int | str], list[TokenLogprobs | None]]:
-        """One token per row of logits (M, V), by each request's own sampling rule, and its
-        logprobs where the request asks for them. Where a request's own sampling raises: the reason
-        (a str) instead of its token, and the other rows go on.
+    ) -> tuple[list[int | list[int] | str], list[TokenLogprobs | None]]:
+        """Tokens for the rows of logits (M, V), by each request's own sampling rule, and logprobs
+        where the request asks for them. Where a request's own sampling raises: the reason (a str)
+        instead of its token, and the other rows go on.
 
-        Plain greedy rows (no logit bias, no penalty) are one batched argmax; every other row is
-        adjusted (bias, penalties) and drawn alone, with its own generator."""
-        plain = [i for i, r in enumerate(samplers) if r.config.greedy and not r.sampling.adjusts_logits]
-        tokens: list[int | str] = [0] * len(samplers)
+        A request with a draft of k tokens owns k + 1 rows and gets a list: the draft tokens the
+        verification rule accepts, then its own next token (`speculative.verify`). Plain greedy rows
+        (no logit bias, penalty or processor) are one batched argmax; every other row is adjusted
+        and drawn alone, with its own generator."""
+        firsts, row = [], 0
+        for request in samplers:
+            firsts.append(row)
+            row += 1 + len(request.draft)
+        plain = [i for i, r in enumerate(samplers) if r.config.greedy and not r.sampling.adjusts_logits and not r.draft]
+        tokens: list[int | list[int] | str] = [0] * len(samplers)
         logprobs: list[TokenLogprobs | None] = [None] * len(samplers)
         if plain:
-            rows = logits if len(plain) == len(samplers) else logits[plain]
+            rows = logits if len(plain) == len(samplers) == len(logits) else logits[[firsts[i] for i in plain]]
             for i, token in zip(plain, rows.argmax(dim=-1).tolist()):
                 tokens[i] = token
         plain_set = set(plain)
@@ -131,9 +140,12 @@ class ModelRunner:
             try:
                 if self.fault_hook is not None:
                     self.fault_hook(request)
+                if request.draft:
+                    tokens[i] = self._verify(logits[firsts[i] : firsts[i] + 1 + len(request.draft)], request)
+                    continue
                 if i in plain_set and request.sampling.logprobs is None:
                     continue
-                row = logits[i : i + 1]
+                row = logits[firsts[i] : firsts[i] + 1]
                 if request.sampling.adjusts_logits:
                     row = request.adjusted_logits(row)
                 if i not in plain_set:
@@ -148,13 +160,24 @@ class ModelRunner:
                 tokens[i] = f"{type(exc).__name__} while sampling"
         return tokens, logprobs
 
+    @staticmethod
+    def _verify(rows: torch.Tensor, request: Request) -> list[int]:
+        """The tokens a draft gives (rows (k+1, V): the logits after the fed token and each draft token):
+        the accepted drafts, then the request's own token at the first rejection (or after the last)."""
+        draft = torch.tensor(request.draft, device=rows.device)
+        lengths = torch.tensor([len(request.draft)], device=rows.device)
+        accepted, own = verify(rows[None].float(), draft[None], lengths, None, request.config, request.generator)
+        a = int(accepted[0])
+        return [*request.draft[:a], int(own[0])]
+
     def execute(
         self, step: ScheduledStep
-    ) -> tuple[list[tuple[Request, int, TokenLogprobs | None]], list[tuple[Request, str]]]:
+    ) -> tuple[list[tuple[Request, int | list[int], TokenLogprobs | None]], list[tuple[Request, str]]]:
         """Run the step: ((request, sampled token, its logprobs or None) for every request that
-        samples, (request, reason) for those whose sampling failed)."""
+        samples, (request, reason) for those whose sampling failed). A request that verified a draft
+        gets the list of its new tokens instead of one token."""
         logits, samplers = self.forward(step)
-        sampled: list[tuple[Request, int, TokenLogprobs | None]] = []
+        sampled: list[tuple[Request, int | list[int], TokenLogprobs | None]] = []
         failed: list[tuple[Request, str]] = []
         if samplers:
             tokens, logprobs = self.sample(logits, samplers)

@@ -64,6 +64,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        request.draft = []
         self.kv.free(request)
         request.num_computed = 0
         request.status = RequestStatus.WAITING
@@ -103,7 +104,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed, budget)
+            n = min(request.num_to_run, budget)
+            if n < request.num_to_run and request.draft:  # the budget cuts the draft, never the token
+                del request.draft[max(0, n - (request.num_tokens - request.num_computed)) :]
+                n = request.num_to_run
             plans = self.kv.allocate(request, n)
             while plans is None:
                 victim = self.running[-1]  # the newest; never one already scheduled (those sit before i)

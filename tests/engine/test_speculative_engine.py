@@ -1,0 +1,101 @@
+"""Speculative decoding inside the engine (LLM(speculate=PromptLookup(...))): prompt-lookup drafts for
+every decoding request, verified in the one batched forward, rejected tokens rolled back with the
+pools' truncate. Greedy output is the same as without speculation, token for token."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gptoss_lite.engine import LLM, SamplingParams
+from gptoss_lite.speculative import PromptLookup
+from tests.engine.conftest import Workload, assert_nothing_leaks, run
+
+LOOKUP = PromptLookup(k=6, ngram=4, min_ngram=2)
+
+
+def copy_heavy_workload(rng: random.Random, vocab: int, n: int, spread: int, max_new: int = 48) -> Workload:
+    """Mixed requests: half repeat a span of themselves (what prompt lookup drafts well), half are noise."""
+    prompts = []
+    for i in range(n):
+        if i % 2:
+            span = [rng.randrange(vocab) for _ in range(rng.randint(4, 30))]
+            prompts.append((span * 8)[: rng.randint(8, 240)])
+        else:
+            prompts.append([rng.randrange(vocab) for _ in range(rng.randint(1, 240))])
+    params = [SamplingParams(max_tokens=rng.randint(1, max_new), temperature=0, ignore_eos=True) for _ in prompts]
+    return Workload(prompts, params, [rng.randrange(spread) for _ in prompts])
+
+
+def both(model, work: Workload, **engine):
+    """(outputs without speculation, outputs with it, the speculating engine)."""
+    plain = run(LLM(model, **engine), work)
+    llm = LLM(model, speculate=LOOKUP, **engine)
+    return plain, run(llm, work), llm
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_greedy_is_identical_with_and_without_speculation(models, compiled):
+    model = models("shipped")
+    work = copy_heavy_workload(random.Random(3), model.config.vocab_size, 32, 30)
+    plain, spec, llm = both(model, work, kv_blocks=2000, max_batch_tokens=256, max_running=16, compile_decode=compiled)
+    assert len(plain) == len(spec) == 32
+    for i in range(32):
+        assert spec[i].token_ids == plain[i].token_ids, f"request {i}"
+    stats = llm.stats()
+    assert stats.spec_accepted > 0 and stats.spec_verifications > 0
+    assert stats.spec_tokens / stats.spec_verifications > 1.5  # tokens per verification: drafts were kept
+    assert_nothing_leaks(llm)
+
+
+def test_speculation_under_preemption_keeps_outputs(models):
+    model = models("shipped")
+    work = copy_heavy_workload(random.Random(5), model.config.vocab_size, 12, 3, max_new=120)
+    plain, spec, llm = both(model, work, kv_blocks=60, max_batch_tokens=128, max_running=12)
+    assert llm.stats().preemptions > 0, "the pool was meant to force preemption"
+    assert {i: o.token_ids for i, o in spec.items()} == {i: o.token_ids for i, o in plain.items()}
+    assert_nothing_leaks(llm)
+
+
+def test_requests_whose_logits_depend_on_their_tokens_do_not_speculate(models):
+    """logprobs, penalties, logit bias and logits processors: one token a step, as without speculation."""
+    model = models("lite-tiny")
+    prompt = [5, 6, 7, 8] * 20
+    llm = LLM(model, speculate=LOOKUP)
+    for params in (
+        SamplingParams(max_tokens=20, temperature=0, logprobs=2),
+        SamplingParams(max_tokens=20, temperature=0, presence_penalty=0.5),
+        SamplingParams(max_tokens=20, temperature=0, logits_processor=lambda ids, logits: logits),
+    ):
+        out = llm.generate([prompt], params)[0]
+        ref = LLM(model).generate([prompt], params)[0]
+        assert out.token_ids == ref.token_ids
+    assert llm.stats().spec_drafted == 0
+
+
+def test_sampling_with_speculation_is_seeded_and_stops_where_asked(models):
+    model = models("lite-tiny")
+    prompt = [9, 10, 11, 12, 13] * 30
+    # a low temperature: the random model then falls into loops that prompt lookup drafts (still sampled)
+    params = SamplingParams(max_tokens=40, temperature=0.05, top_p=0.9, seed=11, ignore_eos=True)
+    first = LLM(model, speculate=LOOKUP).generate([prompt, prompt[:50]], params)
+    again_llm = LLM(model, speculate=LOOKUP)
+    again = again_llm.generate([prompt, prompt[:50]], params)
+    assert [o.token_ids for o in first] == [o.token_ids for o in again]
+    assert all(len(o.token_ids) == 40 for o in first)  # drafts never run past max_tokens
+    assert again_llm.stats().spec_drafted > 0
+    assert_nothing_leaks(again_llm)
+
+
+def test_a_stop_token_inside_an_accepted_draft_ends_the_request_there(models):
+    model = models("lite-tiny")
+    prompt = [1, 2, 3, 4] * 30
+    plain = LLM(model).generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    stop = plain.token_ids[7]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=(stop,))
+    llm = LLM(model, speculate=LOOKUP)
+    out = llm.generate([prompt], params)[0]
+    assert out.token_ids == plain.token_ids[: plain.token_ids.index(stop) + 1]
+    assert out.finish_reason == "stop"
+    assert_nothing_leaks(llm)
