@@ -85,11 +85,13 @@ def run(args: argparse.Namespace) -> int:
         **kv_kwargs,
     )
     result = _head_of_line(llm, args) if args.long_prompt else _workload(llm, args)
+    spec = kv_kwargs.pop("speculate")
     result = {
         "model": str(source),
         "dtype": args.dtype,
         "threads": args.threads,
         **kv_kwargs,
+        "speculate": None if spec is None else f"lookup k={spec.k}",
         "compile_s": llm.compile_seconds,
         **result,
     }
@@ -131,12 +133,25 @@ def _workload(llm, args) -> dict:
     # Warm-up (allocator, thread pool) on a copy of the first few requests, not measured.
     run_workload(llm, work[: min(4, len(work))])
     llm.clear_prefix_cache()
+    before = llm.stats()
     report = run_workload(llm, work, progress=_progress)
+    after = llm.stats()
     contexts = [len(w.prompt) + w.params.max_tokens for w in work]
     out = {
         "engine": report.summary(),
         "planner": planner_figures(llm, round(sum(contexts) / len(contexts))),
     }
+    if llm.speculate is not None:
+        drafted = after.spec_drafted - before.spec_drafted
+        verified = after.spec_verifications - before.spec_verifications
+        out["speculation"] = {
+            "drafted": drafted,
+            "accepted": after.spec_accepted - before.spec_accepted,
+            "acceptance_rate": round((after.spec_accepted - before.spec_accepted) / drafted, 3) if drafted else 0.0,
+            "tokens_per_verification": round((after.spec_tokens - before.spec_tokens) / verified, 2)
+            if verified
+            else 0.0,
+        }
     if args.sequential:
         out["sequential"] = _sequential(llm, work)
         out["speedup_vs_sequential"] = round(report.generated_tps / out["sequential"]["generated_tok_s"], 2)
@@ -223,7 +238,7 @@ def _print(result: dict) -> None:
     if "engine" not in result:
         print(f"head-of-line: {result['decoders']} decoding requests, one {result['long_prompt']:,}-token prompt")
         for key, value in result.items():
-            if key not in ("model", "dtype", "threads", "kv_bits", "kv_budget", "compile_decode"):
+            if key not in ("model", "dtype", "threads", "kv_bits", "kv_budget", "compile_decode", "speculate"):
                 print(f"  {key:32s} {value}")
         return
     e, p = result["engine"], result["planner"]
@@ -248,6 +263,10 @@ def _print(result: dict) -> None:
         (f"planner: max resident @ {p['context_tokens']:,} tok", f"{p['max_resident_requests']:,}"),
         ("planner: batch knee", f"{p['batch_knee']:,.1f}"),
     ]
+    if "speculation" in result:
+        s = result["speculation"]
+        rows.append((f"speculation ({result['speculate']}): accepted", f"{s['acceptance_rate']:.1%}"))
+        rows.append(("speculation: tokens per verification", f"{s['tokens_per_verification']:.2f}"))
     if "sequential" in result:
         rows.append(("sequential generate() tok/s", f"{result['sequential']['generated_tok_s']:,.1f}"))
         rows.append(("engine / sequential", f"{result['speedup_vs_sequential']:.2f}x"))

@@ -379,10 +379,26 @@ def add_engine_kv_args(parser: argparse.ArgumentParser) -> None:
         help="decode eagerly; by default all-decode steps run as the compiled decode step, compiled at start "
         "(tens of seconds the first time, seconds from inductor's disk cache)",
     )
+    parser.add_argument(
+        "--speculate",
+        choices=("none", "lookup"),
+        default="none",
+        help="speculative decoding in the engine: 'lookup' drafts each decoding request's next tokens by "
+        "n-gram lookup in its prompt and output, verified in the step's one forward; greedy output is "
+        "unchanged (default: none)",
+    )
+    parser.add_argument(
+        "--draft-tokens",
+        type=int,
+        default=8,
+        metavar="K",
+        help="tokens drafted per request per step with --speculate lookup (default: 8)",
+    )
 
 
 def engine_kv_kwargs(args: argparse.Namespace) -> dict:
-    """LLM keyword arguments from --kv-bits / --kv-budget / --no-compile, checked before the model loads."""
+    """LLM keyword arguments from --kv-bits / --kv-budget / --no-compile / --speculate / --draft-tokens,
+    checked before the model loads."""
     from gptoss_lite.validation import check_int
 
     if args.kv_budget is not None:
@@ -391,4 +407,14 @@ def engine_kv_kwargs(args: argparse.Namespace) -> dict:
             raise ValueError(f"--kv-budget {args.kv_budget} with --kv-bits {args.kv_bits}: give one of them")
         if not args.no_prefix_caching:
             raise ValueError("--kv-budget releases prompt blocks the prefix cache would need; add --no-prefix-caching")
-    return {"kv_bits": args.kv_bits, "kv_budget": args.kv_budget, "compile_decode": not args.no_compile}
+    speculate = None
+    if args.speculate == "lookup":
+        from gptoss_lite.speculative import PromptLookup
+
+        speculate = PromptLookup(k=check_int("--draft-tokens", args.draft_tokens, 1))
+    return {
+        "kv_bits": args.kv_bits,
+        "kv_budget": args.kv_budget,
+        "compile_decode": not args.no_compile,
+        "speculate": speculate,
+    }

@@ -194,6 +194,10 @@ def run(args: argparse.Namespace) -> int:
     )
     if state.harmony is not None:
         print("gptoss-lite serve: chats in the harmony format (reasoning, tool calls)", file=sys.stderr)
+    if llm.speculate is not None:
+        print(
+            f"gptoss-lite serve: speculative decoding by prompt lookup, {llm.speculate.k} draft tokens", file=sys.stderr
+        )
     if llm.compile_seconds is not None:
         print(f"gptoss-lite serve: compiled decode step ready in {llm.compile_seconds:.1f} s", file=sys.stderr)
     hosts = state.allowed_hosts
