@@ -238,7 +238,16 @@ def _print(result: dict) -> None:
     if "engine" not in result:
         print(f"head-of-line: {result['decoders']} decoding requests, one {result['long_prompt']:,}-token prompt")
         for key, value in result.items():
-            if key not in ("model", "dtype", "threads", "kv_bits", "kv_budget", "compile_decode", "speculate"):
+            if key not in (
+                "model",
+                "dtype",
+                "threads",
+                "kv_bits",
+                "kv_budget",
+                "compile_decode",
+                "speculate",
+                "decode_reserve",
+            ):
                 print(f"  {key:32s} {value}")
         return
     e, p = result["engine"], result["planner"]
@@ -248,7 +257,8 @@ def _print(result: dict) -> None:
     compiled = "eager decode"
     if result["compile_s"] is not None:
         compiled = f"compiled decode ({result['compile_s']:.1f} s to compile)"
-    setup = f"{result['dtype']}, {result['threads']} threads, {kv}, {compiled}"
+    watermark = f"decode reserve {result['decode_reserve']} tokens" if result["decode_reserve"] else "no decode reserve"
+    setup = f"{result['dtype']}, {result['threads']} threads, {kv}, {compiled}, {watermark}"
     print(f"bench-serve: {e['requests']} requests, {result['model']} ({setup})")
     rows = [
         ("generated tok/s", f"{e['generated_tok_s']:,.1f}"),

@@ -356,6 +356,9 @@ def kv_settings(args: argparse.Namespace):
         raise type(exc)(f"--kv-bits/--kv-budget/--kv-sinks: {exc}") from None
 
 
+DEFAULT_DECODE_RESERVE = 256  # serve / bench-serve: decode tokens of growth kept free per running request
+
+
 def add_engine_kv_args(parser: argparse.ArgumentParser) -> None:
     """--kv-bits and --kv-budget for the engine (docs/engine.md#kv-bits and #kv-budget)."""
     parser.add_argument(
@@ -378,6 +381,15 @@ def add_engine_kv_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="decode eagerly; by default all-decode steps run as the compiled decode step, compiled at start "
         "(tens of seconds the first time, seconds from inductor's disk cache)",
+    )
+    parser.add_argument(
+        "--decode-reserve",
+        type=int,
+        default=DEFAULT_DECODE_RESERVE,
+        metavar="N",
+        help="admission watermark: a request is admitted only while every running request keeps free blocks "
+        "for its next N decode tokens, so long outputs do not outgrow the pool and preempt each other; 0 "
+        f"admits on prompts alone (default: {DEFAULT_DECODE_RESERVE})",
     )
     parser.add_argument(
         "--speculate",
@@ -416,5 +428,6 @@ def engine_kv_kwargs(args: argparse.Namespace) -> dict:
         "kv_bits": args.kv_bits,
         "kv_budget": args.kv_budget,
         "compile_decode": not args.no_compile,
+        "decode_reserve": check_int("--decode-reserve", args.decode_reserve, 0),
         "speculate": speculate,
     }

@@ -135,6 +135,7 @@ class LLM:
         kv_budget: int | None = None,
         compile_decode: bool | None = None,
         speculate: PromptLookup | None = None,
+        decode_reserve: int = 0,
     ) -> None:
         block_size = check_int("block_size", block_size, 1)
         max_batch_tokens = check_int("max_batch_tokens", max_batch_tokens, 1)
@@ -209,7 +210,12 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             kv_budget=kv_budget,
         )
-        self.scheduler = Scheduler(self.kv, max_batch_tokens=max_batch_tokens, max_running=max_running)
+        self.scheduler = Scheduler(
+            self.kv,
+            max_batch_tokens=max_batch_tokens,
+            max_running=max_running,
+            decode_reserve=check_int("decode_reserve", decode_reserve, 0),
+        )
         # Quantised blocks have no fixed-shape form yet: their steps stay eager (docs/engine.md#kv-bits).
         decoder = model.compiled_decoder if compile_decode and not quant else None
         self.runner = ModelRunner(model, self.kv, decoder)

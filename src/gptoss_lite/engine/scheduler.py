@@ -40,10 +40,11 @@ class ScheduledStep:
 class Scheduler:
     """Waiting and running queues over a `KVManager` (see the module docstring)."""
 
-    def __init__(self, kv: KVManager, *, max_batch_tokens: int, max_running: int) -> None:
+    def __init__(self, kv: KVManager, *, max_batch_tokens: int, max_running: int, decode_reserve: int = 0) -> None:
         self.kv = kv
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
+        self.decode_reserve = decode_reserve  # decode tokens of growth kept free per running request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -82,10 +83,22 @@ class Scheduler:
             n_tokens = min(n_tokens, window + self.max_batch_tokens)
         return -(-n_tokens // bs) + 1
 
+    def _growth_blocks(self, kind: str, request: Request) -> int:
+        """Blocks of `kind` the watermark keeps for a request's next decode tokens: up to
+        `decode_reserve` of the tokens it may still generate (none on a windowed kind, whose blocks
+        are released as fast as new ones are taken)."""
+        if not self.decode_reserve or self.kv.windows[kind] is not None:
+            return 0
+        growth = min(self.decode_reserve, request.max_total_tokens - request.num_tokens)
+        return -(-max(0, growth) // self.kv.block_size)
+
     def _admissible(self, request: Request) -> bool:
         """Whether the request's whole prompt surely fits beside what the running requests still need
-        to finish theirs (a prefix hit only needs fewer blocks). Admitting on the first chunk alone would
-        let new prompts take the blocks running ones are about to need, and preempt in circles."""
+        to finish theirs (a prefix hit only needs fewer blocks), and, with a `decode_reserve`, beside
+        the blocks every running request and this one will take for their next decode tokens (the
+        watermark). Admitting on the first chunk alone would let new prompts take the blocks running
+        ones are about to need, and preempt in circles; admitting on prompts alone lets long outputs
+        outgrow the pool and preempt each other."""
         for kind, pool in self.kv.store.pools.items():
             spare = pool.free_blocks
             if self.kv.enable_prefix_caching:
@@ -94,7 +107,9 @@ class Scheduler:
                 left = running.num_tokens - running.num_computed
                 if left > 1:  # still in its prompt
                     spare -= self._prompt_blocks(kind, left)
-            if self._prompt_blocks(kind, request.num_tokens) > spare:
+                spare -= self._growth_blocks(kind, running)
+            own = self._growth_blocks(kind, request) if self.running else 0  # alone, it may always start
+            if self._prompt_blocks(kind, request.num_tokens) + own > spare:
                 return False
         return True
 
