@@ -191,3 +191,23 @@ def test_n_samples_through_the_client(setup):
     assert streamed == texts
     done = c.completions.create(prompt=PROMPT, n=2, **kwargs)
     assert sorted(ch.index for ch in done.choices) == [0, 1]
+
+
+def test_best_of_answers_the_n_most_likely_of_its_samples(setup):
+    """best_of=5, n=2: the two of five seeded samples with the highest total logprob, best first; the
+    same five samples as n=5 (sample i draws with seed + i), and every token generated is billed."""
+    live, _, _ = setup
+    c = client(live)
+    args = {"model": "lite-tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 3, "logprobs": 0}
+    every = c.completions.create(n=5, **args)
+    ranked = sorted(every.choices, key=lambda ch: (-sum(ch.logprobs.token_logprobs), ch.index))
+    best = c.completions.create(n=2, extra_body={"best_of": 5}, **args)
+    assert [ch.text for ch in best.choices] == [ch.text for ch in ranked[:2]]
+    assert [ch.index for ch in best.choices] == [0, 1]
+    assert best.usage.completion_tokens == every.usage.completion_tokens == 30
+    quiet = c.completions.create(n=2, best_of=5, **{k: v for k, v in args.items() if k != "logprobs"})
+    assert [ch.text for ch in quiet.choices] == [ch.text for ch in ranked[:2]]
+    assert all(ch.logprobs is None for ch in quiet.choices)  # computed to rank, not asked for
+    for bad in ({"n": 3, "best_of": 2}, {"n": 1, "best_of": 2, "stream": True}):
+        with pytest.raises(openai.BadRequestError, match="best_of"):
+            c.completions.create(**{**args, **bad})

@@ -467,7 +467,7 @@ def _sampling(state: ServerState, req, prompt, extra: dict | None = None) -> Sam
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             logit_bias=req.logit_bias_ids(),
-            n=req.n,
+            n=getattr(req, "samples", req.n),
             **(extra or {}),
         )
     except (ValueError, TypeError) as exc:
@@ -503,6 +503,8 @@ async def _serve(
     except (ValueError, TypeError) as exc:  # the engine refused the request (nothing was queued)
         raise P.APIError(400, str(exc)) from None
     run = _Run(state, tenant, rid, channel, sampling.n)
+    if getattr(req, "samples", req.n) > req.n:  # completions' best_of
+        run.answer_n, run.show_logprobs = req.n, req.logprobs is not None
     if extra and state.harmony is not None:  # a harmony chat: parse each sample's tokens
         run.parsers = {i: state.harmony.stream(harmony_choice) for i in range(sampling.n)}
     if on_response is not None:
@@ -529,6 +531,8 @@ class _Run:
         self.logprob_offset: dict[int, int] = {}  # per sample: characters of token text before the next entry
         self.parsers: dict[int, object] | None = None  # per sample, a HarmonyStream (a harmony chat)
         self.writer: R.EventWriter | None = None  # a /v1/responses request: its items and events
+        self.answer_n = n  # samples the answer shows (best_of generates more; the best n are shown)
+        self.show_logprobs = True  # False: logprobs were computed only to rank best_of samples
         self.on_response = None
 
     async def _watch(self, request: Request) -> None:
@@ -576,6 +580,21 @@ class _Run:
         first = self.finals[0]
         generated = sum(len(out.token_ids) for out in self.finals.values())
         return P.usage(len(first.prompt_token_ids), generated, first.num_cached_tokens)
+
+    def _answered(self, entries: dict[int, list]) -> list[tuple[int, object]]:
+        """(choice index, final output) of the samples the answer shows: all n, or with best_of the n
+        whose tokens have the highest total logprob (ties: the earlier sample), numbered 0..n-1 in
+        that order. `entries` (logprobs by sample) is renumbered to match, emptied where logprobs were
+        computed only to rank."""
+        finals = sorted(self.finals.items())
+        if self.answer_n >= len(finals):
+            return finals
+        total = {i: sum(e.logprob for e in entries.get(i, [])) for i, _ in finals}
+        chosen = sorted(finals, key=lambda item: (-total[item[0]], item[0]))[: self.answer_n]
+        shown = {new: entries.get(i, []) if self.show_logprobs else [] for new, (i, _) in enumerate(chosen)}
+        entries.clear()
+        entries.update(shown)
+        return [(new, out) for new, (_, out) in enumerate(chosen)]
 
     # ---- /v1/responses ----------------------------------------------------------------------------
 
@@ -671,7 +690,7 @@ class _Run:
             return self.writer.body(self._response_status(), self._response_usage())
         body, choice = (P.chat_body, P.chat_choice) if chat else (P.completion_body, P.completion_choice)
         choices = []
-        for i, out in sorted(self.finals.items()):
+        for i, out in self._answered(entries):
             answer, reason = out.text, out.finish_reason
             if self.parsers is not None:
                 parser = self.parsers[i]

@@ -3,7 +3,7 @@
 Requests are parsed in strict mode with unknown fields forbidden, as the OpenAI API does: a string
 where a number belongs (`"max_tokens": "8"`) or a misspelt field (`"max_token": 8`) is a 400 naming
 the field, never silently coerced or ignored. Fields the API defines but this server does not
-implement (`echo`, `best_of` > 1, ...) are accepted at their neutral value and refused with a
+implement (`echo`, `suffix`, ...) are accepted at their neutral value and refused with a
 400 otherwise, so a client never gets an answer computed without the option it asked for.
 
 Two extensions beyond the OpenAI fields: `cache_salt` (a client-chosen string that further splits the
@@ -117,15 +117,27 @@ class CompletionRequest(_SamplingFields):
 
     @property
     def logprobs_k(self) -> int | None:
-        """Alternatives per token to report (None: no logprobs)."""
+        """Alternatives per token to compute (None: none). With best_of > n every token's own
+        logprob is needed to rank the samples, so at least 0."""
+        if self.logprobs is None and self.samples > self.n:
+            return 0
         return self.logprobs
+
+    @property
+    def samples(self) -> int:
+        """Samples to generate: best_of (the n best by total logprob are answered), else n."""
+        return self.best_of if self.best_of is not None else self.n
 
     def check(self) -> None:
         super().check()
         if self.echo:
             raise APIError(400, "echo=true: not supported by this server", param="echo")
-        if self.best_of not in (None, 1):
-            raise APIError(400, f"best_of={self.best_of}: only 1 is supported", param="best_of")
+        if self.best_of is not None and self.best_of < self.n:
+            raise APIError(400, f"best_of={self.best_of} must be at least n={self.n}", param="best_of")
+        if self.stream and self.samples > self.n:
+            raise APIError(
+                400, "best_of > n cannot be streamed (the best samples are known at the end)", param="best_of"
+            )
         if self.suffix:
             raise APIError(400, "suffix: not supported by this server", param="suffix")
 
