@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gptoss_lite.engine import LLM
+from gptoss_lite.engine import LLM, PreparedRequest
 from gptoss_lite.harmony.vocabulary import O200K_BASE_SHA256, O200K_BASE_SIZE
 
 # The o200k split pattern, as the released gpt-oss tokenizer.json spells it.
@@ -154,9 +154,12 @@ class ScriptedLLM(LLM):
         self.scripts.extend(list(s) for s in streams)
 
     def add_request(self, prompt, sampling=None, **kwargs):
-        if self.scripts and sampling is not None:
-            script = forced_tokens(self.scripts.popleft(), then=sampling.logits_processor)
-            sampling = dataclasses.replace(sampling, logits_processor=script)
+        if self.scripts:
+            if not isinstance(prompt, PreparedRequest):  # the server prepares; tests may not
+                prompt = self.prepare(prompt, sampling)
+            script = forced_tokens(self.scripts.popleft(), then=prompt.sampling.logits_processor)
+            prompt = PreparedRequest(prompt.token_ids, dataclasses.replace(prompt.sampling, logits_processor=script))
+            sampling = None
         return super().add_request(prompt, sampling, **kwargs)
 
 

@@ -13,7 +13,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from gptoss_lite.engine import EngineStats, RequestMetrics, RequestOutput, SamplingParams
+from gptoss_lite.engine import EngineStats, PreparedRequest, RequestMetrics, RequestOutput, SamplingParams
 from gptoss_lite.tokenizer import ByteTokenizer
 
 LETTERS = b"abcdefghijklmnopqrstuvwxyz   ."
@@ -64,17 +64,26 @@ class FakeLLM:
 
     # -- contract ---------------------------------------------------------------------------------------
 
-    def add_request(self, prompt, sampling=None, *, request_id=None, scope="default") -> str:
-        sampling = sampling or SamplingParams()
-        if sampling.n != 1:
-            raise ValueError(f"n={sampling.n}: the fake engine draws one sample per request")
+    def encode(self, prompt) -> list[int]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("empty prompt")
         if any(not 0 <= i < self.tokenizer.vocab_size for i in ids):
             raise ValueError(f"prompt token ids must be in [0, {self.tokenizer.vocab_size})")
+        return ids
+
+    def prepare(self, prompt, sampling=None) -> PreparedRequest:
+        sampling = sampling or SamplingParams()
+        if sampling.n != 1:
+            raise ValueError(f"n={sampling.n}: the fake engine draws one sample per request")
+        ids = self.encode(prompt)
         if len(ids) + sampling.max_tokens > self.max_model_len:
             raise ValueError(f"prompt + max_tokens = {len(ids) + sampling.max_tokens} > max_model_len")
+        return PreparedRequest(ids, sampling)
+
+    def add_request(self, prompt, sampling=None, *, request_id=None, scope="default") -> str:
+        prepared = prompt if isinstance(prompt, PreparedRequest) else self.prepare(prompt, sampling)
+        ids, sampling = prepared.token_ids, prepared.sampling
         rid = request_id or f"req-{len(self._all)}"
         if rid in self._all:
             raise ValueError(f"duplicate request_id {rid!r}")

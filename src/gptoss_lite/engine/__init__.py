@@ -6,7 +6,15 @@ scheduler.py (token budget, chunked prefill, preemption), paged_batch.py (writes
 tables for a ragged batch), runner.py (one forward per step), llm.py (the facade).
 """
 
-from gptoss_lite.engine.llm import LLM, EngineStats
+from gptoss_lite.engine.llm import LLM, EngineStats, PreparedRequest
 from gptoss_lite.engine.request import RequestMetrics, RequestOutput, SamplingParams, TokenLogprobs
 
-__all__ = ["LLM", "EngineStats", "RequestMetrics", "RequestOutput", "SamplingParams", "TokenLogprobs"]
+__all__ = [
+    "LLM",
+    "EngineStats",
+    "PreparedRequest",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+    "TokenLogprobs",
+]

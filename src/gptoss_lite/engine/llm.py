@@ -48,6 +48,14 @@ DEFAULT_MAX_RUNNING = 64
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A prompt's token ids and its sampling, checked once by `LLM.prepare`."""
+
+    token_ids: list[int]
+    sampling: SamplingParams
+
+
 @dataclass
 class EngineStats:
     """A snapshot of the engine for metrics and benchmarks. Blocks count the full-layer pool and the
@@ -283,7 +291,9 @@ class LLM:
 
     # ------------------------------------------------------------------ requests
 
-    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """The prompt's token ids (a text is tokenised; ids are checked against the vocabulary).
+        Reads nothing the engine changes: safe from any thread."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
@@ -299,21 +309,14 @@ class LLM:
             raise ValueError(f"token id(s) {bad[:5]} out of vocabulary (vocab_size={self.config.vocab_size})")
         return ids
 
-    def add_request(
-        self,
-        prompt: str | Sequence[int],
-        sampling: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        scope: str = "default",
-    ) -> str:
-        """Queue a request; return its id. Raises (nothing queued) on a bad prompt or parameters."""
+    def prepare(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None) -> PreparedRequest:
+        """Tokenise and check a request once, without touching the engine's state (safe from any
+        thread: the server prepares in its handlers, then the engine thread only queues). Raises
+        ValueError / TypeError for what add_request would refuse."""
         sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
             raise TypeError(f"sampling: expected SamplingParams, got {type(sampling).__name__}")
-        if not isinstance(scope, str) or not scope:
-            raise ValueError(f"scope={scope!r}: expected a non-empty string")
-        ids = self._encode(prompt)
+        ids = self.encode(prompt)
         vocab = self.config.vocab_size
         bad = [t for t, _ in sampling.logit_bias if t >= vocab]
         if bad:
@@ -323,6 +326,27 @@ class LLM:
                 f"prompt of {len(ids)} tokens + max_tokens={sampling.max_tokens} exceeds max_model_len="
                 f"{self.max_model_len}; shorten the prompt or lower max_tokens"
             )
+        if sampling.n > self.scheduler.max_running:
+            raise ValueError(f"n={sampling.n}: more samples than max_running={self.scheduler.max_running}")
+        return PreparedRequest(ids, sampling)
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int] | PreparedRequest,
+        sampling: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        scope: str = "default",
+    ) -> str:
+        """Queue a request (a prompt and its sampling, or what `prepare` made of them); return its
+        id. Raises (nothing queued) on a bad prompt or parameters."""
+        if not isinstance(prompt, PreparedRequest):
+            prompt = self.prepare(prompt, sampling)
+        elif sampling is not None:
+            raise ValueError("add_request(prepared): the prepared request carries its sampling; pass none")
+        ids, sampling = prompt.token_ids, prompt.sampling
+        if not isinstance(scope, str) or not scope:
+            raise ValueError(f"scope={scope!r}: expected a non-empty string")
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
             while request_id in self._requests or request_id in self._groups:
@@ -331,8 +355,6 @@ class LLM:
             raise ValueError(f"request_id={request_id!r}: expected a non-empty string")
         elif request_id in self._requests or request_id in self._groups:
             raise ValueError(f"request_id={request_id!r}: already in use")
-        if sampling.n > self.scheduler.max_running:
-            raise ValueError(f"n={sampling.n}: more samples than max_running={self.scheduler.max_running}")
         names = [request_id] + [f"{request_id}#{i}" for i in range(1, sampling.n)]
         if any(name in self._requests for name in names[1:]):
             raise ValueError(f"request_id={request_id!r}: its sample ids are already in use")

@@ -21,7 +21,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from gptoss_lite.engine import EngineStats, RequestOutput, SamplingParams
+from gptoss_lite.engine import EngineStats, PreparedRequest, RequestOutput
 
 
 class QueueFull(Exception):
@@ -98,8 +98,7 @@ class _Route:
 @dataclass
 class _Add:
     request_id: str
-    prompt: Any
-    sampling: SamplingParams
+    prepared: PreparedRequest
     scope: str
     out: Channel
     done: asyncio.Future
@@ -168,8 +167,9 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
-    async def add(self, request_id: str, prompt, sampling: SamplingParams, scope: str) -> Channel:
-        """Queue a request; returns its channel once the engine accepted it.
+    async def add(self, request_id: str, prepared: PreparedRequest, scope: str) -> Channel:
+        """Queue a request (tokenised and checked by `llm.prepare` in the caller's thread); returns its
+        channel once the engine accepted it.
 
         Raises the engine's ValueError for a request it refuses, QueueFull, or ShuttingDown.
         """
@@ -178,7 +178,7 @@ class EngineLoop:
         loop = asyncio.get_running_loop()
         out = Channel()
         done = loop.create_future()
-        self._commands.put(_Add(request_id, prompt, sampling, scope, out, done, loop))
+        self._commands.put(_Add(request_id, prepared, scope, out, done, loop))
         try:
             await done  # raises what add_request raised
         except asyncio.CancelledError:  # the client left while the add was queued: undo it
@@ -248,11 +248,11 @@ class EngineLoop:
             try:
                 if llm.num_waiting >= self.max_waiting:
                     raise QueueFull(f"{llm.num_waiting} requests are already waiting (max_waiting={self.max_waiting})")
-                llm.add_request(cmd.prompt, cmd.sampling, request_id=cmd.request_id, scope=cmd.scope)
+                llm.add_request(cmd.prepared, request_id=cmd.request_id, scope=cmd.scope)
             except Exception as exc:  # noqa: BLE001 - handed to the waiting handler, which maps it to a status
                 cmd.loop.call_soon_threadsafe(_settle, cmd.done, exc)
                 return
-            self._routes[cmd.request_id] = _Route(cmd.loop, cmd.out, cmd.sampling.n)
+            self._routes[cmd.request_id] = _Route(cmd.loop, cmd.out, cmd.prepared.sampling.n)
             cmd.loop.call_soon_threadsafe(_settle, cmd.done, None)
         elif isinstance(cmd, _Call):
             try:

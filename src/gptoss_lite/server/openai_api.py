@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from gptoss_lite.engine import SamplingParams
+from gptoss_lite.engine import PreparedRequest, SamplingParams
 from gptoss_lite.grammar import GrammarError, HarmonyConstraint, JsonConstraint, compile_schema, lltokenizer, schema_of
 from gptoss_lite.harmony.render import function_tools
 from gptoss_lite.server import protocol as P
@@ -434,15 +434,17 @@ def _structured(state: ServerState, response_format: dict | None, param: str, to
     return {"logits_processor": HarmonyConstraint(lltok, harmony.encoding, final=final, calls=calls, ends=ends)}
 
 
-def _sampling(state: ServerState, req, prompt, extra: dict | None = None) -> SamplingParams:
-    """SamplingParams for `req`, after checking that prompt + max_tokens fits the context (400 if not)."""
+def _prepare(state: ServerState, req, prompt, extra: dict | None = None) -> PreparedRequest:
+    """The request tokenised and checked once (`LLM.prepare`), after checking that prompt +
+    max_tokens fits the context (400 if not, or for anything the engine would refuse)."""
     limit = state.llm.max_model_len
-    if isinstance(prompt, list):
-        n_prompt = len(prompt)
-    elif state.llm.tokenizer is None:
+    if isinstance(prompt, str) and state.llm.tokenizer is None:
         raise P.APIError(400, "this model has no tokenizer: send the prompt as a list of token ids", param="prompt")
-    else:
-        n_prompt = len(state.llm.tokenizer.encode(prompt))
+    try:
+        ids = state.llm.encode(prompt)
+    except (ValueError, TypeError) as exc:
+        raise P.APIError(400, str(exc), param=getattr(req, "prompt_param", "prompt")) from None
+    n_prompt = len(ids)
     max_tokens = req.token_limit
     if max_tokens is None:  # chat without a limit: the rest of the context
         max_tokens = limit - n_prompt
@@ -456,7 +458,7 @@ def _sampling(state: ServerState, req, prompt, extra: dict | None = None) -> Sam
             code="context_length_exceeded",
         )
     try:
-        return SamplingParams(
+        sampling = SamplingParams(
             max_tokens=max_tokens,
             temperature=req.temperature,
             top_p=req.top_p,
@@ -470,6 +472,7 @@ def _sampling(state: ServerState, req, prompt, extra: dict | None = None) -> Sam
             n=getattr(req, "samples", req.n),
             **(extra or {}),
         )
+        return state.llm.prepare(ids, sampling)
     except (ValueError, TypeError) as exc:
         raise P.APIError(400, str(exc)) from None
 
@@ -491,10 +494,11 @@ async def _serve(
     request is a /v1/responses one, answered as a Response, and this runs once it is complete."""
     if state.draining:
         raise P.APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
-    sampling = _sampling(state, req, prompt, extra)
+    prepared = _prepare(state, req, prompt, extra)
+    sampling = prepared.sampling
     rid = R.response_id() if on_response is not None else f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     try:
-        channel = await state.engine.add(rid, prompt, sampling, cache_scope(tenant, req.cache_salt))
+        channel = await state.engine.add(rid, prepared, cache_scope(tenant, req.cache_salt))
     except QueueFull as exc:
         busy = f"the server is busy: {exc}; retry later"
         raise P.APIError(429, busy, type="server_error", code="queue_full") from None
