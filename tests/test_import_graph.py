@@ -178,3 +178,33 @@ def test_allowlist_rule_catches_a_stray_import(tmp_path):
         (d / "__init__.py").write_text("")
     (pkg / "server" / "api.py").write_text("from gptoss_lite.engine import LLM\nfrom gptoss_lite.model import GPTOSS\n")
     assert allowlist_violations(import_graph(pkg)) == ["gptoss_lite.server.api -> gptoss_lite.model"]
+
+
+KV_DOOR = {"kv_manager.py", "paged_batch.py"}  # the KV manager, and the batch view it hands the model
+KV_INSIDES = {"store", "pools", "prefix"}
+
+
+def kv_door_violations(engine_dir: Path) -> list[str]:
+    """'file:line .name' for every read of a store, its pools or its prefix caches in an engine module
+    other than the KV manager (and the batch view it builds)."""
+    found = []
+    for path in sorted(engine_dir.glob("*.py")):
+        if path.name in KV_DOOR:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in KV_INSIDES:
+                found.append(f"{path.name}:{node.lineno} .{node.attr}")
+    return found
+
+
+def test_only_the_kv_manager_touches_pools_prefix_caches_and_stores():
+    """KVManager is the engine's one door to KV: the scheduler, the runner and the facade ask it."""
+    engine = Path(__file__).resolve().parents[1] / "src" / "gptoss_lite" / "engine"
+    broken = kv_door_violations(engine)
+    assert not broken, broken
+
+
+def test_the_kv_door_rule_catches_a_stray_read(tmp_path):
+    (tmp_path / "scheduler.py").write_text("def f(kv):\n    return kv.store.pools\n")
+    (tmp_path / "kv_manager.py").write_text("def g(self):\n    return self.store.prefix\n")
+    assert kv_door_violations(tmp_path) == ["scheduler.py:2 .pools", "scheduler.py:2 .store"]

@@ -146,7 +146,7 @@ def run_workload(llm: LLM, work: list[WorkItem], *, progress=None) -> ServeRepor
 def planner_figures(llm: LLM, context_tokens: int) -> dict[str, float]:
     """The planner's figures for this engine's pool and model at `context_tokens` per request."""
     cfg = llm.config
-    element = torch.empty((), dtype=llm.kv.store.dtype).element_size()
+    element = torch.empty((), dtype=llm.kv.dtype).element_size()
     weights = weights_from_model_config(cfg, bytes_per_parameter=element)
     geometry = geometry_from_model_config(cfg, bytes_per_element=element)
     hw = ServingHardware(
@@ -154,7 +154,7 @@ def planner_figures(llm: LLM, context_tokens: int) -> dict[str, float]:
         bandwidth_bytes_per_second=1.0,  # capacity and knee do not depend on speed
         peak_flops_per_second=1.0,
         parameter_count=weights.active_parameters,
-        device_capacity_bytes=llm.kv.store.nbytes + weights.resident_weight_bytes,
+        device_capacity_bytes=llm.kv.nbytes + weights.resident_weight_bytes,
         resident_weight_bytes=weights.resident_weight_bytes,
     )
     resident = max_resident_requests(hw, geometry, context_tokens)
@@ -167,7 +167,7 @@ def planner_figures(llm: LLM, context_tokens: int) -> dict[str, float]:
         knee = hw.weight_bytes / per_request
     if llm.kv_bits != 16:  # the planner's quantised bytes: key group = the block, no residual beyond it
         per_request = quantized_kv_bytes(geometry, context_tokens, llm.kv_bits, key_group=llm.kv.block_size, residual=0)
-        tails = llm.kv.store.tail_bytes  # full-precision staging for blocks being filled, not KV payload
+        tails = llm.kv.tail_bytes  # full-precision staging for blocks being filled, not KV payload
         resident = (hw.device_capacity_bytes - hw.resident_bytes - tails) // per_request
     return {
         "context_tokens": context_tokens,

@@ -20,14 +20,49 @@ prefix cached for one tenant or one set of weights is never a hit for another.
 
 from __future__ import annotations
 
+import math
+
+import torch
+
 from gptoss_lite.config import FULL, SLIDING, ModelConfig
+from gptoss_lite.engine.paged_batch import PagedBatch, PagedDecode, Segment
 from gptoss_lite.engine.request import Request
 from gptoss_lite.kv.block_pool import AppendPlan
 from gptoss_lite.kv.paged_cache import PagedKVStore
+from gptoss_lite.kv.paged_quant import QuantizedPagedStore
 
 
 class KVManager:
-    """Per-request block allocation over the store's pools and prefix caches (module docstring)."""
+    """Per-request block allocation over the store's pools and prefix caches (module docstring). The
+    engine's one door to KV: nothing else in `engine/` reads the store, its pools or its prefix caches
+    (tests/test_import_graph.py checks it); the scheduler, the runner and the facade ask here."""
+
+    @classmethod
+    def create(
+        cls,
+        config: ModelConfig,
+        *,
+        kv_blocks: int,
+        sliding_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_bits: int,
+        tail_blocks: int,
+        revision: str,
+        enable_prefix_caching: bool,
+        kv_budget: int | None,
+    ) -> KVManager:
+        """The store (16-bit blocks, or int8 / int4 full-layer blocks with `tail_blocks` full-precision
+        tails) and its manager."""
+        quant = {}
+        store_type: type[PagedKVStore] = PagedKVStore
+        if kv_bits != 16 and config.full_layers:
+            store_type, quant = QuantizedPagedStore, {"bits": kv_bits, "tail_blocks": tail_blocks}
+        store = store_type(
+            config, kv_blocks, block_size, sliding_blocks=sliding_blocks, dtype=dtype, device=device, **quant
+        )
+        return cls(store, revision=revision, enable_prefix_caching=enable_prefix_caching, kv_budget=kv_budget)
 
     def __init__(
         self,
@@ -145,6 +180,42 @@ class KVManager:
             self.store.prefix[kind].insert(tokens, request.scope, self.revision, seq_id=request.request_id)
         request.num_prompt_inserted = n
 
+    # ------------------------------------------------------------------ the batch
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The layer kinds with a pool (sliding and/or full)."""
+        return tuple(self.store.pools)
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.store, QuantizedPagedStore)
+
+    def batch(self, segments: list[Segment], write_slots: dict[str, list[int]], logits_index: list[int]) -> PagedBatch:
+        """A step's ragged batch over the store (the model's writes and reads go through it)."""
+        return PagedBatch(self.store, segments, write_slots, logits_index, full_window=self.windows[FULL])
+
+    def warm_up_state(self, rows: int, device: torch.device) -> PagedDecode:
+        """A dummy all-decode state of `rows` rows at position 0 of block 0 of each pool, which no request
+        may hold yet (for compiling the decode step before the first request)."""
+        store, bs = self.store, self.block_size
+        if any(pool.allocated_blocks for pool in store.pools.values()):
+            raise RuntimeError("warm_up() writes block 0: call it before any request is admitted")
+        kinds = list(store.pools)
+        # distinct sizes (rows, and a table width per kind): sizes equal at trace time would be taken for
+        # one symbol, and a later step where they differ would compile again
+        widths = {kind: 3 + i for i, kind in enumerate(kinds)}
+        zeros = torch.zeros(rows, dtype=torch.long, device=device)
+        return PagedDecode(
+            store,
+            zeros.clone(),
+            {kind: torch.zeros(rows, w, dtype=torch.long, device=device) for kind, w in widths.items()},
+            {kind: zeros.clone() for kind in kinds},
+            # only slot 0 (position 0) is visible
+            {kind: -torch.arange(w * bs, device=device).expand(rows, -1).contiguous() for kind, w in widths.items()},
+            {kind: None for kind in kinds},
+        )
+
     # ------------------------------------------------------------------ reads
 
     def resident(self, request: Request, kind: str) -> tuple[tuple[int, ...], int]:
@@ -154,6 +225,53 @@ class KVManager:
         return pool.page_table(rid), pool.first_block_index(rid) * self.block_size
 
     # ------------------------------------------------------------------ accounting
+
+    def spare_blocks(self, kind: str) -> int:
+        """Blocks of `kind` a new request could take now: free ones, and those only the prefix cache
+        holds (it gives them up)."""
+        spare = self.store.pools[kind].free_blocks
+        if self.enable_prefix_caching:
+            spare += self.store.prefix[kind].evictable_blocks
+        return spare
+
+    def cached_blocks(self) -> int:
+        """Blocks held by nobody but the prefix cache (reclaimable), both kinds."""
+        return sum(cache.evictable_blocks for cache in self.store.prefix.values())
+
+    def pool_tokens(self) -> int:
+        """Tokens the first pool holds (a request's whole length must fit in it without a KV budget)."""
+        return self.store.pools[self.kinds[0]].total_blocks * self.block_size
+
+    def check_step_fits(self, max_batch_tokens: int) -> None:
+        """Every pool holds one step of max_batch_tokens beside a window (ValueError if not)."""
+        bs = self.block_size
+        need = math.ceil(max_batch_tokens / bs) + 1
+        for kind, pool in self.store.pools.items():
+            window = self.windows[kind] or 0
+            if pool.total_blocks < need + math.ceil(window / bs) + 1:
+                raise ValueError(
+                    f"the {kind}-layer pool has {pool.total_blocks} blocks of {bs} tokens, too few for one step of "
+                    f"max_batch_tokens={max_batch_tokens}; use more kv_blocks/sliding_blocks or a smaller "
+                    "max_batch_tokens"
+                )
+
+    def sequences(self) -> set:
+        """Every sequence id some pool holds."""
+        return {seq for pool in self.store.pools.values() for seq in pool.sequences}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes allocated for K/V (both pools; scales and full-precision tails included)."""
+        return self.store.nbytes
+
+    @property
+    def tail_bytes(self) -> int:
+        """Full-precision staging bytes of quantised blocks being filled (0 for 16-bit blocks)."""
+        return getattr(self.store, "tail_bytes", 0)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.store.dtype
 
     def blocks_used(self) -> dict[str, int]:
         return {kind: pool.allocated_blocks for kind, pool in self.store.pools.items()}

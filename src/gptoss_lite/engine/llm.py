@@ -33,8 +33,7 @@ from gptoss_lite.engine.request import Request, RequestOutput, RequestStatus, Sa
 from gptoss_lite.engine.runner import ModelRunner
 from gptoss_lite.engine.scheduler import ScheduledStep, Scheduler
 from gptoss_lite.kv.block_pool import DEFAULT_BLOCK_SIZE
-from gptoss_lite.kv.paged_cache import PagedKVStore
-from gptoss_lite.kv.paged_quant import QuantizedPagedStore, quantized_block_bytes
+from gptoss_lite.kv.paged_quant import quantized_block_bytes
 from gptoss_lite.kv.quant import KV_BITS
 from gptoss_lite.model.transformer import GPTOSS
 from gptoss_lite.speculative import NgramIndex, PromptLookup, SpeculationStats
@@ -197,27 +196,22 @@ class LLM:
         kv_blocks = check_int("kv_blocks", kv_blocks, 1)
         if sliding_blocks is None:
             sliding_blocks = self._default_sliding_blocks(kv_blocks, block_size, max_running, max_batch_tokens)
-        store_type, quant = PagedKVStore, {}
-        if kv_bits != 16 and self.config.full_layers:  # tails: every running request's partial block + one step
-            tails = 2 * max_running + math.ceil(max_batch_tokens / block_size) + 2
-            store_type, quant = QuantizedPagedStore, {"bits": kv_bits, "tail_blocks": tails}
-        store = store_type(
+        self.kv = KVManager.create(
             self.config,
-            kv_blocks,
-            block_size,
+            kv_blocks=kv_blocks,
             sliding_blocks=sliding_blocks,
+            block_size=block_size,
             dtype=param.dtype,
             device=param.device,
-            **quant,
-        )
-        if kv_budget is None:  # a request's whole length must fit in the (first) pool
-            self.max_model_len = min(self.max_model_len, store.pools[next(iter(store.pools))].total_blocks * block_size)
-        self.kv = KVManager(
-            store,
+            kv_bits=kv_bits,
+            # quantised blocks: a full-precision tail for every running request's partial block + one step
+            tail_blocks=2 * max_running + math.ceil(max_batch_tokens / block_size) + 2,
             revision=revision if revision is not None else self._default_revision(model, source_name, model_dir),
             enable_prefix_caching=enable_prefix_caching,
             kv_budget=kv_budget,
         )
+        if kv_budget is None:  # a request's whole length must fit in the (first) pool
+            self.max_model_len = min(self.max_model_len, self.kv.pool_tokens())
         self.scheduler = Scheduler(
             self.kv,
             max_batch_tokens=max_batch_tokens,
@@ -225,7 +219,7 @@ class LLM:
             decode_reserve=check_int("decode_reserve", decode_reserve, 0),
         )
         # Quantised blocks have no fixed-shape form yet: their steps stay eager (docs/engine.md#kv-bits).
-        decoder = model.compiled_decoder if compile_decode and not quant else None
+        decoder = model.compiled_decoder if compile_decode and not self.kv.quantized else None
         self.runner = ModelRunner(model, self.kv, decoder)
         # compiling the decode step now, not in the first request's step (None: not compiled)
         self.compile_seconds = self.runner.warm_up() if decoder is not None else None
@@ -237,7 +231,7 @@ class LLM:
             raise TypeError(f"speculate: expected a PromptLookup (or None), got {type(speculate).__name__}")
         self.speculate = speculate
         self.speculation = SpeculationStats()  # drafted / accepted tokens, verifications (the engine's own)
-        self._check_pool_fits(max_batch_tokens)
+        self.kv.check_step_fits(max_batch_tokens)
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -276,18 +270,6 @@ class LLM:
         W = self.config.sliding_window
         per_request = math.ceil(W / block_size) + 1
         return min(kv_blocks, max_running * per_request + math.ceil((W + max_batch_tokens) / block_size) + 1)
-
-    def _check_pool_fits(self, max_batch_tokens: int) -> None:
-        bs = self.kv.block_size
-        need = math.ceil(max_batch_tokens / bs) + 1
-        for kind, pool in self.kv.store.pools.items():
-            window = self.kv.windows[kind] or 0
-            if pool.total_blocks < need + math.ceil(window / bs) + 1:
-                raise ValueError(
-                    f"the {kind}-layer pool has {pool.total_blocks} blocks of {bs} tokens, too few for one step of "
-                    f"max_batch_tokens={max_batch_tokens}; use more kv_blocks/sliding_blocks or a smaller "
-                    "max_batch_tokens"
-                )
 
     # ------------------------------------------------------------------ requests
 
@@ -624,7 +606,7 @@ class LLM:
             kv_blocks_total=total,
             kv_blocks_used=used,
             kv_blocks_free=total - used,
-            kv_blocks_cached=sum(cache.evictable_blocks for cache in kv.store.prefix.values()),
+            kv_blocks_cached=kv.cached_blocks(),
             prefix_queries=kv.lookups,
             prefix_hits=kv.hit_tokens,
             prefix_hit_rate=kv.hit_tokens / kv.lookup_tokens if kv.lookup_tokens else 0.0,
@@ -634,7 +616,7 @@ class LLM:
             failed=self._failed,
             generated_tokens=self._generated,
             kv_bits=self.kv_bits,
-            kv_bytes=kv.store.nbytes,
+            kv_bytes=kv.nbytes,
             spec_drafted=self.speculation.drafted,
             spec_accepted=self.speculation.accepted,
             spec_verifications=self.speculation.target_forwards,
@@ -646,9 +628,8 @@ class LLM:
         belongs to a queued request."""
         self.kv.validate()
         live = {r.request_id for r in self.scheduler.running} | {r.request_id for r in self.scheduler.waiting}
-        for pool in self.kv.store.pools.values():
-            orphans = set(pool.sequences) - live
-            assert not orphans, f"pool sequences without a request: {sorted(map(str, orphans))}"
+        orphans = self.kv.sequences() - live
+        assert not orphans, f"pool sequences without a request: {sorted(map(str, orphans))}"
 
     def clear_prefix_cache(self) -> None:
         self.kv.clear_prefix_cache()

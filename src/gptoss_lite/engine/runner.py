@@ -15,9 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from gptoss_lite.config import FULL
 from gptoss_lite.engine.kv_manager import KVManager
-from gptoss_lite.engine.paged_batch import PagedBatch, PagedDecode, Segment
+from gptoss_lite.engine.paged_batch import PagedBatch, Segment
 from gptoss_lite.engine.request import Request, TokenLogprobs
 from gptoss_lite.engine.scheduler import ScheduledStep
 from gptoss_lite.model.compiled_decode import CompiledDecoder
@@ -50,13 +49,13 @@ class ModelRunner:
         bs = self.kv.block_size
         ids: list[int] = []
         segments: list[Segment] = []
-        write_slots: dict[str, list[int]] = {kind: [] for kind in self.kv.store.pools}
+        write_slots: dict[str, list[int]] = {kind: [] for kind in self.kv.kinds}
         logits_index: list[int] = []
         samplers: list[Request] = []
         for request, n, plans in step.scheduled:
             for kind, plan in plans.items():
                 write_slots[kind].extend(block * bs + slot for block, slot in plan.slots)
-            tables = {kind: self.kv.resident(request, kind) for kind in self.kv.store.pools}
+            tables = {kind: self.kv.resident(request, kind) for kind in self.kv.kinds}
             start = request.num_computed
             segments.append(Segment(offset=len(ids), length=n, start_pos=start, tables=tables))
             ids.extend(request.token_range(start, n))
@@ -65,7 +64,7 @@ class ModelRunner:
                 # one row of logits per token a draft is verified on (the fed token and each draft)
                 logits_index.extend(range(len(ids) - 1 - len(request.draft), len(ids)))
                 samplers.append(request)
-        batch = PagedBatch(self.kv.store, segments, write_slots, logits_index, full_window=self.kv.windows[FULL])
+        batch = self.kv.batch(segments, write_slots, logits_index)
         return torch.tensor(ids, dtype=torch.long, device=self.device), batch, samplers
 
     @torch.inference_mode()
@@ -73,25 +72,9 @@ class ModelRunner:
         """Compile the decode step (or load it from inductor's disk cache) on a dummy two-row step at
         position 0 of block 0 of each pool, which no request holds yet; its wall time in seconds."""
         assert self.decoder is not None, "warm_up() compiles the decoder"
-        store = self.kv.store
-        if any(pool.allocated_blocks for pool in store.pools.values()):
-            raise RuntimeError("warm_up() writes block 0: call it before any request is admitted")
-        dev, bs = self.device, store.block_size
         rows = 2
-        kinds = list(store.pools)
-        # distinct sizes (rows, and a table width per kind): sizes equal at trace time would be taken for
-        # one symbol, and a later step where they differ would compile again
-        widths = {kind: 3 + i for i, kind in enumerate(kinds)}
-        zeros = torch.zeros(rows, dtype=torch.long, device=dev)
-        static = PagedDecode(
-            store,
-            zeros.clone(),
-            {kind: torch.zeros(rows, w, dtype=torch.long, device=dev) for kind, w in widths.items()},
-            {kind: zeros.clone() for kind in kinds},
-            # only slot 0 (position 0) is visible
-            {kind: -torch.arange(w * bs, device=dev).expand(rows, -1).contiguous() for kind, w in widths.items()},
-            {kind: None for kind in kinds},
-        )
+        static = self.kv.warm_up_state(rows, self.device)
+        zeros = torch.zeros(rows, dtype=torch.long, device=self.device)
         torch._dynamo.maybe_mark_dynamic(zeros, 0)
         t0 = time.perf_counter()
         self.decoder.step(static, zeros)

@@ -99,10 +99,8 @@ class Scheduler:
         watermark). Admitting on the first chunk alone would let new prompts take the blocks running
         ones are about to need, and preempt in circles; admitting on prompts alone lets long outputs
         outgrow the pool and preempt each other."""
-        for kind, pool in self.kv.store.pools.items():
-            spare = pool.free_blocks
-            if self.kv.enable_prefix_caching:
-                spare += self.kv.store.prefix[kind].evictable_blocks
+        for kind in self.kv.kinds:
+            spare = self.kv.spare_blocks(kind)
             for running in self.running:
                 left = running.num_tokens - running.num_computed
                 if left > 1:  # still in its prompt
