@@ -213,7 +213,7 @@ def fuzz_server(served, count: int) -> int:
                 assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text
         assert http.get("/health").json()["status"] == "ok"
         assert "gptoss_harmony_malformed_total" in http.get("/metrics").text
-    return state.metrics.harmony_malformed._value.get() - before
+    return int(state.metrics.harmony_malformed._value.get() - before)
 
 
 def test_fuzzed_token_streams_never_500_and_the_server_stays_healthy(served):

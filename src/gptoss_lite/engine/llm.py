@@ -14,6 +14,7 @@ appends the sampled tokens, finishes requests that hit a stop rule and frees the
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -27,22 +28,17 @@ from pathlib import Path
 import torch
 
 from gptoss_lite.checkpoint import load_model
+from gptoss_lite.engine.config import EngineConfig
 from gptoss_lite.engine.detokenize import TextStream
 from gptoss_lite.engine.kv_manager import KVManager
 from gptoss_lite.engine.request import Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs
 from gptoss_lite.engine.runner import ModelRunner
 from gptoss_lite.engine.scheduler import ScheduledStep, Scheduler
-from gptoss_lite.kv.block_pool import DEFAULT_BLOCK_SIZE
 from gptoss_lite.kv.paged_quant import quantized_block_bytes
-from gptoss_lite.kv.quant import KV_BITS
 from gptoss_lite.model.transformer import GPTOSS
-from gptoss_lite.speculative import NgramIndex, PromptLookup, SpeculationStats
+from gptoss_lite.speculative import NgramIndex, SpeculationStats
 from gptoss_lite.tokenizer import ByteTokenizer, load_tokenizer
 from gptoss_lite.validation import check_int
-
-DEFAULT_KV_CACHE_BYTES = 1 << 30  # both pools together, when kv_blocks is not given
-DEFAULT_MAX_BATCH_TOKENS = 512
-DEFAULT_MAX_RUNNING = 64
 
 logger = logging.getLogger(__name__)
 
@@ -114,112 +110,27 @@ def _weights_revision(model: GPTOSS) -> str:
 
 class LLM:
     """Continuous-batching engine over a paged KV pool (see the module docstring and docs/engine.md).
+    Its knobs are `EngineConfig`'s fields (engine/config.py): KV memory, bits and budget, batch and
+    step sizes, the admission watermark, speculation, compiled decode."""
 
-    KV memory: `kv_blocks` (and `sliding_blocks`) size the pools directly; otherwise they are what
-    `kv_cache_bytes` (default 1 GiB) holds, capped by what `max_running` requests of `max_model_len`
-    tokens need. `kv_bits` 8 or 4 stores full-layer blocks as int8 / int4 codes (kv/paged_quant.py),
-    so the same bytes hold about 2x / 3.5x the blocks of BF16. `kv_budget` N keeps only the last N
-    keys of every full layer for each query, as a sliding window of N (docs/engine.md#kv-budget).
-    """
-
-    def __init__(
-        self,
-        model: GPTOSS | str | Path,
-        *,
-        tokenizer=None,
-        kv_blocks: int | None = None,
-        sliding_blocks: int | None = None,
-        block_size: int = DEFAULT_BLOCK_SIZE,
-        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
-        max_running: int = DEFAULT_MAX_RUNNING,
-        dtype: torch.dtype | None = None,
-        device: str | torch.device | None = None,
-        revision: str | None = None,
-        enable_prefix_caching: bool = True,
-        max_model_len: int | None = None,
-        kv_bits: int = 16,
-        kv_cache_bytes: int | None = None,
-        kv_budget: int | None = None,
-        compile_decode: bool | None = None,
-        speculate: PromptLookup | None = None,
-        decode_reserve: int = 0,
-    ) -> None:
-        block_size = check_int("block_size", block_size, 1)
-        max_batch_tokens = check_int("max_batch_tokens", max_batch_tokens, 1)
-        max_running = check_int("max_running", max_running, 1)
-        self.chat_template: str | None = None
-        source_name: str | None = None  # the checkpoint directory or preset the model was loaded from
-        if isinstance(model, GPTOSS):
-            if dtype is not None or device is not None:
-                model.prepare_for_inference(device, dtype)
-            elif not model.inference_ready:
-                raise ValueError("model is not prepared for inference; call model.prepare_for_inference() first")
-            self.model_name = "model"
-            model_dir = None
-        else:
-            source = source_name = str(model)
-            model_dir = Path(source) if Path(source).is_dir() else None
-            self.model_name = model_dir.name if model_dir is not None else source
-            model = load_model(source, device=device, dtype=dtype)
-            self.chat_template = _read_chat_template(model_dir)
-        if compile_decode is None:  # as the model was prepared
-            compile_decode = model.compiled_decoder is not None
-        if compile_decode and model.compiled_decoder is None:
-            model.prepare_for_inference(compile_decode=True)  # out-major weights + the compiled step
-        self.model = model
-        self.config = model.config
-        param = next(model.parameters())
-        if tokenizer is None:
-            tokenizer = load_tokenizer(model_dir)
-            if isinstance(tokenizer, ByteTokenizer) and self.config.vocab_size != tokenizer.vocab_size:
-                tokenizer = None  # ids only: a model without a tokenizer.json of its own
-        self.tokenizer = tokenizer
+    def __init__(self, model: GPTOSS | str | Path, *, tokenizer=None, config: EngineConfig | None = None, **knobs):
+        """model: a prepared GPTOSS, a checkpoint directory or a preset name. knobs: EngineConfig
+        fields, over `config` when both are given."""
+        cfg = EngineConfig(**knobs) if config is None else dataclasses.replace(config, **knobs)
+        self.engine_config = cfg
+        model, model_dir, source = self._load(model, cfg)
+        self.model, self.config = model, model.config
+        self.tokenizer = tokenizer if tokenizer is not None else _own_tokenizer(model_dir, self.config)
         limit = self.config.max_position_embeddings
-        self.max_model_len = limit if max_model_len is None else check_int("max_model_len", max_model_len, 1, limit)
-        self.enable_prefix_caching = enable_prefix_caching
-        if isinstance(kv_bits, bool) or kv_bits not in KV_BITS:
-            raise ValueError(f"kv_bits={kv_bits!r}: must be one of {KV_BITS}")
-        self.kv_bits = kv_bits
-        if kv_budget is not None:
-            kv_budget = check_int("kv_budget", kv_budget, 1)
-            if kv_bits != 16:
-                raise ValueError(f"kv_budget={kv_budget} with kv_bits={kv_bits}: give one of them")
-            if enable_prefix_caching:
-                raise ValueError(
-                    f"kv_budget={kv_budget} releases prompt blocks the prefix cache would need; "
-                    "pass enable_prefix_caching=False"
-                )
-        self.kv_budget = kv_budget
-        budget = DEFAULT_KV_CACHE_BYTES if kv_cache_bytes is None else check_int("kv_cache_bytes", kv_cache_bytes, 1)
-        if kv_blocks is None:
-            kv_blocks = self._default_blocks(block_size, max_running, max_batch_tokens, param.dtype, budget)
-        kv_blocks = check_int("kv_blocks", kv_blocks, 1)
-        if sliding_blocks is None:
-            sliding_blocks = self._default_sliding_blocks(kv_blocks, block_size, max_running, max_batch_tokens)
-        self.kv = KVManager.create(
-            self.config,
-            kv_blocks=kv_blocks,
-            sliding_blocks=sliding_blocks,
-            block_size=block_size,
-            dtype=param.dtype,
-            device=param.device,
-            kv_bits=kv_bits,
-            # quantised blocks: a full-precision tail for every running request's partial block + one step
-            tail_blocks=2 * max_running + math.ceil(max_batch_tokens / block_size) + 2,
-            revision=revision if revision is not None else self._default_revision(model, source_name, model_dir),
-            enable_prefix_caching=enable_prefix_caching,
-            kv_budget=kv_budget,
-        )
-        if kv_budget is None:  # a request's whole length must fit in the (first) pool
+        self.max_model_len = check_int("max_model_len", cfg.max_model_len or limit, 1, limit)
+        self.enable_prefix_caching, self.kv_bits, self.kv_budget = cfg.enable_prefix_caching, cfg.kv_bits, cfg.kv_budget
+        self.kv = self._make_kv(cfg, model, source, model_dir)
+        if cfg.kv_budget is None:  # a request's whole length must fit in the (first) pool
             self.max_model_len = min(self.max_model_len, self.kv.pool_tokens())
-        self.scheduler = Scheduler(
-            self.kv,
-            max_batch_tokens=max_batch_tokens,
-            max_running=max_running,
-            decode_reserve=check_int("decode_reserve", decode_reserve, 0),
-        )
+        step, running, reserve = cfg.max_batch_tokens, cfg.max_running, cfg.decode_reserve
+        self.scheduler = Scheduler(self.kv, max_batch_tokens=step, max_running=running, decode_reserve=reserve)
         # Quantised blocks have no fixed-shape form yet: their steps stay eager (docs/engine.md#kv-bits).
-        decoder = model.compiled_decoder if compile_decode and not self.kv.quantized else None
+        decoder = None if cfg.compile_decode is False or self.kv.quantized else model.compiled_decoder
         self.runner = ModelRunner(model, self.kv, decoder)
         # compiling the decode step now, not in the first request's step (None: not compiled)
         self.compile_seconds = self.runner.warm_up() if decoder is not None else None
@@ -227,11 +138,53 @@ class LLM:
         self._groups: dict[str, list[Request]] = {}  # request id -> its n samples
         self._ids = itertools.count()
         self._finished = self._aborted = self._failed = self._generated = 0
-        if speculate is not None and not isinstance(speculate, PromptLookup):
-            raise TypeError(f"speculate: expected a PromptLookup (or None), got {type(speculate).__name__}")
-        self.speculate = speculate
-        self.speculation = SpeculationStats()  # drafted / accepted tokens, verifications (the engine's own)
-        self.kv.check_step_fits(max_batch_tokens)
+        self.speculate, self.speculation = cfg.speculate, SpeculationStats()  # drafts, acceptance
+        self.kv.check_step_fits(cfg.max_batch_tokens)
+
+    # ------------------------------------------------------------------ setup helpers
+
+    def _load(self, model: GPTOSS | str | Path, cfg: EngineConfig) -> tuple[GPTOSS, Path | None, str | None]:
+        """(the prepared model, its checkpoint directory, the source it was loaded from), and the
+        model's name and chat template; prepared for compiled decode when the config asks (None: as
+        the model was prepared)."""
+        self.chat_template: str | None = None
+        source: str | None = None  # the checkpoint directory or preset the model was loaded from
+        model_dir = None
+        if isinstance(model, GPTOSS):
+            if cfg.dtype is not None or cfg.device is not None:
+                model.prepare_for_inference(cfg.device, cfg.dtype)
+            elif not model.inference_ready:
+                raise ValueError("model is not prepared for inference; call model.prepare_for_inference() first")
+            self.model_name = "model"
+        else:
+            source = str(model)
+            model_dir = Path(source) if Path(source).is_dir() else None
+            self.model_name = model_dir.name if model_dir is not None else source
+            model = load_model(source, device=cfg.device, dtype=cfg.dtype)
+            self.chat_template = _read_chat_template(model_dir)
+        if cfg.compile_decode and model.compiled_decoder is None:
+            model.prepare_for_inference(compile_decode=True)  # out-major weights + the compiled step
+        return model, model_dir, source
+
+    def _make_kv(self, cfg: EngineConfig, model: GPTOSS, source: str | None, model_dir: Path | None) -> KVManager:
+        """The KV manager over pools sized by the config (or by its memory and the context)."""
+        param = next(model.parameters())
+        bs, running, step = cfg.block_size, cfg.max_running, cfg.max_batch_tokens
+        kv_blocks = cfg.kv_blocks or self._default_blocks(bs, running, step, param.dtype, cfg.kv_bytes)
+        sliding = cfg.sliding_blocks or self._default_sliding_blocks(kv_blocks, bs, running, step)
+        return KVManager.create(
+            self.config,
+            kv_blocks=kv_blocks,
+            sliding_blocks=sliding,
+            block_size=bs,
+            dtype=param.dtype,
+            device=param.device,
+            kv_bits=cfg.kv_bits,
+            tail_blocks=cfg.tail_blocks,
+            revision=cfg.revision if cfg.revision is not None else self._default_revision(model, source, model_dir),
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            kv_budget=cfg.kv_budget,
+        )
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -637,6 +590,15 @@ class LLM:
     def all_blocks_free(self) -> bool:
         """Nothing held (after clearing the prefix cache, every block should be free)."""
         return self.kv.all_free()
+
+
+def _own_tokenizer(model_dir: Path | None, config) -> object | None:
+    """The checkpoint's tokenizer (the byte tokenizer for a byte-vocabulary model without one; None,
+    ids only, for any other model without a tokenizer.json)."""
+    tokenizer = load_tokenizer(model_dir)
+    if isinstance(tokenizer, ByteTokenizer) and config.vocab_size != tokenizer.vocab_size:
+        return None
+    return tokenizer
 
 
 def _read_chat_template(model_dir: Path | None) -> str | None:

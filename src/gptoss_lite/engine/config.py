@@ -1,0 +1,86 @@
+"""`EngineConfig`: every knob of the batched engine, with its checks, in one place.
+
+`LLM(model, config=EngineConfig(...))` or `LLM(model, kv_blocks=..., ...)` (the keywords are these
+fields); `serve` and `bench-serve` build one from their flags (`commands.common.engine_config`).
+Sizes the engine derives when a field is None (the KV blocks, the sliding pool, the context) are
+worked out by `LLM` once the model is known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gptoss_lite.kv.block_pool import DEFAULT_BLOCK_SIZE
+from gptoss_lite.kv.quant import KV_BITS
+from gptoss_lite.speculative import PromptLookup
+from gptoss_lite.validation import check_int
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # both pools together, when kv_blocks is not given
+DEFAULT_MAX_BATCH_TOKENS = 512
+DEFAULT_MAX_RUNNING = 64
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's knobs (docs/engine.md).
+
+    KV memory: `kv_blocks` (and `sliding_blocks`) size the pools directly; otherwise they are what
+    `kv_cache_bytes` (default 1 GiB) holds, capped by what `max_running` requests of `max_model_len`
+    tokens need. `kv_bits` 8 or 4 stores full-layer blocks as int8 / int4 codes. `kv_budget` N keeps
+    only the last N keys of every full layer for each query (a window, not the eviction budget of
+    `kv.evicting_cache`). `decode_reserve` N is the admission watermark: blocks kept for every running
+    request's next N decode tokens. `speculate` drafts decoding requests' tokens by prompt lookup.
+    `compile_decode` None decodes as the model was prepared.
+    """
+
+    kv_blocks: int | None = None
+    sliding_blocks: int | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
+    max_running: int = DEFAULT_MAX_RUNNING
+    dtype: torch.dtype | None = None
+    device: str | torch.device | None = None
+    revision: str | None = None
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    kv_bits: int = 16
+    kv_cache_bytes: int | None = None
+    kv_budget: int | None = None
+    compile_decode: bool | None = None
+    speculate: PromptLookup | None = None
+    decode_reserve: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_batch_tokens", "max_running"):
+            check_int(name, getattr(self, name), 1)
+        for name in ("kv_blocks", "sliding_blocks", "max_model_len", "kv_cache_bytes"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1)
+        check_int("decode_reserve", self.decode_reserve, 0)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching={self.enable_prefix_caching!r}: expected a bool")
+        if isinstance(self.kv_bits, bool) or self.kv_bits not in KV_BITS:
+            raise ValueError(f"kv_bits={self.kv_bits!r}: must be one of {KV_BITS}")
+        if self.kv_budget is not None:
+            check_int("kv_budget", self.kv_budget, 1)
+            if self.kv_bits != 16:
+                raise ValueError(f"kv_budget={self.kv_budget} with kv_bits={self.kv_bits}: give one of them")
+            if self.enable_prefix_caching:
+                raise ValueError(
+                    f"kv_budget={self.kv_budget} releases prompt blocks the prefix cache would need; "
+                    "pass enable_prefix_caching=False"
+                )
+        if self.speculate is not None and not isinstance(self.speculate, PromptLookup):
+            raise TypeError(f"speculate: expected a PromptLookup (or None), got {type(self.speculate).__name__}")
+
+    @property
+    def kv_bytes(self) -> int:
+        """The memory the pools may take when kv_blocks is not given."""
+        return DEFAULT_KV_CACHE_BYTES if self.kv_cache_bytes is None else self.kv_cache_bytes
+
+    @property
+    def tail_blocks(self) -> int:
+        """Full-precision tails of quantised blocks: every running request's partial block + one step."""
+        return 2 * self.max_running + -(-self.max_batch_tokens // self.block_size) + 2
