@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*RANDOM weights.*")
-    shipped = default_model_source()
+    shipped = str(default_model_source())
     vocab = resolve_config("gpt-oss-bench-20m").vocab_size
     results = [
         workload("repeat", shipped, repeat_prompts(args.requests, 0), args),

@@ -79,8 +79,9 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
+    setup = f"lite-tiny, {args.threads} thread(s), median of {args.rounds}"
     print(f"{args.requests} requests x {args.max_tokens} new tokens, {blocks} blocks of {bs} (about "
-          f"{args.residents} at full length), lite-tiny, {args.threads} thread(s), median of {args.rounds}")  # fmt: skip
+          f"{args.residents} at full length), {setup}")  # fmt: skip
     for reserve, s in summary.items():
         print(f"  decode_reserve {reserve:5d}: {s['wall_s']:7.2f} s, {s['preemptions']:5.0f} preemptions")
     print(f"  watermark / none: {result['time_ratio']:.2f}x the time, {result['preemption_ratio']:.1f}x fewer "

@@ -42,6 +42,12 @@ from gptoss_lite.validation import check_int
 
 logger = logging.getLogger(__name__)
 
+# Speculation (docs/engine.md#speculative-decoding): a request whose running acceptance falls below
+# this stops drafting for a while; one decode-only step in SPEC_EXPLORE_EVERY tries the way the
+# measured rates say is slower, so the choice follows the workload.
+SPEC_MIN_ACCEPTANCE = 0.1
+SPEC_EXPLORE_EVERY = 16
+
 
 @dataclass(frozen=True)
 class PreparedRequest:
@@ -139,6 +145,9 @@ class LLM:
         self._ids = itertools.count()
         self._finished = self._aborted = self._failed = self._generated = 0
         self.speculate, self.speculation = cfg.speculate, SpeculationStats()  # drafts, acceptance
+        self._spec_rates: dict[str, float | None] = {"plain": None, "spec": None}  # decode-only tokens/s
+        self._spec_step: str | None = None  # how this decode-only step runs: "plain", "spec" (None: not one)
+        self._decode_steps = 0
         self.kv.check_step_fits(cfg.max_batch_tokens)
 
     # ------------------------------------------------------------------ setup helpers
@@ -361,6 +370,7 @@ class LLM:
         a time, so only the request that makes it raise fails. The other requests of the step go on
         with the tokens they would have had without it.
         """
+        started = time.perf_counter()
         if self.speculate is not None:
             self._propose_drafts()
         step = self.scheduler.schedule()
@@ -402,6 +412,8 @@ class LLM:
             outputs.append(request.output(appended))
         for request, _, _ in step.scheduled:
             request.draft = []  # verified, or its request failed
+        if self.speculate is not None:
+            self._time_decode_step(time.perf_counter() - started, sum(len(o.new_token_ids) for o in outputs))
         return outputs
 
     # ------------------------------------------------------------------ speculative decoding
@@ -410,9 +422,32 @@ class LLM:
         """A prompt-lookup draft for every running request in decode that may speculate: up to k tokens
         that followed the latest earlier occurrence of its last n-gram, no more than it may still emit.
         Requests with logprobs, penalties, a logit bias or a logits processor decode one token a step
-        (their logits depend on every token before)."""
+        (their logits depend on every token before), and so does a request whose drafts have mostly
+        been rejected (its running acceptance below SPEC_MIN_ACCEPTANCE; it drifts back up while it
+        waits, so the request tries again later).
+
+        Whether a decode-only step speculates at all is measured, not guessed (docs/engine.md
+        #speculative-decoding): a step with drafts runs eagerly and verifies k + 1 tokens a request,
+        which may cost more than the tokens it adds where the plain step is compiled. The engine keeps
+        the tokens per second of decode-only steps with and without drafts (running means) and
+        drafts in the faster way, trying the other one step in SPEC_EXPLORE_EVERY."""
         spec = self.speculate
-        for request in self.scheduler.running:
+        running = self.scheduler.running
+        decode_only = all(r.num_tokens - r.num_computed == 1 for r in running) and not self.scheduler.waiting
+        self._spec_step = None
+        if decode_only:
+            self._decode_steps += 1
+            rates = self._spec_rates
+            if rates["plain"] is None or rates["spec"] is None:
+                use = "spec" if rates["spec"] is None else "plain"
+            else:
+                use = "spec" if rates["spec"] > rates["plain"] else "plain"
+                if self._decode_steps % SPEC_EXPLORE_EVERY == 0:
+                    use = "plain" if use == "spec" else "spec"
+            self._spec_step = use
+            if use == "plain":
+                return
+        for request in running:
             sampling = request.sampling
             if (
                 request.num_tokens - request.num_computed != 1
@@ -423,12 +458,24 @@ class LLM:
             room = sampling.max_tokens - len(request.output_token_ids) - 1
             if room < 1:
                 continue
+            if request.acceptance < SPEC_MIN_ACCEPTANCE:
+                request.acceptance += 0.01
+                continue
             if request.lookup is None:
                 request.lookup = NgramIndex(spec.ngram, spec.min_ngram)
                 request.lookup.tokens.extend(request.prompt_token_ids)
             index = request.lookup
             index.tokens.extend(request.output_token_ids[len(index.tokens) - len(request.prompt_token_ids) :])
             request.draft = index.draft(min(spec.k, room))
+
+    def _time_decode_step(self, seconds: float, tokens: int) -> None:
+        """Fold a decode-only step's tokens per second into the running mean of its kind."""
+        kind = self._spec_step
+        if kind is None or seconds <= 0:
+            return
+        rate = tokens / seconds
+        old = self._spec_rates[kind]
+        self._spec_rates[kind] = rate if old is None else 0.8 * old + 0.2 * rate
 
     def _roll_back_draft(self, request: Request, accepted: int) -> None:
         """After verifying a draft: forget the K/V of its rejected tokens (the pools' `truncate`)."""
@@ -437,6 +484,7 @@ class LLM:
         stats.drafted += len(request.draft)
         stats.accepted += accepted
         stats.target_forwards += 1
+        request.acceptance = 0.7 * request.acceptance + 0.3 * accepted / len(request.draft)
         if rejected:
             request.num_computed -= rejected
             self.kv.truncate(request, request.num_computed)

@@ -219,6 +219,7 @@ class Request:
         # and the draft tokens this step verifies after its last token (docs/engine.md#speculative-decoding).
         self.lookup: NgramIndex | None = None
         self.draft: list[int] = []
+        self.acceptance = 0.5  # running estimate of the share of its draft tokens the verification keeps
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.config = sampling.sampling_config()
         self.stop_ids = set(sampling.stop_token_ids)
