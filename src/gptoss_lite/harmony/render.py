@@ -54,7 +54,10 @@ def message_text(content: Any, where: str) -> str:
         for i, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") not in ("text", "input_text", "output_text"):
                 raise RenderError(f"{where}.content[{i}]: only text parts are supported")
-            parts.append(str(part.get("text", "")))
+            text = part.get("text", "")
+            if not isinstance(text, str):
+                raise RenderError(f"{where}.content[{i}].text: expected a string")
+            parts.append(text)
         return "".join(parts)
     raise RenderError(f"{where}.content: expected a string or a list of text parts")
 

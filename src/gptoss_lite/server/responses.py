@@ -25,6 +25,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
+from gptoss_lite.harmony.render import RenderError, message_text
 from gptoss_lite.server import protocol as P
 
 MAX_STORED = 1024  # responses kept for previous_response_id (oldest dropped first)
@@ -162,21 +163,11 @@ class ResponseStore:
 
 
 def _text_of(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        out = []
-        for i, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
-                raise P.APIError(400, f"{where}.content[{i}]: only text parts are supported", param="input")
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise P.APIError(400, f"{where}.content[{i}].text: expected a string", param="input")
-            out.append(text)
-        return "".join(out)
-    raise P.APIError(400, f"{where}.content: expected a string or a list of text parts", param="input")
+    """The text of an item's content (a string or text parts); a 400 naming `input` otherwise."""
+    try:
+        return message_text(content, where)
+    except RenderError as exc:
+        raise P.APIError(400, str(exc), param="input") from None
 
 
 def _string(item: dict, key: str, where: str) -> str:
