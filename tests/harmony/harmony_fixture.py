@@ -12,6 +12,7 @@ Both are built once per machine under ~/.cache/gptoss-lite/test-o200k (about 40 
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import hashlib
 import os
@@ -163,12 +164,32 @@ class ScriptedLLM(LLM):
         return super().add_request(prompt, sampling, **kwargs)
 
 
+@contextlib.contextmanager
+def harmony_server(max_running: int = 8, **app_kwargs):
+    """(the ScriptedLLM, the app's ServerState, the live server) on the harmony test model."""
+    from gptoss_lite.server import create_app
+    from gptoss_lite.server.background import BackgroundServer
+
+    llm = ScriptedLLM(str(gptoss_tiny_dir()), max_model_len=4096, max_running=max_running)
+    app = create_app(llm, **app_kwargs)
+    with BackgroundServer(app) as live:
+        yield llm, app.state.server, live
+
+
 def tokens_of(encoding, text: str) -> list[int]:
     """Token ids of text with harmony control tokens spelt inline (`<|channel|>analysis<|message|>…`)."""
     return encoding.encode(text, allowed_special="all")
 
 
-__all__ = ["ScriptedLLM", "build_tokenizer_json", "tokenizer_json", "gptoss_tiny_dir", "forced_tokens", "tokens_of"]
+__all__ = [
+    "ScriptedLLM",
+    "harmony_server",
+    "build_tokenizer_json",
+    "tokenizer_json",
+    "gptoss_tiny_dir",
+    "forced_tokens",
+    "tokens_of",
+]
 
 
 if __name__ == "__main__":  # python tests/harmony/harmony_fixture.py DIR: the harmony test model, to try by hand

@@ -6,7 +6,7 @@ import json
 
 import httpx
 import pytest
-from harmony_fixture import ScriptedLLM, gptoss_tiny_dir, tokens_of
+from harmony_fixture import harmony_server, tokens_of
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -37,10 +37,8 @@ ANSWER = (
 
 @pytest.fixture(scope="module")
 def served():
-    llm = ScriptedLLM(str(gptoss_tiny_dir()), max_model_len=4096, max_running=4)
-    app = create_app(llm, api_keys={"ka": "alice", "kb": "bob"})
-    with BackgroundServer(app) as live:
-        yield llm, app.state.server, live
+    with harmony_server(max_running=4, api_keys={"ka": "alice", "kb": "bob"}) as server:
+        yield server
 
 
 def client(live, key="ka"):

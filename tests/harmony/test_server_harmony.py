@@ -9,12 +9,10 @@ import random
 
 import httpx
 import pytest
-from harmony_fixture import ScriptedLLM, gptoss_tiny_dir, tokens_of
+from harmony_fixture import harmony_server, tokens_of
 from test_parse import fuzzed_stream
 
 from gptoss_lite.harmony.render import render
-from gptoss_lite.server import create_app
-from gptoss_lite.server.background import BackgroundServer
 
 openai = pytest.importorskip("openai")
 
@@ -38,10 +36,8 @@ FLIGHTS = {
 
 @pytest.fixture(scope="module")
 def served():
-    llm = ScriptedLLM(str(gptoss_tiny_dir()), max_model_len=4096, max_running=8)
-    app = create_app(llm)
-    with BackgroundServer(app) as live:
-        yield llm, app.state.server, live
+    with harmony_server() as server:
+        yield server
 
 
 @pytest.fixture

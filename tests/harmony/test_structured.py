@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from harmony_fixture import ScriptedLLM, gptoss_tiny_dir, tokens_of
+from harmony_fixture import harmony_server, tokens_of
 
 from gptoss_lite.engine import LLM
 from gptoss_lite.server import create_app
@@ -47,10 +47,8 @@ def plain():
 
 @pytest.fixture(scope="module")
 def harmony():
-    llm = ScriptedLLM(str(gptoss_tiny_dir()), max_model_len=4096, max_running=8)
-    app = create_app(llm)
-    with BackgroundServer(app) as live:
-        yield llm, app.state.server, live
+    with harmony_server() as server:
+        yield server
 
 
 def concurrently(live, bodies: list[dict], path: str = "/v1/chat/completions") -> list[dict]:
