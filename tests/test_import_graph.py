@@ -208,3 +208,28 @@ def test_the_kv_door_rule_catches_a_stray_read(tmp_path):
     (tmp_path / "scheduler.py").write_text("def f(kv):\n    return kv.store.pools\n")
     (tmp_path / "kv_manager.py").write_text("def g(self):\n    return self.store.prefix\n")
     assert kv_door_violations(tmp_path) == ["scheduler.py:2 .pools", "scheduler.py:2 .store"]
+
+
+def runner_request_writes(source: str) -> list[str]:
+    """'line name.attr' for every attribute the code assigns on anything but `self`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+        )
+        for target in targets:
+            if isinstance(target, ast.Attribute) and not (
+                isinstance(target.value, ast.Name) and target.value.id == "self"
+            ):
+                found.append(f"{node.lineno} {ast.unparse(target)}")
+    return found
+
+
+def test_the_runner_changes_no_request():
+    """The runner executes a scheduled step and changes no request (the engine applies the step's
+    results afterwards, so a failed forward can simply run again)."""
+    runner = Path(__file__).resolve().parents[1] / "src" / "gptoss_lite" / "engine" / "runner.py"
+    assert runner_request_writes(runner.read_text()) == []
+    assert runner_request_writes("def f(self, request):\n    request.num_computed = 3\n    self.x = 1\n") == [
+        "2 request.num_computed"
+    ]

@@ -74,18 +74,22 @@ def test_requests_whose_logits_depend_on_their_tokens_do_not_speculate(models):
     assert llm.stats().spec_drafted == 0
 
 
-def test_sampling_with_speculation_is_seeded_and_stops_where_asked(models):
+def test_sampling_speculates_unless_seeded(models):
+    """Unseeded sampled requests speculate (drafts verified by the sampling rule) and stop where asked;
+    a seeded one decodes a token a step, so it draws what it draws without speculation."""
     model = models("lite-tiny")
     prompt = [9, 10, 11, 12, 13] * 30
     # a low temperature: the random model then falls into loops that prompt lookup drafts (still sampled)
-    params = SamplingParams(max_tokens=40, temperature=0.05, top_p=0.9, seed=11, ignore_eos=True)
-    first = LLM(model, speculate=LOOKUP).generate([prompt, prompt[:50]], params)
-    again_llm = LLM(model, speculate=LOOKUP)
-    again = again_llm.generate([prompt, prompt[:50]], params)
-    assert [o.token_ids for o in first] == [o.token_ids for o in again]
-    assert all(len(o.token_ids) == 40 for o in first)  # drafts never run past max_tokens
-    assert again_llm.stats().spec_drafted > 0
-    assert_nothing_leaks(again_llm)
+    free = SamplingParams(max_tokens=40, temperature=0.05, top_p=0.9, ignore_eos=True)
+    llm = LLM(model, speculate=LOOKUP)
+    outs = llm.generate([prompt, prompt[:50]], free)
+    assert all(len(o.token_ids) == 40 for o in outs)  # drafts never run past max_tokens
+    assert llm.stats().spec_drafted > 0
+    seeded = SamplingParams(max_tokens=40, temperature=0.7, top_p=0.9, seed=11, ignore_eos=True)
+    before = llm.stats().spec_drafted
+    assert llm.generate([prompt], seeded)[0].token_ids == LLM(model).generate([prompt], seeded)[0].token_ids
+    assert llm.stats().spec_drafted == before
+    assert_nothing_leaks(llm)
 
 
 def test_a_stop_token_inside_an_accepted_draft_ends_the_request_there(models):

@@ -382,6 +382,8 @@ class LLM:
                 )
             return []
         sampled, failed = self._execute(step)
+        for request, n, _ in step.scheduled:  # their K/V is written: what the runner ran is computed
+            request.num_computed += n
         outputs = [self._fail(request, why) for request, why in failed]
         for request, _, _ in step.scheduled:
             if not request.finished:
@@ -422,7 +424,9 @@ class LLM:
         """A prompt-lookup draft for every running request in decode that may speculate: up to k tokens
         that followed the latest earlier occurrence of its last n-gram, no more than it may still emit.
         Requests with logprobs, penalties, a logit bias or a logits processor decode one token a step
-        (their logits depend on every token before), and so does a request whose drafts have mostly
+        (their logits depend on every token before), as do seeded sampled requests (a verification
+        draws from their generator differently, and they promise the same tokens alone or batched),
+        and so does a request whose drafts have mostly
         been rejected (its running acceptance below SPEC_MIN_ACCEPTANCE; it drifts back up while it
         waits, so the request tries again later).
 
@@ -453,6 +457,7 @@ class LLM:
                 request.num_tokens - request.num_computed != 1
                 or sampling.adjusts_logits
                 or sampling.logprobs is not None
+                or (request.generator is not None)  # seeded sampling: the same tokens however it is batched
             ):
                 continue
             room = sampling.max_tokens - len(request.output_token_ids) - 1
@@ -492,24 +497,20 @@ class LLM:
     def _execute(self, step: ScheduledStep) -> tuple[list[tuple[Request, int, TokenLogprobs | None]], list]:
         """The runner's (sampled, failed) for the step; if the batched forward raises, each request
         runs again alone (its K/V slots are rewritten with the same values) and fails only if it
-        raises alone too."""
-        starts = [request.num_computed for request, _, _ in step.scheduled]
+        raises alone too. The runner changes no request, so a retry starts where the step did."""
         try:
             return self.runner.execute(step)
         except Exception as exc:  # noqa: BLE001 - told apart below
             logger.exception("engine step over %d request(s) failed", len(step.scheduled))
             first = exc
-        for (request, _, _), start in zip(step.scheduled, starts):
-            request.num_computed = start
         if len(step.scheduled) == 1:
             return [], [(step.scheduled[0][0], f"{type(first).__name__} in the forward")]
         sampled, failed = [], []
-        for entry, start in zip(step.scheduled, starts):
+        for entry in step.scheduled:
             try:
                 one_sampled, one_failed = self.runner.execute(ScheduledStep([entry]))
             except Exception as exc:  # noqa: BLE001 - this request makes the forward raise
                 logger.exception("request %s fails the forward alone", entry[0].request_id)
-                entry[0].num_computed = start
                 failed.append((entry[0], f"{type(exc).__name__} in the forward"))
                 continue
             sampled += one_sampled

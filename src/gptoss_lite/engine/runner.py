@@ -44,8 +44,8 @@ class ModelRunner:
 
     def build_batch(self, step: ScheduledStep) -> tuple[torch.Tensor, PagedBatch, list[Request]]:
         """(input ids (N,), the batch, the requests that sample, in logits order: a request with a draft
-        of k tokens has k + 1 rows). Advances each scheduled request's `num_computed` past the tokens it
-        runs."""
+        of k tokens has k + 1 rows). Changes no request: the engine advances `num_computed` after the
+        step (`LLM.step`)."""
         bs = self.kv.block_size
         ids: list[int] = []
         segments: list[Segment] = []
@@ -59,8 +59,7 @@ class ModelRunner:
             start = request.num_computed
             segments.append(Segment(offset=len(ids), length=n, start_pos=start, tables=tables))
             ids.extend(request.token_range(start, n))
-            request.num_computed = start + n
-            if request.num_computed == request.num_tokens + len(request.draft):
+            if start + n == request.num_tokens + len(request.draft):
                 # one row of logits per token a draft is verified on (the fed token and each draft)
                 logits_index.extend(range(len(ids) - 1 - len(request.draft), len(ids)))
                 samplers.append(request)
