@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import threading
-from functools import cache
+from functools import cache, lru_cache
 
 import numpy as np
 import torch
@@ -49,7 +49,7 @@ class _ByteTokens:
 
 
 @cache
-def _lltokenizer(key: tuple, tokenizer, vocab_size: int, eos: int):
+def _lltokenizer(tokenizer, vocab_size: int, eos: int):
     llg = _llguidance()
     path = getattr(tokenizer, "path", None)
     if path is not None:  # a tokenizer.json
@@ -61,7 +61,7 @@ def _lltokenizer(key: tuple, tokenizer, vocab_size: int, eos: int):
 def lltokenizer(tokenizer, vocab_size: int, eos: int):
     """The llguidance tokenizer of one of ours, built once (about a second for a 200k vocabulary)."""
     with _lock:
-        return _lltokenizer((id(tokenizer), vocab_size, eos), tokenizer, vocab_size, eos)
+        return _lltokenizer(tokenizer, vocab_size, eos)
 
 
 def schema_of(response_format: dict) -> dict:
@@ -79,10 +79,16 @@ def schema_of(response_format: dict) -> dict:
 
 
 def compile_schema(schema: dict, lltok) -> str:
-    """An llguidance grammar for `schema`, checked against the tokenizer (GrammarError if it fails)."""
+    """An llguidance grammar for `schema`, checked against the tokenizer (GrammarError if it fails).
+    The last 256 compiled are kept: a client sends the same tools and formats request after request."""
+    return _compile(json.dumps(schema), lltok)  # key order kept: it is the order properties are written in
+
+
+@lru_cache(maxsize=256)
+def _compile(schema: str, lltok) -> str:
     llg = _llguidance()
     try:
-        grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False})
+        grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
     except Exception as exc:  # noqa: BLE001 - llguidance raises ValueError or RuntimeError for bad schemas
         raise GrammarError(f"the JSON schema does not compile: {exc}") from None
     error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, lltok)

@@ -75,6 +75,10 @@ class HFTokenizer:
         self.eos_id = self._first_token_id(("<|endoftext|>", "<|end_of_text|>", "<|return|>", "</s>", "[EOS]", "<eos>"))
         self.pad_id = self._first_token_id(("<|pad|>", "<pad>", "[PAD]"))
 
+    def token_to_id(self, name: str) -> int | None:
+        """The id of a token by its text (a special token such as "<|channel|>"), or None."""
+        return self._tok.token_to_id(name)
+
     def _first_token_id(self, names: tuple[str, ...]) -> int | None:
         for name in names:
             tid = self._tok.token_to_id(name)

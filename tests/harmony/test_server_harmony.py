@@ -230,35 +230,25 @@ def test_the_playground_shows_reasoning_and_tool_calls(served):
     """The playground on a harmony model: the chain of thought streams into its own collapsible part,
     the answer into the message, and a tool call is shown as one."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
-    from test_playground import launch
+    from test_playground import playground
 
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (a test extra)")
     _, _, live = served
     script(
         served,
         "<|channel|>analysis<|message|>Thinking it over.<|end|>"
         "<|start|>assistant<|channel|>final<|message|>Paris.<|return|>",
     )
-    with sync_api.sync_playwright() as p:
-        browser = launch(p)
-        try:
-            page = browser.new_page()
-            page.goto(live.url + "/")
-            page.wait_for_function("document.getElementById('model').textContent.startsWith('gpt-oss-tiny')")
-            page.select_option("#mode", "chat")
-            page.fill("#max_tokens", "60")
-            page.fill("#prompt", "Capital of France?")
-            page.click("#send")
-            page.wait_for_selector(".msg.assistant[data-done='true']", timeout=60_000)
-            assert page.inner_text(".msg.assistant .body") == "Paris."
-            assert page.text_content(".msg.assistant .reasoning") == "Thinking it over."
-            assert page.get_attribute(".msg.assistant .thinking", "hidden") is None
-            assert page.inner_text("#finish") == "stop"
-            script(served, call_turn("Look it up.", "get_weather", {"city": "Paris"}))  # the history goes back too
-            page.fill("#prompt", "Weather there?")
-            page.click("#send")
-            page.wait_for_function("document.querySelectorAll(\".msg.assistant[data-done='true']\").length == 2")
-            assert page.inner_text(".msg.assistant:last-child .calls") == '→ get_weather({"city": "Paris"})'
-            assert page.inner_text("#finish") == "tool_calls"
-        finally:
-            browser.close()
+    with playground(live.url, "gpt-oss-tiny", "chat", 60) as page:
+        page.fill("#prompt", "Capital of France?")
+        page.click("#send")
+        page.wait_for_selector(".msg.assistant[data-done='true']", timeout=60_000)
+        assert page.inner_text(".msg.assistant .body") == "Paris."
+        assert page.text_content(".msg.assistant .reasoning") == "Thinking it over."
+        assert page.get_attribute(".msg.assistant .thinking", "hidden") is None
+        assert page.inner_text("#finish") == "stop"
+        script(served, call_turn("Look it up.", "get_weather", {"city": "Paris"}))  # the history goes back too
+        page.fill("#prompt", "Weather there?")
+        page.click("#send")
+        page.wait_for_function("document.querySelectorAll(\".msg.assistant[data-done='true']\").length == 2")
+        assert page.inner_text(".msg.assistant:last-child .calls") == '→ get_weather({"city": "Paris"})'
+        assert page.inner_text("#finish") == "tool_calls"

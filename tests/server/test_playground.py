@@ -4,6 +4,7 @@ except in CI, which installs Chromium and fails without it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 
@@ -32,36 +33,44 @@ def launch(playwright):
     return playwright.chromium.launch(executable_path=exe, args=["--no-sandbox", "--disable-gpu"])
 
 
-def test_playground_streams_a_reply(serve):
-    """Loading / shows the model id; sending a prompt streams a reply into the page (more than one
-    update seen), then TTFT, tokens/s and the KV figures are filled in."""
+@contextlib.contextmanager
+def playground(url: str, model: str, mode: str, max_tokens: int):
+    """A page of the playground at `url` in headless Chromium, loaded (its model id shown), with the
+    mode and max_tokens set; closed afterwards."""
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (a test extra)")
-    live = serve(tiny_llm())
     with sync_api.sync_playwright() as p:
         browser = launch(p)
         try:
             page = browser.new_page()
-            page.goto(live.url + "/")
-            page.wait_for_function("document.getElementById('model').textContent.startsWith('lite-tiny')")
-            page.select_option("#mode", "completion")
-            page.fill("#max_tokens", "40")
-            page.fill("#prompt", "The pass key is 52718. The pass key is")
-            # Record every length the reply takes while it streams.
-            page.evaluate(
-                """() => { window.lengths = [];
-                new MutationObserver(() => {
-                  const b = document.querySelectorAll('.msg.assistant .body');
-                  if (b.length) window.lengths.push(b[b.length - 1].textContent.length);
-                }).observe(document.getElementById('log'), {subtree: true, childList: true, characterData: true}); }"""
-            )
-            page.click("#send")
-            page.wait_for_selector(".msg.assistant[data-done='true']", timeout=60_000)
-            lengths = page.evaluate("window.lengths")
-            assert len(set(lengths)) > 2, lengths  # the text grew in steps: streamed, not all at once
-            assert page.inner_text("#finish") == "length"
-            assert page.inner_text("#ntok") == "40"
-            assert page.inner_text("#ttft").endswith(" ms") and float(page.inner_text("#tps")) > 0
-            page.wait_for_function("document.getElementById('kv').textContent.includes('/')")
-            assert "healthy" in page.inner_text("#health")
+            page.goto(url + "/")
+            page.wait_for_function(f"document.getElementById('model').textContent.startsWith({model!r})")
+            page.select_option("#mode", mode)
+            page.fill("#max_tokens", str(max_tokens))
+            yield page
         finally:
             browser.close()
+
+
+def test_playground_streams_a_reply(serve):
+    """Loading / shows the model id; sending a prompt streams a reply into the page (more than one
+    update seen), then TTFT, tokens/s and the KV figures are filled in."""
+    live = serve(tiny_llm())
+    with playground(live.url, "lite-tiny", "completion", 40) as page:
+        page.fill("#prompt", "The pass key is 52718. The pass key is")
+        # Record every length the reply takes while it streams.
+        page.evaluate(
+            """() => { window.lengths = [];
+            new MutationObserver(() => {
+              const b = document.querySelectorAll('.msg.assistant .body');
+              if (b.length) window.lengths.push(b[b.length - 1].textContent.length);
+            }).observe(document.getElementById('log'), {subtree: true, childList: true, characterData: true}); }"""
+        )
+        page.click("#send")
+        page.wait_for_selector(".msg.assistant[data-done='true']", timeout=60_000)
+        lengths = page.evaluate("window.lengths")
+        assert len(set(lengths)) > 2, lengths  # the text grew in steps: streamed, not all at once
+        assert page.inner_text("#finish") == "length"
+        assert page.inner_text("#ntok") == "40"
+        assert page.inner_text("#ttft").endswith(" ms") and float(page.inner_text("#tps")) > 0
+        page.wait_for_function("document.getElementById('kv').textContent.includes('/')")
+        assert "healthy" in page.inner_text("#health")

@@ -26,7 +26,7 @@ def harmony_for(tokenizer, *, required: bool = False):
     template instead, and the reason is logged. required: raise HarmonyUnavailable (with the reason)
     instead of answering None."""
     path = getattr(tokenizer, "path", None)
-    token_to_id = getattr(getattr(tokenizer, "_tok", None), "token_to_id", None)
+    token_to_id = getattr(tokenizer, "token_to_id", None)
     if path is None or token_to_id is None:
         if required:
             raise HarmonyUnavailable("the model has no tokenizer.json, so it cannot be the gpt-oss vocabulary")

@@ -458,20 +458,7 @@ def _prepare(state: ServerState, req, prompt, extra: dict | None = None) -> Prep
             code="context_length_exceeded",
         )
     try:
-        sampling = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            seed=req.seed,
-            stop=req.stop_strings(),
-            ignore_eos=req.ignore_eos,
-            logprobs=req.logprobs_k,
-            presence_penalty=req.presence_penalty or 0.0,
-            frequency_penalty=req.frequency_penalty or 0.0,
-            logit_bias=req.logit_bias_ids(),
-            n=getattr(req, "samples", req.n),
-            **(extra or {}),
-        )
+        sampling = SamplingParams(max_tokens=max_tokens, **req.sampling_kwargs(), **(extra or {}))
         return state.llm.prepare(ids, sampling)
     except (ValueError, TypeError) as exc:
         raise P.APIError(400, str(exc)) from None
@@ -507,7 +494,7 @@ async def _serve(
     except (ValueError, TypeError) as exc:  # the engine refused the request (nothing was queued)
         raise P.APIError(400, str(exc)) from None
     run = _Run(state, tenant, rid, channel, sampling.n)
-    if getattr(req, "samples", req.n) > req.n:  # completions' best_of
+    if sampling.n > req.n:  # completions' best_of
         run.answer_n, run.show_logprobs = req.n, req.logprobs is not None
     if extra and state.harmony is not None:  # a harmony chat: parse each sample's tokens
         run.parsers = {i: state.harmony.stream(harmony_choice) for i in range(sampling.n)}

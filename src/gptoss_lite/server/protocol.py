@@ -96,6 +96,26 @@ class _SamplingFields(_Strict):
     def logit_bias_ids(self) -> dict[int, float]:
         return {int(k): v for k, v in (self.logit_bias or {}).items()}
 
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """The SamplingParams fields this request sets (max_tokens aside: it needs the prompt's length)."""
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop": self.stop_strings(),
+            "ignore_eos": self.ignore_eos,
+            "logprobs": self.logprobs_k,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "logit_bias": self.logit_bias_ids(),
+            "n": self.samples,
+        }
+
+    @property
+    def samples(self) -> int:
+        """Samples to generate (n; completions' best_of may ask for more)."""
+        return self.n
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)

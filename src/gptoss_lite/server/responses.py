@@ -77,43 +77,16 @@ class ResponsesRequest(P._Strict):
     service_tier: Literal["auto", "default"] | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
-    # The names `_sampling` reads (the chat and completion requests define them as fields).
-    @property
-    def seed(self) -> None:
-        return None
-
     @property
     def n(self) -> int:
-        return 1
-
-    @property
-    def ignore_eos(self) -> bool:
-        return False
-
-    @property
-    def logprobs_k(self) -> None:
-        return None
-
-    @property
-    def presence_penalty(self) -> None:
-        return None
-
-    @property
-    def frequency_penalty(self) -> None:
-        return None
-
-    @property
-    def include_usage(self) -> bool:
-        return False
+        return 1  # no n in the Responses API: one answer
 
     def check(self) -> None:
         pass
 
-    def stop_strings(self) -> tuple[str, ...]:
-        return ()
-
-    def logit_bias_ids(self) -> dict[int, float]:
-        return {}
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """The SamplingParams fields this request sets (max_tokens aside)."""
+        return {"temperature": self.temperature, "top_p": self.top_p}
 
     @property
     def token_limit(self) -> int | None:
