@@ -46,7 +46,31 @@ def test_greedy_is_identical_with_and_without_speculation(models, compiled):
     stats = llm.stats()
     assert stats.spec_accepted > 0 and stats.spec_verifications > 0
     assert stats.spec_tokens / stats.spec_verifications > 1.5  # tokens per verification: drafts were kept
+    if compiled:  # drafts are verified by the compiled step too, one fixed-shape row per token
+        assert llm.runner.compiled_verifications > 0
     assert_nothing_leaks(llm)
+
+
+def test_compiled_verification_logits_equal_the_eager_forward(models):
+    """A step of decode rows and drafts run compiled (one fixed-shape row per token) gives the logits of
+    the eager causal forward over the same batch, within 1e-4 (f32)."""
+    model = models("shipped")
+    work = copy_heavy_workload(random.Random(11), model.config.vocab_size, 8, 1)
+    llm = LLM(model, speculate=LOOKUP, kv_blocks=800, max_batch_tokens=256, max_running=8, compile_decode=True)
+    runner, forward, checked = llm.runner, llm.runner.forward, []
+
+    def both_ways(step):
+        input_ids, batch, _ = runner.build_batch(step)  # changes no request
+        eager = model.forward_batch(input_ids, batch)
+        logits, samplers = forward(step)
+        if batch.static(max(2, batch.num_rows)) is not None and any(n > 1 for _, n, _ in step.scheduled):
+            checked.append(float((logits - eager).abs().max()))
+        return logits, samplers
+
+    runner.forward = both_ways
+    run(llm, work)
+    assert checked, "the workload was meant to verify drafts on the compiled step"
+    assert max(checked) < 1e-4
 
 
 def test_speculation_under_preemption_keeps_outputs(models):

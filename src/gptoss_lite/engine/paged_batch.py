@@ -72,6 +72,9 @@ class PagedBatch:
         self.decode = [s for s in segments if s.length == 1]
         self.prefill = [s for s in segments if s.length > 1]
         all_decode = not self.prefill and len(self.decode) == self.num_rows
+        # every row samples: only decode rows and verified drafts (a prompt chunk samples its last row
+        # alone), so the step may run as one fixed-shape row per token (`static`)
+        self.all_sampled = logits_index == list(range(self.num_rows))
         rows = [s.offset for s in self.decode]
         self.decode_rows = None if all_decode else torch.tensor(rows, dtype=torch.long, device=dev)
         self.all_decode = all_decode
@@ -150,18 +153,25 @@ class PagedBatch:
         return self._decode_buckets[kind]
 
     def static(self, rows: int) -> PagedDecode | None:
-        """The fixed-shape form of an all-decode step for the compiled step (`PagedDecode`), its rows
-        padded to `rows` by repeating the first (same token, position, blocks and slot: the repeated
-        writes store the same values); None for a step with prompt chunks or quantised blocks."""
-        if not self.all_decode or self.quant is not None:
+        """The fixed-shape form of a step whose every row samples (decode rows and verified drafts) for
+        the compiled step (`PagedDecode`): one row per token, its rows padded to `rows` by repeating
+        the first (same token, position, blocks and slot: the repeated writes store the same values);
+        None for a step with prompt chunks or quantised blocks.
+
+        A verified draft of k tokens becomes k + 1 rows over its request's one block table, at
+        consecutive positions. Every row's K/V is written before any row gathers (`write_read`), and
+        keys after a row's own position have negative distances (hidden), so each row sees exactly
+        the tokens before it, as in the eager step's causal chunk."""
+        if not self.all_sampled or self.quant is not None:
             return None
-        Bd = len(self.decode)
-        pad = torch.zeros(rows - Bd, dtype=torch.long, device=self.store.device)
-        order = torch.cat([torch.arange(Bd, device=pad.device), pad])  # (rows,): row i reads decode row order[i]
+        N = self.num_rows
+        tokens = [Segment(s.offset + i, 1, s.start_pos + i, s.tables) for s in self.segments for i in range(s.length)]
+        pad = torch.zeros(rows - N, dtype=torch.long, device=self.store.device)
+        order = torch.cat([torch.arange(N, device=pad.device), pad])  # (rows,): row i reads flat row order[i]
         tables, slots, distances = {}, {}, {}
         dev = self.store.device
         for kind in self.store.pools:
-            table, distance = _decode_table(self.decode, kind, self.store.block_size)  # one table, padded
+            table, distance = _decode_table(tokens, kind, self.store.block_size)  # one table, padded
             table, distance = table.to(dev)[order], distance.to(dev)[order]
             if table.shape[1] == 1:  # a width of 1 would get a graph of its own: add a hidden column
                 table = torch.cat([table, torch.zeros_like(table)], dim=1)

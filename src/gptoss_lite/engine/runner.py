@@ -33,10 +33,12 @@ class ModelRunner:
     def __init__(self, model: GPTOSS, kv: KVManager, decoder: CompiledDecoder | None = None) -> None:
         self.model = model
         self.kv = kv
-        # With a decoder, an all-decode step runs as the model's compiled decode step over the block
-        # tables (`PagedBatch.static`); prompt chunks and quantised blocks stay on the eager forward.
+        # With a decoder, a step whose every row samples (decode rows and verified drafts) runs as the
+        # model's compiled decode step over the block tables, one row per token (`PagedBatch.static`);
+        # prompt chunks and quantised blocks stay on the eager forward.
         self.decoder = decoder
         self.compiled_steps = 0
+        self.compiled_verifications = 0  # of those, steps that verified a draft
         self.device = next(model.parameters()).device
         # Test-only fault injection: called with each request just before its token is sampled; what
         # it raises fails that request alone (tests/engine/test_isolation.py).
@@ -91,6 +93,7 @@ class ModelRunner:
                 ids = torch.cat([input_ids, input_ids[:1].expand(rows - n)])
                 torch._dynamo.maybe_mark_dynamic(ids, 0)  # the batch is dynamic, as in the state
                 self.compiled_steps += 1
+                self.compiled_verifications += n > len(samplers)
                 return self.decoder.step(static, ids)[:n], samplers
         return self.model.forward_batch(input_ids, batch), samplers
 
