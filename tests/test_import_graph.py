@@ -233,3 +233,20 @@ def test_the_runner_changes_no_request():
     assert runner_request_writes("def f(self, request):\n    request.num_computed = 3\n    self.x = 1\n") == [
         "2 request.num_computed"
     ]
+
+
+def test_llm_step_is_schedule_execute_postprocess():
+    """LLM.step changes no request itself: the scheduler's postprocess applies a step's results."""
+    engine = Path(__file__).resolve().parents[1] / "src" / "gptoss_lite" / "engine"
+    tree = ast.parse((engine / "llm.py").read_text())
+    (step,) = [
+        node
+        for cls in tree.body
+        if isinstance(cls, ast.ClassDef) and cls.name == "LLM"
+        for node in cls.body
+        if isinstance(node, ast.FunctionDef) and node.name == "step"
+    ]
+    assert runner_request_writes(ast.unparse(step)) == []
+    calls = [ast.unparse(n.func) for n in ast.walk(step) if isinstance(n, ast.Call)]
+    for call in ("self.scheduler.schedule", "self._execute", "self.scheduler.postprocess"):
+        assert call in calls, call

@@ -8,8 +8,10 @@ llm = LLM("path/to/model")
 outs = llm.generate(["Hello", "The passkey is"], SamplingParams(max_tokens=32, temperature=0))
 ```
 
-Each `step()` schedules (`Scheduler`), runs one forward over every scheduled token (`ModelRunner`),
-appends the sampled tokens, finishes requests that hit a stop rule and frees their blocks.
+Each `step()` is schedule → execute → postprocess: the `Scheduler` picks a `ScheduledBatch`, the
+`ModelRunner` runs one forward over every scheduled token and samples (changing no request), and
+`Scheduler.postprocess` applies the results to the requests: computed tokens, appended tokens, stop
+rules, rollback of rejected drafts, finished requests' blocks freed.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from gptoss_lite.engine.detokenize import TextStream
 from gptoss_lite.engine.kv_manager import KVManager
 from gptoss_lite.engine.request import Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs
 from gptoss_lite.engine.runner import ModelRunner
-from gptoss_lite.engine.scheduler import ScheduledStep, Scheduler
+from gptoss_lite.engine.scheduler import ScheduledBatch, Scheduler
 from gptoss_lite.kv.paged_quant import quantized_block_bytes
 from gptoss_lite.model.transformer import GPTOSS
 from gptoss_lite.speculative import NgramIndex, SpeculationStats
@@ -144,7 +146,7 @@ class LLM:
         self._groups: dict[str, list[Request]] = {}  # request id -> its n samples
         self._ids = itertools.count()
         self._finished = self._aborted = self._failed = self._generated = 0
-        self.speculate, self.speculation = cfg.speculate, SpeculationStats()  # drafts, acceptance
+        self.speculate = cfg.speculate
         self._spec_rates: dict[str, float | None] = {"plain": None, "spec": None}  # decode-only tokens/s
         self._spec_step: str | None = None  # how this decode-only step runs: "plain", "spec" (None: not one)
         self._decode_steps = 0
@@ -338,19 +340,13 @@ class LLM:
         self._aborted += 1
         return True
 
-    def _fork(self, request: Request) -> None:
-        """The first sample's prompt is computed: samples 1..n-1 start from its blocks, each with the
-        last prompt token still to run, so each draws its first token with its own generator."""
-        for fork in request.forks:
-            self.kv.fork(request, fork, len(request.prompt_token_ids) - 1)
-            fork.num_computed = len(request.prompt_token_ids) - 1
-            fork.num_cached_tokens = request.num_cached_tokens
-            fork.status = RequestStatus.RUNNING
-            self.scheduler.running.append(fork)
-        request.forks = []
-
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    @property
+    def speculation(self) -> SpeculationStats:
+        """Drafts verified so far, the tokens kept, and the tokens those verifications gave."""
+        return self.scheduler.speculation
 
     @property
     def num_running(self) -> int:
@@ -363,7 +359,8 @@ class LLM:
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling round and one forward; the requests that got a token or finished.
+        """Schedule, execute, postprocess: one scheduling round and one forward; the outputs of the
+        requests that got a token or finished.
 
         A failure is kept to the requests it belongs to: one whose sampling or bookkeeping raises is
         finished alone (finish reason "error"), and a forward that raises is run again one request at
@@ -382,41 +379,21 @@ class LLM:
                 )
             return []
         sampled, failed = self._execute(step)
-        for request, n, _ in step.scheduled:  # their K/V is written: what the runner ran is computed
-            request.num_computed += n
-        outputs = [self._fail(request, why) for request, why in failed]
-        for request, _, _ in step.scheduled:
-            if not request.finished:
-                self.kv.cache_prompt(request)
-        now = time.monotonic()
-        for request, token, logprobs in sampled:
-            if request.forks:
-                self._fork(request)  # before its token: it may finish (and free its blocks) right here
-            if logprobs is not None:
-                request.new_logprobs.append(logprobs)
-            tokens = token if isinstance(token, list) else [token]
-            verified = bool(request.draft)
-            if verified:
-                self._roll_back_draft(request, len(tokens) - 1)
-            try:
-                appended = []
-                for t in tokens:
-                    self._append(request, t, now)
-                    appended.append(t)
-                    if request.finished:
-                        break
-            except Exception as exc:  # noqa: BLE001 - this request's text or stop rules; the others go on
-                logger.exception("request %s failed after sampling", request.request_id)
-                outputs.append(self._fail(request, f"{type(exc).__name__} while appending a token"))
-                continue
-            if verified:
-                self.speculation.new_tokens += len(appended)
-            outputs.append(request.output(appended))
-        for request, _, _ in step.scheduled:
-            request.draft = []  # verified, or its request failed
+        outcome = self.scheduler.postprocess(step, sampled, failed)
+        for sample in outcome.aborted:  # forks of a request that failed before its prompt was computed
+            if self._requests.pop(sample.request_id, None) is not None:
+                self._aborted += 1
+        for request in outcome.finished:
+            self._retire(request)
+            if request.finish_reason == "error":
+                self._failed += 1
+            else:
+                self._finished += 1
+        new_tokens = sum(len(o.new_token_ids) for o in outcome.outputs)
+        self._generated += new_tokens
         if self.speculate is not None:
-            self._time_decode_step(time.perf_counter() - started, sum(len(o.new_token_ids) for o in outputs))
-        return outputs
+            self._time_decode_step(time.perf_counter() - started, new_tokens)
+        return outcome.outputs
 
     # ------------------------------------------------------------------ speculative decoding
 
@@ -482,19 +459,7 @@ class LLM:
         old = self._spec_rates[kind]
         self._spec_rates[kind] = rate if old is None else 0.8 * old + 0.2 * rate
 
-    def _roll_back_draft(self, request: Request, accepted: int) -> None:
-        """After verifying a draft: forget the K/V of its rejected tokens (the pools' `truncate`)."""
-        rejected = len(request.draft) - accepted
-        stats = self.speculation
-        stats.drafted += len(request.draft)
-        stats.accepted += accepted
-        stats.target_forwards += 1
-        request.acceptance = 0.7 * request.acceptance + 0.3 * accepted / len(request.draft)
-        if rejected:
-            request.num_computed -= rejected
-            self.kv.truncate(request, request.num_computed)
-
-    def _execute(self, step: ScheduledStep) -> tuple[list[tuple[Request, int, TokenLogprobs | None]], list]:
+    def _execute(self, step: ScheduledBatch) -> tuple[list[tuple[Request, int, TokenLogprobs | None]], list]:
         """The runner's (sampled, failed) for the step; if the batched forward raises, each request
         runs again alone (its K/V slots are rewritten with the same values) and fails only if it
         raises alone too. The runner changes no request, so a retry starts where the step did."""
@@ -508,7 +473,7 @@ class LLM:
         sampled, failed = [], []
         for entry in step.scheduled:
             try:
-                one_sampled, one_failed = self.runner.execute(ScheduledStep([entry]))
+                one_sampled, one_failed = self.runner.execute(ScheduledBatch([entry]))
             except Exception as exc:  # noqa: BLE001 - this request makes the forward raise
                 logger.exception("request %s fails the forward alone", entry[0].request_id)
                 failed.append((entry[0], f"{type(exc).__name__} in the forward"))
@@ -516,44 +481,6 @@ class LLM:
             sampled += one_sampled
             failed += one_failed
         return sampled, failed
-
-    def _fail(self, request: Request, why: str) -> RequestOutput:
-        """Finish a request with finish reason "error", free its blocks, and give its final output.
-        (Samples still waiting to fork from it are aborted: its prompt will not be computed.)"""
-        for fork in request.forks:
-            self._abort_sample(fork)
-        request.forks = []
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = "error"
-        request.error = why
-        self.scheduler.remove(request)
-        self._retire(request)
-        self._failed += 1
-        return request.output([])
-
-    def _append(self, request: Request, token: int, now: float) -> None:
-        request.output_token_ids.append(token)
-        request.token_counts[token] = request.token_counts.get(token, 0) + 1
-        if request.metrics.first_token_time is None:
-            request.metrics.first_token_time = now
-        request.metrics.token_times.append(now)
-        self._generated += 1
-        stream = request.stream
-        reason = None
-        if stream is not None and stream.push(token):
-            reason = "stop"  # a stop string: the text is cut before it
-        elif token in request.stop_ids:
-            reason = "stop"
-        elif len(request.output_token_ids) >= request.sampling.max_tokens:
-            reason = "length"
-        if reason is not None and stream is not None and stream.finish():
-            reason = "stop"  # the decoder's last characters completed a stop string
-        if reason is not None:
-            request.status = RequestStatus.FINISHED
-            request.finish_reason = reason
-            self.scheduler.remove(request)
-            self._retire(request)
-            self._finished += 1
 
     def _retire(self, request: Request) -> None:
         """Forget a finished sample, and its request once all n samples are done."""

@@ -267,6 +267,26 @@ class Request:
         """Positions the request can reach: prompt + max_tokens."""
         return len(self.prompt_token_ids) + self.sampling.max_tokens
 
+    def append(self, token: int, now: float) -> str | None:
+        """Add a generated token (its time, its count for the penalties, its text); the finish reason
+        it meets ("stop": a stop token or string, "length": max_tokens), or None to go on."""
+        self.output_token_ids.append(token)
+        self.token_counts[token] = self.token_counts.get(token, 0) + 1
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        self.metrics.token_times.append(now)
+        stream = self.stream
+        reason = None
+        if stream is not None and stream.push(token):
+            reason = "stop"  # a stop string: the text is cut before it
+        elif token in self.stop_ids:
+            reason = "stop"
+        elif len(self.output_token_ids) >= self.sampling.max_tokens:
+            reason = "length"
+        if reason is not None and stream is not None and stream.finish():
+            reason = "stop"  # the decoder's last characters completed a stop string
+        return reason
+
     def output(self, new_token_ids: list[int]) -> RequestOutput:
         """This step's output (see RequestOutput): deltas while running, everything when finished."""
         stream, done = self.stream, self.finished

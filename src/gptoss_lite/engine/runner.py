@@ -1,6 +1,6 @@
 """One engine step on the model: a flat batch of every scheduled token, one forward, then sampling.
 
-The runner turns a `ScheduledStep` into the token ids, positions, write slots and block tables of a
+The runner turns a `ScheduledBatch` into the token ids, positions, write slots and block tables of a
 `PagedBatch`, runs `GPTOSS.forward_batch` once, and samples one token for every request whose
 scheduled tokens reach the end of what it holds (the last prompt chunk, or a decode step). Greedy
 rows are one batched argmax; sampled rows draw one at a time with their own generator (seeded like
@@ -18,7 +18,7 @@ import torch
 from gptoss_lite.engine.kv_manager import KVManager
 from gptoss_lite.engine.paged_batch import PagedBatch, Segment
 from gptoss_lite.engine.request import Request, TokenLogprobs
-from gptoss_lite.engine.scheduler import ScheduledStep
+from gptoss_lite.engine.scheduler import ScheduledBatch
 from gptoss_lite.model.compiled_decode import CompiledDecoder
 from gptoss_lite.model.transformer import GPTOSS
 from gptoss_lite.sampling import log_probs, sample
@@ -44,7 +44,7 @@ class ModelRunner:
         # it raises fails that request alone (tests/engine/test_isolation.py).
         self.fault_hook: Callable[[Request], None] | None = None
 
-    def build_batch(self, step: ScheduledStep) -> tuple[torch.Tensor, PagedBatch, list[Request]]:
+    def build_batch(self, step: ScheduledBatch) -> tuple[torch.Tensor, PagedBatch, list[Request]]:
         """(input ids (N,), the batch, the requests that sample, in logits order: a request with a draft
         of k tokens has k + 1 rows). Changes no request: the engine advances `num_computed` after the
         step (`LLM.step`)."""
@@ -82,7 +82,7 @@ class ModelRunner:
         return time.perf_counter() - t0
 
     @torch.inference_mode()
-    def forward(self, step: ScheduledStep) -> tuple[torch.Tensor, list[Request]]:
+    def forward(self, step: ScheduledBatch) -> tuple[torch.Tensor, list[Request]]:
         """Run the step's one forward: (logits (M, V), the requests they belong to, in order)."""
         input_ids, batch, samplers = self.build_batch(step)
         if self.decoder is not None:
@@ -156,7 +156,7 @@ class ModelRunner:
         return [*request.draft[:a], int(own[0])]
 
     def execute(
-        self, step: ScheduledStep
+        self, step: ScheduledBatch
     ) -> tuple[list[tuple[Request, int | list[int], TokenLogprobs | None]], list[tuple[Request, str]]]:
         """Run the step: ((request, sampled token, its logprobs or None) for every request that
         samples, (request, reason) for those whose sampling failed). A request that verified a draft

@@ -17,24 +17,55 @@ generated stay, and the next one is sampled after the recomputation reaches them
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from gptoss_lite.engine.kv_manager import KVManager
-from gptoss_lite.engine.request import Request, RequestStatus
+from gptoss_lite.engine.request import Request, RequestOutput, RequestStatus, TokenLogprobs
 from gptoss_lite.kv.block_pool import AppendPlan
+from gptoss_lite.speculative import SpeculationStats
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduled(NamedTuple):
+    """One request's part of a step: how many of its tokens run, and where they go per layer kind."""
+
+    request: Request
+    num_tokens: int
+    plans: dict[str, AppendPlan]
 
 
 @dataclass
-class ScheduledStep:
-    """One step's work: (request, tokens to run, where they go per layer kind), in batch order."""
+class ScheduledBatch:
+    """One step's work, in batch order, and the requests preempted to make room for it."""
 
-    scheduled: list[tuple[Request, int, dict[str, AppendPlan]]] = field(default_factory=list)
+    scheduled: list[Scheduled] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
-        return sum(n for _, n, _ in self.scheduled)
+        return sum(entry.num_tokens for entry in self.scheduled)
+
+
+# What a step's forward and sampling gave, in the runner's terms: (request, its token, or for a
+# verified draft its list of tokens, and its logprobs or None); and (request, why its step failed).
+Sampled = tuple[Request, "int | list[int]", "TokenLogprobs | None"]
+Failed = tuple[Request, str]
+
+
+@dataclass
+class StepOutcome:
+    """What `Scheduler.postprocess` made of a step: the outputs callers see; the requests that finished
+    (stop, length or error: out of the queues, blocks freed); and the samples aborted because the
+    request they were to fork from failed before its prompt was computed."""
+
+    outputs: list[RequestOutput] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
+    aborted: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -48,6 +79,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.speculation = SpeculationStats()  # drafts verified, kept and the tokens they gave
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -111,8 +143,8 @@ class Scheduler:
                 return False
         return True
 
-    def schedule(self) -> ScheduledStep:
-        step = ScheduledStep()
+    def schedule(self) -> ScheduledBatch:
+        step = ScheduledBatch()
         budget = self.max_batch_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -131,7 +163,7 @@ class Scheduler:
                 plans = self.kv.allocate(request, n)
             if plans is None:
                 break  # the request preempted itself: everything after it is gone too
-            step.scheduled.append((request, n, plans))
+            step.scheduled.append(Scheduled(request, n, plans))
             budget -= n
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_running and not step.preempted:
@@ -151,6 +183,92 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            step.scheduled.append((request, n, plans))
+            step.scheduled.append(Scheduled(request, n, plans))
             budget -= n
         return step
+
+    # ------------------------------------------------------------------ after a step
+
+    def postprocess(self, batch: ScheduledBatch, sampled: list[Sampled], failed: list[Failed]) -> StepOutcome:
+        """Apply a step's results to its requests, the one place they change after a step: what ran is
+        computed; failed requests finish with finish reason "error"; computed prompt blocks go into
+        the prefix cache; the samples of an n-sample request fork from its computed prompt; a verified
+        draft's rejected tokens are rolled back; the new tokens are appended, and a request that
+        meets a stop rule finishes and frees its blocks."""
+        outcome = StepOutcome()
+        for entry in batch.scheduled:  # their K/V is written: what the runner ran is computed
+            entry.request.num_computed += entry.num_tokens
+        for request, why in failed:
+            self._finish_failed(request, why, outcome)
+        for entry in batch.scheduled:
+            if not entry.request.finished:
+                self.kv.cache_prompt(entry.request)
+        now = time.monotonic()
+        for request, token, logprobs in sampled:
+            if request.forks:
+                self._fork(request)  # before its token: it may finish (and free its blocks) right here
+            if logprobs is not None:
+                request.new_logprobs.append(logprobs)
+            tokens = token if isinstance(token, list) else [token]
+            verified = bool(request.draft)
+            if verified:
+                self._roll_back_draft(request, len(tokens) - 1)
+            try:
+                appended = []
+                for t in tokens:
+                    reason = request.append(t, now)
+                    appended.append(t)
+                    if reason is not None:
+                        self._finish(request, reason, outcome)
+                        break
+            except Exception as exc:  # noqa: BLE001 - this request's text or stop rules; the others go on
+                logger.exception("request %s failed after sampling", request.request_id)
+                self._finish_failed(request, f"{type(exc).__name__} while appending a token", outcome)
+                continue
+            if verified:
+                self.speculation.new_tokens += len(appended)
+            outcome.outputs.append(request.output(appended))
+        for entry in batch.scheduled:
+            entry.request.draft = []  # verified, or its request failed
+        return outcome
+
+    def _finish(self, request: Request, reason: str, outcome: StepOutcome) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.remove(request)
+        outcome.finished.append(request)
+
+    def _finish_failed(self, request: Request, why: str, outcome: StepOutcome) -> None:
+        """Finish a request with finish reason "error" and give its final output. Samples still waiting
+        to fork from it are aborted: its prompt will not be computed."""
+        for fork in request.forks:
+            fork.status = RequestStatus.FINISHED
+            fork.finish_reason = "abort"
+            outcome.aborted.append(fork)
+        request.forks = []
+        request.error = why
+        self._finish(request, "error", outcome)
+        outcome.outputs.append(request.output([]))
+
+    def _fork(self, request: Request) -> None:
+        """The first sample's prompt is computed: samples 1..n-1 start from its blocks, each with the
+        last prompt token still to run, so each draws its first token with its own generator."""
+        for fork in request.forks:
+            self.kv.fork(request, fork, len(request.prompt_token_ids) - 1)
+            fork.num_computed = len(request.prompt_token_ids) - 1
+            fork.num_cached_tokens = request.num_cached_tokens
+            fork.status = RequestStatus.RUNNING
+            self.running.append(fork)
+        request.forks = []
+
+    def _roll_back_draft(self, request: Request, accepted: int) -> None:
+        """After verifying a draft: forget the K/V of its rejected tokens (the pools' `truncate`)."""
+        rejected = len(request.draft) - accepted
+        stats = self.speculation
+        stats.drafted += len(request.draft)
+        stats.accepted += accepted
+        stats.target_forwards += 1
+        request.acceptance = 0.7 * request.acceptance + 0.3 * accepted / len(request.draft)
+        if rejected:
+            request.num_computed -= rejected
+            self.kv.truncate(request, request.num_computed)
