@@ -279,3 +279,52 @@ def accept(
     a = int(accepted.min())
     last = own if a == drafts.shape[1] else torch.where(accepted > a, drafts[:, a], own)
     return torch.cat((drafts[:, :a], last[:, None]), dim=1), a, accepted
+
+
+class RequestDrafter:
+    """A draft model's state for one request of the batched engine: the model's own MixedKVCache
+    (rollback slack k) over a prefix of the request's tokens, and those tokens.
+
+    `draft(tokens, k)` first cuts the cache back to the longest prefix it shares with `tokens` (what
+    the verification kept; after a preemption nothing changes), runs the rest of `tokens` through the
+    draft model, then decodes k tokens greedily. A greedy draft is deterministic, so its q is the
+    one-hot vector the verification rule assumes for prompt lookup: a sampled request still draws
+    every token from the target's own distribution."""
+
+    PREFILL_CHUNK = 512  # draft-model tokens per catch-up forward
+
+    def __init__(self, spec: DraftModel, max_tokens: int) -> None:
+        self.model, self.k, self.max_tokens = spec.model, spec.k, max_tokens
+        self.cache = self._new_cache()
+        self.held: list[int] = []  # the tokens whose K/V the cache holds, in order
+        self.device = next(spec.model.parameters()).device
+
+    def _new_cache(self) -> MixedKVCache:
+        return MixedKVCache(self.model.config, 1, self.max_tokens, rollback_tokens=self.k)
+
+    @torch.inference_mode()
+    def draft(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k draft tokens to follow `tokens` (the request's prompt and output so far)."""
+        held, same = self.held, 0
+        limit = min(len(held), len(tokens) - 1)  # the last token is always run: its logits draft
+        while same < limit and held[same] == tokens[same]:
+            same += 1
+        if same < len(held):
+            if same >= self.cache.rollback_floor():
+                self.cache.truncate(same)
+            else:  # further back than the rollback slack (a long rejected run): start over
+                self.cache, same = self._new_cache(), 0
+            del held[same:]
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        logits = self.model.prefill(ids, self.cache, self.PREFILL_CHUNK)[:, -1]
+        held.extend(tokens[same:])
+        out: list[int] = []
+        for i in range(k):
+            token = int(logits.argmax(dim=-1)[0])
+            out.append(token)
+            if i + 1 < k:
+                step = torch.tensor([[token]], dtype=torch.long, device=self.device)
+                result = self.model(step, cache=self.cache, start_pos=self.cache.num_tokens, last_only=True)
+                logits = result.logits[:, -1]
+                held.append(token)
+        return out

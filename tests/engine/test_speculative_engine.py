@@ -4,12 +4,14 @@ pools' truncate. Greedy output is the same as without speculation, token for tok
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
 
 from gptoss_lite.engine import LLM, SamplingParams
-from gptoss_lite.speculative import PromptLookup
+from gptoss_lite.speculative import DraftModel, PromptLookup
+from tests.conftest import make_model
 from tests.engine.conftest import Workload, assert_nothing_leaks, run
 
 LOOKUP = PromptLookup(k=6, ngram=4, min_ngram=2)
@@ -127,3 +129,31 @@ def test_a_stop_token_inside_an_accepted_draft_ends_the_request_there(models):
     assert out.token_ids == plain.token_ids[: plain.token_ids.index(stop) + 1]
     assert out.finish_reason == "stop"
     assert_nothing_leaks(llm)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_draft_model_keeps_greedy_output(models, compiled):
+    """LLM(speculate=DraftModel(...)): any draft model leaves greedy output unchanged; the target as its
+    own draft is accepted throughout, a random-weight draft of the same vocabulary mostly not."""
+    model = models("shipped")
+    work = copy_heavy_workload(random.Random(7), model.config.vocab_size, 12, 4, max_new=40)
+    engine = dict(kv_blocks=800, max_batch_tokens=256, max_running=12, compile_decode=compiled)
+    plain = run(LLM(model, **engine), work)
+    same = LLM(model, speculate=DraftModel(copy.deepcopy(model).prepare_for_inference(), k=4), **engine)
+    assert {i: o.token_ids for i, o in run(same, work).items()} == {i: o.token_ids for i, o in plain.items()}
+    stats = same.stats()
+    assert stats.spec_verifications > 0 and stats.spec_accepted == stats.spec_drafted
+    assert_nothing_leaks(same)
+    other = make_model("lite-tiny", seed=5)  # random weights, the shipped model's vocabulary
+    assert other.config.vocab_size == model.config.vocab_size
+    noisy = LLM(model, speculate=DraftModel(other, k=3), **engine)
+    assert {i: o.token_ids for i, o in run(noisy, work).items()} == {i: o.token_ids for i, o in plain.items()}
+    assert noisy.stats().spec_accepted < noisy.stats().spec_drafted
+    assert_nothing_leaks(noisy)
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(models):
+    model = models("shipped")
+    other = make_model("lite-tiny", vocab_size=model.config.vocab_size + 1)
+    with pytest.raises(ValueError, match="vocab_size"):
+        LLM(model, speculate=DraftModel(other), kv_blocks=100)

@@ -14,7 +14,7 @@ import torch
 
 from gptoss_lite.kv.block_pool import DEFAULT_BLOCK_SIZE
 from gptoss_lite.kv.quant import KV_BITS
-from gptoss_lite.speculative import PromptLookup
+from gptoss_lite.speculative import DraftModel, PromptLookup
 from gptoss_lite.validation import check_int
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # both pools together, when kv_blocks is not given
@@ -31,7 +31,7 @@ class EngineConfig:
     tokens need. `kv_bits` 8 or 4 stores full-layer blocks as int8 / int4 codes. `kv_budget` N keeps
     only the last N keys of every full layer for each query (a window, not the eviction budget of
     `kv.evicting_cache`). `decode_reserve` N is the admission watermark: blocks kept for every running
-    request's next N decode tokens. `speculate` drafts decoding requests' tokens by prompt lookup.
+    request's next N decode tokens. `speculate` drafts decoding requests' tokens by prompt lookup or with a draft model.
     `compile_decode` None decodes as the model was prepared.
     """
 
@@ -49,7 +49,7 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     kv_budget: int | None = None
     compile_decode: bool | None = None
-    speculate: PromptLookup | None = None
+    speculate: PromptLookup | DraftModel | None = None
     decode_reserve: int = 0
 
     def __post_init__(self) -> None:
@@ -72,8 +72,10 @@ class EngineConfig:
                     f"kv_budget={self.kv_budget} releases prompt blocks the prefix cache would need; "
                     "pass enable_prefix_caching=False"
                 )
-        if self.speculate is not None and not isinstance(self.speculate, PromptLookup):
-            raise TypeError(f"speculate: expected a PromptLookup (or None), got {type(self.speculate).__name__}")
+        if self.speculate is not None and not isinstance(self.speculate, (PromptLookup, DraftModel)):
+            raise TypeError(
+                f"speculate: expected a PromptLookup or a DraftModel (or None), got {type(self.speculate).__name__}"
+            )
 
     @property
     def kv_bytes(self) -> int:

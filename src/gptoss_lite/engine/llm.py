@@ -38,7 +38,7 @@ from gptoss_lite.engine.runner import ModelRunner
 from gptoss_lite.engine.scheduler import ScheduledBatch, Scheduler
 from gptoss_lite.kv.paged_quant import quantized_block_bytes
 from gptoss_lite.model.transformer import GPTOSS
-from gptoss_lite.speculative import NgramIndex, SpeculationStats
+from gptoss_lite.speculative import DraftModel, NgramIndex, RequestDrafter, SpeculationStats
 from gptoss_lite.tokenizer import ByteTokenizer, load_tokenizer
 from gptoss_lite.validation import check_int
 
@@ -175,6 +175,14 @@ class LLM:
             self.chat_template = _read_chat_template(model_dir)
         if cfg.compile_decode and model.compiled_decoder is None:
             model.prepare_for_inference(compile_decode=True)  # out-major weights + the compiled step
+        draft = cfg.speculate.model if isinstance(cfg.speculate, DraftModel) else None
+        if draft is not None and draft.config.vocab_size != model.config.vocab_size:
+            raise ValueError(
+                f"speculate: the draft model's vocab_size {draft.config.vocab_size} differs from the model's "
+                f"{model.config.vocab_size}; use a draft with the same tokenizer"
+            )
+        if draft is not None and not draft.inference_ready:
+            raise ValueError("speculate: the draft model is not prepared; call draft.prepare_for_inference() first")
         return model, model_dir, source
 
     def _make_kv(self, cfg: EngineConfig, model: GPTOSS, source: str | None, model_dir: Path | None) -> KVManager:
@@ -398,20 +406,20 @@ class LLM:
     # ------------------------------------------------------------------ speculative decoding
 
     def _propose_drafts(self) -> None:
-        """A prompt-lookup draft for every running request in decode that may speculate: up to k tokens
-        that followed the latest earlier occurrence of its last n-gram, no more than it may still emit.
+        """A draft for every running request in decode that may speculate, no longer than it may still
+        emit: by prompt lookup (up to k tokens that followed the latest earlier occurrence of its last
+        n-gram) or by the draft model (k greedy tokens from its own cache of the request).
         Requests with logprobs, penalties, a logit bias or a logits processor decode one token a step
         (their logits depend on every token before), as do seeded sampled requests (a verification
         draws from their generator differently, and they promise the same tokens alone or batched),
-        and so does a request whose drafts have mostly
-        been rejected (its running acceptance below SPEC_MIN_ACCEPTANCE; it drifts back up while it
-        waits, so the request tries again later).
+        and so does a request whose drafts have mostly been rejected (its running acceptance below
+        SPEC_MIN_ACCEPTANCE; it drifts back up while it waits, so the request tries again later).
 
         Whether a decode-only step speculates at all is measured, not guessed (docs/engine.md
-        #speculative-decoding): a step with drafts runs eagerly and verifies k + 1 tokens a request,
-        which may cost more than the tokens it adds where the plain step is compiled. The engine keeps
-        the tokens per second of decode-only steps with and without drafts (running means) and
-        drafts in the faster way, trying the other one step in SPEC_EXPLORE_EVERY."""
+        #speculative-decoding): a step with drafts verifies k + 1 tokens a request (and a draft model
+        costs its own forwards), which may cost more than the tokens it adds. The engine keeps the
+        tokens per second of decode-only steps with and without drafts (running means) and drafts in
+        the faster way, trying the other one step in SPEC_EXPLORE_EVERY."""
         spec = self.speculate
         running = self.scheduler.running
         decode_only = all(r.num_tokens - r.num_computed == 1 for r in running) and not self.scheduler.waiting
@@ -443,10 +451,15 @@ class LLM:
             if request.acceptance < SPEC_MIN_ACCEPTANCE:
                 request.acceptance += 0.01
                 continue
-            if request.lookup is None:
-                request.lookup = NgramIndex(spec.ngram, spec.min_ngram)
-                request.lookup.tokens.extend(request.prompt_token_ids)
-            index = request.lookup
+            if isinstance(spec, DraftModel):
+                if request.drafter is None:
+                    request.drafter = RequestDrafter(spec, self.max_model_len)
+                request.draft = request.drafter.draft(request.all_token_ids, min(spec.k, room))
+                continue
+            if request.drafter is None:
+                request.drafter = NgramIndex(spec.ngram, spec.min_ngram)
+                request.drafter.tokens.extend(request.prompt_token_ids)
+            index = request.drafter
             index.tokens.extend(request.output_token_ids[len(index.tokens) - len(request.prompt_token_ids) :])
             request.draft = index.draft(min(spec.k, room))
 

@@ -20,7 +20,7 @@ import torch
 
 from gptoss_lite.engine.detokenize import TextStream
 from gptoss_lite.sampling import MAX_SEED, SamplingConfig
-from gptoss_lite.speculative import NgramIndex
+from gptoss_lite.speculative import NgramIndex, RequestDrafter
 from gptoss_lite.validation import check_int
 
 MAX_LOGPROBS = 20  # top alternatives a request may ask for per token
@@ -215,9 +215,10 @@ class Request:
         self.index = 0  # which sample
         self.forks: list[Request] = []  # samples 1..n-1, waiting for this one's prompt to be computed
         self.new_logprobs: list[TokenLogprobs] = []  # since the last output, when sampling.logprobs is set
-        # Speculative decoding (LLM(speculate=...)): the prompt-lookup index of this request's tokens,
-        # and the draft tokens this step verifies after its last token (docs/engine.md#speculative-decoding).
-        self.lookup: NgramIndex | None = None
+        # Speculative decoding (LLM(speculate=...)): the request's drafter (the prompt-lookup index of its
+        # tokens, or a draft model's cache of them), and the draft tokens this step verifies after its
+        # last token (docs/engine.md#speculative-decoding).
+        self.drafter: NgramIndex | RequestDrafter | None = None
         self.draft: list[int] = []
         self.acceptance = 0.5  # running estimate of the share of its draft tokens the verification keeps
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
