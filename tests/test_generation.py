@@ -7,7 +7,7 @@ from conftest import make_model
 from gptoss_lite.generation import generate, generate_reference, stream_generate
 from gptoss_lite.kv.mixed import MixedKVCache
 from gptoss_lite.model import GPTOSS
-from gptoss_lite.sampling import SamplingConfig, probabilities, sample
+from gptoss_lite.sampling import SamplingParams, probabilities, sample
 
 
 @pytest.mark.parametrize("preset", ["lite-tiny", "gpt-oss-tiny"])
@@ -52,7 +52,7 @@ def test_greedy_consumes_no_randomness():
     """Greedy sampling leaves the global RNG untouched."""
     logits = torch.randn(3, 10)
     before = torch.get_rng_state()
-    sample(logits, SamplingConfig(temperature=0))
+    sample(logits, SamplingParams(temperature=0))
     assert torch.equal(before, torch.get_rng_state())
 
 
@@ -60,9 +60,9 @@ def test_top_p_keeps_smallest_prefix():
     """Nucleus keeps the smallest prefix whose mass reaches top_p: here only the top token."""
     logits = torch.log(torch.tensor([[0.6, 0.3, 0.1]]))
     g = torch.Generator().manual_seed(0)
-    picks = {int(sample(logits, SamplingConfig(temperature=1.0, top_p=0.55), g)) for _ in range(50)}
+    picks = {int(sample(logits, SamplingParams(temperature=1.0, top_p=0.55), g)) for _ in range(50)}
     assert picks == {0}
-    picks = {int(sample(logits, SamplingConfig(temperature=1.0, top_p=0.85), g)) for _ in range(200)}
+    picks = {int(sample(logits, SamplingParams(temperature=1.0, top_p=0.85), g)) for _ in range(200)}
     assert picks == {0, 1}
 
 
@@ -72,11 +72,11 @@ def test_every_top_p_and_temperature_the_api_allows_samples(dtype):
     smallest float and up to 2 give finite distributions; in each logits dtype."""
     logits = torch.randn(3, 264, generator=torch.Generator().manual_seed(0)).to(dtype)
     for top_p in (5e-324, 1e-46, 1e-8):
-        picked = sample(logits, SamplingConfig(temperature=1.0, top_p=top_p), torch.Generator().manual_seed(1))
+        picked = sample(logits, SamplingParams(temperature=1.0, top_p=top_p), torch.Generator().manual_seed(1))
         assert torch.equal(picked, logits.float().argmax(-1))
     for temperature in (5e-324, 1e-39, 1e-6, 2.0):
         for top_p in (1e-46, 0.5, 1.0):
-            cfg = SamplingConfig(temperature=temperature, top_p=top_p)
+            cfg = SamplingParams(temperature=temperature, top_p=top_p)
             assert torch.isfinite(probabilities(logits, cfg)).all()
             assert sample(logits, cfg, torch.Generator().manual_seed(2)).shape == (3,)
 

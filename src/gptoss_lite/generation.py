@@ -26,7 +26,7 @@ from gptoss_lite.kv.base import KVCache, RollbackKVCache
 from gptoss_lite.kv.mixed import MixedKVCache
 from gptoss_lite.model.compiled_decode import CompiledDecoder
 from gptoss_lite.model.transformer import GPTOSS
-from gptoss_lite.sampling import SamplingConfig, sample
+from gptoss_lite.sampling import SamplingParams, sample
 from gptoss_lite.speculative import DraftModel, PromptLookup, Speculation, SpeculationStats, accept, make_drafter
 from gptoss_lite.validation import check_int
 
@@ -106,7 +106,7 @@ def stream_generate(
 
     Arguments are validated here, eagerly, before any work starts.
     """
-    sampling = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
     _validate(model, input_ids, max_new_tokens, attn_impl, need_packed=True)
     check_int("prefill_chunk", prefill_chunk, minimum=1)
     B, T = input_ids.shape
@@ -197,7 +197,7 @@ def _cached_steps(
     model: GPTOSS,
     input_ids: torch.Tensor,
     max_new_tokens: int,
-    sampling: SamplingConfig,
+    sampling: SamplingParams,
     stop_tokens: Sequence[int] | None,
     prefill_chunk: int,
     cache: KVCache,
@@ -240,7 +240,7 @@ def _speculative_steps(
     model: GPTOSS,
     input_ids: torch.Tensor,
     max_new_tokens: int,
-    sampling: SamplingConfig,
+    sampling: SamplingParams,
     stop_tokens: Sequence[int] | None,
     prefill_chunk: int,
     cache: RollbackKVCache,
@@ -339,7 +339,7 @@ def generate_reference(
     """`generate` without a KV cache: each step runs the model on the whole sequence so far and takes
     the last position's logits. Same arguments, sampling and stop rule; the model needs eval mode and
     the ids' device, not decode packing. input_ids (B, T) -> (B, T + n_new)."""
-    sampling = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
     _validate(model, input_ids, max_new_tokens, attn_impl, need_packed=False)
     return _collect(
         input_ids,
@@ -353,7 +353,7 @@ def _uncached_steps(
     model: GPTOSS,
     input_ids: torch.Tensor,
     max_new_tokens: int,
-    sampling: SamplingConfig,
+    sampling: SamplingParams,
     stop_tokens: Sequence[int] | None,
     attn_impl: str,
 ) -> Iterator[torch.Tensor]:
@@ -373,7 +373,7 @@ def _uncached_steps(
         prev = token
 
 
-def _generator(sampling: SamplingConfig, device: torch.device) -> torch.Generator | None:
+def _generator(sampling: SamplingParams, device: torch.device) -> torch.Generator | None:
     if sampling.greedy or sampling.seed is None:
         return None
     return torch.Generator(device=device).manual_seed(sampling.seed)

@@ -54,13 +54,13 @@ def run(args: argparse.Namespace) -> int:
         speculation_line,
     )
     from gptoss_lite.generation import stream_generate
-    from gptoss_lite.sampling import SamplingConfig
+    from gptoss_lite.sampling import SamplingParams
     from gptoss_lite.speculative import SpeculationStats
     from gptoss_lite.validation import check_int
 
     # Everything checkable without the model is checked before it is loaded.
     try:
-        SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+        SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     except (ValueError, TypeError) as exc:
         flag = next(
             (
