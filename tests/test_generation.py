@@ -7,7 +7,7 @@ from conftest import make_model
 from gptoss_lite.generation import generate, generate_reference, stream_generate
 from gptoss_lite.kv.mixed import MixedKVCache
 from gptoss_lite.model import GPTOSS
-from gptoss_lite.sampling import SamplingConfig, probabilities, sample
+from gptoss_lite.sampling import SamplingParams, probabilities, sample
 
 
 @pytest.mark.parametrize("preset", ["lite-tiny", "gpt-oss-tiny"])
@@ -48,11 +48,52 @@ def test_seeded_sampling_reproducible(tiny_model):
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
+def test_sampling_params_and_shorthands_draw_the_same(tiny_model):
+    """generate(sampling=SamplingParams(...)) equals the temperature/top_p/seed shorthands, and with
+    neither it draws with SamplingParams' defaults (temperature 1.0, top_p 1.0), as the engine does;
+    stream_generate and generate_reference take the same argument."""
+    ids = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(3))
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=11)
+    out = generate(tiny_model, ids, 12, sampling=params)
+    assert torch.equal(out, generate(tiny_model, ids, 12, temperature=0.8, top_p=0.9, seed=11))
+    streamed = torch.stack(list(stream_generate(tiny_model, ids, 12, sampling=params)), dim=1)
+    assert torch.equal(streamed, out[:, 10:])
+    reference = generate_reference(tiny_model, ids, 12, sampling=params)
+    assert torch.equal(reference, generate_reference(tiny_model, ids, 12, temperature=0.8, top_p=0.9, seed=11))
+    defaults = SamplingParams(seed=5)
+    assert (defaults.temperature, defaults.top_p) == (1.0, 1.0)
+    plain = generate(tiny_model, ids, 12, seed=5)
+    assert torch.equal(plain, generate(tiny_model, ids, 12, sampling=defaults))
+    assert torch.equal(plain, generate(tiny_model, ids, 12, temperature=1.0, top_p=1.0, seed=5))
+    greedy = generate(tiny_model, ids, 12, temperature=0)
+    assert torch.equal(greedy, generate(tiny_model, ids, 12, sampling=SamplingParams(temperature=0)))
+    # max_new_tokens is generate()'s length; SamplingParams.max_tokens is the engine's and not read.
+    assert generate(tiny_model, ids, 3, sampling=SamplingParams(max_tokens=50, temperature=0)).shape == (2, 13)
+
+
+@pytest.mark.parametrize("fn", [generate, stream_generate, generate_reference])
+def test_sampling_and_a_shorthand_together_are_refused(tiny_model, fn):
+    """sampling= with temperature=/top_p=/seed= is ambiguous; fields generate() does not act on are
+    refused by name rather than ignored; a sampling= that is not a SamplingParams is a TypeError."""
+    ids = torch.tensor([[1, 2, 3]])
+    name = fn.__name__
+    for shorthand in (dict(temperature=0.5), dict(top_p=0.5), dict(seed=1)):
+        (key,) = shorthand
+        with pytest.raises(ValueError, match=rf"{name}\(\): sampling= and {key}=.*give one of them"):
+            fn(tiny_model, ids, 2, sampling=SamplingParams(), **shorthand)
+    with pytest.raises(ValueError, match=r"stop_token_ids act only in the batched engine.*stop_tokens="):
+        fn(tiny_model, ids, 2, sampling=SamplingParams(stop_token_ids=[5]))
+    with pytest.raises(ValueError, match=r"logprobs, logit_bias, n act only in the batched engine"):
+        fn(tiny_model, ids, 2, sampling=SamplingParams(logprobs=1, logit_bias={3: 1.0}, n=2))
+    with pytest.raises(TypeError, match="expected a gptoss_lite.sampling.SamplingParams, got dict"):
+        fn(tiny_model, ids, 2, sampling={"temperature": 0})
+
+
 def test_greedy_consumes_no_randomness():
     """Greedy sampling leaves the global RNG untouched."""
     logits = torch.randn(3, 10)
     before = torch.get_rng_state()
-    sample(logits, SamplingConfig(temperature=0))
+    sample(logits, SamplingParams(temperature=0))
     assert torch.equal(before, torch.get_rng_state())
 
 
@@ -60,9 +101,9 @@ def test_top_p_keeps_smallest_prefix():
     """Nucleus keeps the smallest prefix whose mass reaches top_p: here only the top token."""
     logits = torch.log(torch.tensor([[0.6, 0.3, 0.1]]))
     g = torch.Generator().manual_seed(0)
-    picks = {int(sample(logits, SamplingConfig(temperature=1.0, top_p=0.55), g)) for _ in range(50)}
+    picks = {int(sample(logits, SamplingParams(temperature=1.0, top_p=0.55), g)) for _ in range(50)}
     assert picks == {0}
-    picks = {int(sample(logits, SamplingConfig(temperature=1.0, top_p=0.85), g)) for _ in range(200)}
+    picks = {int(sample(logits, SamplingParams(temperature=1.0, top_p=0.85), g)) for _ in range(200)}
     assert picks == {0, 1}
 
 
@@ -72,11 +113,11 @@ def test_every_top_p_and_temperature_the_api_allows_samples(dtype):
     smallest float and up to 2 give finite distributions; in each logits dtype."""
     logits = torch.randn(3, 264, generator=torch.Generator().manual_seed(0)).to(dtype)
     for top_p in (5e-324, 1e-46, 1e-8):
-        picked = sample(logits, SamplingConfig(temperature=1.0, top_p=top_p), torch.Generator().manual_seed(1))
+        picked = sample(logits, SamplingParams(temperature=1.0, top_p=top_p), torch.Generator().manual_seed(1))
         assert torch.equal(picked, logits.float().argmax(-1))
     for temperature in (5e-324, 1e-39, 1e-6, 2.0):
         for top_p in (1e-46, 0.5, 1.0):
-            cfg = SamplingConfig(temperature=temperature, top_p=top_p)
+            cfg = SamplingParams(temperature=temperature, top_p=top_p)
             assert torch.isfinite(probabilities(logits, cfg)).all()
             assert sample(logits, cfg, torch.Generator().manual_seed(2)).shape == (3,)
 
@@ -135,7 +176,7 @@ def test_unprepared_model_is_rejected_with_the_fix():
     assert not fresh.inference_ready
     generate_reference(fresh, ids, 2, temperature=0)  # the reference needs no packing
     assert fresh.prepare_for_inference() is fresh and fresh.inference_ready
-    generate(fresh, ids, 2)
+    generate(fresh, ids, 2, temperature=0.7, top_p=0.9)
     fresh.to(torch.float64)  # moving the weights undoes the packing
     assert not fresh.inference_ready
 

@@ -14,7 +14,7 @@ from gptoss_lite.checkpoint import DEFAULT_MODEL, load_model
 from gptoss_lite.generation import generate, generate_reference, stream_generate
 from gptoss_lite.kv.mixed import MixedKVCache
 from gptoss_lite.kv.paged_cache import PagedKVCache, PagedKVStore
-from gptoss_lite.sampling import SamplingConfig, probabilities
+from gptoss_lite.sampling import SamplingParams, probabilities
 from gptoss_lite.speculative import DraftModel, PromptLookup, SpeculationStats, accept, verify
 from gptoss_lite.tokenizer import ByteTokenizer
 
@@ -131,7 +131,7 @@ def test_bad_speculation_arguments_are_rejected(tiny_model):
         generate(tiny_model, ids, 4, cache=NoRollback(), speculate=PromptLookup())
 
 
-def _exact_distribution(model, prompt: torch.Tensor, cfg: SamplingConfig, n: int) -> torch.Tensor:
+def _exact_distribution(model, prompt: torch.Tensor, cfg: SamplingParams, n: int) -> torch.Tensor:
     """P(t1 … tn | prompt) over all V**n continuations (flattened, t1 most significant), from
     uncached forwards over every prefix: the oracle."""
     V = model.config.vocab_size
@@ -168,7 +168,7 @@ def test_speculative_sampling_keeps_the_distribution(drafter):
     joint distribution (chi-squared goodness of fit), as plain sampling's do."""
     V, N, n = 6, 2000, 3
     model = make_model("lite-tiny", vocab_size=V)
-    cfg = SamplingConfig(temperature=1.3, top_p=0.95)
+    cfg = SamplingParams(temperature=1.3, top_p=0.95)
     prompt = torch.tensor([[1, 2, 3, 4, 1, 2, 3, 4, 1, 2]])
     exact = _exact_distribution(model, prompt, cfg, n)
     spec = (
@@ -193,7 +193,7 @@ def test_acceptance_rule_is_exact_over_several_positions():
     g = torch.Generator().manual_seed(1)
     p_logits = torch.randn(k + 1, V, generator=g) * 1.5
     q_probs = torch.softmax(torch.randn(k, V, generator=g), dim=-1)
-    cfg = SamplingConfig(temperature=1.0, top_p=1.0)
+    cfg = SamplingParams(temperature=1.0, top_p=1.0)
     p = probabilities(p_logits, cfg)
     logits = p_logits.expand(N, k + 1, V)
     for one_hot in (True, False):
@@ -212,7 +212,7 @@ def test_acceptance_rule_is_exact_over_several_positions():
         second = torch.where(accepted >= 2, drafts[:, 1], own)[accepted >= 1]
         assert len(second) > 1000
         assert _fits(second[:, None], p[1].double(), V) > P_MIN
-    greedy = SamplingConfig(temperature=0)
+    greedy = SamplingParams(temperature=0)
     top = p.argmax(dim=-1)
     d = torch.tensor([[int(top[0]), int(top[1])], [int(top[0]), int(p[1].argmin())]])
     tokens, a, per_row = accept(p_logits.expand(2, k + 1, V), d, torch.tensor([2, 2]), None, greedy, None)

@@ -26,7 +26,7 @@ from gptoss_lite.kv.base import KVCache, RollbackKVCache
 from gptoss_lite.kv.mixed import MixedKVCache
 from gptoss_lite.model.compiled_decode import CompiledDecoder
 from gptoss_lite.model.transformer import GPTOSS
-from gptoss_lite.sampling import SamplingConfig, sample
+from gptoss_lite.sampling import SamplingParams, sample
 from gptoss_lite.speculative import DraftModel, PromptLookup, Speculation, SpeculationStats, accept, make_drafter
 from gptoss_lite.validation import check_int
 
@@ -79,12 +79,61 @@ def _validate(model: GPTOSS, input_ids: torch.Tensor, max_new_tokens: int, attn_
         )
 
 
+# SamplingParams fields only the batched engine acts on: generate() refuses them rather than ignore them.
+ENGINE_ONLY_FIELDS = (
+    "stop_token_ids",
+    "stop",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "n",
+    "logits_processor",
+)
+
+
+def _sampling_params(
+    caller: str,
+    sampling: SamplingParams | None,
+    temperature: float | None,
+    top_p: float | None,
+    seed: int | None,
+) -> SamplingParams:
+    """The SamplingParams a generation draws with: `sampling`, or one built from the shorthands
+    (a shorthand left None keeps SamplingParams' default). Giving both is refused, and so are fields
+    generate() does not act on (ENGINE_ONLY_FIELDS); `max_tokens` is not read (max_new_tokens is)."""
+    defaults = SamplingParams()
+    if sampling is None:
+        return SamplingParams(
+            temperature=defaults.temperature if temperature is None else temperature,
+            top_p=defaults.top_p if top_p is None else top_p,
+            seed=seed,
+        )
+    if not isinstance(sampling, SamplingParams):
+        raise TypeError(f"sampling: expected a gptoss_lite.sampling.SamplingParams, got {type(sampling).__name__}")
+    shorthands = {"temperature": temperature, "top_p": top_p, "seed": seed}
+    given = [f"{name}={value!r}" for name, value in shorthands.items() if value is not None]
+    if given:
+        raise ValueError(
+            f"{caller}(): sampling= and {', '.join(given)} both say how to sample; give one of them "
+            "(temperature, top_p and seed go in the SamplingParams)"
+        )
+    unused = [name for name in ENGINE_ONLY_FIELDS if getattr(sampling, name) != getattr(defaults, name)]
+    if unused:
+        hint = "; stop token ids go in stop_tokens=" if "stop_token_ids" in unused else ""
+        raise ValueError(
+            f"{caller}(): SamplingParams {', '.join(unused)} act only in the batched engine "
+            f"(gptoss_lite.engine.LLM); {caller}() reads temperature, top_p and seed{hint}"
+        )
+    return sampling
+
+
 def stream_generate(
     model: GPTOSS,
     input_ids: torch.Tensor,
     max_new_tokens: int = 64,
-    temperature: float = 0.7,
-    top_p: float = 0.9,
+    temperature: float | None = None,
+    top_p: float | None = None,
     seed: int | None = None,
     stop_tokens: Sequence[int] | None = None,
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
@@ -92,9 +141,18 @@ def stream_generate(
     attn_impl: str = "fast",
     speculate: Speculation | None = None,
     stats: SpeculationStats | None = None,
+    *,
+    sampling: SamplingParams | None = None,
 ) -> Iterator[torch.Tensor]:
     """An iterator of the next token ids (B,) step by step; stops after max_new_tokens or when every
     row has produced a stop token (rows that stopped earlier keep repeating their stop token).
+
+    How tokens are chosen: `sampling`, a `SamplingParams` (the engine's type), or its shorthands
+    `temperature`, `top_p` and `seed`, not both. What is not given keeps SamplingParams' default:
+    temperature 1.0 and top_p 1.0, a plain draw from the softmax; temperature <= 0 is greedy, a seed
+    makes sampling reproducible. The length is `max_new_tokens` (SamplingParams.max_tokens is not
+    read) and the stops are `stop_tokens`; the fields only the engine acts on (stop_token_ids, stop,
+    logprobs, the penalties, logit_bias, n, logits_processor) are refused when set.
 
     A `cache` that already holds P tokens (a prefix-cache hit, or a shared system prompt prefilled
     once) is taken to hold the K/V of `input_ids[:, :P]`; only the rest of the prompt is prefilled.
@@ -106,7 +164,7 @@ def stream_generate(
 
     Arguments are validated here, eagerly, before any work starts.
     """
-    sampling = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)
+    sampling = _sampling_params("stream_generate", sampling, temperature, top_p, seed)
     _validate(model, input_ids, max_new_tokens, attn_impl, need_packed=True)
     check_int("prefill_chunk", prefill_chunk, minimum=1)
     B, T = input_ids.shape
@@ -197,7 +255,7 @@ def _cached_steps(
     model: GPTOSS,
     input_ids: torch.Tensor,
     max_new_tokens: int,
-    sampling: SamplingConfig,
+    sampling: SamplingParams,
     stop_tokens: Sequence[int] | None,
     prefill_chunk: int,
     cache: KVCache,
@@ -240,7 +298,7 @@ def _speculative_steps(
     model: GPTOSS,
     input_ids: torch.Tensor,
     max_new_tokens: int,
-    sampling: SamplingConfig,
+    sampling: SamplingParams,
     stop_tokens: Sequence[int] | None,
     prefill_chunk: int,
     cache: RollbackKVCache,
@@ -296,8 +354,8 @@ def generate(
     model: GPTOSS,
     input_ids: torch.Tensor,
     max_new_tokens: int = 64,
-    temperature: float = 0.7,
-    top_p: float = 0.9,
+    temperature: float | None = None,
+    top_p: float | None = None,
     seed: int | None = None,
     stop_tokens: Sequence[int] | None = None,
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
@@ -305,23 +363,24 @@ def generate(
     attn_impl: str = "fast",
     speculate: Speculation | None = None,
     stats: SpeculationStats | None = None,
+    *,
+    sampling: SamplingParams | None = None,
 ) -> torch.Tensor:
     """input_ids (B, T_prompt) -> (B, T_prompt + n_new) with n_new <= max_new_tokens (fewer only when
-    every row hit a stop token). Greedy when temperature <= 0; a seed makes sampling reproducible.
-    `speculate` and `stats`: see `stream_generate`."""
+    every row hit a stop token). `sampling` or `temperature`/`top_p`/`seed` (SamplingParams'
+    defaults when none is given: temperature 1.0, top_p 1.0), `speculate` and `stats`: see
+    `stream_generate`. Greedy when temperature <= 0; a seed makes sampling reproducible."""
     steps = stream_generate(
         model,
         input_ids,
         max_new_tokens,
-        temperature,
-        top_p,
-        seed,
-        stop_tokens,
-        prefill_chunk,
-        cache,
-        attn_impl,
-        speculate,
-        stats,
+        stop_tokens=stop_tokens,
+        prefill_chunk=prefill_chunk,
+        cache=cache,
+        attn_impl=attn_impl,
+        speculate=speculate,
+        stats=stats,
+        sampling=_sampling_params("generate", sampling, temperature, top_p, seed),
     )
     return _collect(input_ids, max_new_tokens, steps)
 
@@ -330,16 +389,18 @@ def generate_reference(
     model: GPTOSS,
     input_ids: torch.Tensor,
     max_new_tokens: int = 64,
-    temperature: float = 0.7,
-    top_p: float = 0.9,
+    temperature: float | None = None,
+    top_p: float | None = None,
     seed: int | None = None,
     stop_tokens: Sequence[int] | None = None,
     attn_impl: str = "reference",
+    *,
+    sampling: SamplingParams | None = None,
 ) -> torch.Tensor:
     """`generate` without a KV cache: each step runs the model on the whole sequence so far and takes
     the last position's logits. Same arguments, sampling and stop rule; the model needs eval mode and
     the ids' device, not decode packing. input_ids (B, T) -> (B, T + n_new)."""
-    sampling = SamplingConfig(temperature=temperature, top_p=top_p, seed=seed)
+    sampling = _sampling_params("generate_reference", sampling, temperature, top_p, seed)
     _validate(model, input_ids, max_new_tokens, attn_impl, need_packed=False)
     return _collect(
         input_ids,
@@ -353,7 +414,7 @@ def _uncached_steps(
     model: GPTOSS,
     input_ids: torch.Tensor,
     max_new_tokens: int,
-    sampling: SamplingConfig,
+    sampling: SamplingParams,
     stop_tokens: Sequence[int] | None,
     attn_impl: str,
 ) -> Iterator[torch.Tensor]:
@@ -373,7 +434,7 @@ def _uncached_steps(
         prev = token
 
 
-def _generator(sampling: SamplingConfig, device: torch.device) -> torch.Generator | None:
+def _generator(sampling: SamplingParams, device: torch.device) -> torch.Generator | None:
     if sampling.greedy or sampling.seed is None:
         return None
     return torch.Generator(device=device).manual_seed(sampling.seed)

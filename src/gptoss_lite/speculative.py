@@ -34,7 +34,7 @@ import torch
 
 from gptoss_lite.kv.mixed import MixedKVCache
 from gptoss_lite.model.transformer import GPTOSS
-from gptoss_lite.sampling import SamplingConfig, probabilities
+from gptoss_lite.sampling import SamplingParams, probabilities
 from gptoss_lite.validation import check_int
 
 
@@ -154,7 +154,7 @@ class _LookupDrafter:
             row.tokens.extend(ids)
 
     def propose(
-        self, k: int, sampling: SamplingConfig, generator: torch.Generator | None, device: torch.device
+        self, k: int, sampling: SamplingParams, generator: torch.Generator | None, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         drafts = [row.draft(k) for row in self.rows]
         width = max(map(len, drafts))
@@ -181,7 +181,7 @@ class _ModelDrafter:
         self.cache.truncate(min(self.cache.num_tokens, old + accepted))
 
     def propose(
-        self, k: int, sampling: SamplingConfig, generator: torch.Generator | None, device: torch.device
+        self, k: int, sampling: SamplingParams, generator: torch.Generator | None, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         B = self.seq.shape[0]
         if k == 0:
@@ -221,7 +221,7 @@ def verify(
     drafts: torch.Tensor,
     lengths: torch.Tensor,
     q: torch.Tensor | None,
-    sampling: SamplingConfig,
+    sampling: SamplingParams,
     generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The verification rule (module docstring) for each row on its own. logits (B, k+1, V): the
@@ -267,7 +267,7 @@ def accept(
     drafts: torch.Tensor,
     lengths: torch.Tensor,
     q: torch.Tensor | None,
-    sampling: SamplingConfig,
+    sampling: SamplingParams,
     generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, int, torch.Tensor]:
     """`verify`, then the batch keeps a = min over rows of the accepted counts (module docstring).

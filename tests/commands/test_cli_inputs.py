@@ -110,11 +110,11 @@ def test_tiny_temperature_samples_the_argmax_not_nan(capsys):
 @pytest.mark.parametrize("temperature", [1e-39, 1e-300, 5e-324])
 def test_sample_with_tiny_temperature_is_the_argmax(temperature):
     """sample() at a subnormal temperature returns the argmax rather than raising on inf/nan probabilities."""
-    from gptoss_lite.sampling import SamplingConfig, sample
+    from gptoss_lite.sampling import SamplingParams, sample
 
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 10
     for top_p in (1.0, 0.9):
-        got = sample(logits, SamplingConfig(temperature=temperature, top_p=top_p), torch.Generator().manual_seed(1))
+        got = sample(logits, SamplingParams(temperature=temperature, top_p=top_p), torch.Generator().manual_seed(1))
         assert torch.equal(got, logits.argmax(dim=-1))
 
 

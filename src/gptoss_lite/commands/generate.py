@@ -54,13 +54,14 @@ def run(args: argparse.Namespace) -> int:
         speculation_line,
     )
     from gptoss_lite.generation import stream_generate
-    from gptoss_lite.sampling import SamplingConfig
+    from gptoss_lite.sampling import SamplingParams
     from gptoss_lite.speculative import SpeculationStats
     from gptoss_lite.validation import check_int
 
-    # Everything checkable without the model is checked before it is loaded.
+    # Everything checkable without the model is checked before it is loaded. The flags' defaults
+    # (temperature 0.7, top-p 0.9) are this command's choice; the library's are SamplingParams'.
     try:
-        SamplingConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+        sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     except (ValueError, TypeError) as exc:
         flag = next(
             (
@@ -110,14 +111,12 @@ def run(args: argparse.Namespace) -> int:
         model,
         input_ids,
         args.max_new_tokens,
-        args.temperature,
-        args.top_p,
-        seed=args.seed,
         stop_tokens=stops,
         prefill_chunk=kv.prefill_chunk(args.prefill_chunk),
         cache=cache,
         speculate=speculate,
         stats=spec_stats,
+        sampling=sampling,
     )
     new: list[int] = []
     t_first = None

@@ -1,5 +1,8 @@
 """A request's life in the engine: its prompt, sampling rules, output so far, timings and status.
 
+The sampling rules are `gptoss_lite.sampling.SamplingParams` (re-exported here and from
+`gptoss_lite.engine`), the type `generate()` takes too.
+
 The engine computes a request's tokens in order. `num_computed` tokens of `all_token_ids` have their
 K/V in the cache; a step runs the next n of them (a prefill chunk, or the one token a decode step
 feeds back) and, when that reaches the end of `all_token_ids`, samples one new token. Preemption by
@@ -9,119 +12,17 @@ its prompt and output so far are simply run again, as one longer prompt.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from gptoss_lite.engine.detokenize import TextStream
-from gptoss_lite.sampling import MAX_SEED, SamplingConfig
+from gptoss_lite.sampling import SamplingParams  # re-exported: the engine's parameter type
 from gptoss_lite.speculative import NgramIndex, RequestDrafter
-from gptoss_lite.validation import check_int
-
-MAX_LOGPROBS = 20  # top alternatives a request may ask for per token
-MAX_N = 128  # samples of one prompt per request
-MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (the OpenAI range)
-MAX_LOGIT_BIAS = 100.0  # |bias| per token (the OpenAI range: -100 bans a token, +100 forces it)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one request generates. temperature <= 0 is greedy; generation stops after `max_tokens`,
-    at the tokenizer's end-of-sequence token (unless `ignore_eos`), at any of `stop_token_ids`, or
-    when the text contains one of the `stop` strings (the text is cut before it).
-
-    Before a token is chosen its logits are adjusted, as the OpenAI API defines: `logit_bias` adds a
-    bias to given token ids ({id: bias}, each in [-100, 100]); `presence_penalty` is subtracted once
-    from every token already generated and `frequency_penalty` once per time it was generated (both
-    in [-2, 2]). `logprobs` k (0..20) reports, for every generated token, its log-probability and
-    the k most likely tokens' (log_softmax of the adjusted logits, before temperature and top-p).
-
-    `logits_processor(token_ids, logits) -> logits` is called last, on every step of the request,
-    with the tokens generated so far and that step's fp32 logits (V,); it returns the logits to draw
-    from (for example -inf outside what a grammar allows). A processor that keeps state per sample
-    defines `fork()`, which gives samples 1..n-1 their own. What it raises fails its request alone.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # also accepted as a {token id: bias} mapping
-    n: int = 1  # samples of the prompt; sample i > 0 draws with seed + i (see `for_sample`)
-    logits_processor: Callable[[list[int], torch.Tensor], torch.Tensor] | None = None
-
-    def __post_init__(self) -> None:
-        check_int("max_tokens", self.max_tokens, minimum=1)
-        if self.seed is not None:
-            check_int("seed", self.seed, 0, MAX_SEED)
-        self.sampling_config()  # temperature and top_p checks live there
-        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Sequence):
-            raise TypeError(f"stop_token_ids={self.stop_token_ids!r}: expected a sequence of ints")
-        ids = tuple(check_int("stop_token_ids", t, 0) for t in self.stop_token_ids)
-        object.__setattr__(self, "stop_token_ids", ids)
-        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
-        if not isinstance(stop, Sequence) or not all(isinstance(s, str) and s for s in stop):
-            raise TypeError(f"stop={self.stop!r}: expected a non-empty string or a sequence of them")
-        object.__setattr__(self, "stop", tuple(stop))
-        if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"ignore_eos={self.ignore_eos!r}: expected a bool")
-        if self.logprobs is not None:
-            check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
-                raise ValueError(f"{name}={value!r}: must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
-        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
-        pairs = []
-        for entry in bias:
-            if not isinstance(entry, (tuple, list)) or len(entry) != 2:
-                raise TypeError(f"logit_bias: expected {{token id: bias}} or (id, bias) pairs, got {entry!r}")
-            token, value = check_int("logit_bias token id", entry[0], 0), entry[1]
-            if not _is_number(value) or not abs(value) <= MAX_LOGIT_BIAS:
-                raise ValueError(f"logit_bias[{token}]={value!r}: must be a number in [-100, 100]")
-            pairs.append((token, float(value)))
-        object.__setattr__(self, "logit_bias", tuple(sorted(pairs)))
-        check_int("n", self.n, 1, MAX_N)
-        if self.logits_processor is not None and not callable(self.logits_processor):
-            raise TypeError(f"logits_processor={self.logits_processor!r}: expected a callable")
-
-    def for_sample(self, index: int) -> SamplingParams:
-        """The parameters sample `index` of an n-sample request draws with: n=1, and the seed plus
-        `index` (mod 2^64) when there is a seed. So sample i equals a single request with that seed."""
-        seed = None if self.seed is None else (self.seed + index) % (MAX_SEED + 1)
-        processor = self.logits_processor
-        if index > 0 and hasattr(processor, "fork"):
-            processor = processor.fork()
-        return dataclasses.replace(self, n=1, seed=seed, logits_processor=processor)
-
-    @property
-    def adjusts_logits(self) -> bool:
-        """Whether logit_bias, a penalty or a logits processor changes the logits before a token is chosen."""
-        return (
-            bool(self.logit_bias)
-            or self.presence_penalty != 0
-            or self.frequency_penalty != 0
-            or self.logits_processor is not None
-        )
-
-    def sampling_config(self) -> SamplingConfig:
-        """The `gptoss_lite.sampling` config these parameters draw with (raises on bad values)."""
-        return SamplingConfig(temperature=self.temperature, top_p=self.top_p, seed=self.seed)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 class RequestStatus(enum.Enum):
@@ -222,14 +123,13 @@ class Request:
         self.draft: list[int] = []
         self.acceptance = 0.5  # running estimate of the share of its draft tokens the verification keeps
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
-        self.config = sampling.sampling_config()
         self.stop_ids = set(sampling.stop_token_ids)
         if eos_id is not None and not sampling.ignore_eos:
             self.stop_ids.add(eos_id)
         # The same generator `generate()` seeds for a one-row batch, so a seeded request draws the
         # same tokens alone or in a batch.
         self.generator: torch.Generator | None = None
-        if not self.config.greedy and sampling.seed is not None:
+        if not sampling.greedy and sampling.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling.seed)
 
     @property

@@ -113,7 +113,9 @@ class ModelRunner:
         for request in samplers:
             firsts.append(row)
             row += 1 + len(request.draft)
-        plain = [i for i, r in enumerate(samplers) if r.config.greedy and not r.sampling.adjusts_logits and not r.draft]
+        plain = [
+            i for i, r in enumerate(samplers) if r.sampling.greedy and not r.sampling.adjusts_logits and not r.draft
+        ]
         tokens: list[int | list[int] | str] = [0] * len(samplers)
         logprobs: list[TokenLogprobs | None] = [None] * len(samplers)
         if plain:
@@ -134,10 +136,10 @@ class ModelRunner:
                 if request.sampling.adjusts_logits:
                     row = request.adjusted_logits(row)
                 if i not in plain_set:
-                    if request.config.greedy:
+                    if request.sampling.greedy:
                         tokens[i] = int(row.argmax(dim=-1)[0])
                     else:
-                        tokens[i] = int(sample(row, request.config, request.generator)[0])
+                        tokens[i] = int(sample(row, request.sampling, request.generator)[0])
                 if request.sampling.logprobs is not None:
                     logprobs[i] = token_logprobs(row[0], int(tokens[i]), request.sampling.logprobs)
             except Exception as exc:  # noqa: BLE001 - confined to this request (LLM.step fails it alone)
@@ -151,7 +153,7 @@ class ModelRunner:
         the accepted drafts, then the request's own token at the first rejection (or after the last)."""
         draft = torch.tensor(request.draft, device=rows.device)
         lengths = torch.tensor([len(request.draft)], device=rows.device)
-        accepted, own = verify(rows[None].float(), draft[None], lengths, None, request.config, request.generator)
+        accepted, own = verify(rows[None].float(), draft[None], lengths, None, request.sampling, request.generator)
         a = int(accepted[0])
         return [*request.draft[:a], int(own[0])]
 
