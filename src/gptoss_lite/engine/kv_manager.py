@@ -51,10 +51,11 @@ class KVManager:
         tail_blocks: int,
         revision: str,
         enable_prefix_caching: bool,
-        kv_budget: int | None,
+        full_window: int | None,
     ) -> KVManager:
         """The store (16-bit blocks, or int8 / int4 full-layer blocks with `tail_blocks` full-precision
-        tails; the full layers' group keeps the last `kv_budget` keys, if given) and its manager."""
+        tails; the full layers' group keeps the last `full_window` keys, if given:
+        docs/engine.md#full-layer-window) and its manager."""
         quant = {}
         store_type: type[PagedKVStore] = PagedKVStore
         if kv_bits != 16 and config.full_layers:
@@ -64,7 +65,7 @@ class KVManager:
             kv_blocks,
             block_size,
             sliding_blocks=sliding_blocks,
-            full_window=kv_budget,
+            full_window=full_window,
             dtype=dtype,
             device=device,
             **quant,

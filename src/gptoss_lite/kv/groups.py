@@ -8,7 +8,7 @@ A `KVGroup` is that unit:
 - `SlidingGroup`: the sliding layers; every query attends to the last W keys
   (`config.sliding_window`), so blocks that fall behind the window are released.
 - `FullGroup`: the full layers; every query sees every key, unless the group has a *full-layer
-  window* N (docs/engine.md#kv-budget): then its queries attend to their last N keys and its
+  window* N (docs/engine.md#full-layer-window): then its queries attend to their last N keys and its
   blocks are released exactly as a sliding group's are.
 
 Everything that differs between the kinds is the window (W, N or none), so the rules below are
@@ -149,7 +149,7 @@ class SlidingGroup(KVGroup):
 
 class FullGroup(KVGroup):
     """The full layers: every key, or the last `window` keys under a full-layer window
-    (docs/engine.md#kv-budget)."""
+    (docs/engine.md#full-layer-window)."""
 
     name = FULL
     word = "full-layer"

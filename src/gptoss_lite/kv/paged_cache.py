@@ -66,7 +66,7 @@ class PagedKVStore:
 
     `total_blocks` sizes the full-layer pool, `sliding_blocks` the sliding-layer pool (default: the
     same). `full_window` N gives the full layers a window of their last N keys
-    (docs/engine.md#kv-budget; the batched engine reads it, `PagedKVCache` refuses it).
+    (docs/engine.md#full-layer-window; the batched engine reads it, `PagedKVCache` refuses it).
     """
 
     def __init__(
