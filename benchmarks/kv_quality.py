@@ -14,8 +14,8 @@ figure (docs/kv-cache.md#measured-quality):
 - `needle`: after the whole prompt is prefilled under a budget, the fraction of the needle's key digits
   each full layer still holds (per KV head, averaged): why StreamingLLM fails and what H2O keeps.
 - `engine`: the passkey grid through the batched engine (`gptoss_lite.engine.LLM`) on its paged blocks:
-  settings 16 / 8 / 4 (int8 / int4 blocks) and window@N (the engine's KV budget: full layers attend to
-  their last N keys), with the full-layer block bytes per request and the wall time.
+  settings 16 / 8 / 4 (int8 / int4 blocks) and window@N (the engine's full-layer window: full layers
+  attend to their last N keys), with the full-layer block bytes per request and the wall time.
 - `plot`: passkey accuracy and next-token agreement against full-layer KV bytes per sequence.
 
     python benchmarks/kv_quality.py passkey --trials 30 --out docs/img/kv_quality_passkey.json
@@ -94,13 +94,13 @@ def run_passkey(args, model, tok) -> None:
 
 
 def engine_setting(text: str) -> tuple[int, int | None, str]:
-    """'16' / '8' / '4' -> kv_bits; 'window@N' -> the engine's KV budget of N tokens. Returns
-    (kv_bits, kv_budget, label)."""
+    """'16' / '8' / '4' -> kv_bits; 'window@N' -> the engine's full-layer window of N tokens. Returns
+    (kv_bits, full_window, label)."""
     if text.startswith("window@"):
-        budget = int(text.split("@", 1)[1])
-        if budget < 1:
-            raise ValueError(f"{text}: the budget must be >= 1 token")
-        return 16, budget, text
+        window = int(text.split("@", 1)[1])
+        if window < 1:
+            raise ValueError(f"{text}: the full-layer window must be >= 1 token")
+        return 16, window, text
     bits = int(text)
     if bits not in (16, 8, 4):
         raise ValueError(f"{text}: kv bits must be 16, 8 or 4")
@@ -121,17 +121,17 @@ def run_engine(args, model, tok) -> None:
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     print(f"engine passkey: {args.trials} keys x 3 depths per length, lengths {args.lengths}", flush=True)
     for text in args.settings:
-        bits, budget, label = engine_setting(text)
+        bits, window, label = engine_setting(text)
         entry = {"accuracy": {}, "accuracy_by_depth": {}, "full_layer_bytes": {}, "seconds": {}}
         for n in args.lengths:
-            llm = LLM(model, kv_bits=bits, kv_budget=budget, enable_prefix_caching=budget is None)
+            llm = LLM(model, kv_bits=bits, full_window=window, enable_prefix_caching=window is None)
             cases = [(key, d) for key in evaluator.keys(n) for d in depths]
             t0 = time.perf_counter()
             outs = llm.generate([evaluator.prompt_ids(n, key, d) for key, d in cases], params)
             seconds = time.perf_counter() - t0
             hits = [extract_passkey(tok.decode(o.token_ids)) == key for o, (key, _) in zip(outs, cases)]
             by_depth = {str(d): sum(h for h, (_, dd) in zip(hits, cases) if dd == d) / args.trials for d in depths}
-            held = n if budget is None else min(n, budget)  # tokens a request's full layers hold (+ < 1 block)
+            held = n if window is None else min(n, window)  # tokens a request's full layers hold (+ < 1 block)
             blocks = math.ceil(held / llm.kv.block_size)
             entry["accuracy"][str(n)] = sum(hits) / len(hits)
             entry["accuracy_by_depth"][str(n)] = by_depth

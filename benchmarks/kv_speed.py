@@ -8,7 +8,7 @@ first token) and the ratio of both to the 16-bit engine measured in the same rou
 
     python benchmarks/kv_speed.py --settings 16 8 4 window@1024 --rounds 3
 
-Settings: 16, 8, 4 (`kv_bits`), window@N (`kv_budget=N`, prefix caching off).
+Settings: 16, 8, 4 (`kv_bits`), window@N (`full_window=N`, prefix caching off).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from gptoss_lite.engine.request import percentile
 
 def engine_kwargs(setting: str) -> dict:
     if setting.startswith("window@"):
-        return {"kv_budget": int(setting.split("@", 1)[1]), "enable_prefix_caching": False}
+        return {"full_window": int(setting.split("@", 1)[1]), "enable_prefix_caching": False}
     return {"kv_bits": int(setting)}
 
 

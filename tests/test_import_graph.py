@@ -181,12 +181,12 @@ def test_allowlist_rule_catches_a_stray_import(tmp_path):
 
 
 KV_DOOR = {"kv_manager.py", "paged_batch.py"}  # the KV manager, and the batch view it hands the model
-KV_INSIDES = {"store", "pools", "prefix"}
+KV_INSIDES = {"store", "groups", "pools", "prefix"}
 
 
 def kv_door_violations(engine_dir: Path) -> list[str]:
-    """'file:line .name' for every read of a store, its pools or its prefix caches in an engine module
-    other than the KV manager (and the batch view it builds)."""
+    """'file:line .name' for every read of a store, its KV groups, pools or prefix caches in an engine
+    module other than the KV manager (and the batch view it builds)."""
     found = []
     for path in sorted(engine_dir.glob("*.py")):
         if path.name in KV_DOOR:
@@ -197,7 +197,7 @@ def kv_door_violations(engine_dir: Path) -> list[str]:
     return found
 
 
-def test_only_the_kv_manager_touches_pools_prefix_caches_and_stores():
+def test_only_the_kv_manager_touches_groups_pools_prefix_caches_and_stores():
     """KVManager is the engine's one door to KV: the scheduler, the runner and the facade ask it."""
     engine = Path(__file__).resolve().parents[1] / "src" / "gptoss_lite" / "engine"
     broken = kv_door_violations(engine)
@@ -205,9 +205,13 @@ def test_only_the_kv_manager_touches_pools_prefix_caches_and_stores():
 
 
 def test_the_kv_door_rule_catches_a_stray_read(tmp_path):
-    (tmp_path / "scheduler.py").write_text("def f(kv):\n    return kv.store.pools\n")
-    (tmp_path / "kv_manager.py").write_text("def g(self):\n    return self.store.prefix\n")
-    assert kv_door_violations(tmp_path) == ["scheduler.py:2 .pools", "scheduler.py:2 .store"]
+    (tmp_path / "scheduler.py").write_text("def f(kv):\n    return kv.store.pools, kv.groups[0].window\n")
+    (tmp_path / "kv_manager.py").write_text("def g(self):\n    return self.store.prefix, self.groups\n")
+    assert sorted(kv_door_violations(tmp_path)) == [
+        "scheduler.py:2 .groups",
+        "scheduler.py:2 .pools",
+        "scheduler.py:2 .store",
+    ]
 
 
 def runner_request_writes(source: str) -> list[str]:

@@ -67,20 +67,20 @@ def test_bad_flags(capsys, argv, match):
 
 @pytest.mark.parametrize(
     "flags,expect",
-    [(["--kv-bits", "8"], (8, None)), (["--kv-budget", "40", "--no-prefix-caching"], (16, 40))],
+    [(["--kv-bits", "8"], (8, None)), (["--full-window", "40", "--no-prefix-caching"], (16, 40))],
 )
 def test_kv_flags_reach_the_engine(capsys, flags, expect):
     out = run_json(capsys, "--requests", "3", "--prompt-len", "8:60", "--max-tokens", "4", *flags)
-    assert (out["kv_bits"], out["kv_budget"]) == expect
+    assert (out["kv_bits"], out["full_window"]) == expect
     assert out["engine"]["requests"] == 3
 
 
 @pytest.mark.parametrize(
     "flags,message",
     [
-        (["--kv-budget", "64"], "--no-prefix-caching"),
-        (["--kv-budget", "64", "--no-prefix-caching", "--kv-bits", "4"], "give one of them"),
-        (["--kv-budget", "0", "--no-prefix-caching"], "--kv-budget"),
+        (["--full-window", "64"], "--no-prefix-caching"),
+        (["--full-window", "64", "--no-prefix-caching", "--kv-bits", "4"], "give one of them"),
+        (["--full-window", "0", "--no-prefix-caching"], "--full-window"),
         (["--kv-bits", "3"], "invalid choice"),
     ],
 )

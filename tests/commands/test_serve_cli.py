@@ -30,8 +30,8 @@ SRC = Path(__file__).resolve().parents[2] / "src"
         (["--api-key", "a="], "non-empty"),
         (["--drain-timeout", "-1"], "--drain-timeout"),
         (["--api-key-file", "/no/such/file"], "No such file"),
-        (["--kv-budget", "512"], "--no-prefix-caching"),
-        (["--kv-budget", "512", "--no-prefix-caching", "--kv-bits", "8"], "give one of them"),
+        (["--full-window", "512"], "--no-prefix-caching"),
+        (["--full-window", "512", "--no-prefix-caching", "--kv-bits", "8"], "give one of them"),
         (["--stalled-client-timeout", "0"], "--stalled-client-timeout"),
         (["--header-timeout", "nan"], "--header-timeout"),
         (["--allowed-host", "http://x"], "--allowed-host"),
@@ -41,6 +41,21 @@ def test_bad_flags_fail_before_loading(argv, match, capsys):
     """A bad flag is one clear error line and exit status 2 (nothing is loaded or bound)."""
     assert main(["serve", "--model", "no-such-model-is-loaded", *argv]) == 2
     assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["serve", "bench-serve"])
+def test_the_old_kv_budget_flag_names_full_window(command, capsys):
+    """The engine's full-layer window is --full-window; the old --kv-budget is an argparse error naming
+    it (not taken silently), and --help does not list it."""
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--model", "no-such-model-is-loaded", "--kv-budget", "512", "--no-prefix-caching"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--kv-budget: renamed to --full-window N" in err and "eviction budget" in err
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert "--full-window N" in out and "--kv-budget" not in out
 
 
 def test_api_keys_map_to_tenants(tmp_path):

@@ -1,5 +1,5 @@
 """The engine with its all-decode steps compiled (LLM(compile_decode=True)): greedy outputs equal
-generate() on each request alone under random arrivals, preemption, prefix hits and a KV budget; one
+generate() on each request alone under random arrivals, preemption, prefix hits and a full-layer window; one
 graph serves every batch size and context length; quantised blocks stay eager."""
 
 import copy
@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 
 from gptoss_lite.engine import LLM, SamplingParams
 from tests.engine.conftest import assert_nothing_leaks, assert_same_as_generate, random_workload, recording, run
-from tests.engine.test_kv_budget import windowed
+from tests.engine.test_full_window import windowed
 
 
 def _compiled_llm(model, **kwargs) -> LLM:
@@ -51,10 +51,10 @@ def test_preemption_and_prefix_hits_keep_outputs(models):
     assert_nothing_leaks(llm)
 
 
-def test_kv_budget_equals_windowed_generate(models):
+def test_full_window_equals_windowed_generate(models):
     model = models("shipped")
     work = random_workload(random.Random(64), model.config.vocab_size, 12, 300, 60, 4)
-    llm = _compiled_llm(model, kv_budget=64, enable_prefix_caching=False, kv_blocks=30, max_batch_tokens=96)
+    llm = _compiled_llm(model, full_window=64, enable_prefix_caching=False, kv_blocks=30, max_batch_tokens=96)
     done = run(llm, work)
     assert len(done) == 12 and llm.runner.compiled_steps > 0
     assert_same_as_generate(windowed(model, 64), llm, work, done, exact=True)

@@ -1,4 +1,4 @@
-"""A server over an engine with int4 blocks or a KV budget answers what that engine generates, and its
+"""A server over an engine with int4 blocks or a full-layer window answers what that engine generates, and its
 metrics name the setting."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from gptoss_lite.engine import SamplingParams
 PROMPT = "The pass key is 52718. Remember it. " * 6 + "The pass key is"
 
 
-@pytest.mark.parametrize("kwargs", [{"kv_bits": 4}, {"kv_budget": 48, "enable_prefix_caching": False}])
+@pytest.mark.parametrize("kwargs", [{"kv_bits": 4}, {"full_window": 48, "enable_prefix_caching": False}])
 def test_completion_equals_the_engines_generate(kwargs):
     llm = tiny_llm(**kwargs)
     want = llm.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0))[0].text

@@ -243,7 +243,7 @@ def _print(result: dict) -> None:
                 "dtype",
                 "threads",
                 "kv_bits",
-                "kv_budget",
+                "full_window",
                 "compile_decode",
                 "speculate",
                 "decode_reserve",
@@ -252,8 +252,8 @@ def _print(result: dict) -> None:
         return
     e, p = result["engine"], result["planner"]
     kv = f"int{result['kv_bits']} KV" if result["kv_bits"] != 16 else "16-bit KV"
-    if result["kv_budget"] is not None:
-        kv += f", budget {result['kv_budget']:,} tokens"
+    if result["full_window"] is not None:
+        kv += f", full-layer window {result['full_window']:,} tokens"
     compiled = "eager decode"
     if result["compile_s"] is not None:
         compiled = f"compiled decode ({result['compile_s']:.1f} s to compile)"

@@ -359,8 +359,21 @@ def kv_settings(args: argparse.Namespace):
 DEFAULT_DECODE_RESERVE = 256  # serve / bench-serve: decode tokens of growth kept free per running request
 
 
+class _RenamedFlag(argparse.Action):
+    """A flag the command no longer takes: giving it is an argparse error that names its replacement
+    (hidden from --help; nothing is stored)."""
+
+    def __init__(self, option_strings, dest, *, replacement: str, **kwargs) -> None:
+        kwargs.update(nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        super().__init__(option_strings, dest, **kwargs)
+        self.replacement = replacement
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(f"{option_string}: {self.replacement}")
+
+
 def add_engine_kv_args(parser: argparse.ArgumentParser) -> None:
-    """--kv-bits and --kv-budget for the engine (docs/engine.md#kv-bits and #kv-budget)."""
+    """--kv-bits and --full-window for the engine (docs/engine.md#kv-bits and #full-layer-window)."""
     parser.add_argument(
         "--kv-bits",
         type=int,
@@ -369,12 +382,19 @@ def add_engine_kv_args(parser: argparse.ArgumentParser) -> None:
         help="full-layer KV blocks: 16 keeps the model's dtype, 8 or 4 stores int8 / int4 codes (default: 16)",
     )
     parser.add_argument(
-        "--kv-budget",
+        "--full-window",
         type=int,
         default=None,
         metavar="N",
         help="full layers attend to their last N tokens and release older blocks (a sliding window; the "
-        "model's learned sinks stand in for sink tokens); needs --no-prefix-caching (default: no budget)",
+        "model's learned sinks stand in for sink tokens); needs --no-prefix-caching (default: every token)",
+    )
+    parser.add_argument(
+        "--kv-budget",
+        action=_RenamedFlag,
+        dest="renamed_kv_budget",
+        replacement="renamed to --full-window N for the engine (full layers attend to their last N tokens); "
+        "--kv-budget is the eviction budget of generate, passkey and ruler",
     )
     parser.add_argument(
         "--no-compile",
@@ -409,16 +429,18 @@ def add_engine_kv_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kv_kwargs(args: argparse.Namespace) -> dict:
-    """LLM keyword arguments from --kv-bits / --kv-budget / --no-compile / --speculate / --draft-tokens,
+    """LLM keyword arguments from --kv-bits / --full-window / --no-compile / --speculate / --draft-tokens,
     checked before the model loads."""
     from gptoss_lite.validation import check_int
 
-    if args.kv_budget is not None:
-        check_int("--kv-budget", args.kv_budget, 1)
+    if args.full_window is not None:
+        check_int("--full-window", args.full_window, 1)
         if args.kv_bits != 16:
-            raise ValueError(f"--kv-budget {args.kv_budget} with --kv-bits {args.kv_bits}: give one of them")
+            raise ValueError(f"--full-window {args.full_window} with --kv-bits {args.kv_bits}: give one of them")
         if not args.no_prefix_caching:
-            raise ValueError("--kv-budget releases prompt blocks the prefix cache would need; add --no-prefix-caching")
+            raise ValueError(
+                "--full-window releases prompt blocks the prefix cache would need; add --no-prefix-caching"
+            )
     speculate = None
     if args.speculate == "lookup":
         from gptoss_lite.speculative import PromptLookup
@@ -426,7 +448,7 @@ def engine_kv_kwargs(args: argparse.Namespace) -> dict:
         speculate = PromptLookup(k=check_int("--draft-tokens", args.draft_tokens, 1))
     return {
         "kv_bits": args.kv_bits,
-        "kv_budget": args.kv_budget,
+        "full_window": args.full_window,
         "compile_decode": not args.no_compile,
         "decode_reserve": check_int("--decode-reserve", args.decode_reserve, 0),
         "speculate": speculate,

@@ -159,9 +159,9 @@ def planner_figures(llm: LLM, context_tokens: int) -> dict[str, float]:
     )
     resident = max_resident_requests(hw, geometry, context_tokens)
     knee = batch_knee(hw, geometry, context_tokens)
-    if llm.kv_budget is not None and context_tokens > llm.kv_budget:
-        # a budget keeps the last kv_budget tokens of every full layer, a window (docs/engine.md#kv-budget)
-        dropped = geometry.full_layers * (context_tokens - llm.kv_budget) * geometry.bytes_per_token_per_layer
+    if llm.full_window is not None and context_tokens > llm.full_window:
+        # every full layer keeps its last full_window tokens (docs/engine.md#full-layer-window)
+        dropped = geometry.full_layers * (context_tokens - llm.full_window) * geometry.bytes_per_token_per_layer
         per_request = geometry.sequence_bytes(context_tokens) - dropped
         resident = (hw.device_capacity_bytes - hw.resident_bytes - hw.runtime_reserve_bytes) // per_request
         knee = hw.weight_bytes / per_request

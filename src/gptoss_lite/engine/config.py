@@ -28,11 +28,12 @@ class EngineConfig:
 
     KV memory: `kv_blocks` (and `sliding_blocks`) size the pools directly; otherwise they are what
     `kv_cache_bytes` (default 1 GiB) holds, capped by what `max_running` requests of `max_model_len`
-    tokens need. `kv_bits` 8 or 4 stores full-layer blocks as int8 / int4 codes. `kv_budget` N keeps
-    only the last N keys of every full layer for each query (a window, not the eviction budget of
-    `kv.evicting_cache`). `decode_reserve` N is the admission watermark: blocks kept for every running
-    request's next N decode tokens. `speculate` drafts decoding requests' tokens by prompt lookup or with a draft model.
-    `compile_decode` None decodes as the model was prepared.
+    tokens need. `kv_bits` 8 or 4 stores full-layer blocks as int8 / int4 codes. `full_window` N keeps
+    only the last N keys of every full layer for each query (a full-layer window, not the eviction
+    budget of `kv.evicting_cache`; docs/engine.md#full-layer-window). `decode_reserve` N is the
+    admission watermark: blocks kept for every running request's next N decode tokens. `speculate`
+    drafts decoding requests' tokens by prompt lookup or with a draft model. `compile_decode` None
+    decodes as the model was prepared.
     """
 
     kv_blocks: int | None = None
@@ -47,7 +48,7 @@ class EngineConfig:
     max_model_len: int | None = None
     kv_bits: int = 16
     kv_cache_bytes: int | None = None
-    kv_budget: int | None = None
+    full_window: int | None = None
     compile_decode: bool | None = None
     speculate: PromptLookup | DraftModel | None = None
     decode_reserve: int = 0
@@ -63,13 +64,13 @@ class EngineConfig:
             raise TypeError(f"enable_prefix_caching={self.enable_prefix_caching!r}: expected a bool")
         if isinstance(self.kv_bits, bool) or self.kv_bits not in KV_BITS:
             raise ValueError(f"kv_bits={self.kv_bits!r}: must be one of {KV_BITS}")
-        if self.kv_budget is not None:
-            check_int("kv_budget", self.kv_budget, 1)
+        if self.full_window is not None:
+            check_int("full_window", self.full_window, 1)
             if self.kv_bits != 16:
-                raise ValueError(f"kv_budget={self.kv_budget} with kv_bits={self.kv_bits}: give one of them")
+                raise ValueError(f"full_window={self.full_window} with kv_bits={self.kv_bits}: give one of them")
             if self.enable_prefix_caching:
                 raise ValueError(
-                    f"kv_budget={self.kv_budget} releases prompt blocks the prefix cache would need; "
+                    f"full_window={self.full_window} releases prompt blocks the prefix cache would need; "
                     "pass enable_prefix_caching=False"
                 )
         if self.speculate is not None and not isinstance(self.speculate, (PromptLookup, DraftModel)):

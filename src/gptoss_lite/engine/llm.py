@@ -118,8 +118,8 @@ def _weights_revision(model: GPTOSS) -> str:
 
 class LLM:
     """Continuous-batching engine over a paged KV pool (see the module docstring and docs/engine.md).
-    Its knobs are `EngineConfig`'s fields (engine/config.py): KV memory, bits and budget, batch and
-    step sizes, the admission watermark, speculation, compiled decode."""
+    Its knobs are `EngineConfig`'s fields (engine/config.py): KV memory, bits and full-layer window,
+    batch and step sizes, the admission watermark, speculation, compiled decode."""
 
     def __init__(self, model: GPTOSS | str | Path, *, tokenizer=None, config: EngineConfig | None = None, **knobs):
         """model: a prepared GPTOSS, a checkpoint directory or a preset name. knobs: EngineConfig
@@ -131,9 +131,10 @@ class LLM:
         self.tokenizer = tokenizer if tokenizer is not None else _own_tokenizer(model_dir, self.config)
         limit = self.config.max_position_embeddings
         self.max_model_len = check_int("max_model_len", cfg.max_model_len or limit, 1, limit)
-        self.enable_prefix_caching, self.kv_bits, self.kv_budget = cfg.enable_prefix_caching, cfg.kv_bits, cfg.kv_budget
+        self.enable_prefix_caching, self.kv_bits = cfg.enable_prefix_caching, cfg.kv_bits
+        self.full_window = cfg.full_window
         self.kv = self._make_kv(cfg, model, source, model_dir)
-        if cfg.kv_budget is None:  # a request's whole length must fit in the (first) pool
+        if cfg.full_window is None:  # a request's whole length must fit in the (first) pool
             self.max_model_len = min(self.max_model_len, self.kv.pool_tokens())
         step, running, reserve = cfg.max_batch_tokens, cfg.max_running, cfg.decode_reserve
         self.scheduler = Scheduler(self.kv, max_batch_tokens=step, max_running=running, decode_reserve=reserve)
@@ -202,7 +203,7 @@ class LLM:
             tail_blocks=cfg.tail_blocks,
             revision=cfg.revision if cfg.revision is not None else self._default_revision(model, source, model_dir),
             enable_prefix_caching=cfg.enable_prefix_caching,
-            kv_budget=cfg.kv_budget,
+            full_window=cfg.full_window,
         )
 
     # ------------------------------------------------------------------ setup helpers
@@ -218,7 +219,7 @@ class LLM:
         self, block_size: int, max_running: int, max_batch_tokens: int, dtype: torch.dtype, budget: int
     ) -> int:
         """Blocks per pool: `budget` bytes over both pools, but no more than max_running
-        requests of max_model_len tokens need (under a KV budget, of the budget plus one step)."""
+        requests of max_model_len tokens need (under a full-layer window, of the window plus one step)."""
         cfg = self.config
         layer_block = 2 * cfg.n_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size() * block_size
         if self.kv_bits == 16:
@@ -227,10 +228,9 @@ class LLM:
             full = quantized_block_bytes(cfg, block_size, self.kv_bits)
             block_bytes = full + layer_block * len(cfg.sliding_layers)
         by_memory = budget // block_bytes
-        held = (
-            self.max_model_len if self.kv_budget is None else min(self.max_model_len, self.kv_budget + max_batch_tokens)
-        )
-        by_need = max_running * (math.ceil(held / block_size) + (self.kv_budget is not None))
+        window = self.full_window
+        held = self.max_model_len if window is None else min(self.max_model_len, window + max_batch_tokens)
+        by_need = max_running * (math.ceil(held / block_size) + (window is not None))
         return max(1, min(by_memory, by_need))
 
     def _default_sliding_blocks(self, kv_blocks: int, block_size: int, max_running: int, max_batch_tokens: int) -> int:

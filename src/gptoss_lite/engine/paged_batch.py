@@ -18,8 +18,9 @@ On a `QuantizedPagedStore` the full layers differ in storage only: the step's wr
 their complete blocks a chunk of columns at a time, dequantised when the layer reaches that chunk,
 then their full-precision tail; prefill segments read a segmented `KVRead` over the same blocks.
 
-Under a KV budget N (`full_window`) full layers attend like sliding layers with a window of N keys
-(the read's `horizon`; their blocks are released the same way, see docs/engine.md#kv-budget).
+Under a full-layer window N (`full_window`) full layers attend like sliding layers with a window of N
+keys (the read's `horizon`; their blocks are released the same way, see
+docs/engine.md#full-layer-window).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class PagedBatch:
         full_window: int | None = None,
     ) -> None:
         self.store = store
-        self.full_window = full_window  # a KV budget: full layers attend to the last full_window keys
+        self.full_window = full_window  # full layers attend to their last full_window keys (None: all)
         dev = store.device
         self.segments = segments
         self.num_rows = sum(s.length for s in segments)
@@ -317,7 +318,7 @@ class _QuantReads:
         self, layer: int, k: torch.Tensor, v: torch.Tensor, decode_rows: torch.Tensor | None, horizon: int | None
     ) -> RaggedRead:
         if horizon is not None:
-            raise ValueError("quantised paged blocks hold every full-layer key (no KV budget)")
+            raise ValueError("quantised paged blocks hold every full-layer key (no full-layer window)")
         store = self.store
         store.write_planned(layer, self.plan, k, v)
         K, _, D = k.shape

@@ -105,25 +105,6 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _prompt_blocks(self, kind: str, n_tokens: int) -> int:
-        """Blocks of `kind` a request needs to run n_tokens of prompt from scratch (no prefix hit):
-        all of them on full layers; on sliding layers (and full layers under a KV budget) at most a
-        window plus one step's tokens."""
-        bs = self.kv.block_size
-        window = self.kv.windows[kind]
-        if window is not None:
-            n_tokens = min(n_tokens, window + self.max_batch_tokens)
-        return -(-n_tokens // bs) + 1
-
-    def _growth_blocks(self, kind: str, request: Request) -> int:
-        """Blocks of `kind` the watermark keeps for a request's next decode tokens: up to
-        `decode_reserve` of the tokens it may still generate (none on a windowed kind, whose blocks
-        are released as fast as new ones are taken)."""
-        if not self.decode_reserve or self.kv.windows[kind] is not None:
-            return 0
-        growth = min(self.decode_reserve, request.max_total_tokens - request.num_tokens)
-        return -(-max(0, growth) // self.kv.block_size)
-
     def _admissible(self, request: Request) -> bool:
         """Whether the request's whole prompt surely fits beside what the running requests still need
         to finish theirs (a prefix hit only needs fewer blocks), and, with a `decode_reserve`, beside
@@ -131,15 +112,17 @@ class Scheduler:
         watermark). Admitting on the first chunk alone would let new prompts take the blocks running
         ones are about to need, and preempt in circles; admitting on prompts alone lets long outputs
         outgrow the pool and preempt each other."""
-        for kind in self.kv.kinds:
-            spare = self.kv.spare_blocks(kind)
+        kv, step, reserve = self.kv, self.max_batch_tokens, self.decode_reserve
+        for kind in kv.kinds:
+            spare = kv.spare_blocks(kind)
             for running in self.running:
                 left = running.num_tokens - running.num_computed
                 if left > 1:  # still in its prompt
-                    spare -= self._prompt_blocks(kind, left)
-                spare -= self._growth_blocks(kind, running)
-            own = self._growth_blocks(kind, request) if self.running else 0  # alone, it may always start
-            if self._prompt_blocks(kind, request.num_tokens) + own > spare:
+                    spare -= kv.prompt_blocks(kind, left, step)
+                spare -= kv.growth_blocks(kind, running.max_total_tokens - running.num_tokens, reserve)
+            # alone, it may always start
+            own = kv.growth_blocks(kind, request.max_total_tokens - request.num_tokens, reserve) if self.running else 0
+            if kv.prompt_blocks(kind, request.num_tokens, step) + own > spare:
                 return False
         return True
 

@@ -57,8 +57,8 @@ sequences, each at its own position and with its own history, as one flat batch 
 tokens. It carries the per-token `positions` explicitly (the layer rotates at them), and its
 `update` returns a `RaggedRead`: the one-token rows together (`DecodeRows`: fixed-shape keys per row
 and each key's distance to its query, which the layer turns into a mask with its own window), and
-each prompt chunk as a `KVRead` of its own sequence. A batch under a KV budget N keeps only the last
-N keys of a full layer and says so with `horizon`: the layer then attends as if its window were N.
+each prompt chunk as a `KVRead` of its own sequence. A batch under a full-layer window N keeps only
+the last N keys of a full layer and says so with `horizon`: the layer then attends as if its window were N.
 Tests pin every ragged path to `attention_reference` run on each sequence alone.
 
 Static decode (`StaticKV`, what a compiled decode step runs over). One new token per row, and
@@ -269,8 +269,8 @@ class DecodeRows:
 class RaggedRead:
     """What `RaggedBatch.update` returns: the decode rows (in buckets of similar length, each with its
     own fixed shape), and each prompt chunk as (flat-batch offset, length, start position, read of its
-    sequence's keys). `horizon`, under a KV budget N, says the layer keeps only the last N keys: it
-    attends as with a window of N."""
+    sequence's keys). `horizon`, under a full-layer window N, says the layer keeps only the last N
+    keys: it attends as with a window of N."""
 
     decode: list[DecodeRows]
     prefill: list[tuple[int, int, int, KVRead]]
@@ -314,5 +314,5 @@ class StaticKV(Protocol):
         ...
 
     def horizon(self, layer: int) -> int | None:
-        """Under a KV budget N, N for a full layer (it attends as with a window of N); else None."""
+        """Under a full-layer window N, N for a full layer (it attends as with a window of N); else None."""
         ...

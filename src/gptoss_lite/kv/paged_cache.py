@@ -5,16 +5,18 @@ of bs token slots. Head-major, so the blocks of a table gathered with one `index
 the (K, S, D) keys attention multiplies, with no transposing copy (the batched engine's decode
 attention is 1.7-4x faster this way than with token-major (N, bs, K, D) blocks). Block ids are not
 per layer: **one pool per layer kind** hands them out, and a block id names the same slots in the
-tensors of every layer of that kind.
+tensors of every layer of that kind. Each kind is a `KVGroup` (`gptoss_lite.kv.groups`: its layer
+ids, pool, prefix cache and window rule; `store.groups`, or `store.group(kind)`):
 
-- Full layers share one pool (`store.pools[FULL]`): they see every token, so their page tables are
-  identical.
-- Sliding layers share one pool (`store.pools[SLIDING]`): every sliding layer has the same window W
-  (`config.sliding_window`) and sees the same positions, so their page tables are identical too; the
-  pool releases a sequence's leading blocks once they fall outside the window (`release_before`),
-  which is why it cannot share a table with the full-layer pool.
+- The full layers are a `FullGroup` (`store.group(FULL).pool`): they see every token, so their page
+  tables are identical.
+- The sliding layers are a `SlidingGroup` (`store.group(SLIDING).pool`): every sliding layer has the
+  same window W (`config.sliding_window`) and sees the same positions, so their page tables are
+  identical too; the group releases a sequence's leading blocks once they fall outside the window
+  (`release_window`), which is why it cannot share a table with the full-layer pool.
 
-(FULL and SLIDING are the layer kinds of `gptoss_lite.config`.)
+(FULL and SLIDING are the layer kinds of `gptoss_lite.config`, and the groups' names. `store.pools`,
+`store.prefix` and `store.layers_of` are read-only views of the groups by kind.)
 
 So a decode step costs one `append` per kind per sequence, not one per layer, and a prefix hit
 shares a block across all layers of a kind at once.
@@ -32,7 +34,7 @@ Window release is lazy: at the start of a step at `start_pos`, sliding-layer blo
 prefill nothing has been released yet, which is what lets a prompt be inserted into the prefix
 cache (below).
 
-Prefix caching (docs/paged.md#prefix-caching). The store keeps one `PrefixCache` per pool (`store.prefix[kind]`),
+Prefix caching (docs/paged.md#prefix-caching). Each group keeps one `PrefixCache` over its pool,
 keyed by the same chained hashes. A sliding layer at position N needs the K/V of the W - 1 tokens
 before N, and those cannot be recomputed without the sliding-layer K/V before *them* (and so on back
 to 0), so a sliding-layer hit must come from stored blocks as well: `insert_prefix` pins the prompt's
@@ -45,27 +47,26 @@ insert before the prompt outgrows the window).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
+from types import MappingProxyType
 
 import torch
 
 from gptoss_lite.config import FULL, SLIDING, ModelConfig
 from gptoss_lite.kv.base import KVRead, RollbackKVCache, check_rollback, rollback_floor
 from gptoss_lite.kv.block_pool import DEFAULT_BLOCK_SIZE, PagedKVPool, PoolExhaustedError
+from gptoss_lite.kv.groups import FullGroup, KVGroup, SlidingGroup, attach_prefix
 from gptoss_lite.kv.prefix import PrefixCache
 from gptoss_lite.validation import check_int
 
 
-def _word(kind: str) -> str:
-    """'sliding-layer' or 'full-layer', for messages."""
-    return "sliding-layer" if kind == SLIDING else "full-layer"
-
-
 class PagedKVStore:
-    """Per-layer K/V block tensors (K, N, bs, D) plus one `PagedKVPool` per layer kind.
+    """Per-layer K/V block tensors (K, N, bs, D) plus one `KVGroup` per layer kind (its layers, pool,
+    prefix cache and window: `gptoss_lite.kv.groups`).
 
     `total_blocks` sizes the full-layer pool, `sliding_blocks` the sliding-layer pool (default: the
-    same).
+    same). `full_window` N gives the full layers a window of their last N keys
+    (docs/engine.md#full-layer-window; the batched engine reads it, `PagedKVCache` refuses it).
     """
 
     def __init__(
@@ -75,6 +76,7 @@ class PagedKVStore:
         block_size: int = DEFAULT_BLOCK_SIZE,
         *,
         sliding_blocks: int | None = None,
+        full_window: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> None:
@@ -84,23 +86,28 @@ class PagedKVStore:
         if sliding_blocks is None:
             sliding_blocks = total_blocks
         sliding_blocks = check_int("sliding_blocks", sliding_blocks, minimum=0)
+        if full_window is not None and not config.full_layers:
+            raise ValueError(f"full_window={full_window}: the model has no full layers")
         self.config = config
         self.block_size = block_size
         self.dtype, self.device = dtype, torch.device(device)
-        self.layers_of: dict[str, tuple[int, ...]] = {}
-        self.pools: dict[str, PagedKVPool] = {}
+        groups: list[KVGroup] = []
         if config.full_layers:
-            self.layers_of[FULL] = config.full_layers
-            self.pools[FULL] = PagedKVPool(total_blocks, block_size)
+            groups.append(FullGroup(config.full_layers, total_blocks, block_size, full_window))
         if config.sliding_layers:
-            self.layers_of[SLIDING] = config.sliding_layers
-            self.pools[SLIDING] = PagedKVPool(sliding_blocks, block_size)
-        self.prefix = {kind: PrefixCache(block_size, pool=pool) for kind, pool in self.pools.items()}
+            groups.append(SlidingGroup(config.sliding_layers, sliding_blocks, block_size, config.sliding_window))
+        self.groups: tuple[KVGroup, ...] = tuple(groups)
+        self._by_kind = {group.name: group for group in self.groups}
+        # read-only views by kind, for callers that index pools or prefix caches directly
+        self._pools = MappingProxyType({group.name: group.pool for group in self.groups})
+        self._prefix = MappingProxyType({group.name: group.prefix for group in self.groups})
+        self._layers_of = MappingProxyType({group.name: group.layers for group in self.groups})
         K, D = config.n_kv_heads, config.head_dim
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         for layer in range(config.n_layers):
-            blocks = self.pools[self.kind(layer)].total_blocks if self.kind(layer) in self.dense_kinds else 0
+            group = self.group_of(layer)
+            blocks = group.pool.total_blocks if group.name in self.dense_kinds else 0
             shape = (K, blocks, block_size, D)  # (K, N, bs, D)
             self.k.append(torch.zeros(shape, dtype=dtype, device=self.device))
             self.v.append(torch.zeros(shape, dtype=dtype, device=self.device))
@@ -109,18 +116,54 @@ class PagedKVStore:
     #: kind another way and leave its tensors empty)
     dense_kinds: frozenset[str] = frozenset((FULL, SLIDING))
 
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The layer kinds with a group (full first)."""
+        return tuple(self._by_kind)
+
+    def group(self, kind: str) -> KVGroup:
+        """The group of layer kind `kind` (FULL or SLIDING)."""
+        try:
+            return self._by_kind[kind]
+        except KeyError:
+            raise ValueError(f"no {kind!r} layers in this store; its kinds are {self.kinds}") from None
+
+    def group_of(self, layer: int) -> KVGroup:
+        """The group `layer` belongs to."""
+        return self._by_kind[self.kind(layer)]
+
+    @property
+    def pools(self) -> Mapping[str, PagedKVPool]:
+        """{kind: the group's pool}, read-only (the groups own them)."""
+        return self._pools
+
+    @property
+    def prefix(self) -> Mapping[str, PrefixCache]:
+        """{kind: the group's prefix cache}, read-only (the groups own them)."""
+        return self._prefix
+
+    @property
+    def layers_of(self) -> Mapping[str, tuple[int, ...]]:
+        """{kind: the group's layer ids}, read-only."""
+        return self._layers_of
+
+    @property
+    def full_window(self) -> int | None:
+        """The full layers' window (None: they keep every key)."""
+        return self._by_kind[FULL].window if FULL in self._by_kind else None
+
     def kind(self, layer: int) -> str:
         """SLIDING for a sliding layer, FULL otherwise."""
         return SLIDING if self.config.is_sliding(layer) else FULL
 
     def pool(self, layer: int) -> PagedKVPool:
         """The pool whose page tables index `layer`'s tensors."""
-        return self.pools[self.kind(layer)]
+        return self.group_of(layer).pool
 
     def apply_copies(self, kind: str, copies: Sequence[tuple[int, int, int]]) -> None:
         """Copy-on-write: slots [0, n) of block src -> dst, in every layer of `kind`."""
         for src, dst, n in copies:
-            for layer in self.layers_of[kind]:
+            for layer in self.group(kind).layers:
                 self.k[layer][:, dst, :n] = self.k[layer][:, src, :n]
                 self.v[layer][:, dst, :n] = self.v[layer][:, src, :n]
 
@@ -147,7 +190,7 @@ class PagedKVStore:
         """Bytes of one block id across every layer of `kind`, K and V."""
         K, D = self.config.n_kv_heads, self.config.head_dim
         per_layer = 2 * self.block_size * K * D * torch.empty((), dtype=self.dtype).element_size()
-        return per_layer * len(self.layers_of[kind])
+        return per_layer * len(self.group(kind).layers)
 
     @property
     def nbytes(self) -> int:
@@ -192,16 +235,21 @@ class PagedKVCache(RollbackKVCache):
             hash(s)  # unhashable ids raise TypeError here, before anything is created
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"seq_ids={seq_ids}: duplicate ids; one distinct id per batch row")
+        if store.full_window is not None:
+            raise ValueError(
+                f"store has a full-layer window of {store.full_window} keys, which PagedKVCache does not apply "
+                "(the model's full layers would attend to released keys); build the store without full_window"
+            )
         if not _attached:
-            for kind, pool in store.pools.items():
-                taken = [s for s in seq_ids if s in pool]
+            for group in store.groups:
+                taken = [s for s in seq_ids if s in group.pool]
                 if taken:
                     raise ValueError(
-                        f"seq_ids {taken}: already live in the {_word(kind)} pool; release them or pick new ids"
+                        f"seq_ids {taken}: already live in the {group.word} pool; release them or pick new ids"
                     )
-            for pool in store.pools.values():
+            for group in store.groups:
                 for s in seq_ids:
-                    pool.create(s)
+                    group.pool.create(s)
         self.config, self.store, self.seq_ids = config, store, seq_ids
         self.rollback_tokens = check_int("rollback_tokens", rollback_tokens, minimum=0)
         self._batch_size = len(seq_ids)
@@ -211,7 +259,7 @@ class PagedKVCache(RollbackKVCache):
         self._closed = False
 
     def _pool_num_tokens(self) -> int:
-        lengths = {pool.num_tokens(s) for pool in self.store.pools.values() for s in self.seq_ids}
+        lengths = {group.pool.num_tokens(s) for group in self.store.groups for s in self.seq_ids}
         assert len(lengths) == 1, f"batch rows disagree on length: {lengths}"
         return lengths.pop()
 
@@ -242,16 +290,13 @@ class PagedKVCache(RollbackKVCache):
             raise ValueError(f"prompts: {len(prompts)} prompts for {len(seq_ids)} seq_ids; give one prompt per row")
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"seq_ids={seq_ids}: duplicate ids; one distinct id per batch row")
-        for kind, pool in store.pools.items():
-            if any(s in pool for s in seq_ids):
-                raise ValueError(f"seq_ids {seq_ids}: some are already live in the {_word(kind)} pool")
-        hits = [
-            store.prefix[kind].attach(s, p, scope, revision) for kind in store.pools for s, p in zip(seq_ids, prompts)
-        ]
-        n = min(hits)
-        for pool in store.pools.values():
+        for group in store.groups:
+            if any(s in group.pool for s in seq_ids):
+                raise ValueError(f"seq_ids {seq_ids}: some are already live in the {group.word} pool")
+        n = min(attach_prefix(store.groups, s, p, scope, revision) for s, p in zip(seq_ids, prompts))
+        for group in store.groups:
             for s in seq_ids:
-                pool.truncate(s, n)  # a longer hit in one pool is cut back to the common one
+                group.pool.truncate(s, n)  # a longer hit in one row is cut back to the common one
         return cls(config, store, seq_ids, rollback_tokens=rollback_tokens, _attached=True), n
 
     def insert_prefix(self, prompts: Sequence[Sequence[int]], scope: str, revision: str) -> int:
@@ -269,15 +314,16 @@ class PagedKVCache(RollbackKVCache):
                 raise ValueError(
                     f"prompt of {len(p)} tokens but the cache holds {self._num_tokens}; prefill the prompt first"
                 )
-            if SLIDING in self.store.pools and self.store.pools[SLIDING].first_block_index(s):
-                raise ValueError(
-                    f"seq {s!r}: its sliding layers already released leading blocks, "
-                    "so the prompt cannot be cached; insert right after prefill "
-                    "(prefill in one chunk)"
-                )
+            for group in self.store.groups:
+                if group.released_tokens(s):
+                    raise ValueError(
+                        f"seq {s!r}: its {group.word} pool already released leading blocks, "
+                        "so the prompt cannot be cached; insert right after prefill "
+                        "(prefill in one chunk)"
+                    )
         return sum(
-            self.store.prefix[kind].insert(p, scope, revision, seq_id=s)
-            for kind in self.store.pools
+            group.prefix.insert(p, scope, revision, seq_id=s)
+            for group in self.store.groups
             for s, p in zip(self.seq_ids, prompts)
         )
 
@@ -288,12 +334,12 @@ class PagedKVCache(RollbackKVCache):
             raise ValueError(f"new_seq_ids: {len(new_seq_ids)} ids for batch size {self.batch_size}")
         if self._step is not None and any(w != self._num_tokens for w in self._layer_tokens):
             raise ValueError("fork: a forward pass is in progress; finish it first")
-        for kind, pool in self.store.pools.items():
-            if len(set(new_seq_ids)) != len(new_seq_ids) or any(s in pool for s in new_seq_ids):
-                raise ValueError(f"new_seq_ids={new_seq_ids}: duplicate or already live in the {_word(kind)} pool")
-        for pool in self.store.pools.values():
+        for group in self.store.groups:
+            if len(set(new_seq_ids)) != len(new_seq_ids) or any(s in group.pool for s in new_seq_ids):
+                raise ValueError(f"new_seq_ids={new_seq_ids}: duplicate or already live in the {group.word} pool")
+        for group in self.store.groups:
             for src, dst in zip(self.seq_ids, new_seq_ids):
-                pool.share_prefix(src, dst, self._num_tokens)
+                group.pool.share_prefix(src, dst, self._num_tokens)
         child = PagedKVCache(self.config, self.store, new_seq_ids, rollback_tokens=self.rollback_tokens, _attached=True)
         return child
 
@@ -358,36 +404,30 @@ class PagedKVCache(RollbackKVCache):
         values = self.store.v[layer].index_select(1, rows).view(K, B, -1, D)[:, :, :S].transpose(0, 1)
         return KVRead.dense(keys, values, first)
 
-    def _release_target(self, start_pos: int) -> int:
-        """Sliding-layer tokens before this index are outside every future window (minus slack)."""
-        return max(0, start_pos - self.config.sliding_window + 1 - self.rollback_tokens)
-
     def _begin_step(self, start_pos: int, T: int) -> _Step:
         """Preflight every pool for the batch, then release, append, copy; plan writes and reads."""
         bs = self.store.block_size
-        for kind, pool in self.store.pools.items():
+        slack = self.rollback_tokens
+        for group in self.store.groups:
+            pool = group.pool
             needed = sum(pool.blocks_needed(s, T) for s in self.seq_ids)
-            freed = 0  # blocks the window release is sure to free (held by this row alone)
-            if kind == SLIDING:
-                target = self._release_target(start_pos)
-                for s in self.seq_ids:
-                    n_drop = max(0, target // bs - pool.first_block_index(s))
-                    freed += sum(pool.refcount(b) == 1 for b in pool.page_table(s)[:n_drop])
+            # blocks the window release is sure to free (held by this row alone)
+            freed = sum(group.releasable_blocks(s, start_pos, slack=slack) for s in self.seq_ids)
             if needed > pool.free_blocks + freed:
                 raise PoolExhaustedError(
                     f"step at position {start_pos} (+{T} tokens x {self.batch_size} rows) needs {needed} "
-                    f"free blocks in the {_word(kind)} pool but {pool.free_blocks} are free (+{freed} the "
+                    f"free blocks in the {group.word} pool but {pool.free_blocks} are free (+{freed} the "
                     "window would release); release or truncate sequences, evict prefix-cache "
                     "blocks, or use a larger store. The cache is unchanged"
                 )
         step = _Step(start_pos, T)
         dev = self.store.device
-        for kind, pool in self.store.pools.items():
+        for group in self.store.groups:
+            kind, pool = group.name, group.pool
             blocks: list[int] = []
             slots: list[int] = []
             for s in self.seq_ids:
-                if kind == SLIDING:
-                    pool.release_before(s, self._release_target(start_pos))
+                group.release_window(s, start_pos, slack=slack)
                 plan = pool.append(s, T)
                 self.store.apply_copies(kind, plan.copies)
                 for b, slot in plan.slots:
@@ -397,8 +437,8 @@ class PagedKVCache(RollbackKVCache):
                 torch.tensor(blocks, dtype=torch.long, device=dev),
                 torch.tensor(slots, dtype=torch.long, device=dev),
             )
-            # Reads: all blocks (full), or from the block holding the window's first key.
-            first_block = 0 if kind == FULL else max(0, start_pos - self.config.sliding_window + 1) // bs
+            # Reads: from the block holding the window's first key (all blocks without a window).
+            first_block = group.window_start(start_pos) // bs
             rows = []
             for s in self.seq_ids:
                 skip = first_block - pool.first_block_index(s)
@@ -413,11 +453,12 @@ class PagedKVCache(RollbackKVCache):
 
     def rollback_floor(self) -> int:
         """Lowest position `truncate` accepts now: the retained interval is [this, num_tokens]."""
-        if SLIDING not in self.store.pools:
-            return 0
-        pool = self.store.pools[SLIDING]
-        start = max(pool.first_block_index(s) for s in self.seq_ids) * self.store.block_size
-        return rollback_floor(start, self.config.sliding_window)
+        floors = [
+            rollback_floor(max(group.released_tokens(s) for s in self.seq_ids), group.window)
+            for group in self.store.groups
+            if group.window is not None
+        ]
+        return max(floors, default=0)
 
     def truncate(self, position: int) -> None:
         """Roll every row back to `position` tokens (speculative-decoding rejection, docs/paged.md#rollback).
@@ -429,9 +470,9 @@ class PagedKVCache(RollbackKVCache):
         """
         position = check_int("position", position, minimum=0)
         check_rollback(position, self._num_tokens, self.rollback_floor(), self.config.sliding_window)
-        for pool in self.store.pools.values():
+        for group in self.store.groups:
             for s in self.seq_ids:
-                pool.truncate(s, position)
+                group.pool.truncate(s, position)
         self._num_tokens = position
         self._layer_tokens = [position] * self.config.n_layers
         self._step = None
@@ -439,9 +480,9 @@ class PagedKVCache(RollbackKVCache):
     def reset(self) -> None:
         """Release every row's blocks and start the same ids over, empty (position 0)."""
         self._release_all()
-        for pool in self.store.pools.values():
+        for group in self.store.groups:
             for s in self.seq_ids:
-                pool.create(s)
+                group.pool.create(s)
         self._closed = False
 
     def close(self) -> None:
@@ -451,9 +492,9 @@ class PagedKVCache(RollbackKVCache):
 
     def _release_all(self) -> None:
         if not self._closed:
-            for pool in self.store.pools.values():
+            for group in self.store.groups:
                 for s in self.seq_ids:
-                    pool.release(s)
+                    group.pool.release(s)
         self._num_tokens = 0
         self._layer_tokens = [0] * self.config.n_layers
         self._step = None
@@ -466,9 +507,9 @@ class PagedKVCache(RollbackKVCache):
         if self._closed:
             return 0
         total = 0
-        for kind, pool in self.store.pools.items():
-            held = {b for s in self.seq_ids for b in pool.page_table(s)}
-            total += len(held) * self.store.block_bytes(kind)
+        for group in self.store.groups:
+            held = {b for s in self.seq_ids for b in group.pool.page_table(s)}
+            total += len(held) * self.store.block_bytes(group.name)
         return total
 
     @property
@@ -478,7 +519,7 @@ class PagedKVCache(RollbackKVCache):
             return 0
         bs = self.store.block_size
         total = 0
-        for kind, pool in self.store.pools.items():
-            tokens = sum(pool.num_tokens(s) - pool.first_block_index(s) * bs for s in self.seq_ids)
-            total += tokens * self.store.block_bytes(kind) // bs
+        for group in self.store.groups:
+            tokens = sum(group.pool.num_tokens(s) - group.released_tokens(s) for s in self.seq_ids)
+            total += tokens * self.store.block_bytes(group.name) // bs
         return total

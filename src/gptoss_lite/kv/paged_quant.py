@@ -3,6 +3,9 @@
 
 `QuantizedPagedStore` is a `PagedKVStore` whose full-layer blocks hold codes instead of the model's
 dtype; sliding layers keep their dense blocks (O(W) per request, quantising them would save little).
+Only the storage differs: the full layers' `FullGroup` (`gptoss_lite.kv.groups`) owns their pool,
+prefix cache and window rule as in the 16-bit store, while the codes, scales and tails below are the
+store's, per full layer. Quantised blocks hold every key, so the group has no full-layer window.
 
 - A *complete* block (all bs slots written) stores KIVI-style codes: keys per channel over the
   block's bs tokens (one float16 scale and zero point per channel per block), values per token over
@@ -74,19 +77,26 @@ class QuantizedPagedStore(PagedKVStore):
         block_size: int = DEFAULT_BLOCK_SIZE,
         *,
         sliding_blocks: int | None = None,
+        full_window: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         bits: int = 8,
         value_group: int | None = None,
         tail_blocks: int = 64,
     ) -> None:
+        if full_window is not None:
+            raise ValueError(
+                f"full_window={full_window}: quantised full-layer blocks hold every key; a full-layer window "
+                "needs 16-bit blocks (PagedKVStore)"
+            )
         super().__init__(config, total_blocks, block_size, sliding_blocks=sliding_blocks, dtype=dtype, device=device)
         K, D = config.n_kv_heads, config.head_dim
         vg = default_value_group(D) if value_group is None else value_group
         self.spec = QuantSpec(bits=bits, key_group=block_size, value_group=vg, residual=0)
         self.spec.check_head_dim(D)
         self.tail_blocks = check_int("tail_blocks", tail_blocks, minimum=1)
-        n = self.pools[FULL].total_blocks if FULL in self.pools else 0
+        full = self.group(FULL) if FULL in self.kinds else None
+        n = full.pool.total_blocks if full is not None else 0
         bs, Dc = block_size, D * bits // 8
         dev = self.device
         self.kq: dict[int, torch.Tensor] = {}
@@ -97,7 +107,7 @@ class QuantizedPagedStore(PagedKVStore):
         self.vz: dict[int, torch.Tensor] = {}
         self.tk: dict[int, torch.Tensor] = {}
         self.tv: dict[int, torch.Tensor] = {}
-        for layer in self.layers_of.get(FULL, ()):
+        for layer in full.layers if full is not None else ():
             self.kq[layer] = torch.zeros(K, n, bs, Dc, dtype=torch.uint8, device=dev)
             self.vq[layer] = torch.zeros(K, n, bs, Dc, dtype=torch.uint8, device=dev)
             self.ks[layer] = torch.zeros(K, n, 1, D, dtype=SCALE_DTYPE, device=dev)
@@ -137,7 +147,7 @@ class QuantizedPagedStore(PagedKVStore):
         """Tails of blocks completed by the previous step, or that no sequence holds any more."""
         self._free_tails.extend(self._pending_tails)
         self._pending_tails = []
-        pool = self.pools[FULL]
+        pool = self.group(FULL).pool
         for block in [b for b in self.tail_of if pool.refcount(b) == 0]:
             self._drop_tail(block)
 
@@ -195,20 +205,21 @@ class QuantizedPagedStore(PagedKVStore):
             super().apply_copies(kind, copies)
             return
         bs = self.block_size
+        full_layers = self.group(FULL).layers
         for src, dst, n in copies:
             if n == bs and src not in self.tail_of:  # a complete block: copy its codes
-                for layer in self.layers_of[FULL]:
+                for layer in full_layers:
                     for store in self._code_stores():
                         store[layer][:, dst] = store[layer][:, src]
                 continue
             tail = self._take_tail(dst)
-            for layer in self.layers_of[FULL]:
+            for layer in full_layers:
                 k, v = self._block_contents(layer, src)
                 self.tk[layer][:, tail, :n] = k[:, :n]
                 self.tv[layer][:, tail, :n] = v[:, :n]
             if n == bs:  # a complete copy of a block being filled: quantise it now
                 blocks = torch.tensor([dst], dtype=torch.long, device=self.device)
-                for layer in self.layers_of[FULL]:
+                for layer in full_layers:
                     self._quantize_into(
                         layer, blocks, self.tk[layer][:, tail : tail + 1], self.tv[layer][:, tail : tail + 1]
                     )
@@ -237,7 +248,7 @@ class QuantizedPagedStore(PagedKVStore):
         """A sequence's resident K and V, each (K, n, D); full layers dequantised (the reference read)."""
         if self.kind(layer) != FULL:
             return super().gather(seq_id, layer)
-        pool = self.pools[FULL]
+        pool = self.group(FULL).pool
         table = pool.page_table(seq_id)
         n = pool.num_tokens(seq_id)
         parts = [self._block_contents(layer, block) for block in table]

@@ -180,7 +180,7 @@ def attend_ragged(
 ) -> torch.Tensor:
     """q (H, N, D) of a flat batch -> (H, N, D): each bucket of decode rows in one masked kernel (one
     call per chunk of quantised keys), each prompt chunk over its own sequence's read. `window` is the layer's;
-    the read's horizon (a KV budget) narrows it."""
+    the read's horizon (a full-layer window) narrows it."""
     H, N, D = q.shape
     if read.horizon is not None:
         window = read.horizon if window is None else min(window, read.horizon)

@@ -1,0 +1,169 @@
+"""Layer kinds as types: a KV group owns one kind's layers, block pool, prefix cache and window rule.
+
+All layers of one kind (FULL or SLIDING of `gptoss_lite.config`) see the same positions, so they
+share block ids: one `PagedKVPool` per kind hands them out, a block id names the same slots in the
+K/V tensors of every layer of the kind, and one `PrefixCache` over that pool pins cached prompts.
+A `KVGroup` is that unit:
+
+- `SlidingGroup`: the sliding layers; every query attends to the last W keys
+  (`config.sliding_window`), so blocks that fall behind the window are released.
+- `FullGroup`: the full layers; every query sees every key, unless the group has a *full-layer
+  window* N (docs/engine.md#full-layer-window): then its queries attend to their last N keys and its
+  blocks are released exactly as a sliding group's are.
+
+Everything that differs between the kinds is the window (W, N or none), so the rules below are
+written once in terms of `window`: a group without one holds every token of a sequence, a windowed
+group holds a window plus the blocks still being filled.
+
+- `release_window(seq_id, num_computed)`: release the blocks no query from `num_computed` on needs.
+- `prompt_blocks(n_tokens, max_batch_tokens)`: the blocks a prompt of n tokens needs, computed from
+  scratch one step at a time (all of them, or at most a window plus one step).
+- `growth_blocks(tokens_left, reserve)`: the blocks the admission watermark keeps for a request's next
+  decode tokens (none on a windowed group: it releases blocks as fast as it takes new ones).
+- `chain_intact(seq_id, tokens, ...)`: whether a prompt can still be cached: nothing released yet, or
+  every released block still in the prefix cache (a chain of hashes broken at an evicted block
+  cannot be continued).
+
+`attach_prefix` starts a sequence in every group from the cached prompt blocks; the hit is the
+shortest over the groups (a sliding layer at position n needs the keys of the W - 1 tokens before n,
+which cannot be recomputed without everything before them, so every group must hit).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Iterable, Sequence
+
+from gptoss_lite.config import FULL, SLIDING
+from gptoss_lite.kv.block_pool import PagedKVPool
+from gptoss_lite.kv.prefix import PrefixCache
+from gptoss_lite.validation import check_int
+
+
+class KVGroup:
+    """The layers of one kind, with their pool, prefix cache and window (see the module docstring).
+
+    Not built directly: `SlidingGroup` and `FullGroup` say where the window comes from."""
+
+    #: the layer kind (FULL or SLIDING): the key of AppendPlan dicts, stats and tables
+    name: str = ""
+    #: 'sliding-layer' or 'full-layer', for messages
+    word: str = ""
+
+    def __init__(self, layers: Iterable[int], total_blocks: int, block_size: int, window: int | None) -> None:
+        if type(self) is KVGroup:
+            raise TypeError("KVGroup is abstract: build a SlidingGroup or a FullGroup")
+        self.layers: tuple[int, ...] = tuple(layers)
+        if not self.layers:
+            raise ValueError(f"{self.word} group: no layers; a group holds at least one layer")
+        self.block_size = block_size
+        self.pool = PagedKVPool(total_blocks, block_size)
+        self.prefix = PrefixCache(block_size, pool=self.pool)
+        self.window = window
+
+    def __repr__(self) -> str:
+        window = "none" if self.window is None else self.window
+        return f"{type(self).__name__}(layers={self.layers}, blocks={self.pool.total_blocks}, window={window})"
+
+    # ------------------------------------------------------------------ the window rule
+
+    def window_start(self, position: int) -> int:
+        """The first position a query at `position` attends to (0 without a window)."""
+        return 0 if self.window is None else max(0, position - self.window + 1)
+
+    def release_target(self, num_computed: int, slack: int = 0) -> int:
+        """Tokens before this index are needed by no query from `num_computed` on, keeping `slack` more
+        (0 without a window: everything is needed)."""
+        if self.window is None:
+            return 0
+        return max(0, num_computed - self.window + 1 - slack)
+
+    def release_window(self, seq_id: Hashable, num_computed: int, *, slack: int = 0) -> tuple[int, ...]:
+        """Release the sequence's blocks every slot of which precedes the window of the next query (at
+        `num_computed`), keeping `slack` tokens more; return the freed block ids. Nothing without a
+        window."""
+        if self.window is None:
+            return ()
+        return self.pool.release_before(seq_id, self.release_target(num_computed, slack))
+
+    def releasable_blocks(self, seq_id: Hashable, num_computed: int, *, slack: int = 0) -> int:
+        """Blocks `release_window` is sure to free (those this sequence alone holds), without releasing."""
+        pool = self.pool
+        n_drop = max(0, self.release_target(num_computed, slack) // self.block_size - pool.first_block_index(seq_id))
+        return sum(pool.refcount(b) == 1 for b in pool.page_table(seq_id)[:n_drop])
+
+    # ------------------------------------------------------------------ block arithmetic
+
+    def prompt_blocks(self, n_tokens: int, max_batch_tokens: int) -> int:
+        """Blocks a request needs to run n_tokens of prompt from scratch (no prefix hit), at most
+        max_batch_tokens a step: all of them without a window, at most a window plus one step's
+        tokens with one (plus a block for a step that starts mid-block)."""
+        if self.window is not None:
+            n_tokens = min(n_tokens, self.window + max_batch_tokens)
+        return -(-n_tokens // self.block_size) + 1
+
+    def growth_blocks(self, tokens_left: int, reserve: int) -> int:
+        """Blocks the admission watermark keeps for a request's next decode tokens: up to `reserve` of
+        the `tokens_left` it may still generate; none on a windowed group, whose blocks are released as
+        fast as new ones are taken."""
+        if not reserve or self.window is not None:
+            return 0
+        return -(-max(0, min(reserve, tokens_left)) // self.block_size)
+
+    def min_blocks(self, max_batch_tokens: int) -> int:
+        """The fewest blocks the pool needs for one sequence to run a step of max_batch_tokens beside
+        its window."""
+        bs = self.block_size
+        return math.ceil(max_batch_tokens / bs) + 1 + math.ceil((self.window or 0) / bs) + 1
+
+    # ------------------------------------------------------------------ prefix caching
+
+    def released_tokens(self, seq_id: Hashable) -> int:
+        """Leading tokens whose blocks the window released (0 without a window)."""
+        return self.pool.first_block_index(seq_id) * self.block_size
+
+    def chain_intact(self, seq_id: Hashable, tokens: Sequence[int], scope: str, revision: str) -> bool:
+        """Whether the sequence's prompt `tokens` can still go into the prefix cache: nothing released
+        yet, or every released block still cached (an evicted one breaks the chain of hashes there, and
+        nothing after it can be cached)."""
+        released = self.released_tokens(seq_id)
+        if not released:
+            return True
+        return self.prefix.match(tokens[: released + 1], scope, revision, record=False) >= released
+
+    def validate(self) -> None:
+        """The pool's and the prefix cache's own consistency checks."""
+        self.pool.validate()
+        self.prefix.validate()
+
+
+class SlidingGroup(KVGroup):
+    """The sliding layers: queries attend to the last `window` keys (the model's W)."""
+
+    name = SLIDING
+    word = "sliding-layer"
+
+    def __init__(self, layers: Iterable[int], total_blocks: int, block_size: int, window: int) -> None:
+        super().__init__(layers, total_blocks, block_size, check_int("sliding window", window, 1))
+
+
+class FullGroup(KVGroup):
+    """The full layers: every key, or the last `window` keys under a full-layer window
+    (docs/engine.md#full-layer-window)."""
+
+    name = FULL
+    word = "full-layer"
+
+    def __init__(self, layers: Iterable[int], total_blocks: int, block_size: int, window: int | None = None) -> None:
+        if window is not None:
+            window = check_int("full_window", window, 1)
+        super().__init__(layers, total_blocks, block_size, window)
+
+
+def attach_prefix(groups: Sequence[KVGroup], seq_id: Hashable, tokens: Sequence[int], scope: str, revision: str) -> int:
+    """Create `seq_id` in every group's pool on the prompt's cached blocks; return the hit, the shortest
+    over the groups (a longer hit in one group is cut back to it, so every layer holds the same tokens)."""
+    hit = min(group.prefix.attach(seq_id, tokens, scope, revision) for group in groups)
+    for group in groups:
+        group.pool.truncate(seq_id, hit)
+    return hit
