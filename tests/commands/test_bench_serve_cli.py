@@ -101,3 +101,30 @@ def test_decode_is_compiled_by_default_and_no_compile_keeps_eager(capsys):
     assert compiled["compile_decode"] and compiled["compile_s"] > 0
     assert not eager["compile_decode"] and eager["compile_s"] is None
     assert compiled["engine"]["steps"] == eager["engine"]["steps"]
+
+
+@pytest.mark.parametrize("mode,label", [("lookup", "lookup k=3"), ("draft:lite-tiny", "draft model lite-tiny k=3")])
+def test_engine_speculation_flags(capsys, mode, label):
+    """--speculate lookup and --speculate draft:PATH run the engine's speculation and report it."""
+    out = run_json(
+        capsys,
+        "--requests",
+        "3",
+        "--prompt-len",
+        "8:24",
+        "--max-tokens",
+        "12",
+        "--speculate",
+        mode,
+        "--draft-tokens",
+        "3",
+    )
+    assert out["speculate"] == label
+    spec = out["speculation"]
+    assert spec["drafted"] >= spec["accepted"] >= 0 and 0 <= spec["acceptance_rate"] <= 1
+
+
+def test_engine_draft_model_of_another_vocabulary_is_an_error(capsys):
+    code = main(["bench-serve", "--model", "lite-tiny", "--requests", "1", "--speculate", "draft:gpt-oss-bench-20m"])
+    assert code != 0
+    assert "vocab_size" in capsys.readouterr().err

@@ -58,7 +58,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
 
-    from gptoss_lite.commands.common import configure_threads, engine_kv_kwargs, resolve_device, torch_dtype
+    from gptoss_lite.commands.common import (
+        configure_threads,
+        engine_kv_kwargs,
+        resolve_device,
+        speculation_label,
+        torch_dtype,
+    )
     from gptoss_lite.engine import LLM
     from gptoss_lite.validation import check_int
 
@@ -68,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     check_int("--decoders", args.decoders, 1)
     if not args.rate > 0:
         raise ValueError(f"--rate={args.rate}: must be > 0 (inf: all at once)")
-    kv_kwargs = engine_kv_kwargs(args)
+    kv_kwargs = engine_kv_kwargs(args, load_draft=True)
     args.threads = configure_threads(args.threads)
     from gptoss_lite.checkpoint import default_model_source
 
@@ -91,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "threads": args.threads,
         **kv_kwargs,
-        "speculate": None if spec is None else f"lookup k={spec.k}",
+        "speculate": None if spec is None else speculation_label(args, llm),
         "compile_s": llm.compile_seconds,
         **result,
     }

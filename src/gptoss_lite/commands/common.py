@@ -290,6 +290,14 @@ def build_speculation(args: argparse.Namespace, model):
     return DraftModel(draft) if k is None else DraftModel(draft, k=k)
 
 
+def speculation_label(args: argparse.Namespace, llm) -> str:
+    """How the engine speculates, for the start-up line and the benchmark report."""
+    spec = llm.speculate
+    if args.speculate == "lookup":
+        return f"lookup k={spec.k}"
+    return f"draft model {args.speculate[len('draft:') :]} k={spec.k}"
+
+
 def check_speculate_args(args: argparse.Namespace) -> None:
     """--speculate / --draft-tokens checks that need no model (run before loading it)."""
     mode, k = args.speculate, args.draft_tokens
@@ -413,24 +421,26 @@ def add_engine_kv_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--speculate",
-        choices=("none", "lookup"),
         default="none",
+        metavar="{none,lookup,draft:PATH}",
         help="speculative decoding in the engine: 'lookup' drafts each decoding request's next tokens by "
-        "n-gram lookup in its prompt and output, verified in the step's one forward; greedy output is "
-        "unchanged (default: none)",
+        "n-gram lookup in its prompt and output, 'draft:PATH' with a smaller model of the same vocabulary "
+        "(a checkpoint directory or preset name, loaded on the same device and dtype); drafts are verified "
+        "in the step's one forward, and greedy output is unchanged (default: none)",
     )
     parser.add_argument(
         "--draft-tokens",
         type=int,
-        default=8,
+        default=None,
         metavar="K",
-        help="tokens drafted per request per step with --speculate lookup (default: 8)",
+        help="tokens drafted per request per step (default: 8 for lookup, 4 for a draft model)",
     )
 
 
-def engine_kv_kwargs(args: argparse.Namespace) -> dict:
+def engine_kv_kwargs(args: argparse.Namespace, *, load_draft: bool = False) -> dict:
     """LLM keyword arguments from --kv-bits / --full-window / --no-compile / --speculate / --draft-tokens,
-    checked before the model loads."""
+    checked before the model loads. A draft model (--speculate draft:PATH) is loaded only with
+    `load_draft` (otherwise `speculate` is left None after its flags are checked)."""
     from gptoss_lite.validation import check_int
 
     if args.full_window is not None:
@@ -441,11 +451,19 @@ def engine_kv_kwargs(args: argparse.Namespace) -> dict:
             raise ValueError(
                 "--full-window releases prompt blocks the prefix cache would need; add --no-prefix-caching"
             )
+    check_speculate_args(args)
     speculate = None
     if args.speculate == "lookup":
         from gptoss_lite.speculative import PromptLookup
 
-        speculate = PromptLookup(k=check_int("--draft-tokens", args.draft_tokens, 1))
+        speculate = PromptLookup() if args.draft_tokens is None else PromptLookup(k=args.draft_tokens)
+    elif args.speculate != "none" and load_draft:
+        from gptoss_lite.checkpoint import load_model
+        from gptoss_lite.speculative import DraftModel
+
+        device = resolve_device(args.device)
+        draft = load_model(args.speculate[len("draft:") :], device=device, dtype=torch_dtype(args.dtype))
+        speculate = DraftModel(draft) if args.draft_tokens is None else DraftModel(draft, k=args.draft_tokens)
     return {
         "kv_bits": args.kv_bits,
         "full_window": args.full_window,

@@ -151,7 +151,13 @@ def check_args(args: argparse.Namespace) -> dict[str, str] | None:
 def run(args: argparse.Namespace) -> int:
 
     from gptoss_lite.checkpoint import default_model_source
-    from gptoss_lite.commands.common import configure_threads, engine_kv_kwargs, resolve_device, torch_dtype
+    from gptoss_lite.commands.common import (
+        configure_threads,
+        engine_kv_kwargs,
+        resolve_device,
+        speculation_label,
+        torch_dtype,
+    )
     from gptoss_lite.engine import LLM
     from gptoss_lite.server import create_app
     from gptoss_lite.server.http import uvicorn_config
@@ -170,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         device=device,
         enable_prefix_caching=not args.no_prefix_caching,
         max_model_len=args.max_model_len,
-        **engine_kv_kwargs(args),
+        **engine_kv_kwargs(args, load_draft=True),
     )
     app = create_app(
         llm,
@@ -195,9 +201,7 @@ def run(args: argparse.Namespace) -> int:
     if state.harmony is not None:
         print("gptoss-lite serve: chats in the harmony format (reasoning, tool calls)", file=sys.stderr)
     if llm.speculate is not None:
-        print(
-            f"gptoss-lite serve: speculative decoding by prompt lookup, {llm.speculate.k} draft tokens", file=sys.stderr
-        )
+        print(f"gptoss-lite serve: speculative decoding, {speculation_label(args, llm)}", file=sys.stderr)
     if llm.compile_seconds is not None:
         print(f"gptoss-lite serve: compiled decode step ready in {llm.compile_seconds:.1f} s", file=sys.stderr)
     hosts = state.allowed_hosts
