@@ -203,25 +203,35 @@ class KVManager:
         """A step's ragged batch over the store (the model's writes and reads go through it)."""
         return PagedBatch(self.store, segments, write_slots, logits_index, full_window=self.full_window)
 
-    def warm_up_state(self, rows: int, device: torch.device) -> PagedDecode:
-        """A dummy all-decode state of `rows` rows at position 0 of block 0 of each pool, which no request
-        may hold yet (for compiling the decode step before the first request)."""
+    #: rows per group of the warm-up step that compiles the draft-verifying graph: any size above 1
+    #: gives that graph, and one unlike the warm-up's other sizes keeps them apart as symbols
+    WARM_UP_GROUP_ROWS = 7
+
+    def warm_up_state(self, groups: int, per_group: int, device: torch.device) -> PagedDecode:
+        """A dummy decode state of `groups` groups of `per_group` rows at position 0 of block 0 of each
+        pool, which no request may hold yet (for compiling the decode step before the first request)."""
         bs = self.block_size
         if any(group.pool.allocated_blocks for group in self.groups):
             raise RuntimeError("warm_up() writes block 0: call it before any request is admitted")
         kinds = self.kinds
-        # distinct sizes (rows, and a table width per kind): sizes equal at trace time would be taken for
-        # one symbol, and a later step where they differ would compile again
+        # distinct sizes (groups, rows per group, a table width per kind): sizes equal at trace time
+        # would be taken for one symbol, and a later step where they differ would compile again
         widths = {kind: 3 + i for i, kind in enumerate(kinds)}
+        rows = groups * per_group
         zeros = torch.zeros(rows, dtype=torch.long, device=device)
         return PagedDecode(
             self.store,
             zeros.clone(),
-            {kind: torch.zeros(rows, w, dtype=torch.long, device=device) for kind, w in widths.items()},
+            {kind: torch.zeros(groups, w, dtype=torch.long, device=device) for kind, w in widths.items()},
             {kind: zeros.clone() for kind in kinds},
             # only slot 0 (position 0) is visible
-            {kind: -torch.arange(w * bs, device=device).expand(rows, -1).contiguous() for kind, w in widths.items()},
+            {
+                kind: -torch.arange(w * bs, device=device).expand(groups, per_group, -1).contiguous()
+                for kind, w in widths.items()
+            },
             {kind: None for kind in kinds},
+            torch.zeros(rows, dtype=torch.long, device=device),
+            torch.arange(rows, device=device),
         )
 
     # ------------------------------------------------------------------ reads

@@ -142,7 +142,7 @@ class LLM:
         decoder = None if cfg.compile_decode is False or self.kv.quantized else model.compiled_decoder
         self.runner = ModelRunner(model, self.kv, decoder)
         # compiling the decode step now, not in the first request's step (None: not compiled)
-        self.compile_seconds = self.runner.warm_up() if decoder is not None else None
+        self.compile_seconds = self.runner.warm_up(cfg.speculate is not None) if decoder is not None else None
         self._requests: dict[str, Request] = {}  # by each sample's own id
         self._groups: dict[str, list[Request]] = {}  # request id -> its n samples
         self._ids = itertools.count()

@@ -153,33 +153,39 @@ class PagedBatch:
             self._decode_buckets[kind] = entries
         return self._decode_buckets[kind]
 
-    def static(self, rows: int) -> PagedDecode | None:
+    def static(self) -> PagedDecode | None:
         """The fixed-shape form of a step whose every row samples (decode rows and verified drafts) for
-        the compiled step (`PagedDecode`): one row per token, its rows padded to `rows` by repeating
-        the first (same token, position, blocks and slot: the repeated writes store the same values);
-        None for a step with prompt chunks or quantised blocks.
+        the compiled step (`PagedDecode`); None for a step with prompt chunks or quantised blocks.
 
-        A verified draft of k tokens becomes k + 1 rows over its request's one block table, at
-        consecutive positions. Every row's K/V is written before any row gathers (`write_read`), and
-        keys after a row's own position have negative distances (hidden), so each row sees exactly
-        the tokens before it, as in the eager step's causal chunk."""
+        Each request is a group of T rows over its one block table, T the longest segment of the step
+        (1 when no request verifies a draft): a draft of k tokens is k + 1 rows at consecutive
+        positions, and a shorter segment repeats its last token (same token, position and slot: the
+        repeated writes store the same values, and their logits are dropped). Every row's K/V is
+        written before any row gathers (`write_read`), and keys after a row's own position have
+        negative distances (hidden), so each row sees exactly the tokens before it, as in the eager
+        step's causal chunk. The groups are padded to at least 2 by repeating the first."""
         if not self.all_sampled or self.quant is not None:
             return None
-        N = self.num_rows
-        tokens = [Segment(s.offset + i, 1, s.start_pos + i, s.tables) for s in self.segments for i in range(s.length)]
-        pad = torch.zeros(rows - N, dtype=torch.long, device=self.store.device)
-        order = torch.cat([torch.arange(N, device=pad.device), pad])  # (rows,): row i reads flat row order[i]
-        tables, slots, distances = {}, {}, {}
         dev = self.store.device
+        groups = list(self.segments)
+        if len(groups) < 2:  # one group would get a graph of its own: repeat it
+            groups.append(groups[0])
+        T = max(seg.length for seg in groups)
+        order = [seg.offset + min(t, seg.length - 1) for seg in groups for t in range(T)]  # flat row per row
+        real = [g * T + t for g, seg in enumerate(self.segments) for t in range(seg.length)]  # row per flat row
+        order_t = torch.tensor(order, dtype=torch.long, device=dev)
+        offsets = torch.arange(T)[None, :].clamp(max=torch.tensor([seg.length - 1 for seg in groups])[:, None])
+        tables, slots, distances = {}, {}, {}
         for kind in self.store.pools:
-            table, distance = _decode_table(tokens, kind, self.store.block_size)  # one table, padded
-            table, distance = table.to(dev)[order], distance.to(dev)[order]
+            table, distance = _decode_table(groups, kind, self.store.block_size, offsets)  # one table, padded
             if table.shape[1] == 1:  # a width of 1 would get a graph of its own: add a hidden column
                 table = torch.cat([table, torch.zeros_like(table)], dim=1)
-                distance = torch.cat([distance, torch.full_like(distance, -1)], dim=1)
-            tables[kind], slots[kind], distances[kind] = table, self.write_slots[kind][order], distance
+                distance = torch.cat([distance, torch.full_like(distance, -1)], dim=2)
+            tables[kind], distances[kind] = table.to(dev), distance.to(dev)
+            slots[kind] = self.write_slots[kind][order_t]
         horizon = {kind: self.full_window if kind == FULL else None for kind in tables}
-        return PagedDecode(self.store, self._positions[order], tables, slots, distances, horizon)
+        real_t = torch.tensor(real, dtype=torch.long, device=dev)
+        return PagedDecode(self.store, self._positions[order_t], tables, slots, distances, horizon, order_t, real_t)
 
 
 # Decode rows are gathered in at most this many buckets of similar length, each padded to its own
@@ -200,9 +206,13 @@ def _buckets(widths: list[int]) -> list[list[int]]:
     return [order[i * len(order) // n : (i + 1) * len(order) // n] for i in range(n)]
 
 
-def _decode_table(segments: list[Segment], kind: str, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The block table (B, nb) of one-token segments, padded with block 0 to the longest row, and each
-    key's distance to its row's query (B, nb·bs): key j of row b sits at position first_b + j."""
+def _decode_table(
+    segments: list[Segment], kind: str, bs: int, offsets: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block table (B, nb) of the segments, padded with block 0 to the longest row, and each key's
+    distance to each query: key j of row b sits at position first_b + j. Without `offsets`, one query
+    per segment at its start_pos: distances (B, nb·bs); with offsets (B, T), T queries per segment at
+    start_pos + offsets[b, t]: distances (B, T, nb·bs)."""
     width = max(len(seg.tables[kind][0]) for seg in segments)
     table = torch.zeros(len(segments), width, dtype=torch.long)  # padding reads block 0, masked
     for row, seg in enumerate(segments):
@@ -211,14 +221,18 @@ def _decode_table(segments: list[Segment], kind: str, bs: int) -> tuple[torch.Te
     firsts = torch.tensor([seg.tables[kind][1] for seg in segments], dtype=torch.long)
     key_pos = firsts[:, None] + torch.arange(width * bs)[None, :]  # (B, S)
     query_pos = torch.tensor([seg.start_pos for seg in segments], dtype=torch.long)[:, None]
-    return table, query_pos - key_pos
+    if offsets is None:
+        return table, query_pos - key_pos
+    return table, (query_pos + offsets)[:, :, None] - key_pos[:, None, :]
 
 
 class PagedDecode:
-    """`StaticKV` (gptoss_lite.kv.base) over the paged store for one all-decode step: per layer kind the
-    rows' block tables (B, nb), each row's write slot (B,) (flat block · bs + slot) and each key's
-    distance to its row's query (B, nb · bs). The batch and table dimensions are marked dynamic, so
-    one compiled graph serves every batch size from 2 and every context length."""
+    """`StaticKV` (gptoss_lite.kv.base) over the paged store for one step of sampled rows, in R groups
+    of T rows (a request and its draft): per layer kind the groups' block tables (R, nb), each row's
+    write slot (R·T,) (flat block · bs + slot) and each key's distance to each row's query (R, T,
+    nb · bs). `order` (R·T,) is the flat-batch row each row runs, `real` the row of each flat-batch row
+    (the logits to keep). The group, table and row dimensions are marked dynamic, so one compiled graph
+    serves every batch size from 2 and every context length (and one more every draft length)."""
 
     def __init__(
         self,
@@ -228,15 +242,22 @@ class PagedDecode:
         slots: dict[str, torch.Tensor],
         distances: dict[str, torch.Tensor],
         horizon: dict[str, int | None],
+        order: torch.Tensor,
+        real: torch.Tensor,
     ) -> None:
         self.k, self.v = store.k, store.v
         self.kinds = [store.kind(layer) for layer in range(len(store.k))]
         self._positions, self._horizon = positions, horizon
         self.tables, self.slots, self.distances = tables, slots, distances
+        self.order, self.real = order, real
         for t in (positions, *tables.values(), *slots.values(), *distances.values()):
             torch._dynamo.maybe_mark_dynamic(t, 0)
-        for t in (*tables.values(), *distances.values()):
+        for t in tables.values():
             torch._dynamo.maybe_mark_dynamic(t, 1)
+        for t in distances.values():
+            if t.shape[1] > 1:  # a size of 1 is specialised anyway: plain decode has a graph of its own
+                torch._dynamo.maybe_mark_dynamic(t, 1)
+            torch._dynamo.maybe_mark_dynamic(t, 2)
 
     @property
     def positions(self) -> torch.Tensor:
@@ -245,7 +266,7 @@ class PagedDecode:
     def write_read(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """k, v (B, K, D) into each row's slot; every row's blocks gathered as (B, K, nb · bs, D)."""
+        """k, v (R·T, K, D) into each row's slot; every group's blocks gathered once as (R, K, nb · bs, D)."""
         kind = self.kinds[layer]
         kb, vb = self.k[layer], self.v[layer]  # (K, blocks, bs, D)
         K, D = kb.shape[0], kb.shape[3]
@@ -253,9 +274,9 @@ class PagedDecode:
         kb.view(K, -1, D).index_copy_(1, slots, k.transpose(0, 1))
         vb.view(K, -1, D).index_copy_(1, slots, v.transpose(0, 1))
         table = self.tables[kind]
-        B = table.shape[0]
-        keys = kb.index_select(1, table.reshape(-1)).view(K, B, -1, D).transpose(0, 1)
-        values = vb.index_select(1, table.reshape(-1)).view(K, B, -1, D).transpose(0, 1)
+        R = table.shape[0]
+        keys = kb.index_select(1, table.reshape(-1)).view(K, R, -1, D).transpose(0, 1)
+        values = vb.index_select(1, table.reshape(-1)).view(K, R, -1, D).transpose(0, 1)
         return keys, values, self.distances[kind]
 
     def horizon(self, layer: int) -> int | None:

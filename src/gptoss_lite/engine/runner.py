@@ -69,16 +69,18 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.long, device=self.device), batch, samplers
 
     @torch.inference_mode()
-    def warm_up(self) -> float:
-        """Compile the decode step (or load it from inductor's disk cache) on a dummy two-row step at
-        position 0 of block 0 of each pool, which no request holds yet; its wall time in seconds."""
+    def warm_up(self, drafts: bool = False) -> float:
+        """Compile the decode step (or load it from inductor's disk cache) on a dummy step of two
+        one-row groups at position 0 of block 0 of each pool, which no request holds yet, and with
+        `drafts` also on groups of several rows (the graph that verifies drafts); the wall time in
+        seconds."""
         assert self.decoder is not None, "warm_up() compiles the decoder"
-        rows = 2
-        static = self.kv.warm_up_state(rows, self.device)
-        zeros = torch.zeros(rows, dtype=torch.long, device=self.device)
-        torch._dynamo.maybe_mark_dynamic(zeros, 0)
         t0 = time.perf_counter()
-        self.decoder.step(static, zeros)
+        for per_group in (1, self.kv.WARM_UP_GROUP_ROWS) if drafts else (1,):
+            static = self.kv.warm_up_state(2, per_group, self.device)
+            ids = torch.zeros(static.positions.shape[0], dtype=torch.long, device=self.device)
+            torch._dynamo.maybe_mark_dynamic(ids, 0)
+            self.decoder.step(static, ids)
         return time.perf_counter() - t0
 
     @torch.inference_mode()
@@ -86,15 +88,13 @@ class ModelRunner:
         """Run the step's one forward: (logits (M, V), the requests they belong to, in order)."""
         input_ids, batch, samplers = self.build_batch(step)
         if self.decoder is not None:
-            n = input_ids.shape[0]
-            rows = max(2, n)  # one row would get a graph of its own: repeat it
-            static = batch.static(rows)
+            static = batch.static()
             if static is not None:
-                ids = torch.cat([input_ids, input_ids[:1].expand(rows - n)])
+                ids = input_ids[static.order]  # the rows in groups (padding repeats a row)
                 torch._dynamo.maybe_mark_dynamic(ids, 0)  # the batch is dynamic, as in the state
                 self.compiled_steps += 1
-                self.compiled_verifications += n > len(samplers)
-                return self.decoder.step(static, ids)[:n], samplers
+                self.compiled_verifications += input_ids.shape[0] > len(samplers)
+                return self.decoder.step(static, ids)[static.real], samplers
         return self.model.forward_batch(input_ids, batch), samplers
 
     @torch.inference_mode()

@@ -63,11 +63,15 @@ Tests pin every ragged path to `attention_reference` run on each sequence alone.
 
 Static decode (`StaticKV`, what a compiled decode step runs over). One new token per row, and
 every tensor of a fixed shape from one step to the next, so that one compiled graph serves them all:
-`write_read(layer, k, v)` writes each row's new key at its slot of the storage tensors and returns
-the whole (B, K, S, D) storage with each slot's `distance` (query position minus the slot's
-position; negative for an empty, padding or future slot). The layer masks with its own window, as
-for a ragged batch. `MixedKVCache.static_decode()` gives one over its own storage (rings written at
-position mod their size), the engine's paged batch one over block tables.
+`write_read(layer, k, v)` writes every row's new key at its slot of the storage tensors and returns
+the storage the rows read, (R, K, S, D), with each slot's `distance` to each row's query, (R or 1,
+T, S) (query position minus the slot's position; negative for an empty, padding or future slot).
+The B rows come in R groups of T = B / R consecutive rows that read the same keys: one row per
+group (T = 1) for plain decode; a request verifying a draft of T - 1 tokens is one group of T rows
+at consecutive positions, so its keys are gathered once, not once per token (every row's key is
+written before any row reads). The layer masks with its own window, as for a ragged batch.
+`MixedKVCache.static_decode()` gives one over its own storage (rings written at position mod their
+size), the engine's paged batch one over block tables.
 """
 
 from __future__ import annotations
@@ -310,7 +314,8 @@ class StaticKV(Protocol):
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Write the rotated k, v (B, K, D) of one token per row; return (keys, values, distance): the
-        layer's (B, K, S, D) storage and (B or 1, S) distances, as "Static decode" says."""
+        (R, K, S, D) storage each group of T = B / R rows reads and the (R or 1, T, S) distances, as
+        "Static decode" says."""
         ...
 
     def horizon(self, layer: int) -> int | None:

@@ -416,7 +416,7 @@ class StaticMixed:
             distance = torch.where(pos - back >= 0, back, -1)  # -1: not written yet
         else:
             distance = pos - index  # negative past the new token: free slots
-        return kb, vb, distance[None]
+        return kb, vb, distance[None, None]  # every row its own group: (1, T=1, S)
 
     def horizon(self, layer: int) -> int | None:
         return None

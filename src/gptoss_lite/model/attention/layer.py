@@ -168,11 +168,23 @@ class Attention(nn.Module):
         horizon = kv.horizon(self.layer)
         if horizon is not None:
             window = horizon if window is None else min(window, horizon)
-        bias = distance_bias(distance, window)[:, None, None, :]  # (B or 1, 1, 1, S)
-        sink = self.sink_logits().float().view(1, K, H // K, 1)
-        rows = q.float().view(B, K, H // K, D)
-        att = masked_decode(rows, keys.float(), values.float(), bias, sink, round_to=dt)  # (B, K, G, D)
-        return decode_linear(att.reshape(B, H * D), self.o_proj.weight, self.o_proj.bias)
+        R, G = keys.shape[0], H // K
+        T = B // R  # rows per group of shared keys (1: plain decode)
+        sink = self.sink_logits().float().view(1, K, 1, G, 1)
+        if T == 1:  # one query row per KV head and row: the bias broadcasts over the G heads
+            bias = distance_bias(distance, window)[:, None]  # (R or 1, 1, 1, S)
+            rows = q.float().view(B, K, G, D)
+            att = masked_decode(rows, keys.float(), values.float(), bias, sink[:, :, 0], round_to=dt)
+            return decode_linear(att.reshape(B, H * D), self.o_proj.weight, self.o_proj.bias)
+        # the T rows of a group and their G query heads are one (T·G)-row query block per KV head
+        S = distance.shape[-1]
+        bias = distance_bias(distance, window)[:, None, :, None, :]  # (R or 1, 1, T, 1, S)
+        bias = bias.expand(-1, -1, -1, G, -1).reshape(bias.shape[0], 1, T * G, S)
+        sink = sink.expand(-1, -1, T, -1, -1).reshape(1, K, T * G, 1)
+        rows = q.float().view(R, T, K, G, D).transpose(1, 2).reshape(R, K, T * G, D)
+        att = masked_decode(rows, keys.float(), values.float(), bias, sink, round_to=dt)  # (R, K, T·G, D)
+        att = att.view(R, K, T, G, D).transpose(1, 2).reshape(B, H * D)
+        return decode_linear(att, self.o_proj.weight, self.o_proj.bias)
 
 
 def attend_ragged(
