@@ -254,3 +254,18 @@ def test_llm_step_is_schedule_execute_postprocess():
     calls = [ast.unparse(n.func) for n in ast.walk(step) if isinstance(n, ast.Call)]
     for call in ("self.scheduler.schedule", "self._execute", "self.scheduler.postprocess"):
         assert call in calls, call
+
+
+def test_llm_init_is_short():
+    """LLM.__init__ stays at most 30 lines: the knobs and their checks live in EngineConfig, the setup
+    in named helpers."""
+    engine = Path(__file__).resolve().parents[1] / "src" / "gptoss_lite" / "engine"
+    tree = ast.parse((engine / "llm.py").read_text())
+    (init,) = [
+        node
+        for cls in tree.body
+        if isinstance(cls, ast.ClassDef) and cls.name == "LLM"
+        for node in cls.body
+        if isinstance(node, ast.FunctionDef) and node.name == "__init__"
+    ]
+    assert init.end_lineno - init.lineno + 1 <= 30

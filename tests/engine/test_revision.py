@@ -1,6 +1,6 @@
 """The engine's weights revision (the prefix cache's key) comes from the checkpoint's identity, not from
-a pass over the tensors: a directory's files (name, size, modification time), or a preset's name. Only
-a model handed over as an object is checksummed."""
+a pass over the tensors: a directory's files (name, size, modification time), a preset's name, or for a
+model handed over as an object its parameters' storage and version counters."""
 
 import os
 import warnings
@@ -47,3 +47,22 @@ def test_presets_are_named_by_name_and_objects_by_their_weights():
         model.blocks[0].attn.sinks.add_(1.0)
     assert LLM(model, kv_blocks=64).kv.revision != before
     assert LLM(model, kv_blocks=64, revision="v2").kv.revision == "v2"
+
+
+def test_an_object_is_named_without_reading_a_tensor(monkeypatch):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = load_model("lite-tiny")
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("the revision read a tensor")
+
+    monkeypatch.setattr(torch, "sum", no_read)
+    monkeypatch.setattr(torch.Tensor, "sum", no_read)
+    monkeypatch.setattr(torch.Tensor, "tolist", no_read)
+    revision = llm_module._weights_revision(model)
+    assert llm_module._weights_revision(model) == revision
+    monkeypatch.undo()
+    with torch.no_grad():
+        model.blocks[1].moe.router.weight.mul_(1.0)  # in place, even to the same values: a new version
+    assert llm_module._weights_revision(model) != revision

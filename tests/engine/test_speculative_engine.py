@@ -56,27 +56,30 @@ def test_greedy_is_identical_with_and_without_speculation(models, compiled):
 
 
 def test_compiled_verification_logits_equal_the_eager_forward(models):
-    """A step of decode rows and drafts run compiled (one fixed-shape row per token) gives the logits of
-    the eager causal forward over the same batch, within 1e-4 (f32)."""
+    """A step of decode rows and drafts run compiled (each request a group of rows over one gathered
+    table) gives the logits of the eager causal forward over the same batch, as closely as a plain
+    compiled decode step does: within 1e-5 of the logits' scale (f32; the shipped model's logits
+    reach about 20, and the compiled plain step differs from eager by about 1e-4 there too)."""
     model = models("shipped")
     work = copy_heavy_workload(random.Random(11), model.config.vocab_size, 8, 1)
     llm = LLM(model, speculate=LOOKUP, kv_blocks=800, max_batch_tokens=256, max_running=8, compile_decode=True)
-    runner, forward, checked = llm.runner, llm.runner.forward, []
+    runner, forward, checked = llm.runner, llm.runner.forward, {"plain": [], "verify": []}
 
     def both_ways(step):
         input_ids, batch, _ = runner.build_batch(step)  # changes no request
         with torch.inference_mode():
             eager = model.forward_batch(input_ids, batch)
         logits, samplers = forward(step)
-        if batch.static() is not None and any(n > 1 for _, n, _ in step.scheduled):
-            checked.append(float((logits - eager).abs().max()))
+        if batch.static() is not None:
+            kind = "verify" if any(n > 1 for _, n, _ in step.scheduled) else "plain"
+            checked[kind].append(float((logits - eager).abs().max() / eager.abs().max()))
         return logits, samplers
 
     runner.forward = both_ways
     graphs = counters["stats"]["unique_graphs"]
     run(llm, work)
-    assert checked, "the workload was meant to verify drafts on the compiled step"
-    assert max(checked) < 1e-4
+    assert checked["verify"] and checked["plain"], "the workload was meant to run both kinds of compiled step"
+    assert max(checked["verify"]) < 1e-5 and max(checked["plain"]) < 1e-5
     # start-up compiled both graphs (one row per request; groups of rows): every draft length and
     # batch size after that reuses them
     assert counters["stats"]["unique_graphs"] == graphs, "a step compiled a graph of its own"

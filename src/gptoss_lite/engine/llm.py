@@ -49,6 +49,9 @@ logger = logging.getLogger(__name__)
 # measured rates say is slower, so the choice follows the workload.
 SPEC_MIN_ACCEPTANCE = 0.1
 SPEC_EXPLORE_EVERY = 16
+# A step whose drafts would fill less than this share of the rows it computes (requests without a
+# draft are padded to the longest draft's rows) drafts nothing.
+SPEC_MIN_FILL = 0.5
 
 
 @dataclass(frozen=True)
@@ -105,15 +108,51 @@ def _checkpoint_revision(source: str, model_dir: Path | None, config: object) ->
 
 
 def _weights_revision(model: GPTOSS) -> str:
-    """A fingerprint of an in-memory model's weights (config, names, shapes and a checksum of every
-    tensor): a model handed to the engine as an object has no checkpoint to name it, so this reads
-    every weight once (pass `revision=` to skip it)."""
+    """The revision of a model handed to the engine as an object, which has no checkpoint to name it:
+    its config and every parameter's name, shape, dtype, storage and version counter, so reading no
+    tensor. The prefix cache lives in the engine, and within the engine's life a model changes only
+    in place, which bumps the changed tensor's version (pass `revision=` to name the weights yourself)."""
     h = hashlib.blake2b(digest_size=8)
     h.update(repr(model.config).encode())
-    with torch.no_grad():
-        for name, p in model.state_dict().items():
-            h.update(f"{name}{tuple(p.shape)}{p.dtype}{float(torch.sum(p, dtype=torch.float64))!r}".encode())
+    for name, p in model.named_parameters():
+        h.update(f"{name}{tuple(p.shape)}{p.dtype}{p.data_ptr()}:{p._version}\0".encode())
     return h.hexdigest()
+
+
+class DecodeChoice:
+    """Whether a decode-only step drafts, chosen by measurement (docs/engine.md#speculative-decoding):
+    the running mean tokens per second of decode-only steps run each way, the faster way taken, the
+    other tried one decode-only step in SPEC_EXPLORE_EVERY. Until both ways have a figure, each is
+    tried. Steps with prompt chunks always draft (for the requests already decoding)."""
+
+    def __init__(self) -> None:
+        self.rates: dict[str, float | None] = {"plain": None, "spec": None}
+        self.current: str | None = None  # how this decode-only step runs (None: not one)
+        self.steps = 0
+
+    def choose(self, decode_only: bool) -> str:
+        """"spec" or "plain" for the coming step."""
+        self.current = None
+        if not decode_only:
+            return "spec"
+        self.steps += 1
+        rates = self.rates
+        if rates["plain"] is None or rates["spec"] is None:
+            use = "spec" if rates["spec"] is None else "plain"
+        else:
+            use = "spec" if rates["spec"] > rates["plain"] else "plain"
+            if self.steps % SPEC_EXPLORE_EVERY == 0:
+                use = "plain" if use == "spec" else "spec"
+        self.current = use
+        return use
+
+    def record(self, seconds: float, tokens: int) -> None:
+        """Fold the step's tokens per second into its way's running mean (if it was decode-only)."""
+        if self.current is None or seconds <= 0:
+            return
+        rate = tokens / seconds
+        old = self.rates[self.current]
+        self.rates[self.current] = rate if old is None else 0.8 * old + 0.2 * rate
 
 
 class LLM:
@@ -148,9 +187,7 @@ class LLM:
         self._ids = itertools.count()
         self._finished = self._aborted = self._failed = self._generated = 0
         self.speculate = cfg.speculate
-        self._spec_rates: dict[str, float | None] = {"plain": None, "spec": None}  # decode-only tokens/s
-        self._spec_step: str | None = None  # how this decode-only step runs: "plain", "spec" (None: not one)
-        self._decode_steps = 0
+        self._spec_choice = DecodeChoice()  # whether decode-only steps draft, by measured tokens/s
         self.kv.check_step_fits(cfg.max_batch_tokens)
 
     # ------------------------------------------------------------------ setup helpers
@@ -400,7 +437,7 @@ class LLM:
         new_tokens = sum(len(o.new_token_ids) for o in outcome.outputs)
         self._generated += new_tokens
         if self.speculate is not None:
-            self._time_decode_step(time.perf_counter() - started, new_tokens)
+            self._spec_choice.record(time.perf_counter() - started, new_tokens)
         return outcome.outputs
 
     # ------------------------------------------------------------------ speculative decoding
@@ -423,19 +460,8 @@ class LLM:
         spec = self.speculate
         running = self.scheduler.running
         decode_only = all(r.num_tokens - r.num_computed == 1 for r in running) and not self.scheduler.waiting
-        self._spec_step = None
-        if decode_only:
-            self._decode_steps += 1
-            rates = self._spec_rates
-            if rates["plain"] is None or rates["spec"] is None:
-                use = "spec" if rates["spec"] is None else "plain"
-            else:
-                use = "spec" if rates["spec"] > rates["plain"] else "plain"
-                if self._decode_steps % SPEC_EXPLORE_EVERY == 0:
-                    use = "plain" if use == "spec" else "spec"
-            self._spec_step = use
-            if use == "plain":
-                return
+        if self._spec_choice.choose(decode_only) == "plain":
+            return
         for request in running:
             sampling = request.sampling
             if (
@@ -462,15 +488,13 @@ class LLM:
             index = request.drafter
             index.tokens.extend(request.output_token_ids[len(index.tokens) - len(request.prompt_token_ids) :])
             request.draft = index.draft(min(spec.k, room))
-
-    def _time_decode_step(self, seconds: float, tokens: int) -> None:
-        """Fold a decode-only step's tokens per second into the running mean of its kind."""
-        kind = self._spec_step
-        if kind is None or seconds <= 0:
-            return
-        rate = tokens / seconds
-        old = self._spec_rates[kind]
-        self._spec_rates[kind] = rate if old is None else 0.8 * old + 0.2 * rate
+        # The compiled step runs every request as a group of 1 + (longest draft) rows, the rows past a
+        # request's own draft being padding: a step that would be mostly padding drafts nothing.
+        decoding = [r for r in running if r.num_tokens - r.num_computed == 1]
+        rows = len(decoding) * (1 + max((len(r.draft) for r in decoding), default=0))
+        if rows and sum(1 + len(r.draft) for r in decoding) < SPEC_MIN_FILL * rows:
+            for request in decoding:
+                request.draft = []
 
     def _execute(self, step: ScheduledBatch) -> tuple[list[tuple[Request, int, TokenLogprobs | None]], list]:
         """The runner's (sampled, failed) for the step; if the batched forward raises, each request
