@@ -131,7 +131,7 @@ class DecodeChoice:
         self.steps = 0
 
     def choose(self, decode_only: bool) -> str:
-        """"spec" or "plain" for the coming step."""
+        """ "spec" or "plain" for the coming step."""
         self.current = None
         if not decode_only:
             return "spec"
