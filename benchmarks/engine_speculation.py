@@ -12,7 +12,13 @@ Each engine is warmed up on two requests first. Reports per workload the median 
 each engine over --rounds rounds, their ratio, the acceptance rate (draft tokens kept / drafted) and
 the tokens per verification; --json prints one JSON object.
 
+The prompts are 800-1,500 tokens. With the default 128 new tokens their prefill is most of the
+time; --max-tokens 1024 is the editing case, where the output is about as long as the prompt it
+repeats.
+
     python benchmarks/engine_speculation.py --rounds 3 --threads 2
+    python benchmarks/engine_speculation.py --rounds 3 --threads 2 --max-tokens 1024
+    python benchmarks/engine_speculation.py --rounds 3 --threads 2 --no-compile
 """
 
 from __future__ import annotations
