@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from conftest import make_model
 from gptoss_lite.engine import LLM, SamplingParams
 from gptoss_lite.speculative import DraftModel, PromptLookup
-from tests.conftest import make_model
 from tests.engine.conftest import Workload, assert_nothing_leaks, run
 
 LOOKUP = PromptLookup(k=6, ngram=4, min_ngram=2)
