@@ -239,17 +239,23 @@ def test_the_runner_changes_no_request():
     ]
 
 
-def test_llm_step_is_schedule_execute_postprocess():
-    """LLM.step changes no request itself: the scheduler's postprocess applies a step's results."""
+def llm_method(name: str) -> ast.FunctionDef:
+    """The AST of method `name` of engine/llm.py's LLM."""
     engine = Path(__file__).resolve().parents[1] / "src" / "gptoss_lite" / "engine"
     tree = ast.parse((engine / "llm.py").read_text())
-    (step,) = [
+    (method,) = [
         node
         for cls in tree.body
         if isinstance(cls, ast.ClassDef) and cls.name == "LLM"
         for node in cls.body
-        if isinstance(node, ast.FunctionDef) and node.name == "step"
+        if isinstance(node, ast.FunctionDef) and node.name == name
     ]
+    return method
+
+
+def test_llm_step_is_schedule_execute_postprocess():
+    """LLM.step changes no request itself: the scheduler's postprocess applies a step's results."""
+    step = llm_method("step")
     assert runner_request_writes(ast.unparse(step)) == []
     calls = [ast.unparse(n.func) for n in ast.walk(step) if isinstance(n, ast.Call)]
     for call in ("self.scheduler.schedule", "self._execute", "self.scheduler.postprocess"):
@@ -259,13 +265,5 @@ def test_llm_step_is_schedule_execute_postprocess():
 def test_llm_init_is_short():
     """LLM.__init__ stays at most 30 lines: the knobs and their checks live in EngineConfig, the setup
     in named helpers."""
-    engine = Path(__file__).resolve().parents[1] / "src" / "gptoss_lite" / "engine"
-    tree = ast.parse((engine / "llm.py").read_text())
-    (init,) = [
-        node
-        for cls in tree.body
-        if isinstance(cls, ast.ClassDef) and cls.name == "LLM"
-        for node in cls.body
-        if isinstance(node, ast.FunctionDef) and node.name == "__init__"
-    ]
+    init = llm_method("__init__")
     assert init.end_lineno - init.lineno + 1 <= 30
