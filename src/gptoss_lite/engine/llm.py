@@ -489,12 +489,13 @@ class LLM:
             index.tokens.extend(request.output_token_ids[len(index.tokens) - len(request.prompt_token_ids) :])
             request.draft = index.draft(min(spec.k, room))
         # The compiled step runs every request as a group of 1 + (longest draft) rows, the rows past a
-        # request's own draft being padding: a step that would be mostly padding drafts nothing.
-        decoding = [r for r in running if r.num_tokens - r.num_computed == 1]
-        rows = len(decoding) * (1 + max((len(r.draft) for r in decoding), default=0))
-        if rows and sum(1 + len(r.draft) for r in decoding) < SPEC_MIN_FILL * rows:
-            for request in decoding:
-                request.draft = []
+        # request's own draft being padding: a compiled step that would be mostly padding drafts nothing.
+        # (An eager step, or one with prompt chunks, runs each draft at its own length.)
+        if decode_only and self.runner.decoder is not None:
+            rows = len(running) * (1 + max((len(r.draft) for r in running), default=0))
+            if rows and sum(1 + len(r.draft) for r in running) < SPEC_MIN_FILL * rows:
+                for request in running:
+                    request.draft = []
 
     def _execute(self, step: ScheduledBatch) -> tuple[list[tuple[Request, int, TokenLogprobs | None]], list]:
         """The runner's (sampled, failed) for the step; if the batched forward raises, each request
