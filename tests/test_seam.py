@@ -17,7 +17,6 @@ CACHE_CLASSES = {
     "QuantizedBuffer",
     "EvictingKVCache",
     "EvictingBuffer",
-    "PagedKVCache",
     "PagedKVStore",
     "QuantizedPagedStore",
     "PagedBatch",

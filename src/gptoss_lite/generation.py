@@ -229,7 +229,8 @@ def _validate_speculation(
     if cache is not None and not isinstance(cache, RollbackKVCache):
         raise TypeError(
             f"speculate needs a cache that can roll back (gptoss_lite.kv.base.RollbackKVCache); "
-            f"got {type(cache).__name__}; pass cache=None or a MixedKVCache/PagedKVCache"
+            f"got {type(cache).__name__}; pass cache=None or a MixedKVCache "
+            "(for paged batches, use the engine: gptoss_lite.engine.LLM)"
         )
     if isinstance(cache, MixedKVCache) and cache.rollback_tokens < speculate.k - 1:
         raise ValueError(

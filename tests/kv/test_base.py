@@ -10,7 +10,6 @@ from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.generation import generate
 from gptoss_lite.kv.base import KVCache
 from gptoss_lite.kv.mixed import MixedKVCache
-from gptoss_lite.kv.paged_cache import PagedKVCache, PagedKVStore
 
 CFG = resolve_config("lite-tiny")  # window 8; layers 0 and 2 sliding, 1 and 3 full
 
@@ -19,12 +18,7 @@ def _mixed(batch: int) -> MixedKVCache:
     return MixedKVCache(CFG, batch_size=batch)
 
 
-def _paged(batch: int) -> PagedKVCache:
-    store = PagedKVStore(CFG, total_blocks=64 * batch, block_size=4)
-    return PagedKVCache(CFG, store, [f"r{b}" for b in range(batch)])
-
-
-CACHES = {"mixed": _mixed, "paged": _paged}
+CACHES = {"mixed": _mixed}
 
 
 @pytest.mark.parametrize("kind", CACHES)

@@ -8,7 +8,7 @@ import pytest
 from gptoss_lite.config import FULL, SLIDING
 from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.kv.groups import FullGroup, KVGroup, SlidingGroup, attach_prefix
-from gptoss_lite.kv.paged_cache import PagedKVCache, PagedKVStore
+from gptoss_lite.kv.paged_cache import PagedKVStore
 from gptoss_lite.kv.paged_quant import QuantizedPagedStore
 
 BS = 4
@@ -119,12 +119,9 @@ def test_store_views_are_the_groups():
         store.group("nope")
 
 
-def test_full_window_lives_in_the_full_group_and_is_refused_where_not_applied():
+def test_full_window_lives_in_the_full_group_and_quantised_blocks_refuse_it():
     cfg = resolve_config("lite-tiny")
     store = PagedKVStore(cfg, total_blocks=12, block_size=BS, full_window=8)
     assert store.full_window == store.group(FULL).window == 8
-    with pytest.raises(ValueError, match="PagedKVCache does not apply"):
-        PagedKVCache(cfg, store, ["a"])
-    assert not store.group(FULL).pool.sequences  # refused before creating anything
     with pytest.raises(ValueError, match="quantised full-layer blocks hold every key"):
         QuantizedPagedStore(cfg, 12, BS, full_window=8)

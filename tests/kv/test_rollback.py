@@ -1,9 +1,8 @@
-"""Rollback (`truncate`) on every cache kind: MixedKVCache and PagedKVCache share one rule."""
+"""Rollback (`truncate`) on MixedKVCache: the retained interval rule of `gptoss_lite.kv.base.check_rollback`."""
 
 from __future__ import annotations
 
 import functools
-import json
 import random
 
 import pytest
@@ -11,9 +10,7 @@ import torch
 
 from conftest import make_model
 from gptoss_lite.fixtures import resolve_config
-from gptoss_lite.kv.base import RollbackKVCache
 from gptoss_lite.kv.mixed import MixedKVCache, RingBuffer
-from gptoss_lite.kv.paged_cache import PagedKVCache, PagedKVStore
 from gptoss_lite.model.attention import attention_reference
 
 CFG = resolve_config("lite-tiny")  # window 8; layers 0, 2 sliding, 1, 3 full
@@ -35,35 +32,20 @@ def _kv(layer: int, start: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([k for k, _ in pairs], dim=2), torch.cat([v for _, v in pairs], dim=2)
 
 
-def _make(kind: str, slack: int) -> RollbackKVCache:
-    if kind == "mixed":
-        return MixedKVCache(CFG, batch_size=B, rollback_tokens=slack)
-    store = PagedKVStore(CFG, total_blocks=256, block_size=4)
-    return PagedKVCache(CFG, store, ["a", "b"], rollback_tokens=slack)
+def _make(slack: int) -> MixedKVCache:
+    return MixedKVCache(CFG, batch_size=B, rollback_tokens=slack)
 
 
-def _held(cache: RollbackKVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chronological K/V (B, K, n, D) of the last n tokens `layer` holds."""
-    if isinstance(cache, MixedKVCache):
-        return cache.get(layer)
-    pairs = [cache.store.gather(s, layer) for s in cache.seq_ids]
-    return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
-
-
-def _snapshot(cache: RollbackKVCache):
-    if isinstance(cache, MixedKVCache):
-        return [
-            (
-                None if s.k is None else (s.k.clone(), s.v.clone()),
-                s.num_tokens,
-                s.num_resident,
-                getattr(s, "head", None),
-            )
-            for s in cache.layers
-        ]
-    store = cache.store
-    pools = json.dumps({kind: pool.snapshot() for kind, pool in store.pools.items()}, sort_keys=True)
-    return pools, [t.clone() for t in store.k + store.v], cache.num_tokens
+def _snapshot(cache: MixedKVCache):
+    return [
+        (
+            None if s.k is None else (s.k.clone(), s.v.clone()),
+            s.num_tokens,
+            s.num_resident,
+            getattr(s, "head", None),
+        )
+        for s in cache.layers
+    ]
 
 
 def _same(a, b) -> bool:
@@ -74,7 +56,7 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _check_update(cache: RollbackKVCache, start: int, T: int) -> None:
+def _check_update(cache: MixedKVCache, start: int, T: int) -> None:
     """Append T tokens on every layer; each layer's returned keys are exactly positions first…, and
     attention over them equals dense attention over the whole kept history (the layer's window)."""
     q = torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(start * 7 + T))
@@ -98,13 +80,12 @@ def _check_update(cache: RollbackKVCache, start: int, T: int) -> None:
         torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("kind", ["mixed", "paged"])
 @pytest.mark.parametrize("slack", [0, 3])
-def test_random_append_and_rollback_match_a_rebuilt_cache(kind, slack):
+def test_random_append_and_rollback_match_a_rebuilt_cache(slack):
     """Random appends and truncations: held K/V equal a cache rebuilt from the kept tokens, attention
     over what update returns equals dense attention, and out-of-range truncations raise unchanged."""
-    rng = random.Random(f"{kind}{slack}")
-    cache = _make(kind, slack)
+    rng = random.Random(f"mixed{slack}")
+    cache = _make(slack)
     n = last = 0  # last: the position of the latest truncation
     for _ in range(60):
         if n and rng.random() < 0.4:
@@ -120,13 +101,13 @@ def test_random_append_and_rollback_match_a_rebuilt_cache(kind, slack):
             n = last = rng.randint(floor, n)
             cache.truncate(n)
             assert cache.num_tokens == n
-            rebuilt = _make(kind, slack)
+            rebuilt = _make(slack)
             if n:
                 for layer in range(CFG.n_layers):
                     rebuilt.update(layer, *_kv(layer, 0, n), 0)
             for layer in range(CFG.n_layers):
-                got_k, got_v = _held(cache, layer)
-                want_k, want_v = _held(rebuilt, layer)
+                got_k, got_v = cache.get(layer)
+                want_k, want_v = rebuilt.get(layer)
                 m = got_k.shape[2]
                 assert m <= want_k.shape[2] or not CFG.is_sliding(layer)
                 assert torch.equal(got_k, want_k[:, :, want_k.shape[2] - m :])
@@ -163,14 +144,13 @@ def test_ring_with_slack_keeps_w_plus_r_and_rolls_back_exactly_that_far(slack):
     assert cache.num_tokens == 30 - slack - 1
 
 
-@pytest.mark.parametrize("kind", ["mixed", "paged"])
 @pytest.mark.parametrize("preset", ["lite-tiny", "gpt-oss-tiny"])
-def test_model_continues_after_rollback_like_a_fresh_run(kind, preset):
+def test_model_continues_after_rollback_like_a_fresh_run(preset):
     """Decode, truncate the last 3 tokens, decode other tokens: logits equal the uncached model's."""
     model = make_model(preset)
     ids = torch.randint(0, 256, (B, 24), generator=torch.Generator().manual_seed(5))
     alt = torch.randint(0, 256, (B, 4), generator=torch.Generator().manual_seed(6))
-    cache = _make(kind, 3) if kind == "paged" else MixedKVCache(model.config, B, rollback_tokens=3)
+    cache = MixedKVCache(model.config, B, rollback_tokens=3)
     with torch.inference_mode():
         model(ids[:, :12], cache=cache, start_pos=0)
         for p in range(12, 24):

@@ -86,12 +86,6 @@ class KVGroup:
             return ()
         return self.pool.release_before(seq_id, self.release_target(num_computed, slack))
 
-    def releasable_blocks(self, seq_id: Hashable, num_computed: int, *, slack: int = 0) -> int:
-        """Blocks `release_window` is sure to free (those this sequence alone holds), without releasing."""
-        pool = self.pool
-        n_drop = max(0, self.release_target(num_computed, slack) // self.block_size - pool.first_block_index(seq_id))
-        return sum(pool.refcount(b) == 1 for b in pool.page_table(seq_id)[:n_drop])
-
     # ------------------------------------------------------------------ block arithmetic
 
     def prompt_blocks(self, n_tokens: int, max_batch_tokens: int) -> int:

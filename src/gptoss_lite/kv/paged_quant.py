@@ -16,7 +16,7 @@ store's, per full layer. Quantised blocks hold every key, so the group has no fu
   tail goes back to the pool at the start of the next step. So the residual window of full-precision
   tokens is a sequence's unfilled last block (0 to bs - 1 tokens).
 - A step is planned once for all full layers (`plan_writes`: which tail slot each new token goes to,
-  which blocks complete) and then carried out per layer (`write`): tokens go into their tails, the
+  which blocks complete) and then carried out per layer (`write_planned`): tokens go into their tails, the
   completed tails are quantised in one batched call into their blocks.
 - Reads dequantise only the blocks asked for (`dequantize_blocks`); `gather` (the reference path)
   dequantises a whole sequence.
@@ -194,11 +194,6 @@ class QuantizedPagedStore(PagedKVStore):
         parts = (*quantize_keys(k, self.spec), *quantize_values(v, self.spec))
         for store, x in zip(self._code_stores(), parts):
             store[layer].index_copy_(1, blocks, x)
-
-    def write(self, layer: int, blocks: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.kind(layer) == FULL:
-            raise TypeError("QuantizedPagedStore: full layers are written through plan_writes / write_planned")
-        super().write(layer, blocks, slots, k, v)
 
     def apply_copies(self, kind: str, copies: Sequence[tuple[int, int, int]]) -> None:
         if kind != FULL:
