@@ -305,8 +305,11 @@ class RequestDrafter:
     @torch.inference_mode()
     def draft(self, tokens: list[int], k: int) -> list[int]:
         """Up to k draft tokens to follow `tokens` (the request's prompt and output so far)."""
-        held, same = self.held, 0
+        # Only the drafts fed last time (at most k - 1, at the end of `held`) can differ from `tokens`:
+        # the tokens before them were the request's own, and those never change.
+        held = self.held
         limit = min(len(held), len(tokens) - 1)  # the last token is always run: its logits draft
+        same = min(max(0, len(held) - self.k), limit)
         while same < limit and held[same] == tokens[same]:
             same += 1
         if same < len(held):
