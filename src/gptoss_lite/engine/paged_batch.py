@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from gptoss_lite.config import FULL
-from gptoss_lite.kv.base import DecodeChunk, DecodeRows, KVRead, KVSegment, RaggedRead, TensorSegment
+from gptoss_lite.kv.base import DecodeChunk, DecodeRows, KVRead, KVSegment, RaggedRead, StaticRead, TensorSegment
 from gptoss_lite.kv.paged_cache import PagedKVStore
 from gptoss_lite.kv.paged_quant import QuantizedPagedStore
 
@@ -263,21 +263,16 @@ class PagedDecode:
     def positions(self) -> torch.Tensor:
         return self._positions
 
-    def write_read(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """k, v (R·T, K, D) into each row's slot; every group's blocks gathered once as (R, K, nb · bs, D)."""
+    def write_read(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> StaticRead:
+        """k, v (R·T, K, D) into each row's slot; the read is the layer's block storage (K, blocks, bs,
+        D) and the groups' block tables (R, nb), which attention reads in place."""
         kind = self.kinds[layer]
         kb, vb = self.k[layer], self.v[layer]  # (K, blocks, bs, D)
         K, D = kb.shape[0], kb.shape[3]
         slots = self.slots[kind]
         kb.view(K, -1, D).index_copy_(1, slots, k.transpose(0, 1))
         vb.view(K, -1, D).index_copy_(1, slots, v.transpose(0, 1))
-        table = self.tables[kind]
-        R = table.shape[0]
-        keys = kb.index_select(1, table.reshape(-1)).view(K, R, -1, D).transpose(0, 1)
-        values = vb.index_select(1, table.reshape(-1)).view(K, R, -1, D).transpose(0, 1)
-        return keys, values, self.distances[kind]
+        return StaticRead(kb, vb, self.distances[kind], self.tables[kind])
 
     def horizon(self, layer: int) -> int | None:
         return self._horizon[self.kinds[layer]]

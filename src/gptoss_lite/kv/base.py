@@ -71,14 +71,17 @@ group (T = 1) for plain decode; a request verifying a draft of T - 1 tokens is o
 at consecutive positions, so its keys are gathered once, not once per token (every row's key is
 written before any row reads). The layer masks with its own window, as for a ragged batch.
 `MixedKVCache.static_decode()` gives one over its own storage (rings written at position mod their
-size), the engine's paged batch one over block tables.
+size), the engine's paged batch one over block tables. A read over block tables (`StaticRead` with a
+`table`) hands the layer the block storage itself, (K, blocks, bs, D), and each group's blocks, (R,
+nb): slot j of group r is block table[r, j // bs], slot j % bs, so attention reads the blocks in
+place (`kernels.blocks`) instead of a gathered copy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -301,6 +304,17 @@ class RaggedBatch(Protocol):
         ...
 
 
+class StaticRead(NamedTuple):
+    """What one layer of a static decode step reads (see "Static decode"): `keys` and `values` are
+    (R, K, S, D), or with a `table` (R, nb) the layer's block storage (K, blocks, bs, D) that the
+    groups' blocks index; `distance` (R or 1, T, S) is each slot's distance to each row's query."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    distance: torch.Tensor
+    table: torch.Tensor | None = None
+
+
 @runtime_checkable
 class StaticKV(Protocol):
     """Fixed-shape K/V state of one decode step (see "Static decode")."""
@@ -310,12 +324,10 @@ class StaticKV(Protocol):
         """(B,) int64 (or (1,) when every row is at the same position): each row's new token's position."""
         ...
 
-    def write_read(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Write the rotated k, v (B, K, D) of one token per row; return (keys, values, distance): the
-        (R, K, S, D) storage each group of T = B / R rows reads and the (R or 1, T, S) distances, as
-        "Static decode" says."""
+    def write_read(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> StaticRead:
+        """Write the rotated k, v (B, K, D) of one token per row; return the read: the storage each
+        group of T = B / R rows reads (dense, or block storage and a table) and the (R or 1, T, S)
+        distances, as "Static decode" says."""
         ...
 
     def horizon(self, layer: int) -> int | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from gptoss_lite.config import ModelConfig
-from gptoss_lite.kv.base import KVRead, RollbackKVCache, check_rollback, rollback_floor
+from gptoss_lite.kv.base import KVRead, RollbackKVCache, StaticRead, check_rollback, rollback_floor
 from gptoss_lite.validation import check_int
 
 DEFAULT_FULL_CAP_TOKENS = 4_000_000  # per full layer (docs/kv-cache.md#mixed-kv-cache)
@@ -401,9 +401,7 @@ class StaticMixed:
     def positions(self) -> torch.Tensor:
         return self._positions
 
-    def write_read(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def write_read(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> StaticRead:
         kb, vb = self.keys[layer], self.values[layer]
         pos = self._positions  # (1,)
         slots = kb.shape[2]
@@ -416,7 +414,7 @@ class StaticMixed:
             distance = torch.where(pos - back >= 0, back, -1)  # -1: not written yet
         else:
             distance = pos - index  # negative past the new token: free slots
-        return kb, vb, distance[None, None]  # every row its own group: (1, T=1, S)
+        return StaticRead(kb, vb, distance[None, None])  # every row its own group: (1, T=1, S)
 
     def horizon(self, layer: int) -> int | None:
         return None

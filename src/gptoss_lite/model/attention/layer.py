@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from gptoss_lite.config import ModelConfig
+from gptoss_lite.kernels import blocks as block_kernels
 from gptoss_lite.kv.base import DecodeChunk, KVCache, KVRead, RaggedRead, StaticKV
 from gptoss_lite.model.attention.blocks import attend, chunked_decode
 from gptoss_lite.model.attention.decode import masked_decode
@@ -149,7 +150,8 @@ class Attention(nn.Module):
         o_proj (B, C), fp32. Projections are `decode_linear` (a reduction for one row) over out-major weights
         (`prepare_for_inference(compile_decode=True)`); the new K/V go into `kv`'s fixed-shape
         storage; attention is `masked_decode` over all of it, widened to fp32 and rounded where eager
-        16-bit matmuls round."""
+        16-bit matmuls round, or, over block storage, the kernel that reads the blocks in place
+        (`kernels.blocks.attention`, the same arithmetic)."""
         B = h.shape[0]
         H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
         dt = h.dtype
@@ -163,28 +165,43 @@ class Attention(nn.Module):
         q, k, v = qkv.split((H * D, K * D, K * D), dim=-1)
         q = apply_rotary_tables(q.view(B, H, D), cos, sin)
         k = apply_rotary_tables(k.view(B, K, D), cos, sin)
-        keys, values, distance = kv.write_read(self.layer, k, v.view(B, K, D))
+        read = kv.write_read(self.layer, k, v.view(B, K, D))
+        distance, table = read.distance, read.table
         window = self.window
         horizon = kv.horizon(self.layer)
         if horizon is not None:
             window = horizon if window is None else min(window, horizon)
-        R, G = keys.shape[0], H // K
+        R, G = read.keys.shape[0] if table is None else table.shape[0], H // K
         T = B // R  # rows per group of shared keys (1: plain decode)
-        sink = self.sink_logits().float().view(1, K, 1, G, 1)
-        if T == 1:  # one query row per KV head and row: the bias broadcasts over the G heads
-            bias = distance_bias(distance, window)[:, None]  # (R or 1, 1, 1, S)
-            rows = q.float().view(B, K, G, D)
-            att = masked_decode(rows, keys.float(), values.float(), bias, sink[:, :, 0], round_to=dt)
-            return decode_linear(att.reshape(B, H * D), self.o_proj.weight, self.o_proj.bias)
         # the T rows of a group and their G query heads are one (T·G)-row query block per KV head
-        S = distance.shape[-1]
-        bias = distance_bias(distance, window)[:, None, :, None, :]  # (R or 1, 1, T, 1, S)
-        bias = bias.expand(-1, -1, -1, G, -1).reshape(bias.shape[0], 1, T * G, S)
-        sink = sink.expand(-1, -1, T, -1, -1).reshape(1, K, T * G, 1)
         rows = q.float().view(R, T, K, G, D).transpose(1, 2).reshape(R, K, T * G, D)
-        att = masked_decode(rows, keys.float(), values.float(), bias, sink, round_to=dt)  # (R, K, T·G, D)
+        if table is not None and block_kernels.applies(read.keys, read.values, dt):  # the blocks, in place
+            sinks = self.sink_logits().float().view(K, G)
+            w = -1 if window is None else window
+            att = block_kernels.attention(rows, read.keys, read.values, table, distance, w, sinks, dt != torch.float32)
+        else:  # dense storage, or a copy of the groups' blocks, widened for the fp32 products
+            keys, values = (
+                (read.keys, read.values)
+                if table is None
+                else (gathered(read.keys, table), gathered(read.values, table))
+            )
+            sink = self.sink_logits().float().view(1, K, 1, G, 1)
+            if T == 1:  # one query row per KV head and row: the bias broadcasts over the G heads
+                bias, sink = distance_bias(distance, window)[:, None], sink[:, :, 0]  # (R or 1, 1, 1, S)
+            else:
+                S = distance.shape[-1]
+                bias = distance_bias(distance, window)[:, None, :, None, :]  # (R or 1, 1, T, 1, S)
+                bias = bias.expand(-1, -1, -1, G, -1).reshape(bias.shape[0], 1, T * G, S)
+                sink = sink.expand(-1, -1, T, -1, -1).reshape(1, K, T * G, 1)
+            att = masked_decode(rows, keys.float(), values.float(), bias, sink, round_to=dt)  # (R, K, T·G, D)
         att = att.view(R, K, T, G, D).transpose(1, 2).reshape(B, H * D)
         return decode_linear(att, self.o_proj.weight, self.o_proj.bias)
+
+
+def gathered(store: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The blocks table (R, nb) of block storage (K, blocks, bs, D) copied out as (R, K, nb · bs, D)."""
+    K, D = store.shape[0], store.shape[-1]
+    return store.index_select(1, table.reshape(-1)).view(K, table.shape[0], -1, D).transpose(0, 1)
 
 
 def attend_ragged(
