@@ -101,7 +101,6 @@ def test_a_decode_step_over_blocks_is_the_same_with_the_kernel_or_a_gathered_cop
     """The model's own decode step over the engine's block tables, the kernel reading the blocks in
     place against the layer's fallback (gather a copy, then masked_decode)."""
     from conftest import make_model
-
     from gptoss_lite.engine import LLM, SamplingParams
     from gptoss_lite.model.attention import layer
 
