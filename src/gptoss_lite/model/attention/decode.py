@@ -3,7 +3,9 @@
 Used by every one-token path: eager decode over a dense cache (no mask: the query sees every key),
 the engine's batched decode over padded block tables (mask from each key's distance to its query),
 and the compiled step over its static ring and full buffers. (Over quantised blocks, which come a
-chunk at a time, the block loop's `blocks.chunked_decode` does the same with an online softmax.)
+chunk at a time, the block loop's `blocks.chunked_decode` does the same with an online softmax.
+Over the engine's block tables the compiled step calls the C form of this function,
+`gptoss_lite.kernels.blocks.attention`, which reads the blocks in place; this one is its oracle.)
 
 Rows are any (X, Y, G, D) batch of the G query heads of a KV head: (B, K, G, D) for a dense cache,
 (K, Bd, G, D) for the engine's head-major blocks. Keys and values are (X, Y, S, D), the mask
