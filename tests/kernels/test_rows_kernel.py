@@ -1,5 +1,5 @@
 """The fp32 rows kernel (`kernels/rows.c`, `gptoss_lite::rows_mm`) against F.linear, its builds for
-other CPUs, and the fallback without it."""
+other CPUs, its place in the compiled decode step's `decode_linear`, and the fallback without it."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from gptoss_lite.kernels import rows
+from gptoss_lite.model import matmul
 
 
 def _has_avx2() -> bool:
@@ -73,7 +74,7 @@ def test_long_rows_and_empty_shapes(M, R, K):
 @needs_kernel
 def test_strided_inputs():
     g = torch.Generator().manual_seed(1)
-    w, b = torch.randn(40, 96, generator=g), torch.randn(40, generator=g)
+    w, b = torch.randn(200, 96, generator=g), torch.randn(200, generator=g)
     for x in (torch.randn(96, 6, generator=g).T, torch.randn(6, 192, generator=g)[:, ::2]):
         assert not x.is_contiguous() and rows.traceable(x, w)
         _check(rows.rows_mm(x, w, b), x, w, b)
@@ -89,14 +90,62 @@ def test_strided_inputs():
 
 
 def test_traceable_asks_for_fp32_cpu_tensors_without_autograd():
-    x, w = torch.randn(4, 16), torch.randn(8, 16)
+    x, w = torch.randn(4, 64), torch.randn(rows.MIN_WEIGHT // 64, 64)
     assert rows.traceable(x, w) == rows.available()
+    assert not rows.traceable(x, w[:-1])  # a small weight (the router's) is faster through F.linear
     assert not rows.traceable(x.bfloat16(), w.bfloat16())
     assert not rows.traceable(x, w.bfloat16())
     assert not rows.traceable(x[None], w)
     assert not rows.traceable(x, w.requires_grad_(True))
     with torch.no_grad():
         assert rows.traceable(x, w) == rows.available()
+
+
+@needs_kernel
+def test_decode_linear_uses_the_kernel_for_fp32_rows(monkeypatch):
+    calls = []
+    real = rows.rows_mm
+
+    def spy(x, w, b):
+        calls.append(tuple(x.shape))
+        return real(x, w, b)
+
+    monkeypatch.setattr(matmul.rows_kernel, "rows_mm", spy)
+    g = torch.Generator().manual_seed(2)
+    w, b = torch.randn(520, 32, generator=g), torch.randn(520, generator=g)
+    for M in (1, 2, 16):
+        x = torch.randn(M, 32, generator=g)
+        _check(matmul.decode_linear(x, w, b), x, w, b)
+    matmul.decode_linear(torch.randn(3, 32).bfloat16(), w.bfloat16())  # bf16 rows: not this kernel
+    matmul.decode_linear(torch.randn(3, 32), w[:8])  # a small weight: F.linear
+    assert calls == [(2, 32), (16, 32)]  # one row stays a `gemv` reduction
+
+
+@needs_kernel
+def test_inside_torch_compile_with_a_dynamic_batch():
+    """One graph (dynamic rows) calls the op for every M and gives F.linear's result. (The engine's
+    own compiled step, with inductor's C++ wrapper, is tests/engine/test_compiled_engine.py.)"""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(540, 31, generator=g), torch.randn(540, generator=g)
+    graphs = []
+
+    def recorder(gm, example_inputs):  # the traced graph, before inductor
+        graphs.append(gm.code)
+        return gm.forward
+
+    def step(x):
+        return matmul.decode_linear(torch.relu(x), w, b) * 2
+
+    for backend, options in ((recorder, None), ("inductor", None)):
+        compiled = torch.compile(step, dynamic=True, fullgraph=True, backend=backend, options=options)
+        with torch.inference_mode():
+            for M in (2, 5, 17, 64, 3):
+                x = torch.randn(M, 31, generator=g)
+                got = compiled(x)
+                torch.testing.assert_close(got, F.linear(torch.relu(x), w, b) * 2, rtol=1e-5, atol=1e-5)
+    assert len(graphs) == 1 and "gptoss_lite.rows_mm" in graphs[0]
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("arch, isa", [("x86-64", 0), ("haswell", 1)])
@@ -130,8 +179,10 @@ def test_other_cpus_builds_agree(tmp_path, arch, isa):
 def test_fallback_without_kernels_agrees():
     script = (
         "import torch, torch.nn.functional as F; from gptoss_lite.kernels import rows; "
-        "assert not rows.available(); x, w, b = torch.randn(5, 40), torch.randn(24, 40), torch.randn(24); "
+        "from gptoss_lite.model.matmul import decode_linear; "
+        "assert not rows.available(); x, w, b = torch.randn(5, 40), torch.randn(420, 40), torch.randn(420); "
         "assert not rows.traceable(x, w); "
+        "assert torch.equal(decode_linear(x, w, b), F.linear(x, w, b)); "
         "assert torch.equal(rows.rows_mm(x, w, b), F.linear(x, w, b))"
     )
     done = subprocess.run(

@@ -14,6 +14,10 @@ import torch
 from gptoss_lite.kernels.build import load
 
 ISA_NAMES = ("plain C", "AVX2", "AVX-512")  # gl_rows_isa(): the path this build takes (plain C is slow)
+# Weights of fewer elements stay with F.linear: the op's call from a compiled graph (dispatcher, Python,
+# ctypes) costs about 10 µs more than F.linear's, more than the kernel saves on the 20M model's router
+# (8 x 256: 24 µs against 14 µs per call at 16 rows), while the 256 x 256 o_proj already gains a little.
+MIN_WEIGHT = 1 << 14
 
 
 def _library() -> ctypes.CDLL | None:
@@ -35,10 +39,12 @@ def available() -> bool:
 
 
 def traceable(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `rows_mm` serves x · wᵀ: fp32 CPU tensors, x (M, K), an out-major contiguous weight (R, K),
-    no autograd (the op has no backward), the kernel built here. Asked inside the compiled decode step."""
+    """Whether `rows_mm` serves x · wᵀ: fp32 CPU tensors, x (M, K), an out-major contiguous weight (R, K)
+    of at least MIN_WEIGHT elements, no autograd (the op has no backward), the kernel built here. Asked
+    inside the compiled decode step; it depends on shapes, never on M, so one graph serves every M."""
     return (
-        x.dtype == torch.float32
+        w.numel() >= MIN_WEIGHT
+        and x.dtype == torch.float32
         and w.dtype == torch.float32
         and x.device.type == "cpu"
         and w.device.type == "cpu"
