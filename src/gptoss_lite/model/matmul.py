@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptoss_lite.kernels import bf16 as bf16_kernel
+from gptoss_lite.kernels import rows as rows_kernel
 
 # Rows (tokens) from which a 16-bit product is computed in fp32 on such CPUs. Measured on the
 # 12,288 x 256 output head (one thread): bf16 is faster up to 4 rows, even at 8, 2.3x slower at 16.
@@ -79,13 +80,17 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = Non
     """The one-token projection of the compiled step, x (B, in) · w (out, in)ᵀ (+ b) in fp32: one row
     is a `gemv` reduction (bandwidth-bound: the weight read once, in its own dtype); several rows (the
     engine's batched decode) are one fp32 matrix product, which reads the weight once for all rows where
-    a reduction per row would read it B times. On CPUs with AVX-512 BF16, bf16 rows go to
-    `kernels.bf16.gemv_fp32` instead, for any B (a condition on B would split the engine's one graph
-    in two): the same fp32 sums, the weight read at the memory's rate, once per four rows."""
+    a reduction per row would read it B times. For fp32 rows that product is `kernels.rows.rows_mm`
+    where it is built (MKL's sgemm runs this shape, a few rows by a wide weight, at a third of the
+    cores' rate), else F.linear. On CPUs with AVX-512 BF16, bf16 rows go to `kernels.bf16.gemv_fp32`
+    instead, for any B (a condition on B would split the engine's one graph in two): the same fp32
+    sums, the weight read at the memory's rate, once per four rows."""
     if bf16_kernel.traceable(x, w):
         return bf16_kernel.gemv_fp32(x, w, b)
     if x.shape[0] == 1:
         return gemv(x, w, b)
+    if rows_kernel.traceable(x, w):
+        return rows_kernel.rows_mm(x, w, b)
     return F.linear(x.float(), w.float(), None if b is None else b.float())
 
 
