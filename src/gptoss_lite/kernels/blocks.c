@@ -194,21 +194,36 @@ int gl_block_attention(const float *rows, int64_t R, int64_t K, int64_t M, int64
                             s[j] = e;
                         }
                         denom += expf(sink - mx);
-                        /* the weighted sum of the values of the slots with a weight */
+                        /* the weighted sum of the values of the slots with a weight (rounded first when
+                         * round16), 32 channels at a time in registers */
+                        if (round16)
+                            for (j = 0; j < S; j++) s[j] = round_bf16(s[j]);
                         float *o = out + ((r * K + k) * M + m) * D;
-                        for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
-                        for (j = 0; j < S; j++) {
-                            float w = s[j];
-                            if (w == 0.0f) continue;
-                            if (round16) w = round_bf16(w);
-                            const float *v = vp[j];
-                            int64_t d = 0;
+                        int64_t d0 = 0;
 #ifdef GL_AVX2
-                            __m256 wv = _mm256_set1_ps(w);
-                            for (; d + 8 <= D; d += 8)
-                                _mm256_storeu_ps(o + d, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + d), _mm256_loadu_ps(o + d)));
+                        if (D % 8 == 0) {
+                            for (; d0 < D; d0 += 32) {
+                                const int nv = D - d0 >= 32 ? 4 : (int)((D - d0) / 8);
+                                __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                                                 _mm256_setzero_ps()};
+                                for (j = 0; j < S; j++) {
+                                    if (s[j] == 0.0f) continue;
+                                    __m256 wv = _mm256_set1_ps(s[j]);
+                                    const float *v = vp[j] + d0;
+                                    for (int i = 0; i < nv; i++) acc[i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + 8 * i), acc[i]);
+                                }
+                                for (int i = 0; i < nv; i++) _mm256_storeu_ps(o + d0 + 8 * i, acc[i]);
+                            }
+                        }
 #endif
-                            for (; d < D; d++) o[d] += w * v[d];
+                        if (d0 < D) {
+                            for (int64_t d = d0; d < D; d++) o[d] = 0.0f;
+                            for (j = 0; j < S; j++) {
+                                float w = s[j];
+                                if (w == 0.0f) continue;
+                                const float *v = vp[j];
+                                for (int64_t d = d0; d < D; d++) o[d] += w * v[d];
+                            }
                         }
                         for (int64_t d = 0; d < D; d++)
                             o[d] = round16 ? round_bf16(round_bf16(o[d]) / denom) : o[d] / denom;
