@@ -3,5 +3,7 @@
 `mxfp4` holds the MXFP4 matrix-vector product and dequantisation the packed experts run on, each
 with a PyTorch fallback where no compiler is found. `bf16` (a few bf16 rows, AVX-512 BF16 CPUs) and
 `rows` (a few fp32 rows, AVX2 or AVX-512: docs/model.md#the-compiled-decode-step) serve the compiled
-decode step's products; where they are not built, the step keeps F.linear.
+decode step's products; where they are not built, the step keeps F.linear. `blocks` is the
+compiled step's attention over the engine's block tables, read in place (where it is not built, the
+layer gathers the blocks and calls `masked_decode`).
 """
