@@ -9,8 +9,11 @@ import pytest
 from gptoss_lite.cli import main
 
 
-def run_json(capsys, *argv: str) -> dict:
-    assert main(["bench-serve", "--model", "lite-tiny", "--threads", "1", "--json", *argv]) == 0
+def run_json(capsys, *argv: str, compile_decode: bool = False) -> dict:
+    """bench-serve's report; eager unless `compile_decode` (compiling is the subject of one test only,
+    and costs each run tens of seconds on an empty inductor cache)."""
+    flags = [] if compile_decode else ["--no-compile"]
+    assert main(["bench-serve", "--model", "lite-tiny", "--threads", "1", "--json", *flags, *argv]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -96,8 +99,8 @@ def test_bad_kv_flags_are_refused_before_loading(capsys, flags, message):
 def test_decode_is_compiled_by_default_and_no_compile_keeps_eager(capsys):
     """The report carries the compile time of the engine's decode step; --no-compile compiles nothing.
     The seeded workload is scheduled the same way on both paths."""
-    compiled = run_json(capsys, "--requests", "3", "--prompt-len", "8:40", "--max-tokens", "6")
-    eager = run_json(capsys, "--requests", "3", "--prompt-len", "8:40", "--max-tokens", "6", "--no-compile")
+    compiled = run_json(capsys, "--requests", "3", "--prompt-len", "8:40", "--max-tokens", "6", compile_decode=True)
+    eager = run_json(capsys, "--requests", "3", "--prompt-len", "8:40", "--max-tokens", "6")
     assert compiled["compile_decode"] and compiled["compile_s"] > 0
     assert not eager["compile_decode"] and eager["compile_s"] is None
     assert compiled["engine"]["steps"] == eager["engine"]["steps"]

@@ -73,12 +73,14 @@ def _free_port() -> int:
 
 
 def _start_server(*extra: str) -> tuple[subprocess.Popen, str]:
-    """`gptoss-lite serve --model lite-tiny` on a free port, once /health answers 200."""
+    """`gptoss-lite serve --model lite-tiny --no-compile` on a free port, once /health answers 200 (the
+    drain is the subject here, not the compiled step, whose start-up compile would cost each test tens
+    of seconds on an empty inductor cache)."""
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "gptoss_lite.cli", "serve", "--model", "lite-tiny", "--port", str(port)]
-        + ["--threads", "1", "--log-level", "warning", *extra],
+        + ["--threads", "1", "--log-level", "warning", "--no-compile", *extra],
         env=env,
         stderr=subprocess.PIPE,
         text=True,
