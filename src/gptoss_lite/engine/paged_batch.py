@@ -161,7 +161,7 @@ class PagedBatch:
         (1 when no request verifies a draft): a draft of k tokens is k + 1 rows at consecutive
         positions, and a shorter segment repeats its last token (same token, position and slot: the
         repeated writes store the same values, and their logits are dropped). Every row's K/V is
-        written before any row gathers (`write_read`), and keys after a row's own position have
+        written before any row reads (`write_read`), and keys after a row's own position have
         negative distances (hidden), so each row sees exactly the tokens before it, as in the eager
         step's causal chunk. The groups are padded to at least 2 by repeating the first."""
         if not self.all_sampled or self.quant is not None:

@@ -68,7 +68,7 @@ the storage the rows read, (R, K, S, D), with each slot's `distance` to each row
 T, S) (query position minus the slot's position; negative for an empty, padding or future slot).
 The B rows come in R groups of T = B / R consecutive rows that read the same keys: one row per
 group (T = 1) for plain decode; a request verifying a draft of T - 1 tokens is one group of T rows
-at consecutive positions, so its keys are gathered once, not once per token (every row's key is
+at consecutive positions, so its keys are read once, not once per token (every row's key is
 written before any row reads). The layer masks with its own window, as for a ragged batch.
 `MixedKVCache.static_decode()` gives one over its own storage (rings written at position mod their
 size), the engine's paged batch one over block tables. A read over block tables (`StaticRead` with a
