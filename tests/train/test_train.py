@@ -395,6 +395,31 @@ def test_init_from_starts_a_second_stage_from_saved_weights(tmp_path):
     assert summary.losses[0] == pytest.approx(expected, rel=1e-5)
 
 
+def test_init_rope_change_moves_a_checkpoint_to_a_longer_context(tmp_path):
+    """A checkpoint with other rope settings is refused by name, unless init_rope_change says the move is
+    deliberate; then its weights load unchanged under the new positions. Other fields stay strict."""
+    from gptoss_lite.checkpoint import load_model
+
+    first = tiny_config(tmp_path / "one")
+    train_run(first, max_steps=2)
+    longer = {"rope_original_context": 4 * SEQ_LEN, "max_position_embeddings": 64 * SEQ_LEN}
+    moved = tiny_config(tmp_path / "two", model=longer, init_from=str(tmp_path / "one" / "final"))
+    with pytest.raises(ValueError, match="rope_original_context"):
+        train_run(moved, max_steps=1)
+    assert not (tmp_path / "two" / "final").exists()
+    start = str(tmp_path / "one" / "final")
+    moved = tiny_config(tmp_path / "two", model=longer, init_from=start, init_rope_change=True)
+    train_run(moved, max_steps=1)
+    old, new = load_model(tmp_path / "one" / "final"), load_model(tmp_path / "two" / "final")
+    assert new.config.rope_original_context == 4 * SEQ_LEN and old.config.rope_original_context != 4 * SEQ_LEN
+    wider = {**longer, "d_model": 2 * first.model.d_model}
+    wider = tiny_config(tmp_path / "three", model=wider, init_from=start, init_rope_change=True)
+    with pytest.raises(ValueError, match="d_model"):
+        train_run(wider, max_steps=1)
+    with pytest.raises(ValueError, match="needs init_from"):
+        tiny_config(tmp_path / "four", init_rope_change=True)
+
+
 def test_init_from_missing_directory_is_an_error(tmp_path):
     """A missing init_from directory fails before training, naming the path."""
     cfg = tiny_config(tmp_path, init_from=str(tmp_path / "nope"))

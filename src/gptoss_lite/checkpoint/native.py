@@ -196,28 +196,41 @@ def read_model_config(source: str | Path) -> tuple[ModelConfig, str]:
     raise ValueError(f"load_model: {str(source)!r} is neither a model directory nor a preset; {valid_names()}")
 
 
-def read_weights_for(model: GPTOSS, directory: str | Path) -> dict[str, torch.Tensor]:
+# The fields a deliberate change of context may alter between a checkpoint and the model it starts
+# (`read_weights_for(..., allow=ROPE_CHANGE_FIELDS)`): the rotary scaling and the lengths it implies. No
+# tensor depends on them, so the weights load unchanged and training learns the new positions.
+ROPE_CHANGE_FIELDS = frozenset(
+    {"rope_factor", "rope_original_context", "max_position_embeddings", "train_context_length"}
+)
+
+
+def read_weights_for(
+    model: GPTOSS, directory: str | Path, allow: frozenset[str] = frozenset()
+) -> dict[str, torch.Tensor]:
     """A native checkpoint's tensors, checked against `model` (config, names, shapes, finiteness).
 
-    Nothing is changed; every problem is a ValueError naming the directory or file.
+    `allow` names config fields that may differ (ROPE_CHANGE_FIELDS for a change of context); every
+    other field must be equal. Nothing is changed; every problem is a ValueError naming the directory
+    or file.
     """
     directory = Path(directory)
     cfg, _ = read_native_config(directory)
-    if cfg != model.config:
-        diff = {k: (v, getattr(cfg, k)) for k, v in model.config.to_dict().items() if cfg.to_dict()[k] != v}
+    ours, theirs = model.config.to_dict(), cfg.to_dict()
+    diff = {k: (v, theirs[k]) for k, v in ours.items() if theirs[k] != v and k not in allow}
+    if diff:
         raise ValueError(f"{directory}: config differs from the model's (field: (model, checkpoint)): {diff}")
     state = read_tensors(directory)
     check_state_dict({k: tuple(v.shape) for k, v in model.state_dict().items()}, state, str(directory))
     return state
 
 
-def load_weights_into(model: GPTOSS, directory: str | Path) -> GPTOSS:
+def load_weights_into(model: GPTOSS, directory: str | Path, allow: frozenset[str] = frozenset()) -> GPTOSS:
     """Copy a native checkpoint's weights into an existing model (e.g. to resume training).
 
-    Everything is validated first (config equal to model.config, names, shapes, finiteness); on any
-    error the model is left exactly as it was.
+    Everything is validated first (config equal to model.config but for the fields in `allow`, names,
+    shapes, finiteness); on any error the model is left exactly as it was.
     """
-    state = read_weights_for(model, directory)
+    state = read_weights_for(model, directory, allow)
     with torch.no_grad():
         for name, target in model.state_dict().items():
             target.copy_(state[name])

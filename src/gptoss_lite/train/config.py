@@ -202,6 +202,10 @@ class TrainConfig:
     # A model directory whose weights start this run (a second training stage); None: seeded init.
     # Its architecture must equal `model`; a relative path is relative to the working directory.
     init_from: str | None = None
+    # true: `init_from` may differ from `model` in its positions only (ROPE_CHANGE_FIELDS: the rotary
+    # scaling and the context it implies). Its weights load as they are and this run learns the new
+    # positions: a deliberate change of context, never an accident of a mistyped config.
+    init_rope_change: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
@@ -212,6 +216,10 @@ class TrainConfig:
         _check_int("seed", self.seed, 0)
         if self.init_from is not None and not isinstance(self.init_from, str):
             raise TypeError(f"init_from={self.init_from!r}: must be a model directory path or null")
+        if not isinstance(self.init_rope_change, bool):
+            raise TypeError(f"init_rope_change={self.init_rope_change!r}: must be true or false")
+        if self.init_rope_change and self.init_from is None:
+            raise ValueError("init_rope_change: true needs init_from (the checkpoint whose positions change)")
         if self.device not in DEVICES:
             raise ValueError(f"device={self.device!r}: must be one of {DEVICES}")
         if self.data.seq_len > self.model.max_position_embeddings:
@@ -239,7 +247,15 @@ class TrainConfig:
             "checkpoint": CheckpointConfig,
             "logging": LoggingConfig,
         }
-        scalars = {"precision", "gradient_checkpointing", "aux_loss_coef", "seed", "device", "init_from"}
+        scalars = {
+            "precision",
+            "gradient_checkpointing",
+            "aux_loss_coef",
+            "seed",
+            "device",
+            "init_from",
+            "init_rope_change",
+        }
         known = {"model", *sections, *scalars}
         unknown = sorted(set(data) - known)
         if unknown:

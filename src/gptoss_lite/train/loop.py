@@ -356,9 +356,10 @@ def train(
     optimizer = _build_optimizer(model, config)
     start_step = 0
     if config.init_from is not None and resume_dir is None:
-        from gptoss_lite.checkpoint import load_weights_into
+        from gptoss_lite.checkpoint.native import ROPE_CHANGE_FIELDS, load_weights_into
 
-        load_weights_into(model, config.init_from)  # strict: every tensor, shapes checked, or nothing
+        allow = ROPE_CHANGE_FIELDS if config.init_rope_change else frozenset()
+        load_weights_into(model, config.init_from, allow)  # strict: every tensor, shapes checked, or nothing
     if resume_dir is not None:
         # load_state_dict copies into the device parameters; the optimiser casts its state to them.
         resume_dir, start_step = _resume_from_newest_intact(model, optimizer, out_dir, is_main)

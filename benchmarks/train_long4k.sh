@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Trains the 4K model (#38) in the background-friendly way: stage 1 (1,024-token documents, from the
+# shipped model with its rotary context moved to 4,096) then stage 2 (4,096-token documents). Each stage
+# resumes from its newest checkpoint when re-run, and a finished stage is skipped. One thread: the run's
+# sums must not depend on what else the machine is doing (docs/training.md), and it leaves a core free.
+#   bash benchmarks/train_long4k.sh            # logs to runs/long4k.log
+set -euo pipefail
+cd "$(dirname "$0")/.."
+THREADS="${THREADS:-1}"
+for stage in 1 2; do
+    out="runs/long4k_stage$stage"
+    if [ -f "$out/final/model.safetensors" ]; then
+        echo "stage $stage: done ($out/final)"
+        continue
+    fi
+    resume=()
+    if [ -d "$out/checkpoints" ] && [ -n "$(ls -A "$out/checkpoints" 2>/dev/null)" ]; then
+        resume=(--resume)
+    fi
+    echo "stage $stage: $(date -u +%FT%TZ) start ${resume[*]}"
+    gptoss-lite train --config "configs/long4k_stage$stage.yaml" --threads "$THREADS" --no-progress "${resume[@]}"
+    echo "stage $stage: $(date -u +%FT%TZ) end"
+done
