@@ -7,6 +7,11 @@ import torch
 
 from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.model import GPTOSS
+from gptoss_lite.model.compiled_decode import use_inductor_cache_per_isa
+
+# Every graph a test compiles (not only the model's decode step) is cached per vector ISA: a run under
+# ATEN_CPU_CAPABILITY=avx2 must not load graphs generated for AVX-512 (model/compiled_decode.py).
+use_inductor_cache_per_isa()
 
 # One intra-op thread: tiny models gain nothing from two, and on a shared 2-core machine (CI, or a
 # developer training in the background) oversubscribed OpenMP threads make tests 10x slower.

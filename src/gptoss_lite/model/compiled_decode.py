@@ -10,13 +10,18 @@ a few dozen fused kernels. Nothing is seeded or written back: the graph writes e
 cache's storage, and the caller counts it (`MixedKVCache.advance`).
 
 Compilation takes tens of seconds the first time for a model shape and dtype (and, in the engine, per
-batch-size bucket); inductor caches the result on disk (`TORCHINDUCTOR_CACHE_DIR`, by default under
-the system's temp directory), so later processes load it in seconds. `compile_seconds` reports the
-first call's wall time.
+batch-size bucket); inductor caches the result on disk (`TORCHINDUCTOR_CACHE_DIR`), so later processes
+load it in seconds. `compile_seconds` reports the first call's wall time.
+
+Unless the user names `TORCHINDUCTOR_CACHE_DIR`, the cache is a folder per vector ISA under inductor's
+default (`use_inductor_cache_per_isa`): torch 2.13's FX graph cache key leaves out the ISA its C++ was
+generated for, so a graph cached under AVX-512 and loaded where `ATEN_CPU_CAPABILITY=avx2` (or on
+another CPU sharing the folder) computed wrong values, in AVX-512-wide steps over AVX2-wide vectors.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -25,6 +30,24 @@ from torch import Tensor
 from gptoss_lite.kv.base import StaticKV
 
 RECOMPILE_LIMIT = 256  # compiled entries of the decode step per process (see CompiledDecoder)
+
+
+def use_inductor_cache_per_isa() -> str:
+    """Point inductor's on-disk cache at a folder of the vector ISA it generates for (an AVX-512, AVX2 or
+    AMX CPU, or `ATEN_CPU_CAPABILITY`), unless the user set `TORCHINDUCTOR_CACHE_DIR`; the folder used.
+
+    Works around torch's FX graph cache, whose key does not hold that ISA (docstring above): a graph cached
+    for one ISA must not be loaded for another."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    named = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    # torch writes its default into the environment when it first reads it: that is not the user's choice.
+    if named in (None, os.path.abspath(default_cache_dir())) or os.environ.get("GPTOSS_LITE_INDUCTOR_PER_ISA") == "1":
+        isa = "-".join(str(pick_vec_isa()).split()) or "novec"
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default_cache_dir(), f"isa-{isa}")
+        os.environ["GPTOSS_LITE_INDUCTOR_PER_ISA"] = "1"  # ours, so a child process may re-key it
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
 class CompiledDecoder:
@@ -43,6 +66,7 @@ class CompiledDecoder:
         # of GPTOSS.decode_step; a process that builds many models (tests, an evaluation over
         # checkpoints) would pass its default limit of 8 and fail.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        use_inductor_cache_per_isa()
         # cpp_wrapper: the ~40 kernel calls of a step are made from generated C++, not Python (bf16
         # step of the 20M model 3.13 -> 2.66 ms, medians of 6 alternating runs in one process).
         self._compiled = torch.compile(model.decode_step, dynamic=False, fullgraph=True, options={"cpp_wrapper": True})
