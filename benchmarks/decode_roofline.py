@@ -1,7 +1,7 @@
 """Decode speed of a preset at one context length beside the memory-bandwidth roofline of this machine.
 
     python benchmarks/decode_roofline.py --preset gptoss-lite-502m --dtype bfloat16 --context 2048 \\
-        --threads 2 --out docs/img/decode_roofline_502m_bf16.json
+        --threads 2 --out benchmarks/results/decode_roofline_502m_bf16.json
 
 A decode step of batch 1 must read every active weight once (attention, the router, the top-k routed
 experts and the shared experts of every layer, the output head; `plan.presets.weights_from_model_config`)

@@ -1,7 +1,7 @@
 """The engine's batched throughput by KV format and decode path, interleaved in one sitting.
 
     python benchmarks/engine_decode.py MODEL_DIR --dtype float32 --threads 2 --rounds 3 \\
-        --out docs/img/engine_decode.json
+        --out benchmarks/results/engine_decode.json
 
 Workload: the batch of `serve_vs_vllm.py` (16 requests of 256 random prompt tokens, 128 new tokens
 each, greedy, EOS ignored, all submitted at once; prompt i is

@@ -3,7 +3,7 @@
     python benchmarks/gptoss20b_cpu.py write [--dir DIR]   # ~13 GB seeded random gpt-oss-20b, released layout
     python benchmarks/gptoss20b_cpu.py gguf --hf-python VENV/bin/python --converter LLAMA_CPP/convert_hf_to_gguf.py
     python benchmarks/gptoss20b_cpu.py run --llama-python LLAMA_VENV/bin/python --rounds 3 \\
-        --lengths 512 4096 8192 --out docs/img/gptoss20b_cpu.json
+        --lengths 512 4096 8192 --out benchmarks/results/gptoss20b_cpu.json
 
 `write` makes what a user downloads from the Hub, with random values: config.json of gpt-oss-20b
 (the `gpt-oss-20b` preset through `config_to_hf`, plus the MXFP4 quantization_config), three

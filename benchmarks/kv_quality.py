@@ -18,11 +18,11 @@ figure (docs/kv-cache.md#measured-quality):
   attend to their last N keys), with the full-layer block bytes per request and the wall time.
 - `plot`: passkey accuracy and next-token agreement against full-layer KV bytes per sequence.
 
-    python benchmarks/kv_quality.py passkey --trials 30 --out docs/img/kv_quality_passkey.json
-    python benchmarks/kv_quality.py fidelity --out docs/img/kv_quality_fidelity.json
-    python benchmarks/kv_quality.py needle --depths 0 0.5 1 --out docs/img/kv_quality_needle.json
-    python benchmarks/kv_quality.py engine --settings 16 8 4 window@1024 --out docs/img/kv_quality_engine.json
-    python benchmarks/kv_quality.py plot --inputs docs/img/kv_quality_*.json --plot docs/img/kv_quality.png
+    python benchmarks/kv_quality.py passkey --trials 30 --out benchmarks/results/kv_quality_passkey.json
+    python benchmarks/kv_quality.py fidelity --out benchmarks/results/kv_quality_fidelity.json
+    python benchmarks/kv_quality.py needle --depths 0 0.5 1 --out benchmarks/results/kv_quality_needle.json
+    python benchmarks/kv_quality.py engine --settings 16 8 4 window@1024 --out benchmarks/results/kv_quality_engine.json
+    python benchmarks/kv_quality.py plot --inputs benchmarks/results/kv_quality_*.json --plot docs/img/kv_quality.png
 
 Settings (`--settings`): 16, 8, 4 (bits), streaming@N and h2o@N (a budget of N tokens per full layer).
 """
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.5], help="fidelity: needle depth per text")
     ap.add_argument("--prefill-chunk", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", type=Path, default=Path("docs/img/kv_quality.json"))
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/kv_quality.json"))
     ap.add_argument("--plot", default="docs/img/kv_quality.png")
     ap.add_argument("--inputs", type=Path, nargs="+", default=None, help="plot: JSON files to merge (default: --out)")
     args = ap.parse_args(argv)

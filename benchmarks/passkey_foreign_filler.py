@@ -5,7 +5,7 @@ the haystack from the Python reference documentation that ships with the interpr
 (`pydoc_data.topics`: prose mixed with code, brackets and symbols; digits removed so the passkey is
 the only number), puts the needle at start, middle and end, and scores like docs/passkey.md (greedy 16
 tokens through the cached path, first 5-digit number). Offline; the text depends on the Python
-version (the README figures are from Python 3.11).
+version (the figures in docs/passkey.md are from Python 3.11).
 
     python benchmarks/passkey_foreign_filler.py --lengths 1024 4096 --trials 10
 """

@@ -6,7 +6,7 @@ as step 0), prints a step x task table (mean over haystacks) and plots it under 
 (`metrics.jsonl`, answer tokens only when the run scores answers only).
 
     python benchmarks/ruler_by_checkpoint.py runs/demo_cpu_stage3 --start runs/demo_cpu_stage2/final \\
-        --length 4096 --trials 6 --json docs/img/ruler_by_step.json --plot docs/img/ruler_by_step.png
+        --length 4096 --trials 6 --json benchmarks/results/ruler_by_step.json --plot docs/img/ruler_by_step.png
 """
 
 from __future__ import annotations

@@ -211,8 +211,9 @@ def test_varied_filler_is_digit_free_and_varied():
 )
 def test_demo_recipe_data_streams_are_pinned(config, last_step, expected):
     """Every stage of the shipped model's recipe must keep drawing the documents they were trained
-    on (the README's byte-identical re-run depends on it): digests of three batches are pinned.
-    A deliberate data change must update these and retrain the shipped model."""
+    on (the byte-identical re-run in docs/training.md#the-shipped-demo-model depends on it): digests
+    of three batches are pinned. A deliberate data change must update these and retrain the shipped
+    model."""
     data = SyntheticRetrievalData(load_train_config(REPO / "configs" / config).data)
     digest = hashlib.sha256()
     for step in (0, 1, last_step):
