@@ -180,7 +180,7 @@ def test_shipped_model_bf16_compiled_greedy_equals_eager_for_32_tokens():
     compiled = load_model(source, dtype=torch.bfloat16).prepare_for_inference(compile_decode=True)
     for length, key, stop in ((300, "90210", None), (1000, "31337", None), (512, "52718", [tokenizer.eos_id])):
         text = build_passkey_prompt(length, key, 0.5, tokenizer)
-        ids = torch.tensor([tokenizer.encode(text, bos=tokenizer.bos_id is not None)])
+        ids = torch.tensor([tokenizer.encode_prompt(text)])
         expected = generate(eager, ids, max_new_tokens=32, temperature=0, stop_tokens=stop)
         assert expected.shape[1] - ids.shape[1] >= (32 if stop is None else 6)  # at least " 52718." and EOS
         got = generate(compiled, ids, max_new_tokens=32, temperature=0, stop_tokens=stop)
