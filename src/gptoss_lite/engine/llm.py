@@ -283,12 +283,13 @@ class LLM:
     # ------------------------------------------------------------------ requests
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        """The prompt's token ids (a text is tokenised; ids are checked against the vocabulary).
-        Reads nothing the engine changes: safe from any thread."""
+        """The prompt's token ids: a text is tokenised as a whole prompt (`encode_prompt`: BOS first
+        where the tokenizer's rule adds one); ids are taken as they are. Either is checked against the
+        vocabulary. Reads nothing the engine changes: safe from any thread."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode_prompt(prompt) if prompt else []  # NOTE: "" is no prompt, not a BOS alone
         elif isinstance(prompt, (list, tuple)) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 1):
             ids = [check_int("prompt token id", int(t), 0) for t in prompt]
         else:
