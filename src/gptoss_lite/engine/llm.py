@@ -536,7 +536,8 @@ class LLM:
         *,
         scope: str = "default",
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order."""
+        """Run every prompt to completion; outputs in prompt order. An output's `logprobs` (when its
+        sampling asks for them) cover all its `token_ids`, not only the last step's."""
         if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, Sequence):
             raise TypeError("prompts: expected a list of prompts (texts or token-id lists)")
         if sampling is None or isinstance(sampling, SamplingParams):
@@ -556,11 +557,17 @@ class LLM:
                 self.abort(rid)
             raise
         final: dict[str, RequestOutput] = {}
+        logprobs: dict[str, list[TokenLogprobs]] = {rid: [] for rid in ids}  # each step's, joined
         wanted = set(ids)
         while self.has_unfinished() and wanted - final.keys():
             for out in self.step():
-                if out.finished and out.request_id in wanted:
-                    final[out.request_id] = out
+                if out.request_id not in wanted:
+                    continue
+                if out.logprobs is not None:
+                    logprobs[out.request_id].extend(out.logprobs)
+                if out.finished:
+                    whole = None if out.logprobs is None else logprobs[out.request_id]
+                    final[out.request_id] = dataclasses.replace(out, logprobs=whole)
         return [final[rid] for rid in ids]
 
     # ------------------------------------------------------------------ introspection
