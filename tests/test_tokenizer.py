@@ -120,12 +120,15 @@ def test_hf_add_bos_token_from_config(hf_dir):
 
 
 def test_hf_add_bos_token_errors(hf_dir, tmp_path_factory):
-    """add_bos_token true without a BOS token, a non-boolean, or an unreadable config fail at load."""
+    """add_bos_token true without a BOS token, a non-boolean, or a config that is not a JSON object fail at load."""
     _config(hf_dir, add_bos_token="yes")
     with pytest.raises(ValueError, match=r"add_bos_token='yes': must be true or false"):
         HFTokenizer(hf_dir)
     (hf_dir / "tokenizer_config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not readable JSON"):
+        HFTokenizer(hf_dir)
+    (hf_dir / "tokenizer_config.json").write_text("[true]")
+    with pytest.raises(ValueError, match="expected a JSON object, got list"):
         HFTokenizer(hf_dir)
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
