@@ -208,7 +208,7 @@ def run_fidelity(args, model, tok) -> None:
             t0 = time.perf_counter()
             per_text = []
             for text in texts:
-                ids = torch.tensor([tok.encode(text, bos=tok.bos_id is not None)], dtype=torch.long)
+                ids = torch.tensor([tok.encode_prompt(text)], dtype=torch.long)
                 per_text.append((ids, *_teacher_forced(model, ids, args.scored, kv, args.prefill_chunk)))
             runs[kv.label] = per_text
             print(f"  {n} {kv.label}: {time.perf_counter() - t0:.0f} s", flush=True)
@@ -267,11 +267,10 @@ def run_needle(args, model, tok) -> None:
             key = "27182"
             text = build_passkey_prompt(n, key, depth, tok, filler=filler)
             needle = NEEDLE_TEMPLATE.format(key=key)
-            bos = tok.bos_id is not None
             before = text.index(needle) + needle.index(key)
-            first = len(tok.encode(text[:before], bos=bos))  # token position of the first key digit
-            last = len(tok.encode(text[: before + len(key)], bos=bos))  # one past the last digit
-            ids = torch.tensor([tok.encode(text, bos=bos)], dtype=torch.long)
+            first = len(tok.encode_prompt(text[:before]))  # token position of the first key digit
+            last = len(tok.encode_prompt(text[: before + len(key)]))  # one past the last digit
+            ids = torch.tensor([tok.encode_prompt(text)], dtype=torch.long)
             for kv in settings:
                 cache = kv.build(model.config)
                 with torch.inference_mode():

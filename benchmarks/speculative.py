@@ -69,7 +69,7 @@ def prompts(kind: str, trials: int, tok: ByteTokenizer, model) -> list[torch.Ten
         out = []
         for t in range(trials):  # a ~250-token passage, four times, then its first ~100 tokens again
             text = "".join(filler_sentences(1000 + 97 * t, tok))[:250]
-            out.append(torch.tensor([tok.encode(text * 4 + text[:100])]))
+            out.append(torch.tensor([tok.encode_prompt(text * 4 + text[:100])]))
         return out
     g = torch.Generator().manual_seed(0)
     return [torch.randint(0, 256, (1, 1024), generator=g) for _ in range(trials)]

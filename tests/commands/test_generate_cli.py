@@ -14,8 +14,8 @@ def test_generate_prints_text_and_stats(capsys):
     )
     out, err = capsys.readouterr()
     assert out.endswith("\n")
-    assert "prefill: 5 tokens" in err and "tokens/s" in err
-    assert "KV cache:" in err and "all-global cache of 12 tokens" in err
+    assert "prefill: 6 tokens" in err  # BOS and the 5 bytes of "Hello" and "tokens/s" in err
+    assert "KV cache:" in err and "all-global cache of 13 tokens" in err
 
 
 def test_generate_json_is_reproducible(capsys):
@@ -39,7 +39,7 @@ def test_generate_json_is_reproducible(capsys):
         assert main(args) == 0
         data = json.loads(capsys.readouterr().out)
         texts.append(data["text"])
-        assert data["prompt_tokens"] == 3 and data["new_tokens"] == 12
+        assert data["prompt_tokens"] == 4 and data["new_tokens"] == 12  # BOS, "abc"
         assert data["kv_payload_bytes"] <= data["kv_all_global_payload_bytes"]
     assert texts[0] == texts[1]
 
@@ -48,7 +48,7 @@ def test_generate_reads_stdin(monkeypatch, capsys):
     """With no prompt argument the prompt comes from standard input."""
     monkeypatch.setattr("sys.stdin", io.StringIO("from stdin"))
     assert main(["generate", "--model", "lite-tiny", "--max-new-tokens", "2", "--temperature", "0", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["prompt_tokens"] == len("from stdin")
+    assert json.loads(capsys.readouterr().out)["prompt_token_ids"] == [256, *b"from stdin"]
 
 
 @pytest.mark.parametrize(

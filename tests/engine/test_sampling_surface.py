@@ -73,6 +73,21 @@ def test_logprobs_are_log_softmax_of_the_models_logits():
             assert all(a[1] >= b[1] for a, b in zip(g.top, g.top[1:]))  # ordered
 
 
+def test_generate_outputs_hold_every_tokens_logprobs():
+    """generate()'s final output carries the logprobs of all its tokens (not only its last step's),
+    equal to log_softmax of a dense forward within 1e-5; a request that asks for none gets None."""
+    llm = tiny()
+    asks = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    outs = run(llm, [asks, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)])
+    tokens = outs[0].token_ids
+    assert len(tokens) == 12 and [g.token_id for g in outs[0].logprobs] == tokens
+    want = torch.log_softmax(reference_logits(llm, PROMPTS[0], tokens), dim=-1)
+    assert all(
+        math.isclose(g.logprob, float(want[i, g.token_id]), abs_tol=1e-5) for i, g in enumerate(outs[0].logprobs)
+    )
+    assert outs[1].logprobs is None
+
+
 def test_penalties_and_bias_equal_the_direct_reference():
     """Greedy with penalties and a bias: each token is the argmax of the reference rule applied to a
     dense forward's logits. Requests without options in the same batch are unchanged."""

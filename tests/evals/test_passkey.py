@@ -63,7 +63,7 @@ def test_prompt_length_is_within_two_percent(length, template):
     """Prompts (with BOS) are within 2% of the requested context length at every depth."""
     filler = filler_sentences(length, TOK, template)
     for depth in (0.0, 0.5, 1.0):
-        ids = TOK.encode(build_passkey_prompt(length, "00042", depth, TOK, template, filler), bos=True)
+        ids = TOK.encode_prompt(build_passkey_prompt(length, "00042", depth, TOK, template, filler))
         assert abs(len(ids) - length) <= 0.02 * length
 
 

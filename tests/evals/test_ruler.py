@@ -73,7 +73,7 @@ def test_prompts_fill_the_length_exactly(haystack, length):
     suite = RulerSuite(lengths=(length,), n_trials=3, split=split)
     for task in TASKS:
         for trial in suite.trials(task, length, haystack):
-            assert len(TOK.encode(build_prompt(trial, TOK), bos=True)) == length
+            assert len(TOK.encode_prompt(build_prompt(trial, TOK))) == length
 
 
 @pytest.mark.parametrize("haystack", EVAL.haystacks)

@@ -180,7 +180,7 @@ def test_shipped_model_bf16_compiled_greedy_equals_eager_up_to_the_answer():
     compiled = load_model(source, dtype=torch.bfloat16).prepare_for_inference(compile_decode=True)
     for length, key in ((300, "90210"), (1000, "31337"), (512, "52718")):
         text = build_passkey_prompt(length, key, 0.5, tokenizer)
-        ids = torch.tensor([tokenizer.encode(text, bos=tokenizer.bos_id is not None)])
+        ids = torch.tensor([tokenizer.encode_prompt(text)])
         expected = generate(eager, ids, max_new_tokens=32, temperature=0, stop_tokens=[tokenizer.eos_id])
         answer = expected[0, ids.shape[1] :].tolist()
         assert answer[-1] == tokenizer.eos_id and key in tokenizer.decode(answer), (length, answer)

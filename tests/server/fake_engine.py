@@ -65,7 +65,7 @@ class FakeLLM:
     # -- contract ---------------------------------------------------------------------------------------
 
     def encode(self, prompt) -> list[int]:
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids = (self.tokenizer.encode_prompt(prompt) if prompt else []) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("empty prompt")
         if any(not 0 <= i < self.tokenizer.vocab_size for i in ids):

@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--compile runs decode on the 16-bit mixed cache without speculation; {what} cannot")
     prompt = read_prompt(args.prompt)
     model, tokenizer, source = load_model_and_tokenizer(args)
-    ids = tokenizer.encode(prompt)
+    ids = tokenizer.encode_prompt(prompt) if prompt else []  # NOTE: an empty text is no prompt, not a BOS alone
     if not ids:
         raise ValueError("empty prompt: give some text as an argument or on standard input")
     vocab = model.config.vocab_size
@@ -145,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
         "model": str(source),
         "threads": args.threads,
         "prompt_tokens": len(ids),
+        "prompt_token_ids": ids,  # as the tokenizer's rule made them (BOS first where it adds one)
+        "token_ids": new,  # every generated id, stop token included
         "new_tokens": len(new),
         "prefill_tokens_per_s": len(ids) / prefill_s if prefill_s > 0 else None,
         "decode_tokens_per_s": decode_steps / decode_s if decode_steps and decode_s > 0 else None,

@@ -283,12 +283,13 @@ class LLM:
     # ------------------------------------------------------------------ requests
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        """The prompt's token ids (a text is tokenised; ids are checked against the vocabulary).
-        Reads nothing the engine changes: safe from any thread."""
+        """The prompt's token ids: a text is tokenised as a whole prompt (`encode_prompt`: BOS first
+        where the tokenizer's rule adds one); ids are taken as they are. Either is checked against the
+        vocabulary. Reads nothing the engine changes: safe from any thread."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass prompts as lists of token ids")
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode_prompt(prompt) if prompt else []  # NOTE: "" is no prompt, not a BOS alone
         elif isinstance(prompt, (list, tuple)) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 1):
             ids = [check_int("prompt token id", int(t), 0) for t in prompt]
         else:
@@ -535,7 +536,8 @@ class LLM:
         *,
         scope: str = "default",
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order."""
+        """Run every prompt to completion; outputs in prompt order. An output's `logprobs` (when its
+        sampling asks for them) cover all its `token_ids`, not only the last step's."""
         if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, Sequence):
             raise TypeError("prompts: expected a list of prompts (texts or token-id lists)")
         if sampling is None or isinstance(sampling, SamplingParams):
@@ -555,11 +557,17 @@ class LLM:
                 self.abort(rid)
             raise
         final: dict[str, RequestOutput] = {}
+        logprobs: dict[str, list[TokenLogprobs]] = {rid: [] for rid in ids}  # each step's, joined
         wanted = set(ids)
         while self.has_unfinished() and wanted - final.keys():
             for out in self.step():
-                if out.finished and out.request_id in wanted:
-                    final[out.request_id] = out
+                if out.request_id not in wanted:
+                    continue
+                if out.logprobs is not None:
+                    logprobs[out.request_id].extend(out.logprobs)
+                if out.finished:
+                    whole = None if out.logprobs is None else logprobs[out.request_id]
+                    final[out.request_id] = dataclasses.replace(out, logprobs=whole)
         return [final[rid] for rid in ids]
 
     # ------------------------------------------------------------------ introspection

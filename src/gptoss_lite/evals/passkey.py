@@ -2,11 +2,11 @@
 
 Protocol, pinned by tests:
 
-- Prompt: BOS, about `context_length` tokens of deterministic filler (sentences drawn from
-  `FILLER_SENTENCES` by `random.Random(context_length)`; the last one is picked to land on the
-  target), the needle `The passkey is NNNNN.` at a sentence boundary at the requested depth
-  (0.0 start, 0.5 middle, 1.0 end; the boundary closest to that fraction of the filler's tokens),
-  then `QUESTION`. The prompt is within 2% of the target length.
+- Prompt: BOS when the tokenizer's rule adds one (`encode_prompt`), about `context_length` tokens
+  of deterministic filler (sentences drawn from `FILLER_SENTENCES` by `random.Random(context_length)`;
+  the last one is picked to land on the target), the needle `The passkey is NNNNN.` at a sentence
+  boundary at the requested depth (0.0 start, 0.5 middle, 1.0 end; the boundary closest to that
+  fraction of the filler's tokens), then `QUESTION`. The prompt is within 2% of the target length.
 - Score: generate 16 tokens greedily through the cached path (prefill in bounded chunks), decode only
   the new tokens, take the first `\\b(\\d{5})\\b`, compare with the truth.
 - Trials: per length a fresh `random.Random(base_seed + length)` (base_seed 42) draws `n_trials`
@@ -129,9 +129,11 @@ def passkey_keys(context_length: int, n_trials: int, base_seed: int = BASE_SEED)
 
 
 def prompt_overhead(tokenizer: Tokenizer, template: str = "default") -> int:
-    """Tokens of a prompt with no filler: BOS, intro, needle, question."""
+    """Tokens of a prompt with no filler: BOS (when the tokenizer's rule adds one), intro, needle, question."""
     t = _template(template)
-    return 1 + sum(len(tokenizer.encode(s)) for s in (t.intro, t.needle.format(key="00000"), t.question))
+    return int(tokenizer.add_bos) + sum(
+        len(tokenizer.encode(s)) for s in (t.intro, t.needle.format(key="00000"), t.question)
+    )
 
 
 def _template(name: str) -> _Template:
@@ -345,9 +347,9 @@ class PasskeyEvaluator:
         return passkey_keys(length, self.n_trials, self.base_seed)
 
     def prompt_ids(self, length: int, key: str, depth: float, filler: Sequence[str] | None = None) -> list[int]:
-        """Token ids (BOS first) of one trial's prompt."""
+        """Token ids of one trial's prompt (BOS first when the tokenizer's rule adds one)."""
         text = build_passkey_prompt(length, key, depth, self.tokenizer, self.template, filler)
-        return self.tokenizer.encode(text, bos=self.tokenizer.bos_id is not None)
+        return self.tokenizer.encode_prompt(text)
 
     def answers(self, ids: torch.Tensor) -> tuple[list[str | None], MixedKVCache]:
         """Score-ready answers of a (B, T) batch of equal-length prompts: greedy NEW_TOKENS tokens

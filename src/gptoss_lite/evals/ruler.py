@@ -6,9 +6,10 @@ Protocol, pinned by tests/evals/test_ruler.py:
   comes from `random.Random("gptoss-lite-ruler/{seed}/{task}/{length}/{index}")`, the same for
   every haystack, so haystacks are compared on the same questions; its haystack from that string
   plus `/{haystack}`. The family is the index-th of the chosen families, round robin.
-- Prompt: BOS, the family's intro, haystack units with the needles at the unit boundaries closest to
-  their depths (fractions of the haystack's tokens), then the question. The haystack fills the
-  length exactly (with the byte tokenizer; within a few tokens with others).
+- Prompt: BOS when the tokenizer's rule adds one (`encode_prompt`), the family's intro, haystack
+  units with the needles at the unit boundaries closest to their depths (fractions of the haystack's
+  tokens), then the question. The haystack fills the length exactly (with the byte tokenizer;
+  within a few tokens with others).
 - Answer: greedy through the cached path, `answer_tokens(task)` new tokens at most.
 - Score of a trial in [0, 1]: the values of the task's kind found in the answer, in order and
   without repeats; the first k (k = number of expected values) are compared with the expected set:
@@ -192,10 +193,10 @@ def make_trial(
 
 
 def overhead_tokens(trial: Trial, tokenizer: Tokenizer) -> int:
-    """Tokens of the prompt apart from the haystack: BOS, intro, needles, question."""
-    bos = 1 if tokenizer.bos_id is not None else 0
+    """Tokens of the prompt apart from the haystack: BOS (when the tokenizer's rule adds one), intro,
+    needles, question."""
     parts = [trial.intro, *(text for _, text in trial.inserts), trial.question]
-    return bos + sum(len(tokenizer.encode(s)) for s in parts)
+    return int(tokenizer.add_bos) + sum(len(tokenizer.encode(s)) for s in parts)
 
 
 def build_prompt(trial: Trial, tokenizer: Tokenizer) -> str:
@@ -407,7 +408,7 @@ class RulerEvaluator:
                     new = answer_tokens(task, self.words)
                     for n in s.lengths:
                         trials = s.trials(task, n, haystack)
-                        prompts = [tok.encode(build_prompt(t, tok), bos=tok.bos_id is not None) for t in trials]
+                        prompts = [tok.encode_prompt(build_prompt(t, tok)) for t in trials]
                         tokens[n] = max(tokens.get(n, 0), *map(len, prompts))
                         total = 0.0
                         for group in equal_length_batches(prompts, self.batch_size):

@@ -3,7 +3,10 @@
 A Hugging Face checkpoint's own `chat_template` is rendered the way transformers renders it: a
 sandboxed Jinja environment with `trim_blocks` and `lstrip_blocks`, the `loopcontrols` extension,
 `raise_exception` and `strftime_now` as globals, a `tojson` filter that keeps non-ASCII characters,
-and the variables `messages`, `add_generation_prompt=True`, `bos_token` and `eos_token`.
+and the variables `messages`, `add_generation_prompt=True`, `bos_token` and `eos_token`. The server
+passes the tokenizer's BOS text as `bos_token` and tokenises the rendered text as a whole prompt
+(`encode_prompt`), which puts BOS first under the model's rule unless the template already wrote it
+(docs/checkpoints.md#the-bos-rule).
 
 A model without one (the shipped byte-level demo model) gets BYTE_CHAT_TEMPLATE, a plain transcript
 (docs/server.md#the-chat-template):
@@ -13,8 +16,8 @@ A model without one (the shipped byte-level demo model) gets BYTE_CHAT_TEMPLATE,
     Assistant:
 
 one line per message (`Role: content`), then `Assistant:` for the reply. The byte model has no chat
-tokens, so the template adds none; generation stops at EOS, at max_tokens, or at a `stop` string
-(clients often send `stop: ["\\nUser:"]`).
+tokens, so the template adds none (its BOS comes from the tokenizer's rule); generation stops at EOS,
+at max_tokens, or at a `stop` string (clients often send `stop: ["\\nUser:"]`).
 """
 
 from __future__ import annotations

@@ -73,7 +73,9 @@ class ServerState:
         self.allowed_hosts = allowed_hosts  # lower-case names, or None: any host
         self.metrics_open = metrics_open or self.api_keys is None
         self.stall_timeout, self.body_timeout = stall_timeout, body_timeout
-        self.template = ChatTemplate(llm.chat_template)
+        # A template that writes bos_token gets no second BOS from encode_prompt (docs/checkpoints.md#the-bos-rule).
+        bos_token = llm.tokenizer.bos_token if llm.tokenizer is not None else None
+        self.template = ChatTemplate(llm.chat_template, bos_token=bos_token or "")
         self.harmony = None if harmony is False else harmony_for(llm.tokenizer, required=harmony is True)
         self.engine = EngineLoop(llm, max_waiting=max_waiting, on_finished=self._finished)
         self.metrics = ServerMetrics(lambda: self.engine.snapshot.stats)

@@ -111,7 +111,8 @@ class SyntheticRetrievalData:
             )
 
     def max_overhead_tokens(self, n_facts: int = 2) -> int:
-        """Upper bound on the non-filler tokens of a document (BOS, needles, question, answer, EOS).
+        """Upper bound on the non-filler tokens of a document (BOS under the tokenizer's rule, needles,
+        question, answer, EOS).
 
         kv documents hold up to `max_facts` facts, but fewer when they would leave less than a quarter
         of the sequence for filler; the bound uses `n_facts` facts.
@@ -124,7 +125,7 @@ class SyntheticRetrievalData:
         query = enc("\nWhat is the code for the ? The code for the  is") + 2 * longest_name
         kv = n_facts * fact + query
         copy = enc(" Remember this sequence: .") + enc("\nRepeat the sequence:") + 2 * COPY_MAX_TOKENS
-        return 2 + enc(ANSWER_TEMPLATE.format(key=key)) + max(passkey, kv, copy)
+        return int(self.tokenizer.add_bos) + 1 + enc(ANSWER_TEMPLATE.format(key=key)) + max(passkey, kv, copy)
 
     # ---- documents ------------------------------------------------------------------------------
     def document(self, rng: random.Random) -> tuple[list[int], int]:
@@ -176,11 +177,13 @@ class SyntheticRetrievalData:
         tail: list[int],
         answer_ids: list[int],
     ) -> tuple[list[int], int]:
-        """(tokens, index of the first answer token) of BOS, `head`, haystack units from `next_unit()`
-        with the inserts at unit boundaries, `tail` and `answer_ids`: exactly seq_len + 1 tokens."""
+        """(tokens, index of the first answer token) of BOS (under the tokenizer's rule, as a prompt
+        gets it from `encode_prompt`), `head`, haystack units from `next_unit()` with the inserts at unit
+        boundaries, `tail` and `answer_ids`: exactly seq_len + 1 tokens."""
         tok = self.tokenizer
         total = self.config.seq_len + 1
-        budget = total - 1 - len(head) - sum(map(len, insert_ids)) - len(tail) - len(answer_ids)
+        start = [tok.bos_id] if tok.add_bos else []
+        budget = total - len(start) - len(head) - sum(map(len, insert_ids)) - len(tail) - len(answer_ids)
         assert budget >= 0, f"document overhead exceeds seq_len={self.config.seq_len}"
         # Haystack units until the budget is covered; the last one is cut at the token level.
         units: list[list[int]] = []
@@ -191,7 +194,7 @@ class SyntheticRetrievalData:
             used += len(ids)
         # Each insert goes at a unit boundary chosen by a uniform random depth.
         slots = sorted(rng.randint(0, len(units)) for _ in insert_ids)
-        body: list[int] = [tok.bos_id, *head]
+        body: list[int] = [*start, *head]
         pending = list(zip(slots, insert_ids))
         for i in range(len(units) + 1):
             while pending and pending[0][0] == i:
@@ -224,7 +227,7 @@ class SyntheticRetrievalData:
             intro = tok.encode(doc.intro)
             tail = tok.encode(doc.question)
             answer_ids = tok.encode(doc.answer) + [tok.eos_id]
-            fixed = 1 + len(tail) + len(answer_ids)  # BOS, question, answer and EOS
+            fixed = int(tok.add_bos) + len(tail) + len(answer_ids)  # BOS, question, answer and EOS
             room = total - fixed - len(intro) - sum(map(len, needles))
             if room < total // 4 and intro:
                 room, intro = room + len(intro), []
