@@ -120,6 +120,7 @@ def gptoss_tiny_dir() -> Path:
     """The cached harmony test checkpoint (built on first use)."""
     target = cache_root() / "gpt-oss-tiny-harmony"
     if not (target / "tokenizer.json").is_file():
+        cache_root().mkdir(parents=True, exist_ok=True)  # a fresh machine has no cache folder yet
         tmp = Path(tempfile.mkdtemp(dir=cache_root(), prefix=".tiny-"))
         write_gptoss_tiny(tmp)
         shutil.rmtree(target, ignore_errors=True)
