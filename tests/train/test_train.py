@@ -293,7 +293,15 @@ def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
 
 def test_bf16_autocast_step_runs(tmp_path):
     """precision bf16 trains with autocast and finite losses."""
-    summary = train_run(tiny_config(tmp_path, precision="bf16"), max_steps=1)
+    try:
+        summary = train_run(tiny_config(tmp_path, precision="bf16"), max_steps=1)
+    except RuntimeError as e:
+        # torch's limit, not ours: on an AMX Xeon with ATEN_CPU_CAPABILITY=avx2 (the tests' AVX2 probe),
+        # ATen's bf16 GEMM still takes its AMX route and refuses to pack for it ("pack_vnni2 is only
+        # supported when avx512 is supported"). A real AVX2 CPU has no AMX route, so it never gets here.
+        if "pack_vnni2" in str(e) and os.environ.get("ATEN_CPU_CAPABILITY"):
+            pytest.skip(f"torch cannot run bf16 autocast under ATEN_CPU_CAPABILITY on this CPU: {e}")
+        raise
     assert summary.end_step == 1 and math.isfinite(summary.losses[0])
 
 
@@ -419,6 +427,17 @@ def test_init_rope_change_moves_a_checkpoint_to_a_longer_context(tmp_path):
         train_run(wider, max_steps=1)
     with pytest.raises(ValueError, match="needs init_from"):
         tiny_config(tmp_path / "four", init_rope_change=True)
+
+
+def test_a_later_stage_may_train_at_another_length(tmp_path):
+    """A length curriculum: init_from a checkpoint trained at SEQ_LEN, then train at 2 * SEQ_LEN. The
+    recorded train_context_length is the only field that differs, and it may (no init_rope_change)."""
+    from gptoss_lite.checkpoint import load_model
+
+    train_run(tiny_config(tmp_path / "one"), max_steps=1)
+    longer = tiny_config(tmp_path / "two", data={"seq_len": 2 * SEQ_LEN}, init_from=str(tmp_path / "one" / "final"))
+    train_run(longer, max_steps=1)
+    assert load_model(tmp_path / "two" / "final").config.train_context_length == 2 * SEQ_LEN
 
 
 def test_init_from_missing_directory_is_an_error(tmp_path):

@@ -358,7 +358,9 @@ def train(
     if config.init_from is not None and resume_dir is None:
         from gptoss_lite.checkpoint.native import ROPE_CHANGE_FIELDS, load_weights_into
 
-        allow = ROPE_CHANGE_FIELDS if config.init_rope_change else frozenset()
+        # The context a checkpoint was trained at is its record, not its shape: a later stage may train
+        # at another length (a length curriculum). The rotary settings change only when asked.
+        allow = ROPE_CHANGE_FIELDS if config.init_rope_change else frozenset({"train_context_length"})
         load_weights_into(model, config.init_from, allow)  # strict: every tensor, shapes checked, or nothing
     if resume_dir is not None:
         # load_state_dict copies into the device parameters; the optimiser casts its state to them.
