@@ -329,3 +329,22 @@ def test_shipped_demo_model_retrieves_at_16x_its_training_context():
     length = 16 * model.config.train_context_length
     result = PasskeyEvaluator(model, lengths=[length], n_trials=6, batch_size=6).run()
     assert result.accuracy[length] >= 0.8, result.accuracy_by_depth
+
+
+def test_a_shared_haystack_gives_the_same_answers():
+    """The trials of one length and depth share the haystack up to the needle: prefilled once and copied
+    (the default), the shipped model gives every trial the answer it gives when each prompt is
+    prefilled whole; and the shared tokens are counted."""
+    from gptoss_lite.checkpoint import default_model_source, load_model
+    from gptoss_lite.tokenizer import load_tokenizer
+
+    source = default_model_source()
+    model, tok = load_model(source), load_tokenizer(source)
+    runs = {}
+    for share in (True, False):
+        ev = PasskeyEvaluator(
+            model, tok, lengths=[700], depths=[0.0, 0.6, 1.0], n_trials=3, batch_size=2, share_prefix=share
+        )
+        runs[share] = (ev.run().trials, ev.shared_tokens)
+    assert [t["answer"] for t in runs[True][0]] == [t["answer"] for t in runs[False][0]]
+    assert runs[False][1] == 0 and runs[True][1] > 2 * 700  # depths 0.6 and 1.0 share most of 700 tokens

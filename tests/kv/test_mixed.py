@@ -115,3 +115,32 @@ def test_bytes_after_32k_prefill_match_formula():
     assert n_glob * T * per_token_layer <= glob_alloc <= 1.5 * n_glob * T * per_token_layer
     all_global = cfg.n_layers * T * per_token_layer
     assert all_global / cache.payload_bytes > 1.9
+
+
+def test_repeat_rows_continues_like_a_whole_prefill():
+    """A batch-1 cache holding a shared prefix, repeated to 3 rows and continued with 3 different tails,
+    gives the logits of prefilling the 3 whole prompts (the rings wrap: prefix 40 > window 8); the
+    source cache is unchanged; a batch > 1 or a quantised cache is refused by name."""
+    from conftest import make_model
+    from gptoss_lite.kv.quant import QuantizedKVCache
+
+    model = make_model("lite-tiny")
+    gen = torch.Generator().manual_seed(5)
+    prefix = torch.randint(0, model.config.vocab_size, (1, 40), generator=gen)
+    tails = torch.randint(0, model.config.vocab_size, (3, 9), generator=gen)
+    prompts = torch.cat((prefix.expand(3, -1), tails), dim=1)
+    with torch.inference_mode():
+        whole = model.prefill(prompts, MixedKVCache(model.config, batch_size=3), 16)
+        shared = MixedKVCache(model.config, batch_size=1)
+        model.prefill(prefix, shared, 16)
+        before = [(s.k.clone(), s.num_tokens) for s in shared.layers]
+        rows = shared.repeat_rows(3)
+        got = model.prefill(prompts, rows, 16)
+    torch.testing.assert_close(got, whole, atol=1e-5, rtol=0)
+    assert rows.num_tokens == 49 and shared.num_tokens == 40
+    assert all(torch.equal(s.k, k) and s.num_tokens == n for s, (k, n) in zip(shared.layers, before))
+    with pytest.raises(ValueError, match="batch-1"):
+        rows.repeat_rows(2)
+    quantised = QuantizedKVCache(model.config, batch_size=1, bits=8)
+    with pytest.raises(TypeError, match="plain ring"):
+        quantised.repeat_rows(2)

@@ -75,6 +75,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="prompt template; 'classic' is the grass/sky/sun template (default: default)",
     )
     add_eval_batch_args(p, "prompts of one length and depth")
+    p.add_argument(
+        "--no-shared-prefix",
+        action="store_true",
+        help="prefill every trial's whole prompt; by default the haystack the trials of one length and "
+        "depth share (up to the needle) is prefilled once and copied (same answers, less time)",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--plot", default=None, metavar="PNG", help="write a length x depth accuracy heatmap")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
@@ -121,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         speculate=speculate,
         kv=kv,
+        share_prefix=not args.no_shared_prefix,
     )
     result = evaluator.run(progress=not args.no_progress)
     if args.plot:

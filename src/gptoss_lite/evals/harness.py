@@ -29,18 +29,21 @@ def greedy_new_texts(
     prefill_chunk: int,
     speculate: Speculation | None = None,
     stats: SpeculationStats | None = None,
+    cache: MixedKVCache | None = None,
 ) -> tuple[list[str], MixedKVCache]:
     """Decoded new text of each row of a (B, T) batch of equal-length prompts, greedy, at most
     `max_new_tokens` tokens (stopping at the tokenizer's EOS); and the cache used.
 
     The cache is built by `kv` (bits or a token budget); with `speculate` it keeps `speculate.k`
-    tokens of rollback room and `stats` (a SpeculationStats) accumulates the counters.
+    tokens of rollback room and `stats` (a SpeculationStats) accumulates the counters. A `cache` given
+    (built the same way) may already hold a prefix of every row: only the rest is prefilled.
     """
     from gptoss_lite.generation import generate
 
     eos = tokenizer.eos_id
     slack = 0 if speculate is None else speculate.k
-    cache = kv.build(model.config, batch_size=ids.shape[0], rollback_tokens=slack)
+    if cache is None:
+        cache = kv.build(model.config, batch_size=ids.shape[0], rollback_tokens=slack)
     spec = {} if speculate is None else {"speculate": speculate, "stats": stats}  # plain call unchanged
     out = generate(
         model,

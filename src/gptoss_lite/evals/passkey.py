@@ -43,6 +43,7 @@ DEFAULT_DEPTHS: tuple[float, ...] = (0.0, 0.5, 1.0)  # start, middle, end
 DEFAULT_TRIALS = 100
 BASE_SEED = 42  # keys of length L are drawn by random.Random(BASE_SEED + L) (docs/passkey.md)
 NEW_TOKENS = 16  # generated per trial (docs/passkey.md)
+MIN_SHARED_PREFIX = 64  # tokens: a shorter common prefix is prefilled with each trial
 TARGET_ACCURACY = 0.85  # headline target at the longest length (docs/passkey.md)
 N_KEYS = 100_000  # five-digit keys 00000..99999
 PASSKEY_RE = re.compile(r"\b(\d{5})\b")
@@ -295,11 +296,14 @@ class PasskeyEvaluator:
         batch_size: int = 1,
         speculate: Speculation | None = None,
         kv: KVSettings | None = None,
+        share_prefix: bool = True,
     ):
         """`speculate` (a `gptoss_lite.speculative.PromptLookup` or `DraftModel`) decodes the answers
         speculatively; greedy, so the answers are the same, only faster (or not). `kv`
         (`gptoss_lite.kv.settings.KVSettings`) sets the full layers' storage: bits or a token budget
-        (prefill pieces are then cut to the budget)."""
+        (prefill pieces are then cut to the budget). `share_prefix`: the trials of one length and depth
+        share their haystack up to the needle, so that prefix is prefilled once and copied into each
+        batch's cache (16-bit caches; the answers are those of prefilling each prompt whole)."""
         from gptoss_lite.speculative import DraftModel, PromptLookup
         from gptoss_lite.tokenizer import ByteTokenizer
 
@@ -341,6 +345,8 @@ class PasskeyEvaluator:
             raise ValueError("kv budget and speculate: an evicting cache cannot roll back; give one of them")
         self.kv = KVSettings() if kv is None else kv
         self.speculation_stats = None  # a SpeculationStats summed over the answers() calls
+        self.share_prefix = bool(share_prefix) and self.kv.budget is None and self.kv.bits == 16
+        self.shared_tokens = 0  # prompt tokens prefilled once instead of once per trial (last run)
 
     def keys(self, length: int) -> list[str]:
         """The trial keys of one length."""
@@ -351,9 +357,31 @@ class PasskeyEvaluator:
         text = build_passkey_prompt(length, key, depth, self.tokenizer, self.template, filler)
         return self.tokenizer.encode_prompt(text)
 
-    def answers(self, ids: torch.Tensor) -> tuple[list[str | None], MixedKVCache]:
+    def shared_prefix(self, prompts: Sequence[Sequence[int]]) -> MixedKVCache | None:
+        """A batch-1 cache holding the prompts' longest common prefix (one depth's haystack up to the
+        needle's key), prefilled once; None where sharing is off or the prefix is too short to pay."""
+        import torch
+
+        if not self.share_prefix or len(prompts) < 2:
+            return None
+        first, n = prompts[0], min(len(p) for p in prompts) - 1  # at least one token left per prompt
+        for p in prompts[1:]:
+            n = next((i for i in range(n) if p[i] != first[i]), n)
+        if n < MIN_SHARED_PREFIX:
+            return None
+        slack = 0 if self.speculate is None else self.speculate.k
+        cache = self.kv.build(self.model.config, batch_size=1, rollback_tokens=slack)
+        device = next(self.model.parameters()).device
+        with torch.inference_mode():
+            self.model.prefill(
+                torch.tensor([first[:n]], device=device), cache, self.kv.prefill_chunk(self.prefill_chunk)
+            )
+        return cache
+
+    def answers(self, ids: torch.Tensor, cache: MixedKVCache | None = None) -> tuple[list[str | None], MixedKVCache]:
         """Score-ready answers of a (B, T) batch of equal-length prompts: greedy NEW_TOKENS tokens
-        through the cached path, the first 5-digit number of each (None if none); and the cache used."""
+        through the cached path, the first 5-digit number of each (None if none); and the cache used.
+        `cache` may already hold a prefix of every row (`shared_prefix`)."""
         from gptoss_lite.speculative import SpeculationStats
 
         if self.speculate is not None and self.speculation_stats is None:
@@ -367,6 +395,7 @@ class PasskeyEvaluator:
             self.prefill_chunk,
             self.speculate,
             self.speculation_stats,
+            cache,
         )
         return [extract_passkey(text) for text in texts], cache
 
@@ -376,6 +405,7 @@ class PasskeyEvaluator:
 
         device = next(self.model.parameters()).device
         self.speculation_stats = None
+        self.shared_tokens = 0
         bar = progress_bar(len(self.lengths) * len(self.depths) * self.n_trials, "passkey", progress)
         acc, by_depth, tokens, payload, allocated, records = {}, {}, {}, {}, {}, []
         try:
@@ -387,9 +417,13 @@ class PasskeyEvaluator:
                     prompts = [self.prompt_ids(length, key, depth, filler) for key in keys]
                     tokens.setdefault(length, len(prompts[0]))
                     correct = 0
+                    shared = self.shared_prefix(prompts)
+                    if shared is not None:
+                        self.shared_tokens += shared.num_tokens * (len(prompts) - 1)
                     for group in equal_length_batches(prompts, self.batch_size):
                         ids = torch.tensor([prompts[i] for i in group], dtype=torch.long, device=device)  # (B, T)
-                        answers, cache = self.answers(ids)
+                        start = None if shared is None else shared.repeat_rows(len(group))
+                        answers, cache = self.answers(ids, start)
                         payload[length] = max(payload.get(length, 0), cache.payload_bytes // len(group))
                         allocated[length] = max(allocated.get(length, 0), cache.nbytes // len(group))
                         for answer, i in zip(answers, group):

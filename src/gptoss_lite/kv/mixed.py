@@ -6,6 +6,8 @@ absolute positions and are never re-rotated. The cache implements `gptoss_lite.k
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from gptoss_lite.config import ModelConfig
@@ -334,6 +336,29 @@ class MixedKVCache(RollbackKVCache):
             )
 
     # ---- static decode ---------------------------------------------------------------------------
+    def repeat_rows(self, n: int) -> MixedKVCache:
+        """A new cache of batch `n` whose every row holds a copy of this batch-1 cache's tokens: a shared
+        prompt prefix (a passkey haystack up to its needle) prefilled once, then continued per row. This
+        cache is unchanged. Plain rings and growing buffers only (a quantised or evicting layer keeps
+        state beside its tensors): TypeError otherwise."""
+        n = check_int("n", n, minimum=1)
+        if self.batch_size != 1:
+            raise ValueError(f"repeat_rows copies a batch-1 cache; this one has batch_size={self.batch_size}")
+        if not all(type(s) in (RingBuffer, GrowingBuffer) for s in self.layers):
+            kinds = sorted({type(s).__name__ for s in self.layers})
+            raise TypeError(f"repeat_rows copies plain ring and growing buffers, not {kinds}")
+        out = copy.copy(self)
+        out._batch_size = n
+        out.layers = []
+        for store in self.layers:
+            row = copy.copy(store)
+            row.batch_size = n
+            if store.k is not None:
+                kb, vb = store._buffers()
+                row.k, row.v = kb.repeat(n, 1, 1, 1), vb.repeat(n, 1, 1, 1)
+            out.layers.append(row)
+        return out
+
     def static_decode(self) -> StaticMixed | None:
         """The fixed-shape state of one decode step over this cache's own storage
         (`gptoss_lite.kv.base.StaticKV`), or None where it has none: a layer that is not a plain ring or
