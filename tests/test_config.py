@@ -1,5 +1,9 @@
 """ModelConfig: the 502M parameter count (docs/model.md#the-502m-preset), presets by exact name, validation."""
 
+import contextlib
+import io
+import json
+
 import pytest
 import torch
 
@@ -67,3 +71,41 @@ def test_from_dict_rejects_unknown_keys_and_round_trips():
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match=r"unknown ModelConfig field\(s\) \['n_layer'\]"):
         ModelConfig.from_dict({**cfg.to_dict(), "n_layer": 3})
+
+
+def test_with_rope_factor_stretches_positions_and_refuses_below_one():
+    """A load-time YaRN override: the factor changes, positions up to twice the new target are accepted
+    (never fewer than before), the other fields stay; a factor below 1 or not a number is refused."""
+    cfg = resolve_config("lite-tiny")
+    wide = cfg.with_rope_factor(512)
+    assert wide.rope_factor == 512.0
+    assert wide.max_position_embeddings == max(cfg.max_position_embeddings, 2 * cfg.rope_original_context * 512)
+    assert wide.replace(rope_factor=cfg.rope_factor, max_position_embeddings=cfg.max_position_embeddings) == cfg
+    assert cfg.with_rope_factor(1).max_position_embeddings == cfg.max_position_embeddings
+    for bad in (0.5, float("nan"), True, "32"):
+        with pytest.raises(ValueError, match="rope factor"):
+            cfg.with_rope_factor(bad)
+
+
+def test_rope_factor_reaches_the_model_through_every_loader():
+    """load_model(rope_factor=), the engine's EngineConfig.rope_factor and the CLI's --rope-factor give the
+    same stretched rotary tables; the engine refuses the knob for a model it did not load."""
+    from gptoss_lite.checkpoint import default_model_source, load_model
+    from gptoss_lite.cli import main
+    from gptoss_lite.engine import LLM
+
+    source = default_model_source()
+    loaded = load_model(source, rope_factor=512)
+    assert loaded.config.rope_factor == 512 and load_model(source).config.rope_factor != 512
+    llm = LLM(source, kv_blocks=64, rope_factor=512)
+    assert llm.model.config == loaded.config
+    with pytest.raises(ValueError, match="rope_factor"):
+        LLM(loaded, kv_blocks=64, rope_factor=64)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert (
+            main(["passkey", "--rope-factor", "512", "--lengths", "300", "--trials", "1", "--json", "--no-progress"])
+            == 0
+        )
+    result = json.loads(buf.getvalue())
+    assert result["rope_factor"] == 512 and set(result["seconds"]) == {"300"} and result["peak_rss_bytes"]["300"] > 0

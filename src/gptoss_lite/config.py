@@ -156,6 +156,20 @@ class ModelConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
+    def with_rope_factor(self, factor: float) -> ModelConfig:
+        """This config with its YaRN factor set at load time (as llama.cpp's and vLLM's rope-scaling
+        overrides): the weights stay as trained, the rotary frequencies stretch to a target of
+        rope_original_context × factor tokens, and positions up to twice that target are accepted (the
+        shipped configs' own margin), never fewer than before. ValueError for a factor below 1."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor):
+            raise ValueError(f"rope factor {factor!r}: must be a finite number >= 1")
+        if factor < 1:
+            raise ValueError(f"rope factor {factor}: must be >= 1 (1 disables YaRN)")
+        target = int(self.rope_original_context * factor)
+        return self.replace(
+            rope_factor=float(factor), max_position_embeddings=max(self.max_position_embeddings, 2 * target)
+        )
+
     # ---- serialisation ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

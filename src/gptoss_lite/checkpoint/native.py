@@ -139,6 +139,7 @@ def load_model(
     dtype: torch.dtype | None = None,
     seed: int = 0,
     mxfp4: str = "auto",
+    rope_factor: float | None = None,
 ) -> GPTOSS:
     """Load a GPTOSS from a directory or a preset name, prepared for inference (eval mode, on
     `device`, in `dtype`, decode-packed weights: `GPTOSS.prepare_for_inference`).
@@ -150,13 +151,17 @@ def load_model(
       packs them on a CPU and dequantises elsewhere. `dtype` applies to the dense weights and biases;
     - a preset or test-fixture name (`fixtures.resolve_config`) -> RANDOM weights seeded by `seed`
       (announced with a warning).
-    Loading is strict (see check_state_dict) and never unpickles.
+    `rope_factor` overrides the checkpoint's YaRN factor (`ModelConfig.with_rope_factor`): the same
+    weights at a longer (or shorter) rotary context. Loading is strict (see check_state_dict) and never
+    unpickles.
     """
     if mxfp4 not in MXFP4_MODES:
         raise ValueError(f"mxfp4={mxfp4!r}: must be one of {MXFP4_MODES}")
     if mxfp4 == "auto":
         mxfp4 = "packed" if device is None or torch.device(device).type == "cpu" else "dequantize"
     cfg, layout = read_model_config(source)
+    if rope_factor is not None:
+        cfg = cfg.with_rope_factor(rope_factor)
     if layout == "preset":
         warnings.warn(
             f"load_model({source!r}): preset with RANDOM weights (seed={seed}), not a trained model", stacklevel=2

@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch_tokens=args.max_batch_tokens,
         max_running=args.max_running,
         dtype=torch_dtype(args.dtype),
+        rope_factor=args.rope_factor,
         device=resolve_device(args.device),
         enable_prefix_caching=not args.no_prefix_caching,
         **kv_kwargs,

@@ -26,6 +26,14 @@ def add_model_arg(parser: argparse.ArgumentParser) -> None:
         "and presets, bfloat16 for gpt-oss; MXFP4 experts stay packed either way)",
     )
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
+    parser.add_argument(
+        "--rope-factor",
+        type=float,
+        default=None,
+        metavar="F",
+        help="override the model's YaRN factor at load: the same weights stretched to a rotary target of "
+        "F x its original context, positions accepted up to twice that (default: the checkpoint's own)",
+    )
     add_threads_arg(parser)
 
 
@@ -182,6 +190,12 @@ def load_model_and_tokenizer(args: argparse.Namespace):
     model_dir = source if _is_dir(source) else None
     tokenizer = load_tokenizer(model_dir)
     cfg, _ = read_model_config(source)  # the same errors load_model gives, before any weight is read
+    rope_factor = getattr(args, "rope_factor", None)
+    if rope_factor is not None:
+        try:
+            cfg = cfg.with_rope_factor(rope_factor)
+        except ValueError as e:
+            raise ValueError(f"--rope-factor: {e}") from None
     if isinstance(tokenizer, ByteTokenizer) and cfg.vocab_size != tokenizer.vocab_size:
         where = f"{source} has no tokenizer.json" if model_dir is not None else f"preset {source!r} has no tokenizer"
         raise ValueError(
@@ -189,7 +203,7 @@ def load_model_and_tokenizer(args: argparse.Namespace):
             f"reads only ids 0..{tokenizer.vocab_size - 1}; put the model's tokenizer.json in its "
             "directory or use a byte-vocabulary model (vocab_size 264, e.g. lite-tiny)"
         )
-    model = load_model(source, device=device, dtype=torch_dtype(args.dtype))
+    model = load_model(source, device=device, dtype=torch_dtype(args.dtype), rope_factor=rope_factor)
     if getattr(args, "compile", False):
         model.prepare_for_inference(compile_decode=True)
     return model, tokenizer, source

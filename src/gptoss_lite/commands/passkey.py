@@ -135,9 +135,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         out = result.to_dict()
         out["model"] = str(source)
+        out["rope_factor"] = model.config.rope_factor
+        out["shared_prefix_tokens"] = evaluator.shared_tokens
         print(json.dumps(out, indent=2))
     else:
-        print(format_table(result, str(source)))
+        print(format_table(result, str(source), model.config.rope_factor))
         if args.plot:
             print(f"heatmap: {args.plot}")
         if speculate is not None:
@@ -163,7 +165,7 @@ def default_lengths(max_positions: int) -> list[int]:
     return [n]
 
 
-def format_table(result, source: str) -> str:
+def format_table(result, source: str, rope_factor: float | None = None) -> str:
     """Accuracy per length (with extrapolation ratio and KV bytes), then the length x depth grid."""
     from gptoss_lite.commands.common import fmt_bytes
 
@@ -171,16 +173,21 @@ def format_table(result, source: str) -> str:
     lines = [
         f"passkey retrieval: model {source}, template {result.template}, {result.n_trials} trials x "
         f"{len(result.depths)} depths per length, train context "
-        f"{result.train_context_length if result.train_context_length else 'unknown'}",
+        f"{result.train_context_length if result.train_context_length else 'unknown'}"
+        + (f", YaRN factor {rope_factor:g}" if rope_factor is not None else ""),
         "",
     ]
-    header = f"{'length':>8} {'tokens':>8} {'x train':>8} {'accuracy':>9} {'KV payload':>12} {'KV alloc':>12}"
+    header = (
+        f"{'length':>8} {'tokens':>8} {'x train':>8} {'accuracy':>9} {'KV payload':>12} {'KV alloc':>12} "
+        f"{'time':>8} {'peak RSS':>10}"
+    )
     lines += [header, "-" * len(header)]
     for n in result.lengths:
         x = f"{ratio[n]:.1f}x" if ratio else "-"
         lines.append(
             f"{n:>8} {result.prompt_tokens[n]:>8} {x:>8} {100 * result.accuracy[n]:>8.1f}% "
-            f"{fmt_bytes(result.kv_payload_bytes[n]):>12} {fmt_bytes(result.kv_allocated_bytes[n]):>12}"
+            f"{fmt_bytes(result.kv_payload_bytes[n]):>12} {fmt_bytes(result.kv_allocated_bytes[n]):>12} "
+            f"{result.seconds.get(n, 0.0):>7.1f}s {fmt_bytes(result.peak_rss_bytes.get(n, 0)):>10}"
         )
     lines += ["", "accuracy by depth (%)"]
     head = f"{'length':>8} {'x train':>8} " + " ".join(f"{d:>6g}" for d in result.depths)

@@ -173,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch_tokens=args.max_batch_tokens,
         max_running=args.max_running,
         dtype=torch_dtype(args.dtype),
+        rope_factor=args.rope_factor,
         device=device,
         enable_prefix_caching=not args.no_prefix_caching,
         max_model_len=args.max_model_len,

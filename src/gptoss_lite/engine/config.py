@@ -33,7 +33,8 @@ class EngineConfig:
     budget of `kv.evicting_cache`; docs/engine.md#full-layer-window). `decode_reserve` N is the
     admission watermark: blocks kept for every running request's next N decode tokens. `speculate`
     drafts decoding requests' tokens by prompt lookup or with a draft model. `compile_decode` None
-    decodes as the model was prepared.
+    decodes as the model was prepared. `rope_factor` overrides a loaded checkpoint's YaRN factor
+    (`ModelConfig.with_rope_factor`; not for a model passed in, which is used as built).
     """
 
     kv_blocks: int | None = None
@@ -52,6 +53,7 @@ class EngineConfig:
     compile_decode: bool | None = None
     speculate: PromptLookup | DraftModel | None = None
     decode_reserve: int = 0
+    rope_factor: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_batch_tokens", "max_running"):

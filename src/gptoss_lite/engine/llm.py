@@ -200,6 +200,8 @@ class LLM:
         source: str | None = None  # the checkpoint directory or preset the model was loaded from
         model_dir = None
         if isinstance(model, GPTOSS):
+            if cfg.rope_factor is not None:
+                raise ValueError("rope_factor applies when the engine loads a checkpoint; load_model(rope_factor=...)")
             if cfg.dtype is not None or cfg.device is not None:
                 model.prepare_for_inference(cfg.device, cfg.dtype)
             elif not model.inference_ready:
@@ -209,7 +211,7 @@ class LLM:
             source = str(model)
             model_dir = Path(source) if Path(source).is_dir() else None
             self.model_name = model_dir.name if model_dir is not None else source
-            model = load_model(source, device=cfg.device, dtype=cfg.dtype)
+            model = load_model(source, device=cfg.device, dtype=cfg.dtype, rope_factor=cfg.rope_factor)
             self.chat_template = _read_chat_template(model_dir)
         if cfg.compile_decode and model.compiled_decoder is None:
             model.prepare_for_inference(compile_decode=True)  # out-major weights + the compiled step

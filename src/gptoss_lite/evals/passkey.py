@@ -21,6 +21,9 @@ from __future__ import annotations
 
 import random
 import re
+import resource
+import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -114,6 +117,12 @@ _TEMPLATES = {
     "default": _Template("", NEEDLE_TEMPLATE, QUESTION),
     "classic": _Template(CLASSIC_INTRO, CLASSIC_NEEDLE, CLASSIC_QUESTION),
 }
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set so far (getrusage: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def extract_passkey(text: str) -> str | None:
@@ -231,6 +240,8 @@ class PasskeyResult:
     train_context_length: int | None = None
     trials: list[dict[str, Any]] = field(default_factory=list)  # (length, depth, key, answer, correct)
     speculation: dict[str, Any] | None = None  # SpeculationStats.to_dict() over all trials, when on
+    seconds: dict[int, float] = field(default_factory=dict)  # wall time of each length's trials
+    peak_rss_bytes: dict[int, int] = field(default_factory=dict)  # the process's peak RSS once a length is done
 
     @property
     def extrapolation(self) -> dict[int, float] | None:
@@ -277,6 +288,8 @@ class PasskeyResult:
             "passed": self.passed,
             "verdict": self.verdict(),
             "speculation": self.speculation,
+            "seconds": {str(k): v for k, v in self.seconds.items()},
+            "peak_rss_bytes": {str(k): v for k, v in self.peak_rss_bytes.items()},
         }
 
 
@@ -408,8 +421,10 @@ class PasskeyEvaluator:
         self.shared_tokens = 0
         bar = progress_bar(len(self.lengths) * len(self.depths) * self.n_trials, "passkey", progress)
         acc, by_depth, tokens, payload, allocated, records = {}, {}, {}, {}, {}, []
+        seconds, peak = {}, {}
         try:
             for length in self.lengths:
+                started = time.perf_counter()
                 filler = filler_sentences(length, self.tokenizer, self.template)
                 keys = self.keys(length)
                 by_depth[length] = {}
@@ -436,6 +451,8 @@ class PasskeyEvaluator:
                             bar.update(len(group))
                     by_depth[length][depth] = correct / self.n_trials
                 acc[length] = sum(by_depth[length].values()) / len(self.depths)
+                seconds[length] = time.perf_counter() - started
+                peak[length] = peak_rss_bytes()
         finally:
             if bar is not None:
                 bar.close()
@@ -452,4 +469,6 @@ class PasskeyEvaluator:
             train_context_length=self.model.config.train_context_length,
             trials=records,
             speculation=None if self.speculation_stats is None else self.speculation_stats.to_dict(),
+            seconds=seconds,
+            peak_rss_bytes=peak,
         )
