@@ -6,8 +6,8 @@ version, the flags and this CPU's feature flags, so an edited source or another 
 A build writes a temporary file and renames it into place: two processes building at once both
 succeed, and a crash leaves no half-written library. Compiling takes about a second.
 
-No compiler, a failed build, or `GPTOSS_LITE_NO_KERNELS=1` gives None and one line on stderr; the
-callers then use their PyTorch fallbacks.
+No compiler or a failed build gives None and one line on stderr; `GPTOSS_LITE_NO_KERNELS=1` gives
+None silently (it was asked for). The callers then use their PyTorch fallbacks.
 """
 
 from __future__ import annotations
