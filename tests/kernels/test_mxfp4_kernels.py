@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -65,6 +66,8 @@ def test_quantize_round_trip_and_shape_errors():
 
 def test_native_kernel_is_built_here():
     # gcc is on every machine this project runs its tests on; a silent fallback would hide a build break.
+    if os.environ.get("GPTOSS_LITE_NO_KERNELS") == "1":
+        pytest.skip("GPTOSS_LITE_NO_KERNELS=1: the kernels are off on purpose (the suite's fallback run)")
     assert mxfp4.native_available()
 
 
