@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 import time
 from pathlib import Path
@@ -34,10 +33,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
 import torch  # noqa: E402
-
-
-def _rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from gptoss_lite.checkpoint import load_model
     from gptoss_lite.config import count_active_parameters
+    from gptoss_lite.evals.harness import peak_rss_bytes
     from gptoss_lite.kv.mixed import MixedKVCache
     from gptoss_lite.plan.core import kv_payload_bytes
     from gptoss_lite.plan.presets import geometry_from_model_config, measure_this_machine
@@ -68,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--tokens {args.tokens:,}: the model takes {cfg.max_position_embeddings:,} positions")
     prompt = args.tokens - args.decode_steps  # prefilled; the decode steps bring the cache to --tokens
     elem = torch.empty((), dtype=dtype).element_size()
-    rss_loaded = _rss_bytes()
+    rss_loaded = peak_rss_bytes()
     cache = MixedKVCache(cfg, batch_size=1, capacity=args.tokens)
     filled = prompt - args.chunk
     gen = torch.Generator().manual_seed(0)
@@ -85,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         logits = model.prefill(ids, cache, args.chunk)
         prefill_s = time.perf_counter() - t0
-        rss_prefill = _rss_bytes()
+        rss_prefill = peak_rss_bytes()
         token = logits[:, -1].argmax(-1)
         t0 = time.perf_counter()
         for i in range(args.decode_steps):

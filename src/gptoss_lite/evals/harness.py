@@ -59,6 +59,15 @@ def greedy_new_texts(
     return [tokenizer.decode(row) for row in out[:, ids.shape[1] :].tolist()], cache
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set so far (getrusage: KiB on Linux, bytes on macOS)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
 def equal_length_batches(prompts: Sequence[Sequence[int]], batch_size: int) -> list[list[int]]:
     """Indices of prompts grouped into batches of equal token length (a batch needs no padding),
     in order of their first index."""

@@ -21,15 +21,19 @@ from __future__ import annotations
 
 import random
 import re
-import resource
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 # The phrasing shared with the training data lives in gptoss_lite.prompts; re-exported here.
-from gptoss_lite.evals.harness import check_model_fits, equal_length_batches, greedy_new_texts, progress_bar
+from gptoss_lite.evals.harness import (
+    check_model_fits,
+    equal_length_batches,
+    greedy_new_texts,
+    peak_rss_bytes,
+    progress_bar,
+)
 from gptoss_lite.prompts import CLASSIC_NEEDLE, CLASSIC_QUESTION, NEEDLE_TEMPLATE, QUESTION
 from gptoss_lite.validation import check_int
 
@@ -117,12 +121,6 @@ _TEMPLATES = {
     "default": _Template("", NEEDLE_TEMPLATE, QUESTION),
     "classic": _Template(CLASSIC_INTRO, CLASSIC_NEEDLE, CLASSIC_QUESTION),
 }
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set so far (getrusage: KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 def extract_passkey(text: str) -> str | None:
