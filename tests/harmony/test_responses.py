@@ -14,7 +14,6 @@ from gptoss_lite.engine import LLM, SamplingParams
 from gptoss_lite.harmony.render import render
 from gptoss_lite.server import create_app
 from gptoss_lite.server.background import BackgroundServer
-from gptoss_lite.server.responses import ResponseStore
 
 openai = pytest.importorskip("openai")
 
@@ -158,15 +157,6 @@ def test_bad_input_is_a_400_naming_the_field(served):
         r = httpx.post(f"{live.url}/v1/responses", json={"model": llm.model_name, **body}, headers=headers)
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["param"] == param, r.text
-
-
-def test_the_store_is_bounded():
-    store = ResponseStore(size=2)
-    for i in range(3):
-        store.put("t", f"r{i}", [{"role": "user", "content": str(i)}])
-    assert store.get("t", "r2") and store.get("t", "r1")
-    with pytest.raises(Exception, match="not found"):
-        store.get("t", "r0")
 
 
 def test_a_model_without_harmony_answers_one_message(serve_plain):

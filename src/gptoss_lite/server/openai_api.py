@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP API: `create_app(llm, ...)` returns a FastAPI app.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE with `stream: true`),
-GET /v1/models, GET /health, GET /metrics (Prometheus), GET /stats (engine figures as JSON),
-POST /admin/reset_prefix_cache and GET / (the playground page). The LLM runs on one EngineLoop
-thread; handlers only queue commands.
+POST /v1/responses, GET and DELETE /v1/responses/{id}, GET /v1/models, GET /health, GET /metrics
+(Prometheus), GET /stats (engine figures as JSON), POST /admin/reset_prefix_cache and GET / (the
+playground page). The LLM runs on one EngineLoop thread; handlers only queue commands.
 
 Tenancy: with `api_keys` ({key: tenant}) every /v1 request needs `Authorization: Bearer KEY`, and
 the prefix-cache scope of its request is its tenant plus any `cache_salt` it sent, so a prefix that
@@ -17,6 +17,8 @@ import asyncio
 import dataclasses
 import hmac
 import json
+import sqlite3
+import tempfile
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -40,6 +42,8 @@ from gptoss_lite.server.engine_loop import Channel, EngineLoop, QueueFull, Shutt
 from gptoss_lite.server.harmony import RenderError, chained, chat_delta, chat_message, finish_reason, harmony_for
 from gptoss_lite.server.http import ABORT_EXTENSION, DEFAULT_BODY_TIMEOUT
 from gptoss_lite.server.metrics import ServerMetrics
+from gptoss_lite.server.response_store import FILE_NAME, TTL_SECONDS, ResponseStore
+from gptoss_lite.server.sealing import Sealer, data_dir_key, read_key_file
 
 STATIC = Path(__file__).resolve().parent / "static"
 DEFAULT_TENANT = "default"
@@ -64,7 +68,15 @@ class ServerState:
         stall_timeout,
         body_timeout,
         harmony,
+        data_dir,
+        secret_file,
+        response_ttl,
     ):
+        self.scratch = None  # without a data directory: the private temporary one used instead
+        if data_dir is None:
+            self.scratch = tempfile.TemporaryDirectory(prefix="gptoss-lite-server-")  # removed on collection or exit
+            data_dir = self.scratch.name
+        self.responses, self.sealer = open_data_dir(data_dir, secret_file, response_ttl)
         self.llm = llm
         self.admin_key = admin_key
         self.model_name = served_model_name or llm.model_name
@@ -79,7 +91,6 @@ class ServerState:
         self.harmony = None if harmony is False else harmony_for(llm.tokenizer, required=harmony is True)
         self.engine = EngineLoop(llm, max_waiting=max_waiting, on_finished=self._finished)
         self.metrics = ServerMetrics(lambda: self.engine.snapshot.stats)
-        self.responses = R.ResponseStore()  # for previous_response_id
         self.draining = False
         self.created = int(time.time())
 
@@ -133,6 +144,17 @@ class ServerState:
         return key is not None and admin is not None and hmac.compare_digest(key.encode(), admin.encode())
 
 
+def open_data_dir(
+    data_dir: str | Path, secret_file: str | Path | None = None, response_ttl: float = TTL_SECONDS
+) -> tuple[ResponseStore, Sealer]:
+    """The response store and the reasoning sealer of a data directory (made, mode 0700, if absent);
+    a StoreError or ValueError naming the file that cannot be used."""
+    folder = Path(data_dir)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    key = read_key_file(secret_file) if secret_file is not None else data_dir_key(folder)
+    return ResponseStore(folder / FILE_NAME, ttl=response_ttl), Sealer(key)
+
+
 def _bearer(request: Request) -> str | None:
     """The key of the request's one `Authorization: Bearer KEY` header (None without one). Two
     Authorization headers are a 400: which one counts would be a guess."""
@@ -165,6 +187,9 @@ def create_app(
     stall_timeout: float = DEFAULT_STALL_TIMEOUT,
     body_timeout: float = DEFAULT_BODY_TIMEOUT,
     harmony: bool | None = None,
+    data_dir: str | Path | None = None,
+    secret_file: str | Path | None = None,
+    response_ttl: float = TTL_SECONDS,
 ) -> FastAPI:
     """A FastAPI app serving `llm`; the engine thread starts and stops with the app's lifespan.
 
@@ -179,6 +204,12 @@ def create_app(
     harmony: render and parse chats in the harmony format (None: when the model's tokenizer is the
         gpt-oss vocabulary; True: always, a HarmonyUnavailable ValueError if it is not; False: never,
         the chat template instead).
+    data_dir: where stored responses (`responses.sqlite3`) and the sealing key (`sealing.key`) live,
+        shared by every server on it (made if absent); None: a private temporary directory, gone with
+        the app. A file there that is not a response store is a StoreError (a ValueError) here.
+    secret_file: the key that seals reasoning items (32 raw bytes or 64 hex digits) instead of the
+        data directory's.
+    response_ttl: seconds a stored response is kept.
     """
     state = ServerState(
         llm,
@@ -192,6 +223,9 @@ def create_app(
         stall_timeout=stall_timeout,
         body_timeout=body_timeout,
         harmony=harmony,
+        data_dir=data_dir,
+        secret_file=secret_file,
+        response_ttl=response_ttl,
     )
 
     @asynccontextmanager
@@ -287,6 +321,23 @@ def create_app(
         _check_model(state, req.model)
         return await _serve_response(state, request, tenant, req)
 
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str, request: Request):
+        tenant = state.tenant(request)
+        _refuse_query(request)
+        body = await asyncio.to_thread(state.responses.body, tenant, response_id)
+        if body is None:
+            raise _response_not_found(response_id)
+        return JSONResponse(body)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, request: Request):
+        tenant = state.tenant(request)
+        _refuse_query(request)
+        if not await asyncio.to_thread(state.responses.delete, tenant, response_id):
+            raise _response_not_found(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
     return app
 
 
@@ -336,6 +387,17 @@ async def _read_body(request: Request, state: ServerState) -> bytes:
     return b"".join(chunks)
 
 
+def _response_not_found(response_id: str) -> P.APIError:
+    return P.APIError(404, f"Response with id {response_id[:80]!r} not found", code="response_not_found")
+
+
+def _refuse_query(request: Request) -> None:
+    """GET / DELETE /v1/responses/{id} take no options (a stored response is replayed as answered,
+    never streamed again): a query parameter is a 400 naming it rather than ignored."""
+    for name in request.query_params:
+        raise P.APIError(400, f"{name[:40]}: not supported on this route", param=name[:40])
+
+
 def _refuse_harmony_fields(uses_tools: bool, tool_choice, effort: str | None) -> None:
     """What only a harmony model does: tools and reasoning effort are a 400 on any other model."""
     if uses_tools:
@@ -369,8 +431,17 @@ async def _serve_harmony(state: ServerState, request: Request, tenant: str, req:
 
 async def _serve_response(state: ServerState, request: Request, tenant: str, req: R.ResponsesRequest):
     """POST /v1/responses: the stored conversation (previous_response_id), then this input."""
-    history = state.responses.get(tenant, req.previous_response_id) if req.previous_response_id else []
-    messages = history + R.input_messages(req)
+    history = []
+    if req.previous_response_id:
+        history = await asyncio.to_thread(state.responses.conversation, tenant, req.previous_response_id)
+        if history is None:
+            raise P.APIError(
+                404,
+                f"Previous response with id {req.previous_response_id[:80]!r} not found",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+    messages = history + R.input_messages(req, unseal=lambda sealed: state.sealer.open(tenant, sealed))
     shown = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + messages
     extra: dict = {}
     if state.harmony is not None:
@@ -393,12 +464,22 @@ async def _serve_response(state: ServerState, request: Request, tenant: str, req
             raise P.APIError(400, str(exc), param="input") from None
         extra = _structured(state, req.structured, "text.format")
 
-    def store(rid: str, items: list[dict]) -> None:
+    def store(body: dict, items: list[dict]) -> None:
         if req.store:
-            state.responses.put(tenant, rid, messages + R.output_messages(items))
+            state.responses.put(tenant, body["id"], messages + R.output_messages(items), body)
 
+    seal = (lambda text: state.sealer.seal(tenant, text)) if R.wants_encrypted_reasoning(req) else None
     return await _serve(
-        state, request, tenant, req, prompt, chat=True, extra=extra, harmony_choice=req.tool_choice, on_response=store
+        state,
+        request,
+        tenant,
+        req,
+        prompt,
+        chat=True,
+        extra=extra,
+        harmony_choice=req.tool_choice,
+        on_response=store,
+        seal=seal,
     )
 
 
@@ -477,10 +558,12 @@ async def _serve(
     extra=None,
     harmony_choice=None,
     on_response=None,
+    seal=None,
 ):
     """Queue the request and answer it. extra: more SamplingParams fields (a harmony chat's: its
-    answer is then parsed); harmony_choice: its tool_choice; on_response(id, output items): the
-    request is a /v1/responses one, answered as a Response, and this runs once it is complete."""
+    answer is then parsed); harmony_choice: its tool_choice; on_response(body, output items): the
+    request is a /v1/responses one, answered as a Response, and this runs (in a worker thread) once
+    it is complete, before the client sees the end; seal: reasoning text -> encrypted_content."""
     if state.draining:
         raise P.APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
     prepared = _prepare(state, req, prompt, extra)
@@ -501,7 +584,7 @@ async def _serve(
     if extra and state.harmony is not None:  # a harmony chat: parse each sample's tokens
         run.parsers = {i: state.harmony.stream(harmony_choice) for i in range(sampling.n)}
     if on_response is not None:
-        run.writer, run.on_response = R.EventWriter(rid, state.model_name, req), on_response
+        run.writer, run.on_response = R.EventWriter(rid, state.model_name, req, seal=seal), on_response
     if req.stream:
         return _SSEResponse(
             run.response_events() if run.writer is not None else run.events(chat, req.include_usage),
@@ -526,7 +609,8 @@ class _Run:
         self.writer: R.EventWriter | None = None  # a /v1/responses request: its items and events
         self.answer_n = n  # samples the answer shows (best_of generates more; the best n are shown)
         self.show_logprobs = True  # False: logprobs were computed only to rank best_of samples
-        self.on_response = None
+        self.on_response = None  # /v1/responses: on_response(final body, output items) keeps it
+        self.response: dict | None = None  # /v1/responses: the final Response body, once complete
 
     async def _watch(self, request: Request) -> None:
         """Wake the reader when the server reports that the client disconnected (the body is already
@@ -618,8 +702,17 @@ class _Run:
             if not writer.items:
                 events += writer.open(R.new_message_item())
             events += writer.finish(self._response_status(), self._response_usage())
-            self.on_response(self.rid, writer.items)
+            self.response = events[-1]["response"]
         return events
+
+    async def _keep_response(self) -> None:
+        """Store the complete response (off the event loop) before its client sees the end, so a
+        `previous_response_id` sent right after finds it; an APIError 500 if the store fails."""
+        try:
+            await asyncio.to_thread(self.on_response, self.response, self.writer.items)
+        except sqlite3.Error as exc:
+            why = f"the response could not be stored: {exc}"
+            raise P.APIError(500, why, type="server_error", code="store_failed") from None
 
     async def response_events(self):
         """The SSE stream of a /v1/responses request (named events, no [DONE], as the API sends)."""
@@ -629,10 +722,13 @@ class _Run:
             while not self.complete:
                 try:
                     update = await self._next()
+                    events = self._response_events(update)
+                    if self.response is not None:
+                        await self._keep_response()
                 except P.APIError as exc:
                     yield _sse_event(self.writer.event("error", message=exc.message, code=exc.code, param=None))
                     break
-                for event in self._response_events(update):
+                for event in events:
                     yield _sse_event(event)
         finally:
             self.abort()
@@ -680,7 +776,8 @@ class _Run:
             watcher.cancel()
             self.abort()
         if self.writer is not None:
-            return self.writer.body(self._response_status(), self._response_usage())
+            await self._keep_response()
+            return self.response
         body, choice = (P.chat_body, P.chat_choice) if chat else (P.completion_body, P.completion_choice)
         choices = []
         for i, out in self._answered(entries):

@@ -5,8 +5,11 @@
   back; `instructions` becomes the developer message's instructions;
 - `reasoning.effort`, function `tools` (the flat Responses shape) and `tool_choice`;
 - `previous_response_id` continues a stored conversation: every response with `store` (the default)
-  keeps its input and output in a bounded in-memory store, per tenant, so one tenant can never
-  continue another's;
+  keeps its input and output in the response store (server/response_store.py), per tenant, so one
+  tenant can never continue another's;
+- `include: ["reasoning.encrypted_content"]` seals each reasoning item's text into its
+  `encrypted_content` (server/sealing.py), and a reasoning item sent back with one is read from it,
+  so a client that stores nothing here still continues its chain of thought;
 - the answer's `output` is items in the order the model wrote them: `reasoning`, `message`
   (`output_text`) and `function_call`; streamed, the events the official client parses
   (`response.created`, `response.output_item.added`, `response.reasoning_text.delta`,
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections import OrderedDict
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import Field
@@ -28,7 +31,7 @@ from pydantic import Field
 from gptoss_lite.harmony.render import RenderError, message_text
 from gptoss_lite.server import protocol as P
 
-MAX_STORED = 1024  # responses kept for previous_response_id (oldest dropped first)
+ENCRYPTED_REASONING = "reasoning.encrypted_content"  # the `include` value that asks for sealed reasoning
 
 
 def _id(prefix: str) -> str:
@@ -76,6 +79,7 @@ class ResponsesRequest(P._Strict):
     truncation: Literal["disabled"] | None = None
     service_tier: Literal["auto", "default"] | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    include: list[str] | None = None
 
     @property
     def n(self) -> int:
@@ -110,29 +114,9 @@ class ResponsesRequest(P._Strict):
         return bool(self.tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
 
 
-class ResponseStore:
-    """Conversations of stored responses, by (tenant, response id), at most MAX_STORED of them."""
-
-    def __init__(self, size: int = MAX_STORED):
-        self.size = size
-        self._items: OrderedDict[tuple[str, str], list[dict]] = OrderedDict()
-
-    def get(self, tenant: str, response_id: str) -> list[dict]:
-        found = self._items.get((tenant, response_id))
-        if found is None:
-            raise P.APIError(
-                404,
-                f"Previous response with id {response_id[:80]!r} not found",
-                param="previous_response_id",
-                code="previous_response_not_found",
-            )
-        self._items.move_to_end((tenant, response_id))
-        return list(found)
-
-    def put(self, tenant: str, response_id: str, messages: list[dict]) -> None:
-        self._items[(tenant, response_id)] = messages
-        while len(self._items) > self.size:
-            self._items.popitem(last=False)
+def wants_encrypted_reasoning(req: ResponsesRequest) -> bool:
+    """Whether the request's `include` asks for sealed reasoning items."""
+    return ENCRYPTED_REASONING in (req.include or [])
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -150,8 +134,11 @@ def _string(item: dict, key: str, where: str) -> str:
     return value
 
 
-def input_messages(req: ResponsesRequest) -> list[dict]:
-    """The request's input as chat-shaped messages (reasoning and calls joined to assistant turns)."""
+def input_messages(req: ResponsesRequest, unseal: Callable[[str], str] | None = None) -> list[dict]:
+    """The request's input as chat-shaped messages (reasoning and calls joined to assistant turns).
+
+    unseal(encrypted_content) -> the reasoning text a reasoning item sealed (a ValueError when it does
+    not open); a sealed item's text replaces any plain text the item also carries."""
     if isinstance(req.input, str):
         return [{"role": "user", "content": req.input}]
     messages: list[dict] = []
@@ -181,8 +168,11 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
             if assistant is not None and (assistant.get("content") or assistant.get("tool_calls")):
                 flush()
             assistant = assistant or {"role": "assistant"}
-            parts = item.get("content") or item.get("summary") or []
-            text = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            if item.get("encrypted_content") is not None:
+                text = _unsealed(item["encrypted_content"], unseal, where)
+            else:
+                parts = item.get("content") or item.get("summary") or []
+                text = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
             assistant["reasoning_content"] = assistant.get("reasoning_content", "") + text
         elif kind == "function_call":
             assistant = assistant or {"role": "assistant"}
@@ -201,6 +191,22 @@ def input_messages(req: ResponsesRequest) -> list[dict]:
             raise P.APIError(400, f"{where}.type: {str(kind)[:40]!r} items are not supported", param="input")
     flush()
     return messages
+
+
+def _unsealed(sealed: Any, unseal: Callable[[str], str] | None, where: str) -> str:
+    """The reasoning text of a reasoning item's `encrypted_content`; a 400 naming `input` otherwise."""
+    if not isinstance(sealed, str):
+        raise P.APIError(400, f"{where}.encrypted_content: expected a string", param="input")
+    assert unseal is not None, "input_messages needs unseal to read encrypted_content"
+    try:
+        return unseal(sealed)
+    except ValueError as exc:
+        raise P.APIError(
+            400,
+            f"{where}.encrypted_content: this server cannot read it: {exc}",
+            param="input",
+            code="invalid_encrypted_content",
+        ) from None
 
 
 def output_messages(items: list[dict]) -> list[dict]:
@@ -329,10 +335,12 @@ class EventWriter:
     """The streamed events of one response, from what the parser (or the plain text) adds.
 
     Items open as their first piece arrives and close (`.done` events) when the next one opens or the
-    response ends; every event carries a `sequence_number`."""
+    response ends; every event carries a `sequence_number`. With `seal` (text -> encrypted_content), a
+    reasoning item gets its `encrypted_content` as it closes, so `response.output_item.done` and the
+    final body carry it."""
 
-    def __init__(self, rid: str, model: str, req: ResponsesRequest):
-        self.rid, self.model, self.req = rid, model, req
+    def __init__(self, rid: str, model: str, req: ResponsesRequest, seal: Callable[[str], str] | None = None):
+        self.rid, self.model, self.req, self.seal = rid, model, req, seal
         self.created = int(time.time())
         self.sequence = 0
         self.items: list[dict] = []  # output items so far (the open one last)
@@ -386,9 +394,10 @@ class EventWriter:
         where = {"item_id": item["id"], "output_index": index}
         events = []
         if item["type"] == "reasoning":
-            events.append(
-                self.event("response.reasoning_text.done", content_index=0, text=item["content"][0]["text"], **where)
-            )
+            text = item["content"][0]["text"]
+            if self.seal is not None:
+                item["encrypted_content"] = self.seal(text)
+            events.append(self.event("response.reasoning_text.done", content_index=0, text=text, **where))
         elif item["type"] == "message":
             text = item["content"][0]["text"]
             events.append(self.event("response.output_text.done", content_index=0, text=text, logprobs=[], **where))
@@ -430,8 +439,8 @@ def response_id() -> str:
 
 __all__ = [
     "ResponsesRequest",
-    "ResponseStore",
     "EventWriter",
+    "wants_encrypted_reasoning",
     "input_messages",
     "output_messages",
     "new_item",
