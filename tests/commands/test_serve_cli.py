@@ -76,6 +76,11 @@ def _start_server(*extra: str) -> tuple[subprocess.Popen, str]:
     """`gptoss-lite serve --model lite-tiny --no-compile` on a free port, once /health answers 200 (the
     drain is the subject here, not the compiled step, whose start-up compile would cost each test tens
     of seconds on an empty inductor cache)."""
+    return _healthy(*_spawn_server(*extra))
+
+
+def _spawn_server(*extra: str) -> tuple[subprocess.Popen, str]:
+    """The server process, started (not yet answering)."""
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     proc = subprocess.Popen(
@@ -85,7 +90,11 @@ def _start_server(*extra: str) -> tuple[subprocess.Popen, str]:
         stderr=subprocess.PIPE,
         text=True,
     )
-    url = f"http://127.0.0.1:{port}"
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _healthy(proc: subprocess.Popen, url: str) -> tuple[subprocess.Popen, str]:
+    """(proc, url) once /health answers 200; the server's stderr in the failure if it never does."""
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -156,3 +165,75 @@ def test_drain_timeout_ends_streams_with_an_error_event_and_done():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_unusable_data_dir_or_key_fails_before_loading(tmp_path, capsys):
+    """A data directory whose store is not one, a --secret-file that is not a key, or a bad
+    --response-ttl: one clear line and exit status 2, before the model loads."""
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "responses.sqlite3").write_bytes(b"not a database " * 100)
+    (tmp_path / "short.key").write_text("0123")
+    for argv, match in [
+        (["--data-dir", str(tmp_path / "bad")], "responses.sqlite3: not a usable response store"),
+        (["--data-dir", str(tmp_path / "ok"), "--secret-file", str(tmp_path / "short.key")], "64 hex digits"),
+        (["--data-dir", str(tmp_path / "ok"), "--secret-file", str(tmp_path / "none")], "No such file"),
+        (["--response-ttl", "0"], "--response-ttl"),
+        (["--response-ttl", "nan"], "--response-ttl"),
+    ]:
+        assert main(["serve", "--model", "no-such-model-is-loaded", *argv]) == 2
+        err = capsys.readouterr().err
+        assert match in err and "no-such-model" not in err, err
+
+
+def test_the_default_data_dir_follows_xdg_cache_home(tmp_path, monkeypatch, capsys):
+    """Without --data-dir the store and key are made under $XDG_CACHE_HOME/gptoss-lite/server."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert main(["serve", "--model", "no-such-model-is-loaded"]) == 2
+    assert "no-such-model" in capsys.readouterr().err  # it got as far as loading the model
+    made = tmp_path / "gptoss-lite" / "server"
+    assert {"responses.sqlite3", "sealing.key"} <= {p.name for p in made.iterdir()}
+
+
+def test_responses_outlive_the_process_and_are_shared(tmp_path):
+    """Two servers started together on one --data-dir read each other's stored responses; after
+    SIGTERM a fresh server on it answers GET with the same bodies and continues with
+    previous_response_id exactly as if the conversation were sent whole."""
+    data = ["--data-dir", str(tmp_path / "data")]
+    started = [_spawn_server(*data), _spawn_server(*data)]  # racing to make the store and the key
+    procs = [started[0][0], started[1][0]]
+    try:
+        (_, url_a), (_, url_b) = (_healthy(*s) for s in started)
+        ask = {"model": "lite-tiny", "max_output_tokens": 4, "temperature": 0}
+        first = httpx.post(url_a + "/v1/responses", json={**ask, "input": "Hello"}, timeout=60).json()
+        assert httpx.get(f"{url_b}/v1/responses/{first['id']}").json() == first
+        more = {**ask, "input": "More", "previous_response_id": first["id"]}
+        second = httpx.post(url_b + "/v1/responses", json=more, timeout=60).json()
+        assert second["previous_response_id"] == first["id"]
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        assert [proc.wait(60) for proc in procs] == [0, 0]
+
+        proc, url = _start_server(*data)
+        procs.append(proc)
+        for made in (first, second):
+            assert httpx.get(f"{url}/v1/responses/{made['id']}").json() == made
+        third = httpx.post(
+            url + "/v1/responses", json={**ask, "input": "Again", "previous_response_id": second["id"]}, timeout=60
+        ).json()
+        whole = [
+            {"role": "user", "content": "Hello"},
+            {"role": "assistant", "content": first["output_text"]},
+            {"role": "user", "content": "More"},
+            {"role": "assistant", "content": second["output_text"]},
+            {"role": "user", "content": "Again"},
+        ]
+        stateless = httpx.post(url + "/v1/responses", json={**ask, "input": whole, "store": False}, timeout=60).json()
+        assert third["usage"]["input_tokens"] == stateless["usage"]["input_tokens"] > first["usage"]["input_tokens"]
+        assert third["output_text"] == stateless["output_text"]
+        key = tmp_path / "data" / "sealing.key"
+        assert len(key.read_bytes()) == 32 and key.stat().st_mode & 0o777 == 0o600
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import math
+import os
 import sys
 import threading
 import time
@@ -92,6 +94,28 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--header-timeout", type=float, default=10.0, metavar="S", help="seconds to send request headers (10)"
     )
     p.add_argument("--body-timeout", type=float, default=30.0, metavar="S", help="seconds to send a body (30)")
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        metavar="DIR",
+        help="where /v1/responses keeps stored responses (responses.sqlite3) and the key that seals reasoning "
+        "items (sealing.key); servers on one directory share both (default: $XDG_CACHE_HOME/gptoss-lite/server, "
+        "else ~/.cache/gptoss-lite/server)",
+    )
+    p.add_argument(
+        "--secret-file",
+        default=None,
+        metavar="PATH",
+        help="the key that seals reasoning items: 32 raw bytes or 64 hex digits (default: DIR/sealing.key, made on "
+        "first start)",
+    )
+    p.add_argument(
+        "--response-ttl",
+        type=float,
+        default=30 * 24 * 3600,
+        metavar="S",
+        help="seconds a stored response is kept for previous_response_id and GET (default: 2592000, 30 days)",
+    )
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(handler=run)
 
@@ -114,9 +138,17 @@ def parse_api_keys(entries: list[str]) -> dict[str, str]:
     return keys
 
 
+def default_data_dir() -> Path:
+    """$XDG_CACHE_HOME/gptoss-lite/server, or ~/.cache/gptoss-lite/server (XDG: a relative value is ignored)."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(base) if os.path.isabs(base) else Path.home() / ".cache") / "gptoss-lite" / "server"
+
+
 def check_args(args: argparse.Namespace) -> dict[str, str] | None:
-    """Everything checkable before the model loads; returns the {key: tenant} map (None: open server)."""
+    """Everything checkable before the model loads; returns the {key: tenant} map (None: open server).
+    The data directory is opened here too, so a store or key that cannot be used stops the start."""
     from gptoss_lite.commands.common import engine_kv_kwargs
+    from gptoss_lite.server.openai_api import open_data_dir
     from gptoss_lite.validation import check_int
 
     check_int("--port", args.port, 0, 65535)
@@ -145,6 +177,12 @@ def check_args(args: argparse.Namespace) -> dict[str, str] | None:
     keys = parse_api_keys(entries) if entries else None
     if args.admin_key is not None and keys is None:
         raise ValueError("--admin-key needs --api-key: without keys the admin routes are open")
+    if not 0 < args.response_ttl < math.inf:
+        raise ValueError(f"--response-ttl {args.response_ttl}: must be a positive number of seconds")
+    if args.data_dir is None:
+        args.data_dir = str(default_data_dir())
+    store, _ = open_data_dir(args.data_dir, args.secret_file, args.response_ttl)
+    store.close()
     return keys
 
 
@@ -191,12 +229,20 @@ def run(args: argparse.Namespace) -> int:
         stall_timeout=args.stalled_client_timeout,
         body_timeout=args.body_timeout,
         harmony={"auto": None, "harmony": True, "template": False}[args.chat_format],
+        data_dir=args.data_dir,
+        secret_file=args.secret_file,
+        response_ttl=args.response_ttl,
     )
     state = app.state.server
     print(
         f"gptoss-lite serve: {state.model_name} on http://{args.host}:{args.port} "
         f"(context {llm.max_model_len} tokens, {threads} thread(s), "
         f"{'open: no API key' if keys is None else f'{len(set(keys.values()))} tenant(s)'})",
+        file=sys.stderr,
+    )
+    print(
+        f"gptoss-lite serve: responses stored in {state.responses.path} for {args.response_ttl:g} s, "
+        f"the newest {state.responses.max_per_tenant:,} per tenant",
         file=sys.stderr,
     )
     if state.harmony is not None:
