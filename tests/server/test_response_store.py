@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+import stat
 import threading
 
 import pytest
@@ -107,13 +108,17 @@ def test_concurrent_writers_lose_nothing(tmp_path):
     assert all(stores[1].body("alice", f"r{k}-{i}") == body(f"r{k}-{i}") for k in range(4) for i in range(25))
 
 
-def test_the_file_is_wal_and_versioned(tmp_path):
-    """A new store is in WAL mode, with this store's application_id and schema version 1."""
-    ResponseStore(tmp_path / FILE_NAME)
+def test_the_file_is_wal_versioned_and_private(tmp_path):
+    """A new store is in WAL mode, with this store's application_id and schema version 1, and its
+    files (the -wal and -shm ones too) are readable by their owner only."""
+    store = ResponseStore(tmp_path / FILE_NAME)
+    store.put("alice", "resp_1", CONVERSATION, body("resp_1"))
     db = sqlite3.connect(tmp_path / FILE_NAME)
     assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert db.execute("PRAGMA user_version").fetchone()[0] == 1
     assert db.execute("PRAGMA application_id").fetchone()[0] == int.from_bytes(b"gOSr", "big")
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
+    assert modes == {FILE_NAME: 0o600, FILE_NAME + "-wal": 0o600, FILE_NAME + "-shm": 0o600}
 
 
 def test_a_file_that_is_not_a_database_is_refused_at_open(tmp_path):

@@ -241,8 +241,8 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     print(
-        f"gptoss-lite serve: responses stored in {state.responses.path} for {args.response_ttl:g} s, "
-        f"the newest {state.responses.max_per_tenant:,} per tenant",
+        f"gptoss-lite serve: responses stored in {state.responses.path}, kept {args.response_ttl:,.0f} s "
+        f"({args.response_ttl / 86400:.3g} days), the newest {state.responses.max_per_tenant:,} per tenant",
         file=sys.stderr,
     )
     if state.harmony is not None:

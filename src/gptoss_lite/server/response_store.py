@@ -16,6 +16,7 @@ store opens, not a failure on some later request.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -66,9 +67,11 @@ class ResponseStore:
         self.max_per_tenant, self.ttl, self.clock = max_per_tenant, ttl, clock
         self._lock = threading.Lock()  # one connection, used by one thread at a time
         try:
+            # Conversations are private: a new file is 0600, and SQLite gives its -wal and -shm files the same mode.
+            os.close(os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o600))
             # isolation_level=None: no implicit transactions; each write opens its own (BEGIN IMMEDIATE).
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        except sqlite3.Error as exc:
+        except (OSError, sqlite3.Error) as exc:
             raise StoreError(f"{self.path}: cannot open the response store: {exc}") from None
         try:
             self._open()
