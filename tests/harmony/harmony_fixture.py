@@ -146,16 +146,19 @@ def forced_tokens(tokens: list[int], then=None):
 
 class ScriptedLLM(LLM):
     """The real engine, whose next requests emit scripted token streams (`script(tokens)` queues one):
-    each added request takes the oldest script as its logits processor; without one it runs freely."""
+    each added request takes the oldest script as its logits processor; without one it runs freely.
+    `prompts` records every added request's prompt token ids, in order (what the server rendered)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.scripts: deque[list[int]] = deque()
+        self.prompts: list[list[int]] = []
 
     def script(self, *streams: list[int]) -> None:
         self.scripts.extend(list(s) for s in streams)
 
     def add_request(self, prompt, sampling=None, **kwargs):
+        self.prompts.append(list(prompt.token_ids if isinstance(prompt, PreparedRequest) else prompt))
         if self.scripts:
             if not isinstance(prompt, PreparedRequest):  # the server prepares; tests may not
                 prompt = self.prepare(prompt, sampling)
