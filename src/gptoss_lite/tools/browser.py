@@ -300,7 +300,10 @@ class BrowserSession:
         """The page of the corpus document at `url`; the session's copy where `reuse` and one exists."""
         if reuse and url in self._opened:
             return self._opened[url]
-        path = path_of(url) if urlsplit(url).scheme else url.lstrip("/")
+        try:
+            path = path_of(url) if urlsplit(url).scheme else url.lstrip("/")
+        except ValueError as err:  # urlsplit refuses some strings (an unclosed IPv6 bracket)
+            raise ToolError(f"Error fetching URL `{_truncate(url)}`: not a URL ({err}).") from err
         if path is None:
             raise ToolError(
                 f"Error fetching URL `{_truncate(url)}`: not available offline. This browser reads only the "

@@ -22,6 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from gptoss_lite.tools.documents import KINDS, Document, extract, path_of, strip_links, url_of
 
@@ -33,6 +34,18 @@ SNIPPET_TOKENS = 32  # the length of a hit's snippet, in FTS5 tokens (words)
 # A file modified this close to a scan may change again within the file system's timestamp resolution
 # without its modification time moving (git's "racily clean" entries): its content is hashed next time.
 RACY_NS = 2_000_000_000
+
+
+class _Stored(NamedTuple):
+    """What the index remembers of a file, to tell whether it changed."""
+
+    id: int
+    mtime_ns: int  # 0: hash the file next time (it was modified close to the scan that read it)
+    size: int
+    sha256: str
+
+
+_STORED = ", ".join(_Stored._fields)
 
 
 @dataclass(frozen=True)
@@ -60,7 +73,7 @@ class RefreshReport:
 def default_index_path(directory: str | os.PathLike) -> Path:
     """Where a corpus keeps its index unless told: `$XDG_CACHE_HOME` (or ~/.cache)/gptoss-lite/browser/,
     one file per corpus directory."""
-    root = Path(directory).resolve()
+    root = Path(directory).expanduser().resolve()
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     key = hashlib.sha256(str(root).encode()).hexdigest()[:16]
     return cache / "gptoss-lite" / "browser" / f"{root.name or 'root'}-{key}.sqlite3"
@@ -87,10 +100,10 @@ class Corpus:
         refresh_interval_s: float | None = 5.0,
         max_file_bytes: int = 10_000_000,
     ):
-        root = Path(directory).resolve()
+        root = Path(directory).expanduser().resolve()
         if not root.is_dir():
             raise ValueError(f"directory={str(directory)!r}: not a directory; give the folder of documents to search")
-        index = Path(index_path) if index_path is not None else default_index_path(root)
+        index = Path(index_path).expanduser() if index_path is not None else default_index_path(root)
         if index.resolve().is_relative_to(root):
             raise ValueError(
                 f"index_path={str(index)!r} lies inside the corpus directory {str(root)!r}, which the browser "
@@ -127,60 +140,60 @@ class Corpus:
             db.execute("CREATE VIRTUAL TABLE fts USING fts5(title, path, text, tokenize='porter unicode61')")
             db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)", (SCHEMA_VERSION,))
 
-    def _files(self):
-        """(corpus path, file path) of every document under the root, hidden entries and links that lead
-        out of the root left out, in sorted order."""
-        for folder, dirs, names in os.walk(self.root):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            for name in sorted(names):
-                if name.startswith(".") or Path(name).suffix.lower() not in KINDS:
-                    continue
-                full = Path(folder, name)
-                if full.is_symlink() and not full.resolve().is_relative_to(self.root):
-                    continue
-                yield full.relative_to(self.root).as_posix(), full
+    def _files(self, folder: str = "", prefix: str = ""):
+        """(corpus path, directory entry) of every document under the root, in sorted order; hidden
+        entries, and symbolic links that lead out of the root, left out."""
+        with os.scandir(folder or self.root) as it:
+            entries = sorted(it, key=lambda e: e.name)
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            if entry.is_symlink() and not Path(entry.path).resolve().is_relative_to(self.root):
+                continue
+            if entry.is_dir():
+                yield from self._files(entry.path, f"{prefix}{entry.name}/")
+            elif Path(entry.name).suffix.lower() in KINDS and entry.is_file():
+                yield prefix + entry.name, entry
 
     def refresh(self) -> RefreshReport:
         """Bring the index up to date with the directory; returns what changed."""
         with self._lock:
             scan_ns = time.time_ns()
-            known = {
-                row[0]: row[1:] for row in self._db.execute("SELECT path, id, mtime_ns, size, sha256 FROM documents")
-            }
+            known = {row[0]: _Stored(*row[1:]) for row in self._db.execute(f"SELECT path, {_STORED} FROM documents")}
             added, changed, skipped, unchanged, seen = [], [], [], 0, set()
             with self._db:
-                for path, full in self._files():
+                for path, entry in self._files():
+                    stored = known.get(path)
                     try:
-                        st = full.stat()
+                        st = entry.stat()
                         if st.st_size > self.max_file_bytes:
                             skipped.append((path, f"{st.st_size} bytes > max_file_bytes={self.max_file_bytes}"))
                             continue
-                        seen.add(path)
-                        entry = known.get(path)
-                        # NOTE: a time this close to the scan is stored as 0, so the next scan hashes the file.
-                        mtime_ns = st.st_mtime_ns if st.st_mtime_ns < scan_ns - RACY_NS else 0
-                        if entry is not None and entry[1] == st.st_mtime_ns and entry[2] == st.st_size:
+                        if stored is not None and (stored.mtime_ns, stored.size) == (st.st_mtime_ns, st.st_size):
+                            seen.add(path)
                             unchanged += 1
                             continue
-                        data = full.read_bytes()
+                        data = Path(entry.path).read_bytes()
                     except OSError as err:
-                        seen.discard(path)
                         skipped.append((path, f"unreadable: {err.strerror or err}"))
                         continue
+                    seen.add(path)
+                    # NOTE: a time this close to the scan is stored as 0, so the next scan hashes the file.
+                    mtime_ns = st.st_mtime_ns if st.st_mtime_ns < scan_ns - RACY_NS else 0
                     sha = hashlib.sha256(data).hexdigest()
-                    if entry is not None and entry[3] == sha:
+                    if stored is not None and stored.sha256 == sha:
                         self._db.execute(
-                            "UPDATE documents SET mtime_ns = ?, size = ? WHERE id = ?", (mtime_ns, len(data), entry[0])
+                            "UPDATE documents SET mtime_ns = ?, size = ? WHERE id = ?", (mtime_ns, len(data), stored.id)
                         )
                         unchanged += 1
                         continue
                     doc = extract(data.decode("utf-8-sig", errors="replace"), path)
-                    self._store(path, entry[0] if entry else None, mtime_ns, len(data), sha, doc)
-                    (changed if entry else added).append(path)
-                removed = sorted(set(known) - seen)
+                    self._store(path, stored.id if stored else None, mtime_ns, len(data), sha, doc)
+                    (changed if stored else added).append(path)
+                removed = sorted(set(known) - seen)  # deleted, or now skipped
                 for path in removed:
-                    self._db.execute("DELETE FROM documents WHERE id = ?", (known[path][0],))
-                    self._db.execute("DELETE FROM fts WHERE rowid = ?", (known[path][0],))
+                    self._db.execute("DELETE FROM documents WHERE id = ?", (known[path].id,))
+                    self._db.execute("DELETE FROM fts WHERE rowid = ?", (known[path].id,))
             self._last_scan = time.monotonic()
             return RefreshReport(tuple(added), tuple(changed), tuple(removed), unchanged, tuple(skipped))
 
