@@ -228,7 +228,10 @@ ITEM = st.one_of(
 FIELDS = {
     "input": st.one_of(st.text(min_size=1, max_size=20), st.lists(ITEM, min_size=1, max_size=4), JUNK),
     "instructions": st.one_of(st.text(max_size=20), JUNK),
-    "reasoning": st.one_of(st.fixed_dictionaries({"effort": st.sampled_from(["low", "high", "max", None])}), JUNK),
+    "reasoning": st.one_of(
+        st.fixed_dictionaries({"effort": st.sampled_from(["none", "minimal", "low", "high", "max", "extreme", None])}),
+        JUNK,
+    ),
     "tools": st.one_of(
         st.just(TOOLS),
         st.lists(st.dictionaries(st.sampled_from(["type", "name", "parameters"]), JUNK), max_size=2),
@@ -244,6 +247,13 @@ FIELDS = {
     "stream": st.booleans(),
     "metadata": st.one_of(st.dictionaries(st.text(max_size=3), st.text(max_size=3), max_size=2), JUNK),
     "text": st.one_of(st.just({"format": {"type": "text"}}), JUNK),
+    "include": st.one_of(
+        st.lists(st.sampled_from(["reasoning.encrypted_content", "message.output_text.logprobs"])), JUNK
+    ),
+    "top_logprobs": st.one_of(st.integers(0, 20), JUNK),
+    "truncation": st.one_of(st.sampled_from(["auto", "disabled"]), JUNK),
+    "service_tier": st.one_of(st.sampled_from(["auto", "flex", "priority"]), JUNK),
+    "background": st.one_of(st.booleans(), JUNK),
 }
 
 
