@@ -144,6 +144,57 @@ def test_previous_response_ids_are_per_tenant_and_store_false_keeps_nothing(serv
     assert again.status_code == 404
 
 
+def test_the_agents_sdk_runs_a_tool_loop(served):
+    """The OpenAI Agents SDK (which sends `include: []` and its own item shapes) runs a tool call and the
+    answer after it against the server."""
+    agents = pytest.importorskip("agents")
+    llm, _, live = served
+    agents.set_tracing_disabled(True)  # nothing leaves the machine
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        return f"clear in {city}"
+
+    async_client = openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key="ka", max_retries=0)
+    model = agents.OpenAIResponsesModel(model=llm.model_name, openai_client=async_client)
+    agent = agents.Agent(name="weather", instructions="Be brief.", tools=[get_weather], model=model)
+    script(served, CALL)
+    script(served, ANSWER)
+    result = agents.Runner.run_sync(agent, "Weather in Paris?")
+    assert result.final_output == "Sunny."
+    outputs = [item for item in result.new_items if item.type == "tool_call_output_item"]
+    assert [item.output for item in outputs] == ["clear in Paris"]
+
+
+def test_a_codex_style_stateless_exchange(served):
+    """What a Codex-style client sends: store false, include reasoning.encrypted_content, a
+    prompt_cache_key, minimal effort, streamed; then the whole history back as items, not an id."""
+    llm, _, live = served
+    c = client(live)
+    asked = {
+        "model": llm.model_name,
+        "tools": TOOLS,
+        "tool_choice": "auto",
+        "parallel_tool_calls": False,
+        "store": False,
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "conversation-1",
+        "reasoning": {"effort": "minimal", "summary": "auto"},
+    }
+    history = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]}]
+    script(served, CALL)
+    with c.responses.stream(input=history, **asked) as stream:
+        first = stream.get_final_response()
+    assert [o.type for o in first.output] == ["reasoning", "function_call"] and first.store is False
+    assert first.prompt_cache_key == "conversation-1" and first.reasoning.effort == "low"
+    call = first.output[1]
+    history += [o.model_dump(exclude_none=True) for o in first.output]
+    history.append({"type": "function_call_output", "call_id": call.call_id, "output": "clear"})
+    script(served, ANSWER)
+    second = c.responses.create(input=history, **asked)
+    assert second.output_text == "Sunny." and second.usage.input_tokens > first.usage.input_tokens
+
+
 def test_bad_input_is_a_400_naming_the_field(served):
     llm, _, live = served
     headers = {"Authorization": "Bearer ka"}
