@@ -143,6 +143,36 @@ def test_previous_response_ids_are_per_tenant_and_store_false_keeps_nothing(serv
     assert again.status_code == 404
 
 
+def test_a_codex_style_stateless_exchange(served):
+    """What a Codex-style client sends: store false, include reasoning.encrypted_content, a
+    prompt_cache_key, minimal effort, streamed; then the whole history back as items, not an id.
+    (test_real_clients.py runs the Agents SDK, and three such turns with the reasoning sealed.)"""
+    llm, _, live = served
+    c = client(live)
+    asked = {
+        "model": llm.model_name,
+        "tools": TOOLS,
+        "tool_choice": "auto",
+        "parallel_tool_calls": False,
+        "store": False,
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "conversation-1",
+        "reasoning": {"effort": "minimal", "summary": "auto"},
+    }
+    history = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]}]
+    script(served, CALL)
+    with c.responses.stream(input=history, **asked) as stream:
+        first = stream.get_final_response()
+    assert [o.type for o in first.output] == ["reasoning", "function_call"] and first.store is False
+    assert first.prompt_cache_key == "conversation-1" and first.reasoning.effort == "low"
+    call = first.output[1]
+    history += [o.model_dump(exclude_none=True) for o in first.output]
+    history.append({"type": "function_call_output", "call_id": call.call_id, "output": "clear"})
+    script(served, ANSWER)
+    second = c.responses.create(input=history, **asked)
+    assert second.output_text == "Sunny." and second.usage.input_tokens > first.usage.input_tokens
+
+
 def test_bad_input_is_a_400_naming_the_field(served):
     llm, _, live = served
     headers = {"Authorization": "Bearer ka"}
@@ -218,7 +248,10 @@ ITEM = st.one_of(
 FIELDS = {
     "input": st.one_of(st.text(min_size=1, max_size=20), st.lists(ITEM, min_size=1, max_size=4), JUNK),
     "instructions": st.one_of(st.text(max_size=20), JUNK),
-    "reasoning": st.one_of(st.fixed_dictionaries({"effort": st.sampled_from(["low", "high", "max", None])}), JUNK),
+    "reasoning": st.one_of(
+        st.fixed_dictionaries({"effort": st.sampled_from(["none", "minimal", "low", "high", "max", "extreme", None])}),
+        JUNK,
+    ),
     "tools": st.one_of(
         st.just(TOOLS),
         st.lists(st.dictionaries(st.sampled_from(["type", "name", "parameters"]), JUNK), max_size=2),
@@ -234,6 +267,13 @@ FIELDS = {
     "stream": st.booleans(),
     "metadata": st.one_of(st.dictionaries(st.text(max_size=3), st.text(max_size=3), max_size=2), JUNK),
     "text": st.one_of(st.just({"format": {"type": "text"}}), JUNK),
+    "include": st.one_of(
+        st.lists(st.sampled_from(["reasoning.encrypted_content", "message.output_text.logprobs"])), JUNK
+    ),
+    "top_logprobs": st.one_of(st.integers(0, 20), JUNK),
+    "truncation": st.one_of(st.sampled_from(["auto", "disabled"]), JUNK),
+    "service_tier": st.one_of(st.sampled_from(["auto", "flex", "priority"]), JUNK),
+    "background": st.one_of(st.booleans(), JUNK),
 }
 
 

@@ -1,9 +1,11 @@
 """Hypothesis strategies for fuzzing the HTTP server: JSON request bodies and raw HTTP/1.1 requests.
 
-`request_bodies(model)` draws (path, body bytes) for POST /v1/completions and /v1/chat/completions.
-A body starts as a valid request and then may get hostile values for any field of the schema in
-`gptoss_lite.server.protocol`, unknown fields, fields of the other endpoint, a missing required field,
-and damage to the whole body. Bodies are serialised by hand (`to_json`) so a case can hold what
+`request_bodies(model)` draws (path, body bytes) for POST /v1/completions, /v1/chat/completions and
+/v1/responses. A body starts as a valid request, with each documented field at a value the server
+accepts one time in four (docs/server.md#request-fields), and then may get hostile values for any
+field of the schemas in `gptoss_lite.server.protocol` and `.responses` (the values a field refuses
+among them), unknown fields, fields of another endpoint, a missing required field, and damage to the
+whole body. Bodies are serialised by hand (`to_json`) so a case can hold what
 `json.dumps` would never write: NaN and Infinity, integers of thousands of digits, duplicate keys,
 lone surrogates (escaped, or as raw bytes that are not UTF-8), nesting 10,000 deep, trailing garbage.
 
@@ -31,7 +33,7 @@ from gptoss_lite.server import protocol
 
 MAX_STOP_CHARS = getattr(protocol, "MAX_STOP_CHARS", 4096)
 MAX_STOP_STRINGS = getattr(protocol, "MAX_STOP_STRINGS", 4)
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 VOCAB = 264  # the byte tokenizer of lite-tiny
 CONTEXT = 256  # the max_model_len the harness serves with
 
@@ -373,8 +375,14 @@ COMMON_FIELDS = {
     "n": (st.just(1), hostile(numbers())),
     "stream": (st.booleans(), hostile([0, 1, "yes"])),
     "stream_options": (
-        st.sampled_from([None, {"include_usage": True}, {"include_usage": False}, {}]),
-        hostile([{"include_usage": "yes"}, {"include_usage": None}, {"x": 1}, {"include_usage": True, "x": 1}]),
+        st.sampled_from(
+            [None, {"include_usage": True}, {"include_usage": False}, {}, {"include_obfuscation": False}]
+            + [{"include_usage": True, "include_obfuscation": True}]
+        ),
+        hostile(
+            [{"include_usage": "yes"}, {"include_usage": None}, {"x": 1}, {"include_usage": True, "x": 1}],
+            [{"include_obfuscation": "no"}, {"include_obfuscation": 0}],
+        ),
     ),
     "user": (st.one_of(st.none(), _short_text, odd_strings()), hostile(["u" * 100000])),
     "frequency_penalty": (_nullish, hostile(numbers())),
@@ -393,10 +401,38 @@ COMMON_FIELDS = {
     "ignore_eos": (st.booleans(), hostile([0, 1, "true"])),
 }
 
+
+def _identifier(limit: int) -> tuple:
+    """(valid, hostile) for an opaque client string of at most `limit` characters."""
+    return (st.one_of(st.none(), _short_text, st.just("k" * limit)), hostile(["k" * (limit + 1), "k" * 100000]))
+
+
+_METADATA = (
+    st.one_of(
+        st.sampled_from([None, {}, {"k": "v"}, {"k" * 64: "v" * 512}]),
+        st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=16),
+    ),
+    hostile(
+        [{f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": "v" * 513}, {"k": 1}, {"k": None}, ["k", "v"]],
+        st.dictionaries(st.text(max_size=4), junk(), min_size=1, max_size=3),
+    ),
+)
+_SERVICE_TIER = (
+    st.sampled_from([None, "auto", "default", "flex", "scale", "priority", "fast", "ultrafast"]),
+    hostile(["turbo", "Default", ""]),
+)
+_CACHE_OPTIONS = (
+    st.sampled_from([None, {}, {"mode": "implicit"}, {"mode": "explicit", "ttl": "30m"}, {"ttl": "12h"}]),
+    hostile([{"mode": "x"}, {"ttl": "1h"}, {"mode": "implicit", "x": 1}]),
+)
+_RETENTION = (st.sampled_from([None, "in_memory", "24h"]), hostile(["1h", "forever"]))
+_VERBOSITY = (st.sampled_from([None, "low", "medium", "high"]), hostile(["loud", "LOW"]))
+_NEUTRAL_ONLY = (st.none(), hostile([{}, {"model": "omni-moderation-latest"}, "x", [1]]))  # a 400 unless null
+
 COMPLETION_FIELDS = {
     "prompt": (valid_prompts(), hostile_prompts()),
     "max_tokens": (cheap_max_tokens(), hostile(numbers())),
-    "echo": (st.just(False), hostile([True])),
+    "echo": (st.booleans(), hostile(["true", 1])),
     "logprobs": (st.none(), hostile(numbers())),
     "best_of": (st.sampled_from([None, 1]), hostile(numbers())),
     "suffix": (st.sampled_from([None, ""]), hostile(odd_strings())),
@@ -418,10 +454,122 @@ CHAT_FIELDS = {
         hostile([{"type": "json_object"}, {"type": "json_schema", "json_schema": {}}, {}, {"type": "text", "x": 1}]),
     ),
     "parallel_tool_calls": (st.sampled_from([None, True, False]), hostile()),
+    # Legacy tools and reasoning: lite-tiny is no harmony model, so only their neutral values are 200s.
+    "functions": (st.none(), hostile([[{"name": "f"}], [{"name": "f", "parameters": {}}], [{}], [{"name": 5}]])),
+    "function_call": (st.sampled_from([None, "none", "auto"]), hostile(["required", {"name": "f"}, {"name": 1}])),
+    "reasoning_effort": (
+        st.none(),
+        hostile(["none", "minimal", "low", "medium", "high", "xhigh", "max", "extreme", "LOW"]),
+    ),
+    "metadata": _METADATA,
+    "service_tier": _SERVICE_TIER,
+    "store": (st.sampled_from([None, True, False]), hostile(["false", 0])),
+    "prompt_cache_key": _identifier(256),
+    "prompt_cache_options": _CACHE_OPTIONS,
+    "prompt_cache_retention": _RETENTION,
+    "safety_identifier": _identifier(128),
+    "verbosity": _VERBOSITY,
+    "prediction": (
+        st.sampled_from([None, {"type": "content", "content": "x"}, {"type": "content", "content": []}]),
+        hostile([{"type": "content"}, {"type": "text", "content": "x"}, {"content": [{"type": "image"}]}]),
+    ),
+    "modalities": (st.sampled_from([None, [], ["text"]]), hostile([["audio"], ["text", "audio"], ["video"], "text"])),
+    "audio": _NEUTRAL_ONLY,
+    "web_search_options": _NEUTRAL_ONLY,
+    "moderation": _NEUTRAL_ONLY,
+}
+
+_INCLUDES = [
+    "reasoning.encrypted_content",
+    "message.output_text.logprobs",
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+]
+_ITEMS = [
+    [{"role": "user", "content": "hi"}],
+    [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
+    [
+        {"role": "user", "content": "x" * 150},
+        {"role": "assistant", "content": "y" * 60},
+        {"role": "user", "content": "z"},
+    ],
+    [{"role": "system", "content": "S"}, {"role": "user", "content": "q"}],
+]
+
+RESPONSE_FIELDS = {
+    "input": (
+        st.one_of(st.text(min_size=1, max_size=12), st.sampled_from(_ITEMS)),
+        hostile(
+            ["", [], [{}], [{"role": "robot", "content": "x"}], [{"type": "image", "url": "x"}], "x" * 300],
+            [[{"type": "function_call_output", "call_id": "c", "output": "o"}], [{"type": "reasoning"}]],
+        ),
+    ),
+    "instructions": (st.one_of(st.none(), _short_text), hostile(odd_strings())),
+    "max_output_tokens": (cheap_max_tokens(), hostile(numbers())),
+    "temperature": COMMON_FIELDS["temperature"],
+    "top_p": COMMON_FIELDS["top_p"],
+    "top_logprobs": (st.one_of(st.none(), st.integers(0, 20)), hostile(numbers())),
+    "include": (
+        st.one_of(st.none(), st.lists(st.sampled_from(_INCLUDES), max_size=4)),
+        hostile([["everything"], "reasoning.encrypted_content", [None], _INCLUDES * 3]),
+    ),
+    "truncation": (st.sampled_from([None, "auto", "disabled"]), hostile(["Auto", "none"])),
+    "stream": (st.booleans(), hostile([0, 1, "yes"])),
+    "stream_options": (st.none(), hostile([{"include_obfuscation": True}, {"include_usage": True}, {"x": 1}])),
+    "previous_response_id": (st.none(), hostile(["resp_nope", "", "r" * 300])),
+    "store": (st.sampled_from([True, False]), hostile(["false", None])),
+    "text": (
+        st.sampled_from([None, {}, {"format": {"type": "text"}}, {"verbosity": "low"}]),
+        hostile([{"format": {"type": "yaml"}}, {"verbosity": "loud"}, {"format": {"type": "json_schema"}}]),
+    ),
+    "reasoning": (
+        st.sampled_from([None, {}, {"summary": "auto"}, {"generate_summary": "concise"}, {"context": "current_turn"}])
+        | st.sampled_from([{"mode": "standard"}, {"effort": None}]),
+        hostile(
+            [{"effort": "low"}, {"effort": "minimal"}, {"effort": "max2"}, {"context": "all_turns"}, {"mode": "pro"}],
+            [{"summary": "long"}, {"mode": "m" * 65}],
+        ),
+    ),
+    "tools": (st.sampled_from([None, []]), hostile([[{"type": "function", "name": "f"}], [{"type": "web_search"}]])),
+    "tool_choice": (st.sampled_from([None, "none", "auto"]), hostile(["required", {"type": "function", "name": "f"}])),
+    "parallel_tool_calls": (st.sampled_from([None, True, False]), hostile()),
+    "metadata": _METADATA,
+    "user": _identifier(256),
+    "service_tier": _SERVICE_TIER,
+    "prompt_cache_key": _identifier(256),
+    "prompt_cache_retention": _RETENTION,
+    "prompt_cache_options": _CACHE_OPTIONS,
+    "safety_identifier": _identifier(128),
+    "max_tool_calls": (st.sampled_from([None, 0, 5]), hostile(numbers())),
+    "access_programs": (st.sampled_from([None, {}, {"cyber": "standard"}]), hostile([{"cyber": "x"}])),
+    "image": (st.sampled_from([None, {"context_compression": "auto"}]), hostile([{"context_compression": 1}])),
+    "background": (st.sampled_from([None, False]), hostile([True, "true"])),
+    "background_options": (
+        st.sampled_from([None, {}, {"completion_window": "soonest"}]),
+        hostile([{"completion_window": "2h"}, {"continuation_id": "c"}, {"completion_window": "1d"}]),
+    ),
+    "conversation": (st.none(), hostile(["conv_1", {"id": "conv_1"}])),
+    "prompt": (st.none(), hostile([{"id": "pmpt_1"}, "p"])),
+    "context_management": (
+        st.sampled_from([None, []]),
+        hostile([[{"type": "compaction"}], [{"type": "compaction", "compact_threshold": -1}], [{}]]),
+    ),
+    "moderation": _NEUTRAL_ONLY,
+    "cache_salt": COMMON_FIELDS["cache_salt"],
+}
+FIELDS = {
+    COMPLETIONS: {**COMMON_FIELDS, **COMPLETION_FIELDS},
+    CHAT: {**COMMON_FIELDS, **CHAT_FIELDS},
+    RESPONSES: RESPONSE_FIELDS,
 }
 
 # Fields whose values reach the engine's arithmetic: mutated three times as often as the others.
-FOCUS = ["max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop", "prompt", "messages"]
+FOCUS = ["max_tokens", "max_completion_tokens", "max_output_tokens", "temperature", "top_p", "seed", "stop"]
+FOCUS += ["prompt", "messages", "input"]
 
 BODY_DAMAGE = ["none"] * 60 + [
     "duplicate_key",
@@ -441,26 +589,26 @@ BODY_DAMAGE = ["none"] * 60 + [
 
 @st.composite
 def request_bodies(draw, model: str = "lite-tiny"):
-    """(path, body bytes) for the two generating endpoints: a valid request, then up to three hostile
+    """(path, body bytes) for the three generating endpoints: a valid request, then up to three hostile
     changes (a bad value for a schema field, a removed required field, an unknown field, a field of
-    the other endpoint) and possibly damage to the whole body (see BODY_DAMAGE)."""
-    chat = draw(st.booleans())
-    path = CHAT if chat else COMPLETIONS
-    own = {**COMMON_FIELDS, **(CHAT_FIELDS if chat else COMPLETION_FIELDS)}
-    other = CHAT_FIELDS if not chat else COMPLETION_FIELDS
-    body: dict = {"model": model}
-    if chat:
-        body["messages"] = draw(valid_messages())
+    another endpoint) and possibly damage to the whole body (see BODY_DAMAGE)."""
+    path = draw(st.sampled_from([COMPLETIONS, COMPLETIONS, CHAT, CHAT, RESPONSES]))
+    own = FIELDS[path]
+    other = {k: v for p, fields in FIELDS.items() if p != path for k, v in fields.items() if k not in own}
+    required = {COMPLETIONS: "prompt", CHAT: "messages", RESPONSES: "input"}[path]
+    body: dict = {"model": model, required: draw(own[required][0])}
+    if path == CHAT:
         # Without a limit a chat request generates up to the context (slow), so "neither" is rare.
         limit = draw(st.sampled_from(["max_tokens"] * 12 + ["max_completion_tokens"] * 6 + ["both", "neither"]))
+    elif path == RESPONSES:
+        limit = draw(st.sampled_from(["max_output_tokens"] * 19 + ["neither"]))
     else:
-        body["prompt"] = draw(valid_prompts())
         limit = draw(st.sampled_from(["max_tokens"] * 8 + ["neither"]))  # a completion defaults to 16
-    if limit in ("max_tokens", "both"):
-        body["max_tokens"] = draw(cheap_max_tokens())
-    if limit in ("max_completion_tokens", "both"):
-        body["max_completion_tokens"] = draw(cheap_max_tokens())
-    optional = sorted(k for k in own if k not in ("messages", "prompt", "max_tokens", "max_completion_tokens"))
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+        if limit in (name, "both") and name in own:
+            body[name] = draw(cheap_max_tokens())
+    limits = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+    optional = sorted(k for k in own if k not in (required, *limits))
     for name in optional:  # each optional field with a valid value, one time in four
         if draw(st.integers(0, 3)) == 0:
             body[name] = draw(own[name][0])
@@ -476,7 +624,7 @@ def request_bodies(draw, model: str = "lite-tiny"):
                 hostile(["", "gpt-4", model.upper(), model + " ", model + "\x00", "../" + model, "\ud800"])
             )
         elif kind == "delete":
-            body.pop(draw(st.sampled_from(["model", "messages" if chat else "prompt"])), None)
+            body.pop(draw(st.sampled_from(["model", required])), None)
         elif kind == "unknown":
             body[draw(st.one_of(st.sampled_from(UNKNOWN_KEYS), st.text(max_size=8)))] = draw(junk())
         else:
@@ -493,7 +641,8 @@ def _damage(draw, body: dict, damage: str, ascii: bool) -> bytes:
     elif damage == "deep_field":
         pairs.append((draw(st.sampled_from([k for k, _ in pairs] + ["extra"])), draw(deep())))
     elif damage == "over_8_mib":
-        pairs.append(("prompt" if "prompt" in body else "messages", Raw(b'"' + b"x" * ((8 << 20) + 1) + b'"')))
+        field = next((k for k in ("prompt", "messages", "input") if k in body), "prompt")
+        pairs.append((field, Raw(b'"' + b"x" * ((8 << 20) + 1) + b'"')))
     text = to_json(Obj(tuple(pairs)), ascii=ascii)
     if damage == "trailing_garbage":
         return text + draw(st.sampled_from([b" x", b"}", b"{}", b"\x00", b",", b'\n\n{"a":1}', b"]"]))

@@ -3,7 +3,8 @@ never disturb other tenants' streams, and leave the engine consistent.
 
 One uvicorn server on loopback serves `lite-tiny` (random weights, byte tokenizer, context 256) with
 the tenants alice and bob and an admin key. Attacker cases come from `fuzz_strategies`: JSON bodies
-(as alice) for the two generating endpoints and raw HTTP/1.1 requests on plain sockets. While they
+(as alice) for the three generating endpoints, every documented field among them, and raw HTTP/1.1
+requests on plain sockets. While they
 run, "victim" threads stream greedy requests as bob in a loop, each of which must give exactly the
 text the same request gave before the fuzzing started.
 
@@ -40,7 +41,7 @@ KEYS = {"key-alice": "alice", "key-bob": "bob"}
 ALICE = {"Authorization": "Bearer key-alice"}
 BOB = {"Authorization": "Bearer key-bob"}
 ROOT = {"Authorization": "Bearer root"}
-C, CH = fs.COMPLETIONS, fs.CHAT
+C, CH, RS = fs.COMPLETIONS, fs.CHAT, fs.RESPONSES
 ERROR_KEYS = {"message", "type", "param", "code"}
 
 RAW_TIMEOUT = 15.0  # seconds a complete raw request may take to be answered
@@ -235,7 +236,8 @@ def check_answer(
     tally: Tally, target: str, status: int, ctype: str, data: bytes, example, wellformed=True, head=False
 ) -> None:
     """The property for one answer: no 5xx, no traceback in an error, OpenAI-shaped errors on /v1 routes, and a
-    generating 200 that is whole (JSON with choices, or SSE ending in [DONE] without an error event).
+    generating 200 that is whole (JSON with choices, or SSE ending in [DONE] without an error event; on
+    /v1/responses a Response, or events ending in response.completed or response.incomplete).
     An answer to HEAD has no body: only its status is checked."""
     tally.outcomes[f"{status // 100}xx"] += 1
     if head:
@@ -262,6 +264,8 @@ def check_answer(
             tally.violation(f"{status} with a non-JSON body ({ctype or 'no content-type'})", example, text[:400])
         else:
             tally.outcomes["refused by the HTTP layer"] += 1
+    elif 200 <= status < 300 and path == RS:
+        check_response(tally, ctype, data, example)
     elif 200 <= status < 300 and path in (C, CH):
         if "event-stream" in ctype:
             events = sse_events(data)
@@ -277,6 +281,25 @@ def check_answer(
                 ok = False
             if not ok:
                 tally.violation("200 without choices", example, text[:400])
+
+
+def check_response(tally: Tally, ctype: str, data: bytes, example) -> None:
+    """A 200 from /v1/responses: a whole Response object, or a stream whose last event ends it."""
+    if "event-stream" in ctype:
+        events = [e for e in sse_events(data) if isinstance(e, dict)]
+        kinds = [e.get("type") for e in events]
+        if "error" in kinds:
+            tally.violation(f"error event in a response stream: {str(events[kinds.index('error')])[:100]}", example)
+        elif not kinds or kinds[-1] not in ("response.completed", "response.incomplete"):
+            tally.violation("response stream does not end with response.completed", example, str(kinds[-3:]))
+        return
+    try:
+        body = json.loads(data)
+        ok = body["object"] == "response" and body["status"] in ("completed", "incomplete") and body["output"]
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        tally.violation("200 without a whole Response", example, data[:400].decode("utf-8", "replace"))
 
 
 def body_case(tally: Tally, client: httpx.Client, path: str, body: bytes) -> None:

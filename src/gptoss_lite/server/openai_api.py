@@ -297,7 +297,9 @@ def create_app(
         tenant = state.tenant(request)
         req = P.parse_request(P.CompletionRequest, await _read_body(request, state))
         _check_model(state, req.model)
-        return await _serve(state, request, tenant, req, req.single_prompt(), chat=False)
+        prompt = req.single_prompt()
+        echo = _prompt_text(state, prompt) if req.echo else ""
+        return await _serve(state, request, tenant, req, prompt, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -306,7 +308,13 @@ def create_app(
         _check_model(state, req.model)
         if state.harmony is not None:
             return await _serve_harmony(state, request, tenant, req)
-        _refuse_harmony_fields(req.uses_tools, req.tool_choice, req.reasoning_effort)
+        choice_param = "function_call" if req.function_call is not None else "tool_choice"
+        _refuse_harmony_fields(
+            req.uses_tools,
+            req.requested_tool_choice,
+            req.reasoning_effort,
+            params=(req.tools_param, choice_param, "reasoning_effort"),
+        )
         try:
             prompt = state.template.render([{"role": m.role, "content": m.text()} for m in req.messages])
         except ChatTemplateError as exc:
@@ -398,39 +406,47 @@ def _refuse_query(request: Request) -> None:
         raise P.APIError(400, f"{name[:40]}: not supported on this route", param=name[:40])
 
 
-def _refuse_harmony_fields(uses_tools: bool, tool_choice, effort: str | None) -> None:
-    """What only a harmony model does: tools and reasoning effort are a 400 on any other model."""
+def _refuse_harmony_fields(
+    uses_tools: bool, tool_choice, effort: str | None, params=("tools", "tool_choice", "reasoning_effort")
+) -> None:
+    """What only a harmony model does: tools and reasoning effort are a 400 on any other model, naming
+    the field the request used (`params`: its tools, tool choice and effort fields)."""
+    tools_param, choice_param, effort_param = params
     if uses_tools:
-        raise P.APIError(400, "tools: this model does not call tools (it is not a harmony model)", param="tools")
+        why = f"{tools_param}: this model does not call tools (it is not a harmony model)"
+        raise P.APIError(400, why, param=tools_param)
     if tool_choice not in (None, "none", "auto"):
-        raise P.APIError(400, "tool_choice: this model does not call tools", param="tool_choice")
+        raise P.APIError(400, f"{choice_param}: this model does not call tools", param=choice_param)
     if effort is not None:
-        why = "reasoning_effort: this model does not reason (it is not a harmony model)"
-        raise P.APIError(400, why, param="reasoning_effort")
+        why = f"{effort_param}: this model does not reason (it is not a harmony model)"
+        raise P.APIError(400, why, param=effort_param)
 
 
 async def _serve_harmony(state: ServerState, request: Request, tenant: str, req: P.ChatCompletionRequest):
     harmony = state.harmony
+    tools, choice = req.requested_tools, req.requested_tool_choice
+    legacy = {"tools": req.tools_param, "tool_choice": "function_call" if req.function_call is not None else None}
     try:
         prompt = harmony.prompt(
             [m.as_dict() for m in req.messages],
-            tools=req.tools,
-            tool_choice=req.tool_choice,
-            effort=req.reasoning_effort,
+            tools=tools,
+            tool_choice=choice,
+            effort=req.effort,
             response_format=req.structured,
         )
     except RenderError as exc:
-        raise P.APIError(400, str(exc), param=exc.param) from None
-    constraint = _structured(state, req.structured, "response_format", req.tools).get("logits_processor")
+        raise P.APIError(400, str(exc), param=legacy.get(exc.param) or exc.param) from None
+    constraint = _structured(state, req.structured, "response_format", tools, req.tools_param).get("logits_processor")
     extra = {
         "stop_token_ids": harmony.stop_token_ids,
-        "logits_processor": chained(harmony.tool_choice_processor(req.tools, req.tool_choice), constraint),
+        "logits_processor": chained(harmony.tool_choice_processor(tools, choice), constraint),
     }
-    return await _serve(state, request, tenant, req, prompt, chat=True, extra=extra, harmony_choice=req.tool_choice)
+    return await _serve(state, request, tenant, req, prompt, chat=True, extra=extra, harmony_choice=choice)
 
 
 async def _serve_response(state: ServerState, request: Request, tenant: str, req: R.ResponsesRequest):
-    """POST /v1/responses: the stored conversation (previous_response_id), then this input."""
+    """POST /v1/responses: the stored conversation (previous_response_id), then this input; with
+    `truncation: "auto"` its oldest items are dropped until it fits the context."""
     history = []
     if req.previous_response_id:
         history = await asyncio.to_thread(state.responses.conversation, tenant, req.previous_response_id)
@@ -442,33 +458,26 @@ async def _serve_response(state: ServerState, request: Request, tenant: str, req
                 code="previous_response_not_found",
             )
     messages = history + R.input_messages(req, unseal=lambda sealed: state.sealer.open(tenant, sealed))
-    shown = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + messages
-    extra: dict = {}
+    head = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    render = _response_renderer(state, req, messages)
+    kept = messages
+    if req.truncation == "auto":
+        kept = R.fit_conversation(head, messages, lambda shown: _fits(state, render(shown), req.token_limit))
+    prompt = render(head + kept)
     if state.harmony is not None:
-        try:
-            prompt = state.harmony.prompt(
-                shown, tools=req.tools, tool_choice=req.tool_choice, effort=req.effort, response_format=req.structured
-            )
-        except RenderError as exc:
-            raise P.APIError(400, str(exc), param="input" if exc.param == "messages" else exc.param) from None
         constraint = _structured(state, req.structured, "text.format", req.tools).get("logits_processor")
         extra = {
             "stop_token_ids": state.harmony.stop_token_ids,
             "logits_processor": chained(state.harmony.tool_choice_processor(req.tools, req.tool_choice), constraint),
         }
     else:
-        _refuse_harmony_fields(req.uses_tools(messages), req.tool_choice, req.effort)
-        try:
-            prompt = state.template.render([{"role": m["role"], "content": m.get("content", "")} for m in shown])
-        except ChatTemplateError as exc:
-            raise P.APIError(400, str(exc), param="input") from None
         extra = _structured(state, req.structured, "text.format")
 
     def store(body: dict, items: list[dict]) -> None:
         if req.store:
             state.responses.put(tenant, body["id"], messages + R.output_messages(items), body)
 
-    seal = (lambda text: state.sealer.seal(tenant, text)) if R.wants_encrypted_reasoning(req) else None
+    seal = (lambda text: state.sealer.seal(tenant, text)) if req.wants_encrypted_reasoning else None
     return await _serve(
         state,
         request,
@@ -483,7 +492,60 @@ async def _serve_response(state: ServerState, request: Request, tenant: str, req
     )
 
 
-def _structured(state: ServerState, response_format: dict | None, param: str, tools=None) -> dict:
+def _response_renderer(state: ServerState, req: R.ResponsesRequest, messages: list[dict]):
+    """render(chat-shaped messages) -> the prompt of a /v1/responses request: harmony ids, or the
+    chat template's text (tools and effort being a 400 on a model without harmony)."""
+    if state.harmony is not None:
+
+        def render(shown: list[dict]):
+            try:
+                return state.harmony.prompt(
+                    shown,
+                    tools=req.tools,
+                    tool_choice=req.tool_choice,
+                    effort=req.effort,
+                    response_format=req.structured,
+                )
+            except RenderError as exc:
+                raise P.APIError(400, str(exc), param="input" if exc.param == "messages" else exc.param) from None
+
+        return render
+    params = ("tools", "tool_choice", "reasoning")
+    _refuse_harmony_fields(req.uses_tools(messages), req.tool_choice, req.effort, params=params)
+
+    def render(shown: list[dict]):
+        try:
+            return state.template.render([{"role": m["role"], "content": m.get("content", "")} for m in shown])
+        except ChatTemplateError as exc:
+            raise P.APIError(400, str(exc), param="input") from None
+
+    return render
+
+
+def _prompt_text(state: ServerState, prompt: str | list[int]) -> str:
+    """A completions prompt as `echo: true` shows it: the text sent, or the text of the ids sent."""
+    if isinstance(prompt, str):
+        return prompt
+    if state.llm.tokenizer is None:
+        P.refuse("echo", "this model has no tokenizer to show the prompt's ids as text")
+    try:
+        return state.llm.tokenizer.decode(prompt)
+    except (ValueError, TypeError, IndexError) as exc:
+        raise P.APIError(400, f"prompt: {exc}", param="prompt") from None
+
+
+def _fits(state: ServerState, prompt, max_tokens: int | None) -> bool:
+    """Whether a prompt leaves room in the context for max_tokens (None: for at least one token)."""
+    try:
+        n_prompt = len(state.llm.encode(prompt))
+    except (ValueError, TypeError):
+        return True  # not a prompt at all: _prepare says why
+    return n_prompt + (max_tokens or 1) <= state.llm.max_model_len
+
+
+def _structured(
+    state: ServerState, response_format: dict | None, param: str, tools=None, tools_param: str = "tools"
+) -> dict:
     """{"logits_processor": ...} that keeps JSON where JSON belongs ({} when nothing does; a 400 for a
     schema that does not compile). A plain model: the whole completion follows `response_format`. A
     harmony model: a final message's text follows it, and a call's arguments follow its tool's
@@ -510,7 +572,7 @@ def _structured(state: ServerState, response_format: dict | None, param: str, to
             calls[tool["name"]] = compile_schema(tool["parameters"], lltok)
         except GrammarError as exc:
             if tool["strict"]:
-                raise P.APIError(400, f"tools: {tool['name']}: {exc}", param="tools") from None
+                raise P.APIError(400, f"{tools_param}: {tool['name']}: {exc}", param=tools_param) from None
     if final is None and not calls:
         return {}
     ends = (harmony.return_token, harmony.call_token)
@@ -559,11 +621,13 @@ async def _serve(
     harmony_choice=None,
     on_response=None,
     seal=None,
+    echo: str = "",
 ):
     """Queue the request and answer it. extra: more SamplingParams fields (a harmony chat's: its
     answer is then parsed); harmony_choice: its tool_choice; on_response(body, output items): the
     request is a /v1/responses one, answered as a Response, and this runs (in a worker thread) once
-    it is complete, before the client sees the end; seal: reasoning text -> encrypted_content."""
+    it is complete, before the client sees the end; seal: reasoning text -> encrypted_content; echo:
+    text every completion choice begins with (the prompt, for `echo: true`)."""
     if state.draining:
         raise P.APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
     prepared = _prepare(state, req, prompt, extra)
@@ -585,6 +649,7 @@ async def _serve(
         run.parsers = {i: state.harmony.stream(harmony_choice) for i in range(sampling.n)}
     if on_response is not None:
         run.writer, run.on_response = R.EventWriter(rid, state.model_name, req, seal=seal), on_response
+    run.echo, run.metadata = echo, getattr(req, "metadata", None)
     if req.stream:
         return _SSEResponse(
             run.response_events() if run.writer is not None else run.events(chat, req.include_usage),
@@ -611,6 +676,8 @@ class _Run:
         self.show_logprobs = True  # False: logprobs were computed only to rank best_of samples
         self.on_response = None  # /v1/responses: on_response(final body, output items) keeps it
         self.response: dict | None = None  # /v1/responses: the final Response body, once complete
+        self.echo = ""  # what each completion choice begins with (`echo: true`: the prompt)
+        self.metadata: dict | None = None  # a chat request's, echoed in its answer
 
     async def _watch(self, request: Request) -> None:
         """Wake the reader when the server reports that the client disconnected (the body is already
@@ -684,20 +751,30 @@ class _Run:
         return R.usage(len(first.prompt_token_ids), len(first.token_ids), first.num_cached_tokens, reasoning)
 
     def _response_events(self, update) -> list[dict]:
-        """The Response events of one update (output items open, grow and close as the text comes)."""
+        """The Response events of one update (output items open, grow and close as the text comes).
+        With logprobs asked for, those of the tokens that wrote a message's text go with that text."""
         writer, events = self.writer, []
         final = update.finals.get(0)
+        logprobs = update.logprobs.get(0, [])
         if self.parsers is not None:
             parser = self.parsers[0]
-            delta = parser.feed(update.tokens.get(0, ()))
+            tokens = update.tokens.get(0, [])
+            # With logprobs, one token at a time: which of them are message text is the parser's to say.
+            steps = list(zip(([t] for t in tokens), logprobs)) if len(logprobs) == len(tokens) else [(tokens, None)]
+            for chunk, entry in steps:
+                delta = parser.feed(chunk)
+                if entry is not None and _writes_message_text(parser, chunk[0]):
+                    writer.note_logprobs(self._logprob_entries([entry]))
+                events += self._items_of(parser, delta)
             if final is not None:
-                delta.extend(self._finish_parse(parser))
-            for index, text in delta.parts:
-                events += writer.open(R.new_item(parser.parts[index])) if text == "" else writer.add(text)
-        elif update.text.get(0):
-            if not writer.items:
-                events += writer.open(R.new_message_item())
-            events += writer.add(update.text[0])
+                events += self._items_of(parser, self._finish_parse(parser))
+        else:
+            if logprobs:
+                writer.note_logprobs(self._logprob_entries(logprobs))
+            if update.text.get(0):
+                if not writer.items:
+                    events += writer.open(R.new_message_item())
+                events += writer.add(update.text[0])
         if final is not None:
             if not writer.items:
                 events += writer.open(R.new_message_item())
@@ -713,6 +790,17 @@ class _Run:
         except sqlite3.Error as exc:
             why = f"the response could not be stored: {exc}"
             raise P.APIError(500, why, type="server_error", code="store_failed") from None
+
+    def _items_of(self, parser, delta) -> list[dict]:
+        """The events of what a harmony parse added: items opened ("" text) and text added."""
+        events = []
+        for index, text in delta.parts:
+            events += self.writer.open(R.new_item(parser.parts[index])) if text == "" else self.writer.add(text)
+        return events
+
+    def _logprob_entries(self, entries: list) -> list[dict]:
+        """TokenLogprobs as an output_text part lists them: token, logprob, bytes, top_logprobs."""
+        return (self._logprobs(entries, True, 0) or {"content": []})["content"]
 
     async def response_events(self):
         """The SSE stream of a /v1/responses request (named events, no [DONE], as the API sends)."""
@@ -778,16 +866,18 @@ class _Run:
         if self.writer is not None:
             await self._keep_response()
             return self.response
-        body, choice = (P.chat_body, P.chat_choice) if chat else (P.completion_body, P.completion_choice)
+        choice = P.chat_choice if chat else P.completion_choice
         choices = []
         for i, out in self._answered(entries):
-            answer, reason = out.text, out.finish_reason
+            answer, reason = self.echo + out.text, out.finish_reason
             if self.parsers is not None:
                 parser = self.parsers[i]
                 self._finish_parse(parser)
                 answer, reason = chat_message(parser), finish_reason(parser, reason)
             choices.append(choice(i, answer, reason, self._logprobs(entries.get(i, []), chat, i)))
-        return body(self.rid, self.state.model_name, choices, self._usage())
+        if chat:
+            return P.chat_body(self.rid, self.state.model_name, choices, self._usage(), self.metadata)
+        return P.completion_body(self.rid, self.state.model_name, choices, self._usage())
 
     async def events(self, chat: bool, include_usage: bool):
         """SSE events: deltas as tokens arrive (each chunk names its sample's `index`), the finish
@@ -799,6 +889,9 @@ class _Run:
             if chat:
                 for i in range(self.n):
                     yield _sse(P.chat_chunk(self.rid, name, {"role": "assistant", "content": ""}, None, index=i))
+            elif self.echo:
+                for i in range(self.n):
+                    yield _sse(P.completion_chunk(self.rid, name, self.echo, None, index=i))
             while not self.complete:
                 try:
                     update = await self._next()
@@ -834,6 +927,17 @@ class _Run:
             yield "data: [DONE]\n\n"
         finally:
             self.abort()  # a no-op unless the client left before the end
+
+
+def _writes_message_text(parser, token: int) -> bool:
+    """Whether a token just fed to a harmony parse is text of a message (not reasoning, a call, a
+    header or a control token): the tokens whose logprobs a Response's output_text reports."""
+    if parser.malformed is not None:
+        return True  # everything from the refused token on is answered as message text
+    part = parser.parts[-1] if parser.parts else None
+    return (
+        parser.in_text and part is not None and part.kind == "content" and not parser.encoding.is_special_token(token)
+    )
 
 
 def _piece(tokenizer, token_id: int) -> tuple[str, bytes]:

@@ -2,9 +2,11 @@
 
 Requests are parsed in strict mode with unknown fields forbidden, as the OpenAI API does: a string
 where a number belongs (`"max_tokens": "8"`) or a misspelt field (`"max_token": 8`) is a 400 naming
-the field, never silently coerced or ignored. Fields the API defines but this server does not
-implement (`echo`, `suffix`, ...) are accepted at their neutral value and refused with a
-400 otherwise, so a client never gets an answer computed without the option it asked for.
+the field, never silently coerced or ignored. Every field the API documents parses, and is then acted
+on, echoed, accepted as a hint with no effect here, or refused with a 400 naming it when it asks for
+something this server cannot do (`modalities: ["audio"]`, `web_search_options`, a `suffix`), so a
+client never gets an answer computed without an option it needs. docs/server.md#request-fields has
+the table, field by field.
 
 Two extensions beyond the OpenAI fields: `cache_salt` (a client-chosen string that further splits the
 prefix-cache scope of its tenant) and `ignore_eos` (generate exactly `max_tokens`, for benchmarks).
@@ -17,7 +19,10 @@ import math
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
+
+from gptoss_lite.server import fields as F
+from gptoss_lite.server.fields import StreamOptions
 
 MAX_STOP_STRINGS = 4  # the OpenAI API's limit on `stop`
 MAX_STOP_CHARS = 4096  # characters in one stop string
@@ -48,14 +53,12 @@ def error_body(message: str, *, type: str = "invalid_request_error", param: str 
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+def refuse(param: str, why: str) -> None:
+    """The 400 for a documented field that asks for something this server cannot do."""
+    raise APIError(400, f"{param}: {why}", param=param)
 
 
-class StreamOptions(_Strict):
-    include_usage: bool = False
-
-
+_Strict = F.Strict
 Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 MaxTokens = Annotated[int, Field(ge=1, le=MAX_TOKENS_LIMIT)]
@@ -72,7 +75,7 @@ class _SamplingFields(_Strict):
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: Annotated[str, Field(max_length=256)] | None = None  # accepted and ignored
+    user: F.Identifier | None = None  # accepted; nothing here tells end users apart
     frequency_penalty: Penalty | None = None
     presence_penalty: Penalty | None = None
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=1024)] | None = None
@@ -150,8 +153,8 @@ class CompletionRequest(_SamplingFields):
 
     def check(self) -> None:
         super().check()
-        if self.echo:
-            raise APIError(400, "echo=true: not supported by this server", param="echo")
+        if self.echo and self.logprobs is not None:
+            refuse("echo", "echo with logprobs needs the prompt's logprobs, which this server does not compute")
         if self.best_of is not None and self.best_of < self.n:
             raise APIError(400, f"best_of={self.best_of} must be at least n={self.n}", param="best_of")
         if self.stream and self.samples > self.n:
@@ -159,7 +162,7 @@ class CompletionRequest(_SamplingFields):
                 400, "best_of > n cannot be streamed (the best samples are known at the end)", param="best_of"
             )
         if self.suffix:
-            raise APIError(400, "suffix: not supported by this server", param="suffix")
+            refuse("suffix", "text after the insertion point needs a fill-in-the-middle model; this one only continues")
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request (APIError 400 for a batch or an empty prompt)."""
@@ -192,7 +195,7 @@ class ToolCallIn(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     # An assistant turn sent back: its chain of thought (either name) and its tool calls.
@@ -200,11 +203,11 @@ class ChatMessage(_Strict):
     reasoning: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None  # a tool result: the call it answers
+    function_call: ToolCallFunction | None = None  # the legacy shape of one tool call
     # What the official client includes when it sends back a message it received; nothing to render.
     refusal: str | None = None
     annotations: list[Any] | None = None
     audio: Any = None
-    function_call: Any = None
 
     def text(self) -> str:
         if self.content is None:
@@ -212,18 +215,28 @@ class ChatMessage(_Strict):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
     def as_dict(self) -> dict[str, Any]:
-        """The message as the harmony renderer reads it (OpenAI field names, None fields left out)."""
-        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        """The message as the harmony renderer reads it (OpenAI field names, None fields left out). The
+        legacy shapes become today's: a `function` result is a `tool` result named by `name`, and an
+        assistant's `function_call` is its one tool call."""
+        out: dict[str, Any] = {"role": "tool" if self.role == "function" else self.role, "content": self.text()}
         for key in ("name", "reasoning_content", "reasoning", "tool_call_id"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
-        if self.tool_calls:
-            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        calls = [c.model_dump() for c in self.tool_calls or ()]
+        if self.function_call is not None:
+            calls.append({"type": "function", "function": self.function_call.model_dump()})
+        if calls:
+            out["tool_calls"] = calls
         return out
+
+    @property
+    def calls_tools(self) -> bool:
+        """A tool call or a tool result, in either shape."""
+        return self.role in ("tool", "function") or bool(self.tool_calls) or self.function_call is not None
 
 
 class ChatCompletionRequest(_SamplingFields):
-    """POST /v1/chat/completions."""
+    """POST /v1/chat/completions (docs/server.md#request-fields says what each field does)."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: MaxTokens | None = None  # None: up to the context limit
@@ -232,9 +245,27 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    functions: Annotated[list[F.FunctionDef], Field(max_length=MAX_TOOLS)] | None = None  # legacy tools
+    function_call: Literal["none", "auto"] | F.FunctionName | None = None  # legacy tool_choice
     response_format: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None  # accepted; a harmony turn makes at most one call
-    reasoning_effort: Literal["low", "medium", "high"] | None = None
+    reasoning_effort: F.Effort | None = None
+    # Echoed in the answer.
+    metadata: F.Metadata | None = None
+    service_tier: F.ServiceTier | None = None
+    # Hints with no effect here (docs/server.md#request-fields says why).
+    store: bool | None = None
+    prompt_cache_key: F.Identifier | None = None
+    prompt_cache_options: F.PromptCacheOptions | None = None
+    prompt_cache_retention: F.CacheRetention | None = None
+    safety_identifier: F.SafetyIdentifier | None = None
+    verbosity: F.Verbosity | None = None
+    prediction: F.Prediction | None = None
+    # What this server cannot do: accepted at their neutral value, a 400 otherwise.
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
 
     def check(self) -> None:
         super().check()
@@ -246,6 +277,38 @@ class ChatCompletionRequest(_SamplingFields):
         if kind not in ("text", "json_object", "json_schema"):
             why = "response_format: type must be 'text', 'json_object' or 'json_schema'"
             raise APIError(400, why, param="response_format")
+        if self.functions is not None and self.tools is not None:
+            refuse("functions", "give tools or the legacy functions, not both")
+        if self.function_call is not None and self.tool_choice is not None:
+            refuse("function_call", "give tool_choice or the legacy function_call, not both")
+        if "audio" in (self.modalities or ()):
+            refuse("modalities", "this server answers text only; send ['text'] or leave it out")
+        if self.audio is not None:
+            refuse("audio", "this server has no audio output")
+        if self.web_search_options is not None:
+            refuse("web_search_options", "this server has no web search")
+        if self.moderation is not None:
+            refuse("moderation", "this server runs no moderation model")
+
+    @property
+    def requested_tools(self) -> list[dict] | None:
+        """`tools`, or the legacy `functions` as tools."""
+        return self.tools if self.functions is None else F.legacy_tools(self.functions)
+
+    @property
+    def requested_tool_choice(self):
+        """`tool_choice`, or the legacy `function_call` as a tool_choice."""
+        return self.tool_choice if self.function_call is None else F.legacy_tool_choice(self.function_call)
+
+    @property
+    def tools_param(self) -> str:
+        """The field a problem with the tools is reported under (what the client sent)."""
+        return "functions" if self.functions is not None else "tools"
+
+    @property
+    def effort(self) -> str | None:
+        """The gpt-oss reasoning effort asked for (the nearest of low, medium, high)."""
+        return F.nearest_effort(self.reasoning_effort)
 
     @property
     def structured(self) -> dict | None:
@@ -256,7 +319,7 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def uses_tools(self) -> bool:
         """Whether the request needs a model that can call tools (tools, or tool turns in its history)."""
-        return bool(self.tools) or any(m.role == "tool" or m.tool_calls for m in self.messages)
+        return bool(self.requested_tools) or any(m.calls_tools for m in self.messages)
 
     @property
     def token_limit(self) -> int | None:
@@ -419,9 +482,13 @@ def completion_choice(index: int, text: str, finish_reason: str | None, logprobs
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_body(rid: str, model: str, choices: list[dict], use: dict | None) -> dict:
-    """A chat completion: choices from `chat_choice`, one per sample."""
-    return _envelope(rid, model, "chat.completion", choices, use)
+def chat_body(rid: str, model: str, choices: list[dict], use: dict | None, metadata: dict | None = None) -> dict:
+    """A chat completion: choices from `chat_choice`, one per sample; `service_tier` is the one tier
+    served, and the request's `metadata` is echoed when it sent one."""
+    body = {**_envelope(rid, model, "chat.completion", choices, use), "service_tier": F.SERVED_TIER}
+    if metadata is not None:
+        body["metadata"] = metadata
+    return body
 
 
 def chat_choice(index: int, text: str | dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
@@ -456,7 +523,8 @@ def chat_chunk(
 ) -> dict:
     """A streamed chat event; delta None gives the usage-only chunk (empty choices)."""
     choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-    return _envelope(rid, model, "chat.completion.chunk", [] if delta is None else [choice], use)
+    chunk = _envelope(rid, model, "chat.completion.chunk", [] if delta is None else [choice], use)
+    return {**chunk, "service_tier": F.SERVED_TIER}
 
 
 def chat_logprobs(entries: list[tuple[str, bytes, float, list[tuple[str, bytes, float]]]]) -> dict:

@@ -4,12 +4,19 @@
   `"type": "message"`), `function_call` and `function_call_output` items, and `reasoning` items sent
   back; `instructions` becomes the developer message's instructions;
 - `reasoning.effort`, function `tools` (the flat Responses shape) and `tool_choice`;
+- `truncation: "auto"` drops the oldest conversation items until the prompt fits (`fit_conversation`);
+- `top_logprobs` (or `include: ["message.output_text.logprobs"]`) puts the tokens' logprobs on the
+  `output_text` parts and their deltas;
 - `previous_response_id` continues a stored conversation: every response with `store` (the default)
   keeps its input and output in the response store (server/response_store.py), per tenant, so one
   tenant can never continue another's;
 - `include: ["reasoning.encrypted_content"]` seals each reasoning item's text into its
   `encrypted_content` (server/sealing.py), and a reasoning item sent back with one is read from it,
   so a client that stores nothing here still continues its chain of thought;
+  keeps its input and output in a bounded in-memory store, per tenant, so one tenant can never
+  continue another's;
+- every other documented field is echoed, accepted with no effect, or refused with a 400 naming it
+  (docs/server.md#request-fields);
 - the answer's `output` is items in the order the model wrote them: `reasoning`, `message`
   (`output_text`) and `function_call`; streamed, the events the official client parses
   (`response.created`, `response.output_item.added`, `response.reasoning_text.delta`,
@@ -21,6 +28,7 @@ one message item (tools and reasoning effort are then a 400, as for chat).
 
 from __future__ import annotations
 
+import copy
 import time
 import uuid
 from collections.abc import Callable
@@ -29,6 +37,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from gptoss_lite.harmony.render import RenderError, message_text
+from gptoss_lite.server import fields as F
 from gptoss_lite.server import protocol as P
 
 ENCRYPTED_REASONING = "reasoning.encrypted_content"  # the `include` value that asks for sealed reasoning
@@ -39,8 +48,11 @@ def _id(prefix: str) -> str:
 
 
 class ReasoningParam(P._Strict):
-    effort: Literal["low", "medium", "high"] | None = None
+    effort: F.Effort | None = None  # the nearest gpt-oss effort is used
     summary: Literal["auto", "concise", "detailed"] | None = None  # accepted; no summaries are written
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # the deprecated name of summary
+    context: Literal["auto", "current_turn", "all_turns"] | None = None
+    mode: Annotated[str, Field(max_length=64)] | None = None
 
 
 class TextFormat(P._Strict):
@@ -53,12 +65,47 @@ class TextFormat(P._Strict):
 
 class TextParam(P._Strict):
     format: TextFormat | None = None
-    verbosity: Literal["low", "medium", "high"] | None = None  # accepted; gpt-oss has no such control
+    verbosity: F.Verbosity | None = None  # accepted; gpt-oss has no such control
+
+
+class BackgroundOptions(P._Strict):
+    completion_window: Literal["soonest", "2h", "8h"] | None = None
+    continuation_id: Annotated[str, Field(max_length=256)] | None = None
+
+
+class ContextManagement(P._Strict):
+    type: Annotated[str, Field(max_length=64)]
+    compact_threshold: Annotated[int, Field(ge=0, le=P.MAX_TOKENS_LIMIT)] | None = None
+
+
+class AccessPrograms(P._Strict):
+    cyber: Literal["standard", "daybreak_blue", "daybreak_red"] | None = None
+
+
+class ImageOptions(P._Strict):
+    context_compression: Literal["auto", "enabled", "disabled"] | None = None
+
+
+class ResponsesStreamOptions(P._Strict):
+    include_obfuscation: bool | None = None  # accepted; no `obfuscation` padding is sent
+
+
+Includable = Literal[
+    "reasoning.encrypted_content",
+    "message.output_text.logprobs",
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+]
 
 
 class ResponsesRequest(P._Strict):
-    """POST /v1/responses (module docstring). The sampling fields the chat endpoint shares are
-    exposed under its names, so the same checks and SamplingParams apply."""
+    """POST /v1/responses (module docstring; docs/server.md#request-fields says what each field does).
+    The sampling fields the chat endpoint shares are exposed under its names, so the same checks and
+    SamplingParams apply."""
 
     model: str
     input: str | Annotated[list[dict[str, Any]], Field(min_length=1)]
@@ -70,27 +117,79 @@ class ResponsesRequest(P._Strict):
     max_output_tokens: P.MaxTokens | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    include: Annotated[list[Includable], Field(max_length=16)] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
     stream: bool = False
+    stream_options: ResponsesStreamOptions | None = None
     previous_response_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     store: bool = True
-    metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] | None = None
     text: TextParam | None = None
-    user: Annotated[str, Field(max_length=256)] | None = None
-    truncation: Literal["disabled"] | None = None
-    service_tier: Literal["auto", "default"] | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
-    include: list[str] | None = None
+    # Echoed in the answer.
+    metadata: F.Metadata | None = None
+    user: F.Identifier | None = None
+    service_tier: F.ServiceTier | None = None
+    prompt_cache_key: F.Identifier | None = None
+    prompt_cache_retention: F.CacheRetention | None = None
+    safety_identifier: F.SafetyIdentifier | None = None
+    max_tool_calls: Annotated[int, Field(ge=0, le=P.MAX_TOKENS_LIMIT)] | None = None
+    # Hints with no effect here (docs/server.md#request-fields says why).
+    prompt_cache_options: F.PromptCacheOptions | None = None
+    access_programs: AccessPrograms | None = None
+    image: ImageOptions | None = None
+    # What this server cannot do: accepted at their neutral value, a 400 otherwise.
+    background: bool | None = None
+    background_options: BackgroundOptions | None = None
+    conversation: Annotated[str, Field(max_length=256)] | dict[str, Any] | None = None
+    prompt: dict[str, Any] | None = None
+    context_management: Annotated[list[ContextManagement], Field(max_length=16)] | None = None
+    moderation: dict[str, Any] | None = None
 
     @property
     def n(self) -> int:
         return 1  # no n in the Responses API: one answer
 
     def check(self) -> None:
-        pass
+        """Refuse what parses but this server cannot do (raises APIError 400 naming the field)."""
+        if self.stream_options is not None and not self.stream:
+            P.refuse("stream_options", "only allowed with stream=true")
+        if self.background:
+            P.refuse("background", "responses are not run in the background here; leave it out or send false")
+        opts = self.background_options
+        if opts is not None and (opts.completion_window not in (None, "soonest") or opts.continuation_id):
+            P.refuse("background_options", "completion windows and continuations need background runs")
+        if self.conversation is not None:
+            P.refuse("conversation", "this server has no Conversations API; use previous_response_id")
+        if self.prompt is not None:
+            P.refuse("prompt", "this server keeps no prompt templates; send the instructions and input")
+        if self.context_management:
+            P.refuse("context_management", "this server does not compact context; use truncation: 'auto'")
+        if self.moderation is not None:
+            P.refuse("moderation", "this server runs no moderation model")
+        reasoning = self.reasoning
+        if reasoning is not None and reasoning.context == "all_turns":
+            P.refuse("reasoning.context", "gpt-oss drops a chain of thought once a final answer follows it")
+        if reasoning is not None and reasoning.mode not in (None, "standard"):
+            P.refuse("reasoning.mode", "only the 'standard' reasoning mode is served")
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The SamplingParams fields this request sets (max_tokens aside)."""
-        return {"temperature": self.temperature, "top_p": self.top_p}
+        return {"temperature": self.temperature, "top_p": self.top_p, "logprobs": self.logprobs_k}
+
+    @property
+    def logprobs_k(self) -> int | None:
+        """Alternatives per token to report (None: no logprobs). `top_logprobs` or the include value
+        `message.output_text.logprobs` turns them on."""
+        if self.top_logprobs is None and "message.output_text.logprobs" not in (self.include or ()):
+            return None
+        return self.top_logprobs or 0
+
+    @property
+    def wants_encrypted_reasoning(self) -> bool:
+        """Whether the client asked for `reasoning.encrypted_content` on reasoning items (stateless
+        clients, `store: false`, send them back in the next request's input)."""
+        return ENCRYPTED_REASONING in (self.include or ())
 
     @property
     def token_limit(self) -> int | None:
@@ -108,15 +207,11 @@ class ResponsesRequest(P._Strict):
 
     @property
     def effort(self) -> str | None:
-        return self.reasoning.effort if self.reasoning is not None else None
+        """The gpt-oss reasoning effort asked for (the nearest of low, medium, high)."""
+        return F.nearest_effort(self.reasoning.effort if self.reasoning is not None else None)
 
     def uses_tools(self, messages: list[dict]) -> bool:
         return bool(self.tools) or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
-
-
-def wants_encrypted_reasoning(req: ResponsesRequest) -> bool:
-    """Whether the request's `include` asks for sealed reasoning items."""
-    return ENCRYPTED_REASONING in (req.include or [])
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -227,6 +322,38 @@ def output_messages(items: list[dict]) -> list[dict]:
     return [turn]
 
 
+def fit_conversation(head: list[dict], messages: list[dict], fits) -> list[dict]:
+    """`truncation: "auto"`: the messages left once the oldest whole items are dropped so that
+    `fits(head + kept)` holds, as the API defines it. `head` (the instructions) is never dropped, nor
+    a system or developer message, nor the newest user turn and what follows it; a tool result goes
+    with the call it answers. When nothing more may go and it still does not fit, the shortest
+    conversation is answered (and the context check refuses it)."""
+    users = [i for i, m in enumerate(messages) if m.get("role") == "user"]
+    newest = users[-1] if users else max(len(messages) - 1, 0)
+    droppable = [i for i in range(newest) if messages[i].get("role") not in ("system", "developer")]
+
+    def kept(k: int) -> list[dict]:
+        gone = set(droppable[:k])
+        out, calls = [], set()
+        for i, m in enumerate(messages):
+            if i in gone or (m.get("role") == "tool" and m.get("tool_call_id") not in calls and i < newest):
+                continue
+            calls.update(c.get("id") for c in m.get("tool_calls") or ())
+            out.append(m)
+        return out
+
+    if not droppable or fits(head + messages):
+        return messages
+    lo, hi = 1, len(droppable)  # fewest items to drop: dropping more never lengthens the prompt
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(head + kept(mid)):
+            hi = mid
+        else:
+            lo = mid + 1
+    return kept(hi)
+
+
 # ---- the answer ----------------------------------------------------------------------------------------------
 
 
@@ -250,8 +377,8 @@ def message_item(item_id: str, text: str, status: str = "completed") -> dict:
     }
 
 
-def output_text(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def output_text(text: str, logprobs: list[dict] | None = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs or [])}
 
 
 def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
@@ -291,15 +418,22 @@ def response_body(
         "metadata": req.metadata or {},
         "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
         "previous_response_id": req.previous_response_id,
-        "reasoning": {"effort": req.effort, "summary": None},
+        "reasoning": {"effort": req.effort, "summary": None},  # no summaries are written
         "store": req.store,
+        "background": False,
+        "service_tier": F.SERVED_TIER,
         "temperature": req.temperature,
         "top_p": req.top_p,
+        "top_logprobs": req.top_logprobs,
         "max_output_tokens": req.max_output_tokens,
-        "text": {"format": _format_shape(req)},
+        "max_tool_calls": req.max_tool_calls,
+        "text": {"format": _format_shape(req), "verbosity": (req.text and req.text.verbosity) or "medium"},
         "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
         "tools": [_tool_shape(t) for t in req.tools or []],
-        "truncation": "disabled",
+        "truncation": req.truncation or "disabled",
+        "prompt_cache_key": req.prompt_cache_key,
+        "prompt_cache_retention": req.prompt_cache_retention,
+        "safety_identifier": req.safety_identifier,
         "usage": usage,
         "user": req.user,
     }
@@ -345,6 +479,7 @@ class EventWriter:
         self.sequence = 0
         self.items: list[dict] = []  # output items so far (the open one last)
         self._open: int | None = None  # index of the item being written
+        self._logprobs: list[dict] = []  # logprobs of message tokens whose text has not been added yet
 
     def event(self, kind: str, **fields) -> dict:
         out = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -365,12 +500,17 @@ class EventWriter:
         events = self.close()
         self.items.append(item)
         self._open = len(self.items) - 1
-        events.append(
-            self.event("response.output_item.added", output_index=self._open, item={**item, "status": "in_progress"})
-        )
+        # A copy: the item grows with the text added next, and the event shows it as it began.
+        added = {**copy.deepcopy(item), "status": "in_progress"}
+        events.append(self.event("response.output_item.added", output_index=self._open, item=added))
         if item["type"] == "message":
             events.append(self._part_event("response.content_part.added", output_text("")))
         return events
+
+    def note_logprobs(self, entries: list[dict]) -> None:
+        """Logprobs of message tokens (`top_logprobs`): they go out with the next text added to a
+        message, or with the message when it closes."""
+        self._logprobs.extend(entries)
 
     def add(self, text: str) -> list[dict]:
         if not text or self._open is None:
@@ -381,10 +521,16 @@ class EventWriter:
             item["content"][0]["text"] += text
             return [self.event("response.reasoning_text.delta", content_index=0, delta=text, **where)]
         if item["type"] == "message":
-            item["content"][0]["text"] += text
-            return [self.event("response.output_text.delta", content_index=0, delta=text, logprobs=[], **where)]
+            part, logprobs = item["content"][0], self._take_logprobs()
+            part["text"] += text
+            part["logprobs"] += logprobs
+            return [self.event("response.output_text.delta", content_index=0, delta=text, logprobs=logprobs, **where)]
         item["arguments"] += text
         return [self.event("response.function_call_arguments.delta", delta=text, **where)]
+
+    def _take_logprobs(self) -> list[dict]:
+        taken, self._logprobs = self._logprobs, []
+        return taken
 
     def close(self) -> list[dict]:
         if self._open is None:
@@ -399,9 +545,13 @@ class EventWriter:
                 item["encrypted_content"] = self.seal(text)
             events.append(self.event("response.reasoning_text.done", content_index=0, text=text, **where))
         elif item["type"] == "message":
-            text = item["content"][0]["text"]
-            events.append(self.event("response.output_text.done", content_index=0, text=text, logprobs=[], **where))
-            events.append(self._part_event("response.content_part.done", output_text(text), index))
+            part = item["content"][0]
+            part["logprobs"] += self._take_logprobs()
+            text, logprobs = part["text"], part["logprobs"]
+            events.append(
+                self.event("response.output_text.done", content_index=0, text=text, logprobs=logprobs, **where)
+            )
+            events.append(self._part_event("response.content_part.done", output_text(text, logprobs), index))
         else:
             events.append(self.event("response.function_call_arguments.done", arguments=item["arguments"], **where))
         events.append(self.event("response.output_item.done", output_index=index, item=item))
@@ -440,9 +590,9 @@ def response_id() -> str:
 __all__ = [
     "ResponsesRequest",
     "EventWriter",
-    "wants_encrypted_reasoning",
     "input_messages",
     "output_messages",
+    "fit_conversation",
     "new_item",
     "new_message_item",
     "response_id",
