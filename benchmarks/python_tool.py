@@ -83,7 +83,8 @@ def main() -> None:
             rows.append(measure(sandbox, args.interpreters, args.calls))
         except SandboxUnavailable as err:
             print(f"{sandbox}: {err}")
-    print(f"{'sandbox':8} {'pool start':>10} {'start-up median / p90':>22} {'trivial call median / p90':>26} {'PSS/interp':>10}")
+    header = ("sandbox", "pool start", "start-up median / p90", "trivial call median / p90", "PSS/interp")
+    print(f"{header[0]:8} {header[1]:>10} {header[2]:>22} {header[3]:>26} {header[4]:>10}")
     for r in rows:
         s, c = r["startup_s"], r["trivial_call_s"]
         print(
