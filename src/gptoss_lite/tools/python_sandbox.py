@@ -41,6 +41,7 @@ import select
 import signal
 import stat
 import sys
+import time
 import traceback
 
 # <sys/mount.h>
@@ -74,6 +75,8 @@ RESERVED_PIDS = 300
 DEVICES = ("null", "zero", "full", "random", "urandom")
 # Files inside a bound /etc that only root may read: covered by /dev/null.
 SECRET_FILES = ("/etc/shadow", "/etc/gshadow", "/etc/shadow-", "/etc/gshadow-")
+# How long the interpreter waits, after a cell, for the processes that cell left to be killed and reaped.
+STRAY_WAIT_S = 2.0
 # Where the new root's tmpfs may be mounted: the first existing directory that holds no bind source.
 ROOT_CANDIDATES = ("/mnt", "/media", "/srv", "/opt", "/tmp")
 
@@ -346,21 +349,32 @@ def run_cell(code: str, namespace: dict, number: int, max_bytes: int) -> dict:
                 pass
 
 
-def end_strays() -> None:
-    """Kill every process of the sandbox but pid 1 and this one, and reap those that were ours.
+def end_strays(me: int) -> None:
+    """Kill every process of the sandbox but pid 1 and this one (`me`), and wait until they are gone.
+
+    Killed orphans stay zombies until pid 1 reaps them, holding pids: so kill again (a process may
+    have forked meanwhile), reap this process's own children, and look at /proc until it lists
+    nothing else, for at most STRAY_WAIT_S. /proc lists processes, not threads, so this interpreter's
+    own threads never count.
 
     NOTE: kill(-1) reaches every process the caller may signal; only inside a pid namespace is that
     the sandbox alone. Never call it with sandbox="none".
     """
-    try:
-        os.kill(-1, signal.SIGKILL)
-    except ProcessLookupError:
-        return
+    deadline = time.monotonic() + STRAY_WAIT_S
     while True:
         try:
-            os.waitpid(-1, 0)  # SIGKILL cannot be caught: each child dies, and this ends
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            return  # nothing else to signal: no process left, zombies included
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
         except ChildProcessError:
+            pass
+        left = [p for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, me)]
+        if not left or time.monotonic() > deadline:
             return
+        time.sleep(0.002)
 
 
 def serve(request_fd: int, reply_fd: int, namespaced: bool) -> None:
@@ -403,7 +417,7 @@ def serve(request_fd: int, reply_fd: int, namespaced: bool) -> None:
         if os.getpid() != me:  # a child the cell forked has finished the cell: its work is done
             os._exit(0)
         if namespaced:
-            end_strays()
+            end_strays(me)
         os.write(reply_fd, json.dumps(reply).encode() + b"\n")
 
 
