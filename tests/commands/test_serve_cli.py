@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -80,8 +81,11 @@ def _start_server(*extra: str) -> tuple[subprocess.Popen, str]:
 
 
 def _spawn_server(*extra: str) -> tuple[subprocess.Popen, str]:
-    """The server process, started (not yet answering)."""
+    """The server process, started (not yet answering); its response store in a fresh temporary
+    directory unless `extra` names one (a test never writes into the user's cache)."""
     port = _free_port()
+    if "--data-dir" not in extra:
+        extra = (*extra, "--data-dir", tempfile.mkdtemp(prefix="gptoss-lite-serve-"))
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "gptoss_lite.cli", "serve", "--model", "lite-tiny", "--port", str(port)]

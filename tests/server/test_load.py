@@ -18,12 +18,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def server_url():
+def server_url(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     cmd = [sys.executable, "-m", "gptoss_lite.cli", "serve", "--model", "lite-tiny", "--port", str(port)]
+    cmd += ["--data-dir", str(tmp_path_factory.mktemp("store"))]  # not the user's cache
     proc = subprocess.Popen(cmd + ["--threads", "1", "--log-level", "warning"], env=env, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
