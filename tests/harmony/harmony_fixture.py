@@ -204,3 +204,22 @@ if __name__ == "__main__":  # python tests/harmony/harmony_fixture.py DIR: the h
         raise SystemExit("usage: python tests/harmony/harmony_fixture.py DIR")
     out = write_gptoss_tiny(Path(sys.argv[1]))
     print(f"wrote a random-weight gpt-oss-tiny with the o200k_harmony tokenizer to {out}")
+
+
+# A weather conversation the /v1/responses tests script: the tool, a call to it with its chain of
+# thought, and an answer (text in harmony, turned into tokens by `tokens_of`).
+WEATHER_TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Current weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }
+]
+WEATHER_CALL = (
+    "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+    'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
+)
+WEATHER_ANSWER = (
+    "<|channel|>analysis<|message|>It is sunny.<|end|><|start|>assistant<|channel|>final<|message|>Sunny.<|return|>"
+)

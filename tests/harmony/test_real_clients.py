@@ -23,7 +23,7 @@ import json
 from typing import Literal
 
 import pytest
-from harmony_fixture import harmony_server, tokens_of
+from harmony_fixture import WEATHER_ANSWER, harmony_server, tokens_of
 
 agents = pytest.importorskip("agents")
 openai = pytest.importorskip("openai")
@@ -31,9 +31,7 @@ harmony = pytest.importorskip("openai_harmony")
 
 CITIES = ("Paris", "Tokyo")
 MAX_TOKENS = 24  # the free answer of a random model stops here: `incomplete`, not an error
-ANSWER = (
-    "<|channel|>analysis<|message|>The tool said.<|end|><|start|>assistant<|channel|>final<|message|>Sunny.<|return|>"
-)
+ANSWER = WEATHER_ANSWER  # the answer turn: a chain of thought, then "Sunny."
 
 
 @pytest.fixture(scope="module")

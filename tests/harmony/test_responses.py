@@ -6,7 +6,7 @@ import json
 
 import httpx
 import pytest
-from harmony_fixture import harmony_server, tokens_of
+from harmony_fixture import WEATHER_ANSWER, WEATHER_CALL, WEATHER_TOOLS, harmony_server, tokens_of
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -17,21 +17,7 @@ from gptoss_lite.server.background import BackgroundServer
 
 openai = pytest.importorskip("openai")
 
-TOOLS = [
-    {
-        "type": "function",
-        "name": "get_weather",
-        "description": "Current weather",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    }
-]
-CALL = (
-    "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
-    'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
-)
-ANSWER = (
-    "<|channel|>analysis<|message|>It is sunny.<|end|><|start|>assistant<|channel|>final<|message|>Sunny.<|return|>"
-)
+TOOLS, CALL, ANSWER = WEATHER_TOOLS, WEATHER_CALL, WEATHER_ANSWER
 
 
 @pytest.fixture(scope="module")

@@ -9,27 +9,13 @@ import json
 
 import httpx
 import pytest
-from harmony_fixture import harmony_server, tokens_of
+from harmony_fixture import WEATHER_ANSWER, WEATHER_CALL, WEATHER_TOOLS, harmony_server, tokens_of
 
 from gptoss_lite.harmony.render import render
 
 openai = pytest.importorskip("openai")
 
-TOOLS = [
-    {
-        "type": "function",
-        "name": "get_weather",
-        "description": "Current weather",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    }
-]
-CALL = (
-    "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
-    'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>'
-)
-ANSWER = (
-    "<|channel|>analysis<|message|>It is sunny.<|end|><|start|>assistant<|channel|>final<|message|>Sunny.<|return|>"
-)
+TOOLS, CALL, ANSWER = WEATHER_TOOLS, WEATHER_CALL, WEATHER_ANSWER
 SEALED = ["reasoning.encrypted_content"]
 
 

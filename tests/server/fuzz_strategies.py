@@ -25,11 +25,13 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import typing
 from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
 from gptoss_lite.server import protocol
+from gptoss_lite.server import responses as R
 
 MAX_STOP_CHARS = getattr(protocol, "MAX_STOP_CHARS", 4096)
 MAX_STOP_STRINGS = getattr(protocol, "MAX_STOP_STRINGS", 4)
@@ -479,16 +481,7 @@ CHAT_FIELDS = {
     "moderation": _NEUTRAL_ONLY,
 }
 
-_INCLUDES = [
-    "reasoning.encrypted_content",
-    "message.output_text.logprobs",
-    "file_search_call.results",
-    "web_search_call.results",
-    "web_search_call.action.sources",
-    "message.input_image.image_url",
-    "computer_call_output.output.image_url",
-    "code_interpreter_call.outputs",
-]
+_INCLUDES = list(typing.get_args(R.Includable))  # every documented `include` value
 _ITEMS = [
     [{"role": "user", "content": "hi"}],
     [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
