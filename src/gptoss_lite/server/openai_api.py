@@ -986,7 +986,9 @@ class _Run:
     async def response_events(self):
         """The SSE stream of a /v1/responses request (named events, no [DONE], as the API sends)."""
         try:
-            for event in self.writer.start() + (self.loop.list_items(self.writer) if self.loop is not None else []):
+            for event in self.writer.start():  # sent before anything is added: its snapshot lists no output
+                yield _sse_event(event)
+            for event in self.loop.list_items(self.writer) if self.loop is not None else []:
                 yield _sse_event(event)
             while not self.complete:
                 try:
