@@ -195,3 +195,16 @@ def test_mcp_requests_the_server_does_not_serve_are_a_400(served, tool, match):
     with pytest.raises(openai.BadRequestError, match=match) as err:
         client(live).responses.create(model=llm.model_name, input="Hi", tools=[{**WEATHER[0], **tool}])
     assert err.value.body["param"] == "tools"
+
+
+def test_a_labelled_server_that_is_down_is_a_503_naming_tools(tmp_path):
+    """A labelled tool server that cannot be reached does not stop the start; a request that enables
+    it is a 503 naming `tools` (and one that does not is answered)."""
+    down = "down=http://127.0.0.1:9/mcp"  # the discard port: nothing listens there
+    with harmony_server(max_running=1, tool_servers=[down], data_dir=tmp_path) as (llm, state, live):
+        tools = [{"type": "mcp", "server_label": "down", "require_approval": "never"}]
+        with pytest.raises(openai.APIStatusError, match="the tool server http://127.0.0.1:9/mcp") as err:
+            client(live).responses.create(model=llm.model_name, input="Hi", tools=tools)
+        assert err.value.status_code == 503 and err.value.body["param"] == "tools"
+        llm.script(tokens_of(state.harmony.encoding, ANSWER))
+        assert client(live).responses.create(model=llm.model_name, input="Hi").output_text == "Sunny in Paris."

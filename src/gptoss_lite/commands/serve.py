@@ -25,7 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="serve the model over an OpenAI-compatible HTTP API",
         description="Serve --model over HTTP: /v1/completions, /v1/chat/completions, /v1/responses (all "
         "streaming), /v1/models, /health, /metrics, and a playground page at /. A gpt-oss checkpoint (its "
-        "tokenizer.json is the o200k_harmony vocabulary) chats in the harmony format: reasoning, tool calls.",
+        "tokenizer.json is the o200k_harmony vocabulary) chats in the harmony format: reasoning, tool calls; with "
+        "--python-tool, --browser-corpus or --tool-server its /v1/responses also runs gpt-oss's built-in tools.",
     )
     add_model_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")

@@ -17,8 +17,11 @@
   continue another's;
 - every other documented field is echoed, accepted with no effect, or refused with a 400 naming it
   (docs/server.md#request-fields);
+- the built-in tools (`web_search`, `code_interpreter`, `mcp`) run inside the response on a server
+  started with them (server/builtin_tools.py); their items (`web_search_call`,
+  `code_interpreter_call`, `mcp_call`) are answered, and accepted back as input;
 - the answer's `output` is items in the order the model wrote them: `reasoning`, `message`
-  (`output_text`) and `function_call`; streamed, the events the official client parses
+  (`output_text`) and `function_call`, and the built-in tools' items; streamed, the events the official client parses
   (`response.created`, `response.output_item.added`, `response.reasoning_text.delta`,
   `response.output_text.delta`, `response.function_call_arguments.delta`, ..., `response.completed`).
 
