@@ -140,7 +140,16 @@ def test_layers_import_only_downwards():
 
 # What a layer may import from the package, when that is shorter to say than what it may not.
 ALLOWED_ONLY = {
-    "gptoss_lite.server": ("gptoss_lite.server", "gptoss_lite.engine", "gptoss_lite.harmony", "gptoss_lite.grammar"),
+    # the server also runs gpt-oss's built-in tools (browser, python) inside /v1/responses
+    "gptoss_lite.server": (
+        "gptoss_lite.server",
+        "gptoss_lite.engine",
+        "gptoss_lite.harmony",
+        "gptoss_lite.grammar",
+        "gptoss_lite.tools",
+    ),
+    # the tools know nothing of the model, the engine or the server
+    "gptoss_lite.tools": ("gptoss_lite.tools",),
     # the harmony format (render, parse, vocabulary) knows nothing of the model or what runs it
     "gptoss_lite.harmony": ("gptoss_lite.harmony",),
     # structured output: a logits processor over llguidance (and harmony's parser for the final channel)

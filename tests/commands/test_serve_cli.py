@@ -36,6 +36,11 @@ SRC = Path(__file__).resolve().parents[2] / "src"
         (["--stalled-client-timeout", "0"], "--stalled-client-timeout"),
         (["--header-timeout", "nan"], "--header-timeout"),
         (["--allowed-host", "http://x"], "--allowed-host"),
+        (["--max-tool-calls", "-1"], "--max-tool-calls"),
+        (["--tool-timeout", "0"], "--tool-timeout"),
+        (["--browser-corpus", "/no/such/dir"], "--browser-corpus '/no/such/dir': not a directory"),
+        (["--tool-server", "ftp://host/mcp"], "expected an http:// or https:// URL"),
+        (["--tool-server", "python=http://127.0.0.1:1/mcp"], "label 'python' must"),
     ],
 )
 def test_bad_flags_fail_before_loading(argv, match, capsys):
@@ -171,6 +176,26 @@ def test_drain_timeout_ends_streams_with_an_error_event_and_done():
             proc.wait()
 
 
+def test_python_tool_without_a_sandbox_refuses_to_start(monkeypatch, tmp_path, capsys):
+    """--python-tool where no sandbox works is one error line naming --python-tool-unsandboxed, before
+    the model loads; with --python-tool-unsandboxed the start goes on (to the model, here)."""
+    from gptoss_lite.tools import python_tool
+
+    def no_sandbox(*args, sandbox="auto", **kwargs):
+        if sandbox != "none":
+            raise python_tool.SandboxUnavailable("no sandbox:\nunshare failed; bwrap is not installed")
+        return "a pool"
+
+    monkeypatch.setattr(python_tool, "PythonToolPool", no_sandbox)
+    argv = ["serve", "--model", "no-such-model-is-loaded", "--data-dir", str(tmp_path)]
+    assert main([*argv, "--python-tool"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--python-tool-unsandboxed" in err and "no-such-model" not in err
+    assert "unshare failed; bwrap is not installed" in err
+    assert main([*argv, "--python-tool-unsandboxed"]) == 2
+    assert "no-such-model" in capsys.readouterr().err  # it got as far as loading the model
+
+
 def test_unusable_data_dir_or_key_fails_before_loading(tmp_path, capsys):
     """A data directory whose store is not one, a --secret-file that is not a key, or a bad
     --response-ttl: one clear line and exit status 2, before the model loads."""
@@ -241,3 +266,12 @@ def test_responses_outlive_the_process_and_are_shared(tmp_path):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_built_in_tools_need_a_harmony_model(tmp_path, capsys):
+    """--browser-corpus on a model that does not speak harmony is one error line (exit 2): only gpt-oss
+    was trained to call the built-in tools."""
+    (tmp_path / "docs").mkdir()
+    argv = ["serve", "--model", "lite-tiny", "--no-compile", "--data-dir", str(tmp_path / "data")]
+    assert main([*argv, "--browser-corpus", str(tmp_path / "docs")]) == 2
+    assert "need a harmony (gpt-oss) model" in capsys.readouterr().err

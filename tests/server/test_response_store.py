@@ -5,6 +5,7 @@ from __future__ import annotations
 import sqlite3
 import stat
 import threading
+import time
 
 import pytest
 
@@ -109,13 +110,13 @@ def test_concurrent_writers_lose_nothing(tmp_path):
 
 
 def test_the_file_is_wal_versioned_and_private(tmp_path):
-    """A new store is in WAL mode, with this store's application_id and schema version 1, and its
+    """A new store is in WAL mode, with this store's application_id and schema version 2, and its
     files (the -wal and -shm ones too) are readable by their owner only."""
     store = ResponseStore(tmp_path / FILE_NAME)
     store.put("alice", "resp_1", CONVERSATION, body("resp_1"))
     db = sqlite3.connect(tmp_path / FILE_NAME)
     assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    assert db.execute("PRAGMA user_version").fetchone()[0] == 1
+    assert db.execute("PRAGMA user_version").fetchone()[0] == 2
     assert db.execute("PRAGMA application_id").fetchone()[0] == int.from_bytes(b"gOSr", "big")
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
     assert modes == {FILE_NAME: 0o600, FILE_NAME + "-wal": 0o600, FILE_NAME + "-shm": 0o600}
@@ -162,10 +163,31 @@ def test_a_newer_schema_is_refused(tmp_path):
     path = tmp_path / FILE_NAME
     ResponseStore(path).close()
     db = sqlite3.connect(path)
-    db.execute("PRAGMA user_version = 2")
+    db.execute("PRAGMA user_version = 3")
     db.close()
-    with pytest.raises(StoreError, match="schema version 2; this server reads version 1"):
+    with pytest.raises(StoreError, match="schema version 3; this server reads version 2"):
         ResponseStore(path)
+
+
+def test_a_version_1_store_is_upgraded_and_keeps_its_rows(tmp_path):
+    """A store written before `chain` existed opens as version 2: its rows are kept, and each is the
+    first response of its own chain."""
+    path = tmp_path / FILE_NAME
+    db = sqlite3.connect(path)
+    db.executescript(
+        "CREATE TABLE responses (tenant TEXT NOT NULL, id TEXT NOT NULL, created_at REAL NOT NULL, "
+        "conversation TEXT NOT NULL, body TEXT NOT NULL, PRIMARY KEY (tenant, id));"
+    )
+    db.execute("INSERT INTO responses VALUES ('alice', 'resp_old', ?, '[]', '{}')", (time.time(),))
+    db.execute(f"PRAGMA application_id = {int.from_bytes(b'gOSr', 'big')}")
+    db.execute("PRAGMA user_version = 1")
+    db.commit()
+    db.close()
+    store = ResponseStore(path)
+    assert store.chain("alice", "resp_old") == "resp_old"
+    store.put("alice", "resp_new", CONVERSATION, body("resp_new"), chain="resp_old")
+    assert (store.chain("alice", "resp_new"), store.chain("bob", "resp_new")) == ("resp_old", None)
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone()[0] == 2
 
 
 def test_bad_bounds_are_refused(tmp_path):

@@ -25,7 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="serve the model over an OpenAI-compatible HTTP API",
         description="Serve --model over HTTP: /v1/completions, /v1/chat/completions, /v1/responses (all "
         "streaming), /v1/models, /health, /metrics, and a playground page at /. A gpt-oss checkpoint (its "
-        "tokenizer.json is the o200k_harmony vocabulary) chats in the harmony format: reasoning, tool calls.",
+        "tokenizer.json is the o200k_harmony vocabulary) chats in the harmony format: reasoning, tool calls; with "
+        "--python-tool, --browser-corpus or --tool-server its /v1/responses also runs gpt-oss's built-in tools.",
     )
     add_model_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
@@ -116,6 +117,52 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="S",
         help="seconds a stored response is kept for previous_response_id and GET (default: 2592000, 30 days)",
     )
+    tools = p.add_argument_group(
+        "built-in tools",
+        "tools the server runs inside /v1/responses when a request enables them (gpt-oss harmony models only; "
+        "docs/tools.md#serving-the-tools)",
+    )
+    tools.add_argument(
+        "--python-tool",
+        action="store_true",
+        help="serve the python tool (`code_interpreter`): sandboxed interpreters, one per conversation; the server "
+        "refuses to start where no sandbox (unshare or bubblewrap) works",
+    )
+    tools.add_argument(
+        "--python-tool-unsandboxed",
+        action="store_true",
+        help="serve the python tool WITHOUT isolation (the code runs as this server's user, with its files and "
+        "network): only where every client is trusted",
+    )
+    tools.add_argument(
+        "--browser-corpus",
+        default=None,
+        metavar="DIR",
+        help="serve the browser tool (`web_search`) over the documents in DIR (.txt, .md, .html; read only, its "
+        "index kept in the data dir)",
+    )
+    tools.add_argument(
+        "--tool-server",
+        action="append",
+        default=None,
+        metavar="[LABEL=]URL",
+        help="an MCP server whose tools requests may enable as {'type': 'mcp', 'server_label': LABEL} (repeatable; "
+        "streamable HTTP, or SSE for a URL ending in /sse; without LABEL= the name the server gives itself)",
+    )
+    tools.add_argument(
+        "--max-tool-calls",
+        type=int,
+        default=16,
+        metavar="N",
+        help="built-in calls one response may run when the request sends no max_tool_calls (default: 16)",
+    )
+    tools.add_argument(
+        "--tool-timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="seconds one built-in call may take, python included (default: 120, what harmony tells the model)",
+    )
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(handler=run)
 
@@ -186,6 +233,40 @@ def check_args(args: argparse.Namespace) -> dict[str, str] | None:
     return keys
 
 
+def tool_kwargs(args: argparse.Namespace) -> dict:
+    """create_app's built-in tool arguments from the flags, checked before the model loads: the python
+    pool is started (a ValueError of one line when no sandbox works and --python-tool-unsandboxed was
+    not given), the corpus directory and the tool server URLs are checked."""
+    from gptoss_lite.server.mcp_client import ToolServer
+    from gptoss_lite.validation import check_int
+
+    check_int("--max-tool-calls", args.max_tool_calls, 0)
+    if not 0 < args.tool_timeout < math.inf:
+        raise ValueError(f"--tool-timeout {args.tool_timeout}: must be a positive number of seconds")
+    if args.browser_corpus is not None and not Path(args.browser_corpus).expanduser().is_dir():
+        raise ValueError(f"--browser-corpus {args.browser_corpus!r}: not a directory")
+    servers = [ToolServer.parse(entry) for entry in args.tool_server or ()]
+    python = None
+    if args.python_tool or args.python_tool_unsandboxed:
+        from gptoss_lite.tools.python_tool import PythonToolPool, SandboxUnavailable
+
+        try:
+            python = PythonToolPool(sandbox="none" if args.python_tool_unsandboxed else "auto")
+        except SandboxUnavailable as exc:
+            why = " ".join(str(exc).split())
+            raise ValueError(
+                f"--python-tool: no sandbox works here ({why}); pass --python-tool-unsandboxed to run code "
+                "without isolation"
+            ) from None
+    return {
+        "python_tool": python,
+        "browser_corpus": args.browser_corpus,
+        "tool_servers": servers,
+        "max_tool_calls": args.max_tool_calls,
+        "tool_timeout": args.tool_timeout,
+    }
+
+
 def run(args: argparse.Namespace) -> int:
 
     from gptoss_lite.checkpoint import default_model_source
@@ -201,6 +282,7 @@ def run(args: argparse.Namespace) -> int:
     from gptoss_lite.server.http import uvicorn_config
 
     keys = check_args(args)
+    tools = tool_kwargs(args)
     device = resolve_device(args.device)
     threads = configure_threads(args.threads)
     source = args.model if args.model is not None else default_model_source()
@@ -232,6 +314,7 @@ def run(args: argparse.Namespace) -> int:
         data_dir=args.data_dir,
         secret_file=args.secret_file,
         response_ttl=args.response_ttl,
+        **tools,
     )
     state = app.state.server
     print(
@@ -247,6 +330,9 @@ def run(args: argparse.Namespace) -> int:
     )
     if state.harmony is not None:
         print("gptoss-lite serve: chats in the harmony format (reasoning, tool calls)", file=sys.stderr)
+    served = describe_tools(state.tools)
+    if served:
+        print(f"gptoss-lite serve: built-in tools in /v1/responses: {served}", file=sys.stderr)
     if llm.speculate is not None:
         print(f"gptoss-lite serve: speculative decoding, {speculation_label(args, llm)}", file=sys.stderr)
     if llm.compile_seconds is not None:
@@ -269,6 +355,17 @@ def run(args: argparse.Namespace) -> int:
     draining_server(config, state, args.drain_timeout).run()
     print("gptoss-lite serve: stopped", file=sys.stderr)
     return 0
+
+
+def describe_tools(tools) -> str:
+    """The built-in tools a server runs, in words ("" for none)."""
+    parts = []
+    if tools.python is not None:
+        parts.append(f"python (sandbox: {tools.python.sandbox})")
+    if tools.corpus is not None:
+        parts.append(f"browser over {tools.corpus.root} ({len(tools.corpus):,} documents)")
+    parts += [f"mcp {s.label or '(label from the server)'} at {s.url}" for s in tools.servers]
+    return ", ".join(parts)
 
 
 def draining_server(config, state, drain_timeout: float):

@@ -3,6 +3,9 @@
 `HarmonyStream` feeds openai-harmony's StreamableParser and routes each message's text by its header:
 
 - a recipient `functions.NAME` (on any channel) -> a tool call NAME whose arguments are the text;
+- a recipient the server runs itself (`browser.search`, `python`, an MCP server's `LABEL.TOOL`: the
+  `builtin` namespaces) -> a built-in call, kept with its channel and content type so the server can
+  run it and render it back;
 - the `analysis` channel -> reasoning;
 - anything else (`final`, a `commentary` preamble, no channel) -> content.
 
@@ -35,11 +38,15 @@ class ToolCall:
 
 @dataclass
 class Part:
-    """One message of the completion, in order: its kind (reasoning, content or call) and text so far."""
+    """One message of the completion, in order: its kind (reasoning, content, call or builtin) and text
+    so far. A builtin part's `call.name` is its whole recipient (`browser.search`, `python`), and
+    `channel` and `content_type` are its header's (what rendering it back needs)."""
 
     kind: str
     text: str = ""
     call: ToolCall | None = None
+    channel: str | None = None
+    content_type: str | None = None
 
 
 @dataclass
@@ -85,13 +92,15 @@ class HarmonyStream:
     Delta they added; `reasoning`, `content` and `tool_calls` hold everything so far.
 
     tools: whether `functions.*` recipients become tool calls (False: their text is content, as for
-    a request with `tool_choice: "none"`)."""
+    a request with `tool_choice: "none"`). builtin: the namespaces the server runs itself (`browser`,
+    `python`, MCP server labels): a recipient NAME or NAME.FUNCTION of one is a builtin part."""
 
-    def __init__(self, encoding, *, tools: bool = True):
+    def __init__(self, encoding, *, tools: bool = True, builtin: frozenset[str] = frozenset()):
         from openai_harmony import Role, StreamableParser
 
         self.encoding = encoding
         self.tools = tools
+        self.builtin = frozenset(builtin)
         self._parser = StreamableParser(encoding, Role.ASSISTANT)
         self.reasoning = ""
         self.content = ""
@@ -117,6 +126,11 @@ class HarmonyStream:
     def ended_in_call(self) -> bool:
         """The last message was a tool call (the turn's finish reason is then "tool_calls")."""
         return self._kind == "call" and self.malformed is None
+
+    @property
+    def ended_in_builtin(self) -> bool:
+        """The last message was a call to a built-in tool (the server runs it and goes on)."""
+        return self._kind == "builtin" and self.malformed is None
 
     def feed(self, tokens) -> Delta:
         delta = Delta()
@@ -176,11 +190,17 @@ class HarmonyStream:
             self.tool_calls.append(call)
             delta.calls.append(CallDelta(len(self.tool_calls) - 1, "", call.id, call.name))
             self._kind = "call"
+        elif recipient and recipient.partition(".")[0] in self.builtin:
+            call = ToolCall(new_call_id(), recipient)
+            self._kind = "builtin"
         elif self._parser.current_channel == "analysis" and not recipient:
             self._kind = "reasoning"
         else:
             self._kind = "content"
         self._open(delta, self._kind, call)
+        if call is not None and self._kind == "builtin":
+            self.parts[-1].channel = self.channel
+            self.parts[-1].content_type = self._parser.current_content_type or None
 
     def _open(self, delta: Delta, kind: str, call: ToolCall | None = None) -> None:
         self.parts.append(Part(kind, call=call))
@@ -197,6 +217,8 @@ class HarmonyStream:
         if kind == "reasoning":
             self.reasoning += text
             delta.reasoning += text
+        elif kind == "builtin":
+            self.parts[-1].call.arguments += text
         elif kind == "call":
             index = len(self.tool_calls) - 1
             self.tool_calls[index].arguments += text

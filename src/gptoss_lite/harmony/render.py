@@ -13,6 +13,10 @@ The mapping, the same as the released gpt-oss chat template and vLLM's (docs/ser
 | assistant `content` | a `final` message (a `commentary` preamble when the message also has `tool_calls`) |
 | assistant `tool_calls[i]` | `commentary` messages `to=functions.NAME <|constrain|>json`, one per call |
 | `tool` (`tool_call_id`) | a message from `functions.NAME` to the assistant on `commentary` |
+| `BuiltinTools` browser / python | the system message's `browser` and `python` tools (openai-harmony's own) |
+| `BuiltinTools` namespaces (MCP servers) | one developer-message namespace each, named after the server's label |
+| assistant `tool_calls[i]` of type `builtin` | a message to its `recipient` on its `channel` (with its content type) |
+| `tool` answering a builtin call | a message from that recipient to the assistant on the call's channel |
 
 Earlier chains of thought are dropped once a `final` answer follows them, and kept inside a tool-call
 chain that has not reached one yet (openai-harmony's `auto_drop_analysis`).
@@ -23,6 +27,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -37,6 +42,30 @@ class RenderError(ValueError):
     def __init__(self, message: str, param: str = "messages"):
         super().__init__(message)
         self.param = param
+
+
+@dataclass(frozen=True)
+class BuiltinTools:
+    """The tools the server runs itself that a conversation declares: gpt-oss's `browser` and
+    `python` (in the system message, exactly as openai-harmony's `with_browser_tool()` and
+    `with_python_tool()` write them) and MCP servers' tools, each server a developer-message
+    namespace: {"name": label, "description": text or None, "tools": [{"name", "description",
+    "parameters"}]}."""
+
+    browser: bool = False
+    python: bool = False
+    namespaces: tuple[dict, ...] = ()
+
+    @property
+    def recipients(self) -> frozenset[str]:
+        """The namespaces whose calls the server runs (what the parser treats as builtin calls)."""
+        names = {ns["name"] for ns in self.namespaces}
+        names |= {"browser"} if self.browser else set()
+        names |= {"python"} if self.python else set()
+        return frozenset(names)
+
+    def __bool__(self) -> bool:
+        return self.browser or self.python or bool(self.namespaces)
 
 
 def today() -> str:
@@ -95,8 +124,10 @@ def conversation(
     tools: Sequence[dict] | None = None,
     effort: str = DEFAULT_EFFORT,
     date: str | None = None,
+    builtin: BuiltinTools | None = None,
 ):
-    """The openai-harmony Conversation for OpenAI-shaped `messages` (dicts) and function `tools`."""
+    """The openai-harmony Conversation for OpenAI-shaped `messages` (dicts), function `tools` and the
+    `builtin` tools the server runs."""
     from openai_harmony import (
         Author,
         Conversation,
@@ -106,6 +137,7 @@ def conversation(
         Role,
         SystemContent,
         ToolDescription,
+        ToolNamespaceConfig,
     )
 
     if effort not in EFFORTS:
@@ -115,10 +147,15 @@ def conversation(
         .with_reasoning_effort(ReasoningEffort(effort.capitalize()))
         .with_conversation_start_date(date or today())
     )
+    builtin = builtin or BuiltinTools()
+    if builtin.browser:
+        system = system.with_browser_tool()
+    if builtin.python:
+        system = system.with_python_tool()
     described = function_tools(tools)
     head, rest = _leading_instructions(messages)
     out = [Message.from_role_and_content(Role.SYSTEM, system)]
-    if head or described:
+    if head or described or builtin.namespaces:
         developer = DeveloperContent.new()
         if head:
             developer = developer.with_instructions("\n\n".join(head))
@@ -126,8 +163,13 @@ def conversation(
             developer = developer.with_function_tools(
                 [ToolDescription.new(t["name"], t["description"], parameters=t["parameters"]) for t in described]
             )
+        for ns in builtin.namespaces:
+            listed = [ToolDescription.new(t["name"], t["description"], parameters=t["parameters"]) for t in ns["tools"]]
+            developer = developer.with_tools(
+                ToolNamespaceConfig(name=ns["name"], description=ns["description"], tools=listed)
+            )
         out.append(Message.from_role_and_content(Role.DEVELOPER, developer))
-    call_names: dict[str, str] = {}  # tool_call_id -> function name, for the tool results that follow
+    call_names: dict[str, tuple[str, str]] = {}  # tool_call_id -> (author, channel) of the result that follows
     for index, message in rest:
         where = f"messages[{index}]"
         role = message.get("role")
@@ -140,15 +182,15 @@ def conversation(
             out.extend(_assistant(message, where, call_names))
         elif role == "tool":
             call_id = message.get("tool_call_id")
-            name = call_names.get(call_id) if isinstance(call_id, str) else None
-            name = name or message.get("name")
-            if not isinstance(name, str) or not name:
+            author, channel = call_names.get(call_id, (None, "commentary")) if isinstance(call_id, str) else (None, "")
+            name = message.get("name")
+            if author is None and isinstance(name, str) and name:
+                author, channel = f"functions.{name}", "commentary"
+            if author is None:
                 raise RenderError(f"{where}: a tool message needs the tool_call_id of an earlier assistant tool call")
             text = message_text(message.get("content"), where)
-            author = Author.new(Role.TOOL, f"functions.{name}")
-            out.append(
-                Message.from_author_and_content(author, text).with_channel("commentary").with_recipient("assistant")
-            )
+            result = Message.from_author_and_content(Author.new(Role.TOOL, author), text)
+            out.append(result.with_channel(channel).with_recipient("assistant"))
         else:
             raise RenderError(f"{where}.role: {role!r} is not a chat role")
     return Conversation.from_messages(out)
@@ -167,7 +209,7 @@ def _leading_instructions(messages: Sequence[dict]) -> tuple[list[str], list[tup
     return head, []
 
 
-def _assistant(message: dict, where: str, call_names: dict[str, str]) -> list:
+def _assistant(message: dict, where: str, call_names: dict[str, tuple[str, str]]) -> list:
     from openai_harmony import Message, Role
 
     out = []
@@ -182,6 +224,9 @@ def _assistant(message: dict, where: str, call_names: dict[str, str]) -> list:
         channel = "commentary" if calls else "final"
         out.append(Message.from_role_and_content(Role.ASSISTANT, text).with_channel(channel))
     for j, call in enumerate(calls):
+        if isinstance(call, dict) and call.get("type") == "builtin":
+            out.append(_builtin_call(call, f"{where}.tool_calls[{j}]", call_names))
+            continue
         fn = call.get("function") if isinstance(call, dict) else None
         name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(name, str) or not TOOL_NAME.match(name):
@@ -190,10 +235,27 @@ def _assistant(message: dict, where: str, call_names: dict[str, str]) -> list:
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments)
         if isinstance(call.get("id"), str):
-            call_names[call["id"]] = name
+            call_names[call["id"]] = (f"functions.{name}", "commentary")
         msg = Message.from_role_and_content(Role.ASSISTANT, arguments).with_channel("commentary")
         out.append(msg.with_recipient(f"functions.{name}").with_content_type("<|constrain|>json"))
     return out
+
+
+def _builtin_call(call: dict, where: str, call_names: dict[str, tuple[str, str]]):
+    """A call the server ran (browser, python, an MCP tool), as the model wrote it: its recipient,
+    channel and content type."""
+    from openai_harmony import Message, Role
+
+    recipient, channel = call.get("recipient"), call.get("channel") or "analysis"
+    arguments, content_type = call.get("arguments", ""), call.get("content_type")
+    if not isinstance(recipient, str) or not recipient or not isinstance(channel, str):
+        raise RenderError(f"{where}: a builtin call needs its recipient and channel")
+    if not isinstance(arguments, str) or not (content_type is None or isinstance(content_type, str)):
+        raise RenderError(f"{where}: a builtin call's arguments and content type are strings")
+    if isinstance(call.get("id"), str):
+        call_names[call["id"]] = (recipient, channel)
+    msg = Message.from_role_and_content(Role.ASSISTANT, arguments).with_channel(channel).with_recipient(recipient)
+    return msg.with_content_type(content_type) if content_type else msg
 
 
 def response_formats_section(name: str | None, schema: dict, description: str | None = None) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from gptoss_lite.harmony.parse import Delta, HarmonyStream
-from gptoss_lite.harmony.render import DEFAULT_EFFORT, RenderError, function_tools, render
+from gptoss_lite.harmony.render import DEFAULT_EFFORT, BuiltinTools, RenderError, function_tools, render
 from gptoss_lite.harmony.vocabulary import HARMONY_SPECIALS, HarmonyUnavailable, load_encoding
 
 logger = logging.getLogger(__name__)
@@ -103,14 +103,25 @@ class HarmonyServing:
         effort: str | None,
         response_format: dict | None = None,
         date: str | None = None,
+        builtin: BuiltinTools | None = None,
     ) -> list[int]:
-        """Prompt ids (RenderError for a conversation harmony cannot express)."""
+        """Prompt ids (RenderError for a conversation harmony cannot express). `builtin`: the tools the
+        server runs that this conversation declares (none with tool_choice "none")."""
         described = function_tools(tools)
         names = {t["name"] for t in described}
         self.check_tool_choice(tool_choice, names)
         shown = None if tool_choice == "none" else tools
+        builtin = None if tool_choice == "none" else builtin
         effort = effort or DEFAULT_EFFORT
-        return render(self.encoding, messages, tools=shown, effort=effort, date=date, response_format=response_format)
+        return render(
+            self.encoding,
+            messages,
+            tools=shown,
+            effort=effort,
+            date=date,
+            response_format=response_format,
+            builtin=builtin,
+        )
 
     @staticmethod
     def check_tool_choice(tool_choice, names: set[str]) -> None:
@@ -139,8 +150,10 @@ class HarmonyServing:
         headers = [f"<|channel|>commentary to=functions.{n} <|constrain|>json<|message|>" for n in chosen]
         return ToolChoicePrefix([self.encoding.encode(h, allowed_special="all") for h in headers])
 
-    def stream(self, tool_choice=None) -> HarmonyStream:
-        return HarmonyStream(self.encoding, tools=tool_choice != "none")
+    def stream(self, tool_choice=None, builtin: BuiltinTools | None = None) -> HarmonyStream:
+        """A parse of one completion; calls to `builtin`'s namespaces are builtin parts."""
+        runs = builtin.recipients if builtin is not None and tool_choice != "none" else frozenset()
+        return HarmonyStream(self.encoding, tools=tool_choice != "none", builtin=runs)
 
 
 def _named_choice(tool_choice) -> str | None:

@@ -15,6 +15,8 @@ PREFIX = "gptoss"
 # Bucket edges in seconds: a CPU-served tiny model answers in milliseconds, a large one in seconds.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# A browser search takes milliseconds, a python cell up to its 120 s limit.
+TOOL_BUCKETS = (0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 class ServerMetrics:
@@ -67,6 +69,25 @@ class ServerMetrics:
             "Harmony completions the parser refused (their text was answered as content)",
             registry=self.registry,
         )
+        self.tool_calls = Counter(
+            f"{PREFIX}_tool_calls",
+            "Built-in tool calls run inside /v1/responses, by tool (browser, python, mcp:LABEL)",
+            ("tool",),
+            registry=self.registry,
+        )
+        self.tool_errors = Counter(
+            f"{PREFIX}_tool_errors",
+            "Built-in tool calls that ended in an error the model read, by tool",
+            ("tool",),
+            registry=self.registry,
+        )
+        self.tool_seconds = Histogram(
+            f"{PREFIX}_tool_call_seconds",
+            "Seconds one built-in tool call took, by tool",
+            ("tool",),
+            buckets=TOOL_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(_EngineCollector(snapshot))
 
     def record_finished(self, output) -> None:
@@ -76,6 +97,13 @@ class ServerMetrics:
             self.ttft.observe(m.ttft)
         for gap in m.itl:
             self.itl.observe(gap)
+
+    def record_tool(self, tool: str, seconds: float, error: bool) -> None:
+        """One built-in tool call: its count, its time, and whether it ended in an error."""
+        self.tool_calls.labels(tool).inc()
+        self.tool_seconds.labels(tool).observe(seconds)
+        if error:
+            self.tool_errors.labels(tool).inc()
 
     def record_usage(self, tenant: str, prompt_tokens: int, cached_tokens: int) -> None:
         self.prompt_tokens.labels(tenant).inc(prompt_tokens)

@@ -5,6 +5,10 @@ POST /v1/responses, GET and DELETE /v1/responses/{id}, GET /v1/models, GET /heal
 (Prometheus), GET /stats (engine figures as JSON), POST /admin/reset_prefix_cache and GET / (the
 playground page). The LLM runs on one EngineLoop thread; handlers only queue commands.
 
+Built-in tools (`python_tool`, `browser_corpus`, `tool_servers`): a /v1/responses request that enables
+them gets its browser, python and MCP calls run by the server inside the same response
+(server/builtin_tools.py, docs/tools.md#serving-the-tools).
+
 Tenancy: with `api_keys` ({key: tenant}) every /v1 request needs `Authorization: Bearer KEY`, and
 the prefix-cache scope of its request is its tenant plus any `cache_salt` it sent, so a prefix that
 one key cached is never a hit for another (docs/server.md#tenancy). Without keys everyone is the
@@ -37,10 +41,18 @@ from gptoss_lite.grammar import GrammarError, HarmonyConstraint, JsonConstraint,
 from gptoss_lite.harmony.render import function_tools
 from gptoss_lite.server import protocol as P
 from gptoss_lite.server import responses as R
+from gptoss_lite.server.builtin_tools import (
+    DEFAULT_MAX_TOOL_CALLS,
+    DEFAULT_TOOL_TIMEOUT,
+    ServerTools,
+    ToolLoop,
+    load_corpus,
+)
 from gptoss_lite.server.chat import ChatTemplate, ChatTemplateError
 from gptoss_lite.server.engine_loop import Channel, EngineLoop, QueueFull, ShuttingDown
 from gptoss_lite.server.harmony import RenderError, chained, chat_delta, chat_message, finish_reason, harmony_for
 from gptoss_lite.server.http import ABORT_EXTENSION, DEFAULT_BODY_TIMEOUT
+from gptoss_lite.server.mcp_client import ToolServer
 from gptoss_lite.server.metrics import ServerMetrics
 from gptoss_lite.server.response_store import FILE_NAME, TTL_SECONDS, ResponseStore
 from gptoss_lite.server.sealing import Sealer, data_dir_key, read_key_file
@@ -71,6 +83,7 @@ class ServerState:
         data_dir,
         secret_file,
         response_ttl,
+        tools=None,
     ):
         self.scratch = None  # without a data directory: the private temporary one used instead
         if data_dir is None:
@@ -91,6 +104,7 @@ class ServerState:
         self.harmony = None if harmony is False else harmony_for(llm.tokenizer, required=harmony is True)
         self.engine = EngineLoop(llm, max_waiting=max_waiting, on_finished=self._finished)
         self.metrics = ServerMetrics(lambda: self.engine.snapshot.stats)
+        self.tools = _server_tools(self, data_dir, **(tools or {}))
         self.draining = False
         self.created = int(time.time())
 
@@ -144,6 +158,41 @@ class ServerState:
         return key is not None and admin is not None and hmac.compare_digest(key.encode(), admin.encode())
 
 
+def _server_tools(
+    state: ServerState,
+    data_dir,
+    *,
+    python_tool=None,
+    browser_corpus=None,
+    tool_servers=None,
+    max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS,
+    tool_timeout: float = DEFAULT_TOOL_TIMEOUT,
+) -> ServerTools:
+    """The app's built-in tools (create_app's arguments); a ValueError when some are given to a model
+    that does not speak harmony (only gpt-oss was trained to call them)."""
+    servers = [s if isinstance(s, ToolServer) else ToolServer.parse(s) for s in tool_servers or ()]
+    corpus = browser_corpus
+    if corpus is not None and isinstance(corpus, (str, Path)):
+        corpus = load_corpus(corpus, data_dir)
+    count_tokens = None
+    if state.harmony is not None:
+        encoding = state.harmony.encoding
+        count_tokens = lambda text: len(encoding.encode(text, disallowed_special=()))  # noqa: E731
+    tools = ServerTools(
+        python=python_tool,
+        corpus=corpus,
+        tool_servers=servers,
+        metrics=state.metrics,
+        count_tokens=count_tokens,
+        tool_timeout=tool_timeout,
+        max_tool_calls=max_tool_calls,
+    )
+    if tools and state.harmony is None:
+        tools.close()
+        raise ValueError("python_tool, browser_corpus and tool_servers need a harmony (gpt-oss) model")
+    return tools
+
+
 def open_data_dir(
     data_dir: str | Path, secret_file: str | Path | None = None, response_ttl: float = TTL_SECONDS
 ) -> tuple[ResponseStore, Sealer]:
@@ -190,6 +239,11 @@ def create_app(
     data_dir: str | Path | None = None,
     secret_file: str | Path | None = None,
     response_ttl: float = TTL_SECONDS,
+    python_tool=None,
+    browser_corpus=None,
+    tool_servers: list | None = None,
+    max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS,
+    tool_timeout: float = DEFAULT_TOOL_TIMEOUT,
 ) -> FastAPI:
     """A FastAPI app serving `llm`; the engine thread starts and stops with the app's lifespan.
 
@@ -210,6 +264,13 @@ def create_app(
     secret_file: the key that seals reasoning items (32 raw bytes or 64 hex digits) instead of the
         data directory's.
     response_ttl: seconds a stored response is kept.
+    python_tool: a PythonToolPool that runs the python tool (`code_interpreter`); the app closes it.
+    browser_corpus: a directory of documents (or a browser Corpus) the browser tool (`web_search`)
+        searches; a directory's index is kept under data_dir.
+    tool_servers: MCP servers (`mcp` tools): ToolServers or "[LABEL=]URL" strings, listed when the app
+        starts (an unlabelled one that cannot be reached stops the start).
+    max_tool_calls: built-in calls one response may run when the request sets no max_tool_calls.
+    tool_timeout: seconds one built-in call may take.
     """
     state = ServerState(
         llm,
@@ -226,15 +287,24 @@ def create_app(
         data_dir=data_dir,
         secret_file=secret_file,
         response_ttl=response_ttl,
+        tools={
+            "python_tool": python_tool,
+            "browser_corpus": browser_corpus,
+            "tool_servers": tool_servers,
+            "max_tool_calls": max_tool_calls,
+            "tool_timeout": tool_timeout,
+        },
     )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        await state.tools.start()
         state.engine.start()
         try:
             yield
         finally:
             await asyncio.to_thread(state.engine.stop)
+            await asyncio.to_thread(state.tools.close)
 
     app = FastAPI(title="gptoss-lite", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
@@ -446,8 +516,11 @@ async def _serve_harmony(state: ServerState, request: Request, tenant: str, req:
 
 async def _serve_response(state: ServerState, request: Request, tenant: str, req: R.ResponsesRequest):
     """POST /v1/responses: the stored conversation (previous_response_id), then this input; with
-    `truncation: "auto"` its oldest items are dropped until it fits the context."""
-    history = []
+    `truncation: "auto"` its oldest items are dropped until it fits the context. Built-in tools the
+    request enables run inside the response (a ToolLoop)."""
+    functions, enabled = state.tools.parse(req.tools)
+    rid = R.response_id()
+    history, chain = [], rid
     if req.previous_response_id:
         history = await asyncio.to_thread(state.responses.conversation, tenant, req.previous_response_id)
         if history is None:
@@ -457,25 +530,43 @@ async def _serve_response(state: ServerState, request: Request, tenant: str, req
                 param="previous_response_id",
                 code="previous_response_not_found",
             )
+        chain = await asyncio.to_thread(state.responses.chain, tenant, req.previous_response_id) or chain
     messages = history + R.input_messages(req, unseal=lambda sealed: state.sealer.open(tenant, sealed))
     head = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    render = _response_renderer(state, req, messages)
+    builtin = await enabled.declarations() if enabled and state.harmony is not None else None
+    render = _response_renderer(state, req, messages, functions, builtin)
     kept = messages
     if req.truncation == "auto":
         kept = R.fit_conversation(head, messages, lambda shown: _fits(state, render(shown), req.token_limit))
     prompt = render(head + kept)
+    loop = None
     if state.harmony is not None:
-        constraint = _structured(state, req.structured, "text.format", req.tools).get("logits_processor")
+        constraint = _structured(state, req.structured, "text.format", functions).get("logits_processor")
         extra = {
             "stop_token_ids": state.harmony.stop_token_ids,
-            "logits_processor": chained(state.harmony.tool_choice_processor(req.tools, req.tool_choice), constraint),
+            "logits_processor": chained(state.harmony.tool_choice_processor(functions, req.tool_choice), constraint),
         }
+        if builtin and req.tool_choice != "none":
+            loop = ToolLoop(
+                state.tools,
+                enabled,
+                builtin,
+                encoding=state.harmony.encoding,
+                tenant=tenant,
+                chain=chain,
+                max_calls=req.max_tool_calls,
+                include=tuple(req.include or ()),
+            )
+            loop.round_extra = lambda: {  # later rounds: a fresh constraint, no tool_choice prefix
+                "stop_token_ids": state.harmony.stop_token_ids,
+                "logits_processor": constraint.fork() if constraint is not None else None,
+            }
     else:
         extra = _structured(state, req.structured, "text.format")
 
-    def store(body: dict, items: list[dict]) -> None:
+    def store(body: dict, items: list[dict], transcript: dict) -> None:
         if req.store:
-            state.responses.put(tenant, body["id"], messages + R.output_messages(items), body)
+            state.responses.put(tenant, body["id"], messages + R.output_messages(items, transcript), body, chain)
 
     seal = (lambda text: state.sealer.seal(tenant, text)) if req.wants_encrypted_reasoning else None
     return await _serve(
@@ -489,22 +580,26 @@ async def _serve_response(state: ServerState, request: Request, tenant: str, req
         harmony_choice=req.tool_choice,
         on_response=store,
         seal=seal,
+        rid=rid,
+        loop=loop,
     )
 
 
-def _response_renderer(state: ServerState, req: R.ResponsesRequest, messages: list[dict]):
-    """render(chat-shaped messages) -> the prompt of a /v1/responses request: harmony ids, or the
-    chat template's text (tools and effort being a 400 on a model without harmony)."""
+def _response_renderer(state: ServerState, req: R.ResponsesRequest, messages: list[dict], functions, builtin):
+    """render(chat-shaped messages) -> the prompt of a /v1/responses request: harmony ids (declaring
+    the function tools and the built-in ones), or the chat template's text (tools and effort being a
+    400 on a model without harmony)."""
     if state.harmony is not None:
 
         def render(shown: list[dict]):
             try:
                 return state.harmony.prompt(
                     shown,
-                    tools=req.tools,
+                    tools=functions,
                     tool_choice=req.tool_choice,
                     effort=req.effort,
                     response_format=req.structured,
+                    builtin=builtin,
                 )
             except RenderError as exc:
                 raise P.APIError(400, str(exc), param="input" if exc.param == "messages" else exc.param) from None
@@ -622,17 +717,21 @@ async def _serve(
     on_response=None,
     seal=None,
     echo: str = "",
+    rid: str | None = None,
+    loop: ToolLoop | None = None,
 ):
     """Queue the request and answer it. extra: more SamplingParams fields (a harmony chat's: its
     answer is then parsed); harmony_choice: its tool_choice; on_response(body, output items): the
     request is a /v1/responses one, answered as a Response, and this runs (in a worker thread) once
     it is complete, before the client sees the end; seal: reasoning text -> encrypted_content; echo:
-    text every completion choice begins with (the prompt, for `echo: true`)."""
+    text every completion choice begins with (the prompt, for `echo: true`); rid: the response's id
+    (made here if None); loop: a response's built-in tools, run between rounds of generation."""
     if state.draining:
         raise P.APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
     prepared = _prepare(state, req, prompt, extra)
     sampling = prepared.sampling
-    rid = R.response_id() if on_response is not None else f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    if rid is None:
+        rid = R.response_id() if on_response is not None else f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     try:
         channel = await state.engine.add(rid, prepared, cache_scope(tenant, req.cache_salt))
     except QueueFull as exc:
@@ -646,7 +745,11 @@ async def _serve(
     if sampling.n > req.n:  # completions' best_of
         run.answer_n, run.show_logprobs = req.n, req.logprobs is not None
     if extra and state.harmony is not None:  # a harmony chat: parse each sample's tokens
-        run.parsers = {i: state.harmony.stream(harmony_choice) for i in range(sampling.n)}
+        builtin = loop.declared if loop is not None else None
+        run.parsers = {i: state.harmony.stream(harmony_choice, builtin) for i in range(sampling.n)}
+    if loop is not None:
+        run.loop, run.req, run.prompt_ids = loop, req, list(prepared.token_ids)
+        run.scope, run.harmony_choice = cache_scope(tenant, req.cache_salt), harmony_choice
     if on_response is not None:
         run.writer, run.on_response = R.EventWriter(rid, state.model_name, req, seal=seal), on_response
     run.echo, run.metadata = echo, getattr(req, "metadata", None)
@@ -678,12 +781,20 @@ class _Run:
         self.response: dict | None = None  # /v1/responses: the final Response body, once complete
         self.echo = ""  # what each completion choice begins with (`echo: true`: the prompt)
         self.metadata: dict | None = None  # a chat request's, echoed in its answer
+        # A response with built-in tools: several rounds of generation, one engine request each.
+        self.loop: ToolLoop | None = None
+        self.engine_rid = rid  # the engine request of the round being generated
+        self.req = None  # the request (its sampling fields and token limit, for later rounds)
+        self.prompt_ids: list[int] = []  # the prompt of the round being generated
+        self.scope, self.harmony_choice = "", None
+        self.client_gone = False
 
     async def _watch(self, request: Request) -> None:
         """Wake the reader when the server reports that the client disconnected (the body is already
         read, so the next ASGI message is the disconnect)."""
         while (await request.receive())["type"] != "http.disconnect":
             pass
+        self.client_gone = True
         self.channel.leave()
 
     async def _next(self):
@@ -711,7 +822,7 @@ class _Run:
     def abort(self) -> None:
         if not self.done:
             self.done = True
-            self.state.engine.abort(self.rid)
+            self.state.engine.abort(self.engine_rid)
             self.state.metrics.aborted.inc()
 
     def stalled(self) -> None:
@@ -743,12 +854,73 @@ class _Run:
     # ---- /v1/responses ----------------------------------------------------------------------------
 
     def _response_status(self) -> str:
+        if self.loop is not None and self.loop.stopped is not None:
+            return "incomplete"
         return "incomplete" if self.finals[0].finish_reason == "length" else "completed"
 
     def _response_usage(self) -> dict:
+        """Tokens of the response: with built-in tools, every round's prompt and output summed (each
+        round reads its whole prompt, mostly from the prefix cache: cached_tokens says how much)."""
+        loop = self.loop
+        if loop is not None:
+            return R.usage(loop.prompt_tokens, loop.output_tokens, loop.cached_tokens, loop.reasoning_tokens)
         first = self.finals[0]
         reasoning = self.parsers[0].reasoning_tokens if self.parsers is not None else 0
         return R.usage(len(first.prompt_token_ids), len(first.token_ids), first.num_cached_tokens, reasoning)
+
+    def _finish_response(self) -> list[dict]:
+        """The last events of a Response (an empty message if it wrote nothing); `response` is its body."""
+        writer = self.writer
+        events = [] if writer.items else writer.open(R.new_message_item())
+        reason = self.loop.stopped if self.loop is not None else None
+        events += writer.finish(self._response_status(), self._response_usage(), reason)
+        self.response = events[-1]["response"]
+        return events
+
+    def _ends_in_builtin_call(self, final) -> bool:
+        """The round ended in a call to a built-in tool (its <|call|>): the server runs it and goes on."""
+        parser, harmony = self.parsers[0], self.state.harmony
+        ids = final.token_ids
+        return parser.ended_in_builtin and final.finish_reason == "stop" and bool(ids) and ids[-1] == harmony.call_token
+
+    async def _tool_round(self):
+        """Run the built-in call the last round ended in (yielding its item's events), then begin the
+        next round on the prompt extended by the call and the tool's answer. When no round may follow
+        (the bound on calls, the output budget or the context is spent), `loop.stopped` says why and
+        the response is left to be finished; when the client has gone, nothing more is started."""
+        loop = self.loop
+        call = loop.take()
+        async for events in loop.run(call, self.writer):
+            yield events
+        if self.client_gone:
+            return
+        if loop.ignored > 1:  # a second call past the bound: the model will not stop calling
+            loop.stopped = "max_tool_calls"
+            return
+        ids = self.prompt_ids + list(self.finals[0].token_ids) + loop.tool_message(call, loop.answer)
+        await self._start_round(ids)
+
+    async def _start_round(self, ids: list[int]) -> None:
+        """Queue the next round of a response with built-in tools (or set `loop.stopped`)."""
+        state, loop, req = self.state, self.loop, self.req
+        budget = state.llm.max_model_len - len(ids)
+        if req.token_limit is not None:
+            budget = min(budget, req.token_limit - loop.output_tokens)
+        if budget < 1:
+            loop.stopped = "max_output_tokens"
+            return
+        try:
+            sampling = SamplingParams(max_tokens=budget, **req.sampling_kwargs(), **loop.round_extra())
+            prepared = state.llm.prepare(ids, sampling)
+            loop.rounds += 1
+            engine_rid = f"{self.rid}-{loop.rounds}"
+            channel = await state.engine.add(engine_rid, prepared, self.scope)
+        except (QueueFull, ShuttingDown, ValueError, TypeError) as exc:
+            why = f"the next round of the response could not start: {exc}"
+            raise P.APIError(503, why, type="server_error") from None
+        self.engine_rid, self.channel, self.prompt_ids = engine_rid, channel, list(prepared.token_ids)
+        self.finals, self.done = {}, False
+        self.parsers = {0: state.harmony.stream(self.harmony_choice, loop.declared)}
 
     def _response_events(self, update) -> list[dict]:
         """The Response events of one update (output items open, grow and close as the text comes).
@@ -768,6 +940,11 @@ class _Run:
                 events += self._items_of(parser, delta)
             if final is not None:
                 events += self._items_of(parser, self._finish_parse(parser))
+                if self.loop is not None:
+                    self.loop.add_round(final, parser)
+                    if self._ends_in_builtin_call(final):
+                        self.loop.pending = parser.parts[-1]
+                        return events
         else:
             if logprobs:
                 writer.note_logprobs(self._logprob_entries(logprobs))
@@ -776,26 +953,30 @@ class _Run:
                     events += writer.open(R.new_message_item())
                 events += writer.add(update.text[0])
         if final is not None:
-            if not writer.items:
-                events += writer.open(R.new_message_item())
-            events += writer.finish(self._response_status(), self._response_usage())
-            self.response = events[-1]["response"]
+            events += self._finish_response()
         return events
 
     async def _keep_response(self) -> None:
         """Store the complete response (off the event loop) before its client sees the end, so a
         `previous_response_id` sent right after finds it; an APIError 500 if the store fails."""
+        transcript = self.loop.transcript if self.loop is not None else {}
         try:
-            await asyncio.to_thread(self.on_response, self.response, self.writer.items)
+            await asyncio.to_thread(self.on_response, self.response, self.writer.items, transcript)
         except sqlite3.Error as exc:
             why = f"the response could not be stored: {exc}"
             raise P.APIError(500, why, type="server_error", code="store_failed") from None
 
     def _items_of(self, parser, delta) -> list[dict]:
-        """The events of what a harmony parse added: items opened ("" text) and text added."""
+        """The events of what a harmony parse added: items opened ("" text) and text added. A call to a
+        built-in tool gets its item when the call is complete (ToolLoop.run)."""
         events = []
         for index, text in delta.parts:
-            events += self.writer.open(R.new_item(parser.parts[index])) if text == "" else self.writer.add(text)
+            if parser.parts[index].kind == "builtin":
+                events += self.writer.close()  # what came before the call is done
+            elif text == "":
+                events += self.writer.open(R.new_item(parser.parts[index]))
+            else:
+                events += self.writer.add(text)
         return events
 
     def _logprob_entries(self, entries: list) -> list[dict]:
@@ -805,7 +986,9 @@ class _Run:
     async def response_events(self):
         """The SSE stream of a /v1/responses request (named events, no [DONE], as the API sends)."""
         try:
-            for event in self.writer.start():
+            for event in self.writer.start():  # sent before anything is added: its snapshot lists no output
+                yield _sse_event(event)
+            for event in self.loop.list_items(self.writer) if self.loop is not None else []:
                 yield _sse_event(event)
             while not self.complete:
                 try:
@@ -818,6 +1001,19 @@ class _Run:
                     break
                 for event in events:
                     yield _sse_event(event)
+                if self.complete and self.loop is not None and self.loop.pending is not None:
+                    try:
+                        async for events in self._tool_round():
+                            for event in events:
+                                yield _sse_event(event)
+                        events = self._finish_response() if self.complete else []
+                        if self.response is not None:
+                            await self._keep_response()
+                    except P.APIError as exc:
+                        yield _sse_event(self.writer.event("error", message=exc.message, code=exc.code, param=None))
+                        break
+                    for event in events:
+                        yield _sse_event(event)
         finally:
             self.abort()
 
@@ -846,6 +1042,8 @@ class _Run:
         """Wait for the whole answer (non-streaming); abort if the client disconnects meanwhile."""
         watcher = asyncio.ensure_future(self._watch(request))
         entries: dict[int, list] = {}
+        if self.loop is not None:
+            self.loop.list_items(self.writer)
         try:
             while True:
                 update = await self._next()
@@ -856,6 +1054,15 @@ class _Run:
                 elif self.parsers is not None:
                     for index, tokens in update.tokens.items():
                         self.parsers[index].feed(tokens)
+                if self.complete and self.loop is not None and self.loop.pending is not None:
+                    async for _ in self._tool_round():
+                        pass
+                    if self.client_gone:
+                        return {}
+                    if not self.complete:
+                        continue  # the next round
+                    self._finish_response()  # no round may follow: the response ends here
+                    break
                 if self.complete:
                     break
                 if update.client_gone:

@@ -2,7 +2,8 @@
 answers (docs/server.md#stored-responses).
 
 One row per response, keyed by (tenant, id): the conversation (chat-shaped messages, input and output)
-and the Response body the create call answered, both JSON. Each tenant keeps its newest
+and the Response body the create call answered, both JSON, and the id of the chain's first response
+(what a conversation's python interpreter is keyed by). Each tenant keeps its newest
 `max_per_tenant` rows, and no row outlives `ttl` seconds; both bounds are applied on every write.
 
 The file is `responses.sqlite3` in the data directory, in WAL mode, so any number of server
@@ -24,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 FILE_NAME = "responses.sqlite3"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2 added `chain`; a version 1 file is upgraded in place when opened
 APPLICATION_ID = int.from_bytes(b"gOSr", "big")  # marks the file as this store's (`file` shows it too)
 MAX_PER_TENANT = 1024  # stored responses each tenant keeps (the newest)
 TTL_SECONDS = 30 * 24 * 3600  # age at which a stored response is dropped: 30 days
@@ -37,6 +38,7 @@ CREATE TABLE responses (
     created_at REAL NOT NULL,    -- Unix time, seconds
     conversation TEXT NOT NULL,  -- JSON: the chat-shaped messages previous_response_id continues
     body TEXT NOT NULL,          -- JSON: the Response object the create call answered
+    chain TEXT,                  -- the id of the chain's first response (NULL: this one's own id)
     PRIMARY KEY (tenant, id)
 );
 CREATE INDEX responses_by_age ON responses (created_at);
@@ -104,6 +106,9 @@ class ResponseStore:
                     f"{self.path}: an SQLite file that is not a gptoss-lite response store; move it away, or pass "
                     "another --data-dir"
                 )
+            elif version == 1:  # before `chain`: each old response begins its own chain
+                db.execute("ALTER TABLE responses ADD COLUMN chain TEXT")
+                db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             elif version != SCHEMA_VERSION:
                 raise StoreError(
                     f"{self.path}: response store schema version {version}; this server reads version "
@@ -117,8 +122,11 @@ class ResponseStore:
         if problem != "ok":
             raise StoreError(f"{self.path}: the response store is damaged ({problem}); move it away")
 
-    def put(self, tenant: str, response_id: str, conversation: list[dict], body: dict) -> None:
-        """Store a response (replacing one of the same id), then drop what is past the bounds."""
+    def put(
+        self, tenant: str, response_id: str, conversation: list[dict], body: dict, chain: str | None = None
+    ) -> None:
+        """Store a response (replacing one of the same id), then drop what is past the bounds. chain:
+        the id of the first response of its conversation (None: this one)."""
         conversation_json = json.dumps(conversation, ensure_ascii=False, separators=(",", ":"))
         body_json = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
         now = self.clock()
@@ -127,9 +135,9 @@ class ResponseStore:
             db.execute("BEGIN IMMEDIATE")
             try:
                 db.execute(
-                    "INSERT OR REPLACE INTO responses (tenant, id, created_at, conversation, body) "
-                    "VALUES (?, ?, ?, ?, ?)",
-                    (tenant, response_id, now, conversation_json, body_json),
+                    "INSERT OR REPLACE INTO responses (tenant, id, created_at, conversation, body, chain) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    (tenant, response_id, now, conversation_json, body_json, chain),
                 )
                 db.execute("DELETE FROM responses WHERE created_at < ?", (now - self.ttl,))
                 db.execute(
@@ -152,8 +160,13 @@ class ResponseStore:
         found = self._get("body", tenant, response_id)
         return None if found is None else json.loads(found)
 
+    def chain(self, tenant: str, response_id: str) -> str | None:
+        """The id of the first response of the conversation `response_id` continues (its own id when
+        it began one; None: no such response)."""
+        return self._get("coalesce(chain, id)", tenant, response_id)
+
     def _get(self, column: str, tenant: str, response_id: str) -> str | None:
-        assert column in ("conversation", "body"), column
+        assert column in ("conversation", "body", "coalesce(chain, id)"), column
         with self._lock:
             row = self._db.execute(
                 f"SELECT {column} FROM responses WHERE tenant = ? AND id = ? AND created_at >= ?",

@@ -17,8 +17,11 @@
   continue another's;
 - every other documented field is echoed, accepted with no effect, or refused with a 400 naming it
   (docs/server.md#request-fields);
+- the built-in tools (`web_search`, `code_interpreter`, `mcp`) run inside the response on a server
+  started with them (server/builtin_tools.py); their items (`web_search_call`,
+  `code_interpreter_call`, `mcp_call`) are answered, and accepted back as input;
 - the answer's `output` is items in the order the model wrote them: `reasoning`, `message`
-  (`output_text`) and `function_call`; streamed, the events the official client parses
+  (`output_text`) and `function_call`, and the built-in tools' items; streamed, the events the official client parses
   (`response.created`, `response.output_item.added`, `response.reasoning_text.delta`,
   `response.output_text.delta`, `response.function_call_arguments.delta`, ..., `response.completed`).
 
@@ -29,6 +32,7 @@ one message item (tools and reasoning effort are then a 400, as for chat).
 from __future__ import annotations
 
 import copy
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -277,6 +281,14 @@ def input_messages(req: ResponsesRequest, unseal: Callable[[str], str] | None = 
                 "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)},
             }
             assistant.setdefault("tool_calls", []).append(call)
+        elif kind in ("code_interpreter_call", "mcp_call"):
+            assistant = assistant or {"role": "assistant"}
+            call, output = _builtin_input(item, where)
+            assistant.setdefault("tool_calls", []).append(call)
+            flush()
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": output})
+        elif kind in ("web_search_call", "mcp_list_tools"):
+            continue  # see _builtin_input: nothing of them is rendered
         elif kind == "function_call_output":
             flush()
             output = item.get("output")
@@ -286,6 +298,39 @@ def input_messages(req: ResponsesRequest, unseal: Callable[[str], str] | None = 
             raise P.APIError(400, f"{where}.type: {str(kind)[:40]!r} items are not supported", param="input")
     flush()
     return messages
+
+
+def _builtin_input(item: dict, where: str) -> tuple[dict, str]:
+    """A built-in call item sent back as input -> (the assistant's builtin call, the tool's answer).
+
+    A code_interpreter_call is a call to `python` on the analysis channel, answered by its logs; an
+    mcp_call a call to LABEL.NAME on commentary, answered by its output or error. A web_search_call
+    carries no page text, so it is not rendered (nor is an mcp_list_tools item: the request's tools
+    declare the servers): harmony drops the analysis channel, where gpt-oss browses, once a final
+    answer follows anyway."""
+    item_id = _string(item, "id", where)
+    if item["type"] == "code_interpreter_call":
+        outputs = item.get("outputs") or []
+        logs = "".join(o.get("logs", "") for o in outputs if isinstance(o, dict) and o.get("type") == "logs")
+        code = item.get("code") or ""
+        if not isinstance(code, str) or not isinstance(logs, str):
+            raise P.APIError(400, f"{where}: code and outputs[].logs must be strings", param="input")
+        call = {"recipient": "python", "channel": "analysis", "content_type": "code", "arguments": code}
+        return {"id": item_id, "type": "builtin", **call}, logs
+    label, name = _string(item, "server_label", where), _string(item, "name", where)
+    output = item.get("output")
+    if output is None:
+        error = item.get("error")
+        output = f"Error: {json.dumps(error) if not isinstance(error, str) else error}" if error else ""
+    if not isinstance(output, str):
+        raise P.APIError(400, f"{where}.output: expected a string", param="input")
+    call = {
+        "recipient": f"{label}.{name}",
+        "channel": "commentary",
+        "content_type": "<|constrain|>json",
+        "arguments": _string(item, "arguments", where),
+    }
+    return {"id": item_id, "type": "builtin", **call}, output
 
 
 def _unsealed(sealed: Any, unseal: Callable[[str], str] | None, where: str) -> str:
@@ -304,22 +349,36 @@ def _unsealed(sealed: Any, unseal: Callable[[str], str] | None, where: str) -> s
         ) from None
 
 
-def output_messages(items: list[dict]) -> list[dict]:
-    """A response's output items as the chat-shaped assistant turn they continue a conversation with."""
+def output_messages(items: list[dict], transcript: dict[str, dict] | None = None) -> list[dict]:
+    """A response's output items as the chat-shaped turns they continue a conversation with: one
+    assistant turn, split after each built-in call by the tool's answer. transcript: item id ->
+    {"call": the builtin call as the model wrote it, "output": the text it read back}."""
+    messages: list[dict] = []
     turn: dict = {"role": "assistant"}
     for item in items:
-        if item["type"] == "reasoning":
+        kind = item["type"]
+        if kind == "reasoning":
+            if turn.get("content") or turn.get("tool_calls"):
+                messages.append(turn)
+                turn = {"role": "assistant"}
             turn["reasoning_content"] = turn.get("reasoning_content", "") + item["content"][0]["text"]
-        elif item["type"] == "message":
+        elif kind == "message":
             turn["content"] = turn.get("content", "") + item["content"][0]["text"]
-        else:
+        elif kind == "function_call":
             call = {
                 "id": item["call_id"],
                 "type": "function",
                 "function": {"name": item["name"], "arguments": item["arguments"]},
             }
             turn.setdefault("tool_calls", []).append(call)
-    return [turn]
+        elif item["id"] in (transcript or {}):  # a built-in call and the answer the model read
+            ran = transcript[item["id"]]
+            turn.setdefault("tool_calls", []).append(ran["call"])
+            messages += [turn, {"role": "tool", "tool_call_id": item["id"], "content": ran["output"]}]
+            turn = {"role": "assistant"}
+    if len(turn) > 1 or not messages:
+        messages.append(turn)
+    return messages
 
 
 def fit_conversation(head: list[dict], messages: list[dict], fits) -> list[dict]:
@@ -401,9 +460,11 @@ def response_body(
     status: str,
     usage: dict | None,
     created: int,
+    reason: str | None = None,
 ) -> dict:
-    """The Response object (what the official client's `Response` model parses)."""
-    incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+    """The Response object (what the official client's `Response` model parses). reason: why an
+    incomplete one stopped (default max_output_tokens)."""
+    incomplete = {"reason": reason or "max_output_tokens"} if status == "incomplete" else None
     return {
         "id": rid,
         "object": "response",
@@ -445,6 +506,8 @@ def _format_shape(req: ResponsesRequest) -> dict:
 
 
 def _tool_shape(tool: dict) -> dict:
+    if tool.get("type") != "function":  # a built-in tool, echoed as sent (credentials were refused)
+        return dict(tool)
     fn = tool.get("function", tool)
     return {
         "type": "function",
@@ -486,8 +549,10 @@ class EventWriter:
         self.sequence += 1
         return out
 
-    def body(self, status: str, use: dict | None = None) -> dict:
-        return response_body(self.rid, self.model, self.req, self.items, status=status, usage=use, created=self.created)
+    def body(self, status: str, use: dict | None = None, reason: str | None = None) -> dict:
+        return response_body(
+            self.rid, self.model, self.req, self.items, status=status, usage=use, created=self.created, reason=reason
+        )
 
     def start(self) -> list[dict]:
         snapshot = self.body("in_progress")
@@ -552,7 +617,7 @@ class EventWriter:
                 self.event("response.output_text.done", content_index=0, text=text, logprobs=logprobs, **where)
             )
             events.append(self._part_event("response.content_part.done", output_text(text, logprobs), index))
-        else:
+        elif item["type"] == "function_call":
             events.append(self.event("response.function_call_arguments.done", arguments=item["arguments"], **where))
         events.append(self.event("response.output_item.done", output_index=index, item=item))
         return events
@@ -561,12 +626,12 @@ class EventWriter:
         index = self._open if index is None else index
         return self.event(kind, item_id=self.items[index]["id"], output_index=index, content_index=0, part=part)
 
-    def finish(self, status: str, use: dict) -> list[dict]:
+    def finish(self, status: str, use: dict, reason: str | None = None) -> list[dict]:
         if status == "incomplete" and self._open is not None:
             self.items[self._open]["status"] = "incomplete"  # the item max_output_tokens cut off
         events = self.close()
         kind = "response.completed" if status == "completed" else "response.incomplete"
-        events.append(self.event(kind, response=self.body(status, use)))
+        events.append(self.event(kind, response=self.body(status, use, reason)))
         return events
 
 
