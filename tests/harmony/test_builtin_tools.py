@@ -306,3 +306,49 @@ def test_a_server_without_the_tools_refuses_them():
         assert err.value.body["param"] == "tools"
         with pytest.raises(openai.BadRequestError, match="--python-tool"):
             c.responses.create(model=llm.model_name, input="Hi", tools=PYTHON)
+
+
+ABUSE = {  # code the model might write -> what the tool's answer must say (each within TOOL_TIMEOUT)
+    "socket to 127.0.0.1": (
+        "import socket\nsocket.create_connection(('127.0.0.1', 8000), timeout=2)",
+        ("unreachable", "timed out"),
+    ),
+    "fork bomb": ("import os\nwhile True:\n    os.fork()", ("Resource temporarily unavailable",)),
+    "10 GB allocation": ("b = bytearray(10 * 10**9)", ("MemoryError",)),
+    "100 MB of output": (
+        "import sys\nfor _ in range(100): sys.stdout.write('x' * 10**6)",
+        ("output cut: 100,000,000 bytes written",),
+    ),
+    "write outside /mnt/data": ("open('/etc/gptoss-x', 'w').write('x')", ("Read-only file system", "No such file")),
+}
+
+
+@pytest.mark.parametrize("case", list(ABUSE))
+def test_abuse_is_a_tool_error_while_another_tenant_streams(served, case):
+    """Each hostile cell ends, inside a completed response, in a tool answer that says what stopped it,
+    within the tool's time limit; bob's stream, running all the while, gets exactly its tokens."""
+    llm, state, live = served
+    code, expected = ABUSE[case]
+    words = " ".join(f"word{i}" for i in range(200))
+    script(served, "<|channel|>final<|message|>" + words + "<|return|>")
+    streamed: list[str] = []
+    started = threading.Event()
+
+    def victim():
+        with client(live, "kb").responses.stream(model=llm.model_name, input="Talk.") as stream:
+            for event in stream:
+                if event.type == "response.output_text.delta":
+                    streamed.append(event.delta)
+                    started.set()
+            streamed.append(stream.get_final_response().status)
+
+    thread = threading.Thread(target=victim)
+    thread.start()
+    assert started.wait(60), "the victim never started"
+    script(served, python_call(code), answer("Stopped."))
+    out = client(live).responses.create(model=llm.model_name, input="Run it.", tools=PYTHON)
+    thread.join(120)
+    assert out.status == "completed" and out.output_text == "Stopped."
+    logs = out.output[1].outputs[0].logs
+    assert any(text in logs for text in expected), (case, logs[:300])
+    assert "".join(streamed[:-1]) == words and streamed[-1] == "completed"
