@@ -15,7 +15,7 @@ OUT="${OUT:-benchmarks/results/passkey_lite4k_rope${FACTOR}}"
 common=(--model "$MODEL" --rope-factor "$FACTOR" --seed "$SEED" --threads "$THREADS" --no-progress --json)
 echo "$(date -u +%FT%TZ) 4,096 to 65,536 tokens, 20 trials a cell"
 gptoss-lite passkey "${common[@]}" --lengths 4096 8192 16384 32768 65536 --trials 20 \
-    --plot "${OUT}_4k_64k.png" > "${OUT}_4k_64k.json"
+    --plot "docs/img/passkey_lite4k_rope${FACTOR}.png" > "${OUT}_4k_64k.json"
 echo "$(date -u +%FT%TZ) 131,072 tokens, 10 trials a cell"
 gptoss-lite passkey "${common[@]}" --lengths 131072 --trials 10 --plot "${OUT}_128k.png" > "${OUT}_128k.json"
 echo "$(date -u +%FT%TZ) done"
