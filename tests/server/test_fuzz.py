@@ -79,7 +79,7 @@ def sse_events(data: bytes) -> list:
     """The `data:` payloads of an SSE body: parsed JSON, or the string '[DONE]' (or the raw text
     of a payload that is not JSON)."""
     out = []
-    for line in data.decode("utf-8", "replace").splitlines():
+    for line in re.split(r"\r\n|\r|\n", data.decode("utf-8", "replace")):  # SSE's line ends, no others
         if line.startswith("data: "):
             payload = line[6:]
             try:

@@ -1,5 +1,5 @@
-"""The twelve defects a hostile-but-realistic client found (docs/server.md#limits), one test each:
-each failed before the fix and holds after it."""
+"""The defects hostile-but-realistic clients found (docs/server.md#limits), one test each (and the
+fuzzer's later finds at the end): each failed before the fix and holds after it."""
 
 from __future__ import annotations
 
@@ -368,3 +368,31 @@ def test_error_bodies_never_carry_internals(serve):
     live.state.template.render = broken  # a bug in our own code, not the client's
     r = httpx.post(live.url + CH, json={"model": "fake", "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 500 and "secret" not in r.text and re.search("RuntimeError", r.text)
+
+
+def test_a_websocket_upgrade_gets_the_apps_json_answer(serve):
+    """With the `websockets` package installed (the Agents SDK brings it), uvicorn answered a GET with
+    `Upgrade: websocket` itself: a text/plain 400. The server has no WebSocket route, so it runs no
+    WebSocket protocol, and the request gets the app's own JSON answer."""
+    live = serve(tiny_llm(), api_keys=KEYS)
+    request = (
+        b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer key-alice\r\n"
+        b"Connection: close\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
+    )
+    status, body = status_and_json(raw(live.port, request, timeout=5))
+    assert status == 200 and body is not None and body["object"] == "list"
+
+
+def test_an_sse_line_holds_no_character_a_line_splitter_breaks_on(serve):
+    """U+0085, U+2028 and U+2029 are legal raw in JSON, and Python's str.splitlines (and older
+    JavaScript) break lines on them: echoed in a stream's `metadata`, they cut an SSE `data:` line in two
+    for such a client (the slow fuzz found it). The server escapes them, and the events still parse."""
+    live = serve(tiny_llm())
+    tricky = "a\x85b\u2028c\u2029d"
+    body = {"model": "lite-tiny", "input": "hi", "max_output_tokens": 2, "stream": True, "metadata": {"k": tricky}}
+    with httpx.Client(timeout=60) as c, c.stream("POST", live.url + "/v1/responses", json=body) as r:
+        text = r.read().decode()
+    assert r.status_code == 200 and not {"\x85", "\u2028", "\u2029"} & set(text)
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")
+    assert events[-1]["response"]["metadata"] == {"k": tricky}

@@ -115,5 +115,9 @@ def protocol_class(header_timeout: float) -> type[GuardedH11Protocol]:
 
 
 def uvicorn_config(app, *, header_timeout: float = DEFAULT_HEADER_TIMEOUT, **kwargs) -> uvicorn.Config:
-    """The uvicorn.Config every server of this package runs with (kwargs: host, port, log_level, ...)."""
-    return uvicorn.Config(app, http=protocol_class(header_timeout), **kwargs)
+    """The uvicorn.Config every server of this package runs with (kwargs: host, port, log_level, ...).
+
+    No WebSocket protocol (`ws="none"`): the API has no WebSocket route, and with the `websockets`
+    package installed uvicorn would answer an `Upgrade: websocket` request itself, with a text/plain
+    400, before the app's JSON errors could."""
+    return uvicorn.Config(app, http=protocol_class(header_timeout), ws="none", **kwargs)

@@ -1155,12 +1155,21 @@ def _piece(tokenizer, token_id: int) -> tuple[str, bytes]:
     return raw.decode("utf-8", errors="replace"), raw
 
 
+# Characters JSON may leave raw that some line splitters (Python's str.splitlines, JavaScript before
+# ES2019) take for line ends; escaped, an SSE `data:` line stays one line for every client.
+_LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def _sse_json(obj: dict) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS_JSON_KEEPS)
+
+
 def _sse_event(obj: dict) -> str:
-    return f"event: {obj['type']}\ndata: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"event: {obj['type']}\ndata: {_sse_json(obj)}\n\n"
 
 
 def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {_sse_json(obj)}\n\n"
 
 
 class _SSEResponse(StreamingResponse):
