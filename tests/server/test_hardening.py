@@ -396,3 +396,16 @@ def test_an_sse_line_holds_no_character_a_line_splitter_breaks_on(serve):
     events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
     assert events[-1]["type"] in ("response.completed", "response.incomplete")
     assert events[-1]["response"]["metadata"] == {"k": tricky}
+
+
+def test_a_prompt_over_the_context_without_a_limit_says_so_plainly(serve):
+    """Without max_tokens, a prompt that fills the context was reported as "-62 more were requested"; it
+    now says the prompt leaves no room, and with a limit the arithmetic is as before."""
+    live = serve(tiny_llm(max_model_len=128))
+    long_input = "word " * 200
+    r = httpx.post(live.url + "/v1/responses", json={"model": "lite-tiny", "input": long_input})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    message = r.json()["error"]["message"]
+    assert "leaves no room for an answer" in message and not re.search(r"-\d", message), message
+    r = httpx.post(live.url + C, json=completion("lite-tiny", prompt="hi", max_tokens=500))
+    assert r.status_code == 400 and "500 more were requested" in r.json()["error"]["message"]

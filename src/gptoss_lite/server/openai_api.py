@@ -689,11 +689,16 @@ def _prepare(state: ServerState, req, prompt, extra: dict | None = None) -> Prep
     if max_tokens is None:  # chat without a limit: the rest of the context
         max_tokens = limit - n_prompt
     if n_prompt + max_tokens > limit or max_tokens < 1:
+        if req.token_limit is None:  # no limit asked: the prompt alone leaves no room to answer
+            asked = f"the prompt has {n_prompt} tokens, which leaves no room for an answer; shorten the prompt"
+        else:
+            asked = (
+                f"the prompt has {n_prompt} tokens and {max_tokens} more were requested ({n_prompt + max_tokens} "
+                "in all); shorten the prompt or lower max_tokens"
+            )
         raise P.APIError(
             400,
-            f"This model's maximum context length is {limit} tokens; the prompt has {n_prompt} tokens and "
-            f"{max_tokens} more were requested ({n_prompt + max_tokens} in all); shorten the prompt or lower "
-            "max_tokens",
+            f"This model's maximum context length is {limit} tokens; {asked}",
             param="messages" if isinstance(req, P.ChatCompletionRequest) else getattr(req, "prompt_param", "prompt"),
             code="context_length_exceeded",
         )
