@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -37,6 +39,19 @@ def pids(pool: PythonToolPool, owner: str) -> list[int]:
     result = pool.run(owner, "import os; sorted(int(p) for p in os.listdir('/proc') if p.isdigit())")
     assert not result.error, result.text
     return eval(result.text)
+
+
+def test_a_python_that_lives_under_tmp(tmp_path):
+    """A virtual environment under /tmp (where CI makes its fresh one) is bound into the new root under
+    /tmp; the root's own /tmp must then not be made a second time (it was: FileExistsError, no sandbox)."""
+    if not str(tmp_path).startswith("/tmp/"):
+        pytest.skip(f"the temporary directory is not under /tmp here ({tmp_path})")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "venv")], check=True)
+    _pool().close_all()  # skips where there is no sandbox at all; from here a failure to start is a failure
+    with PythonToolPool(limits=LIMITS, python=str(tmp_path / "venv" / "bin" / "python")) as under_tmp:
+        assert under_tmp.run("t", "import sys; print(sys.prefix)").text == f"{tmp_path / 'venv'}\n"
+        result = under_tmp.run("t", "open('/tmp/x', 'w')")
+        assert result.error and ("Read-only file system" in result.text or "No such file" in result.text)
 
 
 def test_print_returns_the_number(pool):

@@ -175,7 +175,7 @@ def build_root(data_dir: str, ro_paths: list[str]) -> None:
             mount(f"{new}/dev/null", new + path, None, MS_BIND)
     os.makedirs(new + "/proc")
     mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    os.makedirs(new + "/tmp")
+    os.makedirs(new + "/tmp", exist_ok=True)  # already there when Python itself lives under /tmp (a venv)
     os.makedirs(new + "/.oldroot")
     number = PIVOT_ROOT.get(platform.machine())
     if number is None:
