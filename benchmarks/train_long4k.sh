@@ -3,8 +3,8 @@
 # shipped model with its rotary context moved to 4,096), then stage 2 (4,096-token documents). Each stage
 # resumes from its newest checkpoint when re-run, and a finished stage is skipped. One thread: the run's
 # sums must not depend on what else the machine is doing (docs/training.md), and it leaves a core free.
-# models/lite-4k is stage 2's output. Stage 3 (1,200 more steps at 4,096) is an experiment, paused at step
-# 450 of 1,200 when its core went to the passkey measurement; STAGES="3" resumes it.
+# models/lite-4k is stage 2's output. Stage 3 (1,200 more steps at 4,096) is an experiment not yet
+# measured in full: STAGES="3" runs it (resuming from its newest checkpoint).
 #   bash benchmarks/train_long4k.sh            # stages 1 and 2; logs to runs/long4k.log
 set -euo pipefail
 cd "$(dirname "$0")/.."
