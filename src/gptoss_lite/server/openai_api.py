@@ -988,37 +988,33 @@ class _Run:
         """TokenLogprobs as an output_text part lists them: token, logprob, bytes, top_logprobs."""
         return (self._logprobs(entries, True, 0) or {"content": []})["content"]
 
+    async def _response_batches(self):
+        """The events of a /v1/responses answer in the batches they become known: each engine update's,
+        then, when a round ends in a built-in call, the call's and those of the end of the response."""
+        while not self.complete:
+            yield self._response_events(await self._next())
+            if self.complete and self.loop is not None and self.loop.pending is not None:
+                async for events in self._tool_round():
+                    yield events
+                if self.complete:  # no round may follow: the response ends here
+                    yield self._finish_response()
+
     async def response_events(self):
-        """The SSE stream of a /v1/responses request (named events, no [DONE], as the API sends)."""
+        """The SSE stream of a /v1/responses request (named events, no [DONE], as the API sends). The
+        response is stored before the client sees its last event."""
         try:
             for event in self.writer.start():  # sent before anything is added: its snapshot lists no output
                 yield _sse_event(event)
             for event in self.loop.list_items(self.writer) if self.loop is not None else []:
                 yield _sse_event(event)
-            while not self.complete:
-                try:
-                    update = await self._next()
-                    events = self._response_events(update)
+            try:
+                async for events in self._response_batches():
                     if self.response is not None:
                         await self._keep_response()
-                except P.APIError as exc:
-                    yield _sse_event(self.writer.event("error", message=exc.message, code=exc.code, param=None))
-                    break
-                for event in events:
-                    yield _sse_event(event)
-                if self.complete and self.loop is not None and self.loop.pending is not None:
-                    try:
-                        async for events in self._tool_round():
-                            for event in events:
-                                yield _sse_event(event)
-                        events = self._finish_response() if self.complete else []
-                        if self.response is not None:
-                            await self._keep_response()
-                    except P.APIError as exc:
-                        yield _sse_event(self.writer.event("error", message=exc.message, code=exc.code, param=None))
-                        break
                     for event in events:
                         yield _sse_event(event)
+            except P.APIError as exc:
+                yield _sse_event(self.writer.event("error", message=exc.message, code=exc.code, param=None))
         finally:
             self.abort()
 
