@@ -2,10 +2,11 @@
 
 `LLM` is the facade; `SamplingParams`, `RequestOutput` and `EngineStats` are what callers exchange
 with it. The parts: request.py (request state), kv_manager.py (blocks per layer kind + prefix cache),
-scheduler.py (token budget, chunked prefill, preemption), paged_batch.py (writes and reads over block
+scheduler.py (token budget, chunked prefill, preemption), fairness.py (tenants' shares and quotas), paged_batch.py (writes and reads over block
 tables for a ragged batch), runner.py (one forward per step), llm.py (the facade).
 """
 
+from gptoss_lite.engine.fairness import QuotaExceeded, TenantLimits, TenantPolicy
 from gptoss_lite.engine.llm import LLM, EngineStats, PreparedRequest
 from gptoss_lite.engine.request import RequestMetrics, RequestOutput, SamplingParams, TokenLogprobs
 
@@ -13,8 +14,11 @@ __all__ = [
     "LLM",
     "EngineStats",
     "PreparedRequest",
+    "QuotaExceeded",
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "TenantLimits",
+    "TenantPolicy",
     "TokenLogprobs",
 ]

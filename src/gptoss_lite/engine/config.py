@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gptoss_lite.engine.fairness import TenantPolicy
 from gptoss_lite.kv.block_pool import DEFAULT_BLOCK_SIZE
 from gptoss_lite.kv.quant import KV_BITS
 from gptoss_lite.speculative import DraftModel, PromptLookup
@@ -34,7 +35,9 @@ class EngineConfig:
     admission watermark: blocks kept for every running request's next N decode tokens. `speculate`
     drafts decoding requests' tokens by prompt lookup or with a draft model. `compile_decode` None
     decodes as the model was prepared. `rope_factor` overrides a loaded checkpoint's YaRN factor
-    (`ModelConfig.with_rope_factor`; not for a model passed in, which is used as built).
+    (`ModelConfig.with_rope_factor`; not for a model passed in, which is used as built). `tenants`
+    gives each tenant's share of the engine and its quotas (engine/fairness.py; None: equal shares,
+    no quotas).
     """
 
     kv_blocks: int | None = None
@@ -54,6 +57,7 @@ class EngineConfig:
     speculate: PromptLookup | DraftModel | None = None
     decode_reserve: int = 0
     rope_factor: float | None = None
+    tenants: TenantPolicy | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_batch_tokens", "max_running"):
@@ -75,6 +79,8 @@ class EngineConfig:
                     f"full_window={self.full_window} releases prompt blocks the prefix cache would need; "
                     "pass enable_prefix_caching=False"
                 )
+        if self.tenants is not None and not isinstance(self.tenants, TenantPolicy):
+            raise TypeError(f"tenants: expected a TenantPolicy (or None), got {type(self.tenants).__name__}")
         if self.speculate is not None and not isinstance(self.speculate, (PromptLookup, DraftModel)):
             raise TypeError(
                 f"speculate: expected a PromptLookup or a DraftModel (or None), got {type(self.speculate).__name__}"

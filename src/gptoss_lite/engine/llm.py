@@ -24,7 +24,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,6 +32,7 @@ import torch
 from gptoss_lite.checkpoint import load_model
 from gptoss_lite.engine.config import EngineConfig
 from gptoss_lite.engine.detokenize import TextStream
+from gptoss_lite.engine.fairness import DEFAULT_TENANT, TenantCounters
 from gptoss_lite.engine.kv_manager import KVManager
 from gptoss_lite.engine.request import Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs
 from gptoss_lite.engine.runner import ModelRunner
@@ -88,6 +89,7 @@ class EngineStats:
     spec_accepted: int = 0  # draft tokens the verification kept
     spec_verifications: int = 0  # drafts verified (one per request per step that had one)
     spec_tokens: int = 0  # tokens those verifications emitted (accepted drafts + one each)
+    tenants: dict[str, TenantCounters] = field(default_factory=dict)  # per tenant: queues, tokens, refusals
 
 
 def _checkpoint_revision(source: str, model_dir: Path | None, config: object) -> str:
@@ -176,7 +178,9 @@ class LLM:
         if cfg.full_window is None:  # a request's whole length must fit in the (first) pool
             self.max_model_len = min(self.max_model_len, self.kv.pool_tokens())
         step, running, reserve = cfg.max_batch_tokens, cfg.max_running, cfg.decode_reserve
-        self.scheduler = Scheduler(self.kv, max_batch_tokens=step, max_running=running, decode_reserve=reserve)
+        self.scheduler = Scheduler(
+            self.kv, max_batch_tokens=step, max_running=running, decode_reserve=reserve, tenants=cfg.tenants
+        )
         # Quantised blocks have no fixed-shape form yet: their steps stay eager (docs/engine.md#kv-bits).
         decoder = None if cfg.compile_decode is False or self.kv.quantized else model.compiled_decoder
         self.runner = ModelRunner(model, self.kv, decoder)
@@ -331,9 +335,14 @@ class LLM:
         *,
         request_id: str | None = None,
         scope: str = "default",
+        tenant: str = DEFAULT_TENANT,
+        priority: int = 0,
     ) -> str:
         """Queue a request (a prompt and its sampling, or what `prepare` made of them); return its
-        id. Raises (nothing queued) on a bad prompt or parameters."""
+        id. `scope` keeps prefix-cache hits apart; `tenant` is whose share of the engine it runs on,
+        and `priority` orders it within that share (lower first; engine/fairness.py).
+        Raises (nothing queued) on a bad prompt or parameters, and QuotaExceeded when the tenant's
+        quota refuses it now."""
         if not isinstance(prompt, PreparedRequest):
             prompt = self.prepare(prompt, sampling)
         elif sampling is not None:
@@ -341,6 +350,10 @@ class LLM:
         ids, sampling = prompt.token_ids, prompt.sampling
         if not isinstance(scope, str) or not scope:
             raise ValueError(f"scope={scope!r}: expected a non-empty string")
+        if not isinstance(tenant, str) or not tenant:
+            raise ValueError(f"tenant={tenant!r}: expected a non-empty string")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority={priority!r}: expected an integer (lower runs first)")
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
             while request_id in self._requests or request_id in self._groups:
@@ -352,7 +365,11 @@ class LLM:
         names = [request_id] + [f"{request_id}#{i}" for i in range(1, sampling.n)]
         if any(name in self._requests for name in names[1:]):
             raise ValueError(f"request_id={request_id!r}: its sample ids are already in use")
-        samples = [self._new_request(name, ids, sampling.for_sample(i), scope) for i, name in enumerate(names)]
+        cost = (len(ids) + sampling.max_tokens) * sampling.n
+        self.scheduler.waiting.check_quota(tenant, sampling.n, cost, self.scheduler.max_running)  # the last check
+        samples = [
+            self._new_request(name, ids, sampling.for_sample(i), scope, tenant, priority) for i, name in enumerate(names)
+        ]
         for i, sample in enumerate(samples):
             sample.group, sample.index = request_id, i
         first = samples[0]
@@ -361,9 +378,11 @@ class LLM:
         self.scheduler.add(first)
         return request_id
 
-    def _new_request(self, request_id: str, ids: list[int], sampling: SamplingParams, scope: str) -> Request:
+    def _new_request(
+        self, request_id: str, ids: list[int], sampling: SamplingParams, scope: str, tenant: str, priority: int
+    ) -> Request:
         eos = None if self.tokenizer is None else getattr(self.tokenizer, "eos_id", None)
-        request = Request(request_id, ids, sampling, scope, eos)
+        request = Request(request_id, ids, sampling, scope, eos, tenant=tenant, priority=priority)
         if self.tokenizer is not None:
             request.stream = TextStream(self.tokenizer, sampling.stop)
         self._requests[request_id] = request
@@ -419,14 +438,14 @@ class LLM:
         if self.speculate is not None:
             self._propose_drafts()
         step = self.scheduler.schedule()
-        if not step.scheduled:
+        if not step.scheduled and not step.expired:
             if self.scheduler.has_unfinished():
                 raise RuntimeError(
                     "engine stuck: requests are waiting but none can be scheduled (the KV pool cannot hold "
                     "their first chunk); use more kv_blocks or a smaller max_batch_tokens"
                 )
             return []
-        sampled, failed = self._execute(step)
+        sampled, failed = self._execute(step) if step.scheduled else ([], [])
         outcome = self.scheduler.postprocess(step, sampled, failed)
         for sample in outcome.aborted:  # forks of a request that failed before its prompt was computed
             if self._requests.pop(sample.request_id, None) is not None:
@@ -599,6 +618,7 @@ class LLM:
             spec_accepted=self.speculation.accepted,
             spec_verifications=self.speculation.target_forwards,
             spec_tokens=self.speculation.new_tokens,
+            tenants=self.scheduler.waiting.counters(),
         )
 
     def validate(self) -> None:
@@ -608,6 +628,7 @@ class LLM:
         live = {r.request_id for r in self.scheduler.running} | {r.request_id for r in self.scheduler.waiting}
         orphans = self.kv.sequences() - live
         assert not orphans, f"pool sequences without a request: {sorted(map(str, orphans))}"
+        self.scheduler.waiting.validate(self.scheduler.running)
 
     def clear_prefix_cache(self) -> None:
         self.kv.clear_prefix_cache()

@@ -37,6 +37,7 @@ class RequestMetrics:
 
     arrival_time: float
     first_token_time: float | None = None
+    scheduled_time: float | None = None  # first admitted to run (queue time = this - arrival_time)
     token_times: list[float] = field(default_factory=list)
 
     @property
@@ -73,6 +74,7 @@ class RequestOutput:
     text_delta: str = ""
     num_output_tokens: int = 0  # tokens generated so far
     error: str | None = None  # why the request failed (finish_reason "error")
+    error_code: str | None = None  # what kind of failure: "queue_timeout" (it never got a slot), or None
     logprobs: list[TokenLogprobs] | None = None  # for new_token_ids, when the request asked for them
     index: int = 0  # which of the request's n samples (request_id is the request's, shared by all n)
 
@@ -96,11 +98,17 @@ class Request:
         sampling: SamplingParams,
         scope: str,
         eos_id: int | None,
+        *,
+        tenant: str = "default",
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling = sampling
-        self.scope = scope
+        self.scope = scope  # the prefix cache's scope
+        self.tenant = tenant  # whose share of the engine it runs on (engine/fairness.py)
+        self.priority = priority  # lower runs first within its tenant's share
+        self.queue_order = 0  # its place in its tenant's queue (set when queued)
         self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.num_computed = 0  # tokens whose K/V the cache holds
@@ -109,6 +117,7 @@ class Request:
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.error: str | None = None  # set with finish_reason "error"
+        self.error_code: str | None = None  # "queue_timeout" for a request that never got a slot in time
         self.stream: TextStream | None = None  # the output text, when the engine has a tokenizer
         self.token_counts: dict[int, int] = {}  # generated token id -> times (for the penalties)
         self._bias: tuple[torch.Tensor, torch.Tensor] | None = None  # logit_bias as (ids, values) tensors
@@ -206,6 +215,7 @@ class Request:
             text_delta=stream.take() if stream is not None else "",
             num_output_tokens=len(self.output_token_ids),
             error=self.error,
+            error_code=self.error_code,
             logprobs=self._take_logprobs(),
             index=self.index,
         )

@@ -1,16 +1,21 @@
 """Which tokens of which requests the next step runs: continuous batching with chunked prefill.
 
-Every step has a token budget (`max_batch_tokens`). Running requests come first, oldest first: a
-decoding request takes one token, a request still in its prompt takes the next chunk (as much of the
-budget as is left). Waiting requests are then admitted, oldest first, while budget, `max_running`
-and free blocks allow. So a long prompt never holds running requests back for more than the one
-chunk that shares their step, and requests join and leave between any two steps.
+Every step has a token budget (`max_batch_tokens`). Running requests come first, in the order they
+were admitted: a decoding request takes one token, a request still in its prompt takes the next chunk
+(as much of the budget as is left). Waiting requests are then admitted while budget, `max_running`
+and free blocks allow, in the order `fairness.TenantQueues` gives: tenants in turn by their share of
+the tokens, and first come first served within a tenant's priority level (with one tenant, simply
+oldest first). So a long prompt never holds running requests back for more than the one chunk that
+shares their step, and requests join and leave between any two steps. With every slot taken, a
+waiting tenant under its share of the slots makes a request of the tenant furthest over its share
+yield (preempted, as below).
 
 Admission never over-commits the pool: a request is admitted only when the blocks for its whole prompt
 are free (or held only by the prefix cache, which gives them up) beside what the running prompts
 still need. When a running request cannot get
-a block for its next tokens, the newest running request is *preempted by recompute*: its blocks are
-freed and it goes back to the front of the queue, to run its prompt and output so far again later
+a block for its next tokens, a running request is *preempted by recompute* (the newest of the tenant
+furthest over its share; with one tenant, the newest): its blocks are
+freed and it goes back to the front of its tenant's queue, to run its prompt and output so far again later
 (most of it usually comes back from the prefix cache). Its output is unchanged: the tokens it
 generated stay, and the next one is sampled after the recomputation reaches them.
 """
@@ -19,10 +24,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from gptoss_lite.engine.fairness import TenantPolicy, TenantQueues
 from gptoss_lite.engine.kv_manager import KVManager
 from gptoss_lite.engine.request import Request, RequestOutput, RequestStatus, TokenLogprobs
 from gptoss_lite.kv.block_pool import AppendPlan
@@ -41,10 +46,12 @@ class Scheduled(NamedTuple):
 
 @dataclass
 class ScheduledBatch:
-    """One step's work, in batch order, and the requests preempted to make room for it."""
+    """One step's work, in batch order; the requests preempted to make room for it (for blocks, or to
+    give a tenant under its share a slot); and the waiting requests that ran out of queue time."""
 
     scheduled: list[Scheduled] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    expired: list[Request] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -71,25 +78,35 @@ class StepOutcome:
 class Scheduler:
     """Waiting and running queues over a `KVManager` (see the module docstring)."""
 
-    def __init__(self, kv: KVManager, *, max_batch_tokens: int, max_running: int, decode_reserve: int = 0) -> None:
+    def __init__(
+        self,
+        kv: KVManager,
+        *,
+        max_batch_tokens: int,
+        max_running: int,
+        decode_reserve: int = 0,
+        tenants: TenantPolicy | None = None,
+    ) -> None:
         self.kv = kv
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.decode_reserve = decode_reserve  # decode tokens of growth kept free per running request
-        self.waiting: deque[Request] = deque()
+        self.waiting = TenantQueues(tenants)  # the waiting requests, per tenant, and each tenant's share
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.speculation = SpeculationStats()  # drafts verified, kept and the tokens they gave
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def remove(self, request: Request) -> None:
         """Take a request out of the queues and free its blocks (finish or abort)."""
         if request in self.running:
             self.running.remove(request)
-        elif request in self.waiting:
+            self.waiting.stopped(request)
+        else:
             self.waiting.remove(request)
+        self.waiting.refund(request)
         self.kv.free(request)
 
     def has_unfinished(self) -> bool:
@@ -103,7 +120,20 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.requeue(request)
+
+    def _yield_slots(self, step: ScheduledBatch) -> None:
+        """Every slot is taken and tenants under their share of the slots wait: for each, the running
+        request of the tenant furthest over its share yields (fairness.py)."""
+        queues = self.waiting
+        if not queues or len(self.running) < self.max_running:
+            return
+        for tenant in queues.starved(self.max_running):
+            victim = queues.victim(self.running, self.max_running)
+            if victim.tenant == tenant or queues.over_share(victim.tenant, self.max_running) <= 1.0 + 1e-9:
+                return
+            self._preempt(victim)
+            step.preempted.append(victim)
 
     def _admissible(self, request: Request) -> bool:
         """Whether the request's whole prompt surely fits beside what the running requests still need
@@ -127,7 +157,9 @@ class Scheduler:
         return True
 
     def schedule(self) -> ScheduledBatch:
-        step = ScheduledBatch()
+        step = ScheduledBatch(expired=self.waiting.expired())
+        self._yield_slots(step)
+        short_of_blocks = False
         budget = self.max_batch_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -138,20 +170,22 @@ class Scheduler:
                 n = request.num_to_run
             plans = self.kv.allocate(request, n)
             while plans is None:
-                victim = self.running[-1]  # the newest; never one already scheduled (those sit before i)
+                short_of_blocks = True
+                # never one already scheduled (those sit before i)
+                victim = self.waiting.victim(self.running[i:], self.max_running)
                 self._preempt(victim)
                 step.preempted.append(victim)
                 if victim is request:
                     break
                 plans = self.kv.allocate(request, n)
             if plans is None:
-                break  # the request preempted itself: everything after it is gone too
+                continue  # the request preempted itself: the one after it now sits at i
             step.scheduled.append(Scheduled(request, n, plans))
             budget -= n
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.max_running and not step.preempted:
-            request = self.waiting[0]
-            if not self._admissible(request):
+        while self.waiting and budget > 0 and len(self.running) < self.max_running and not short_of_blocks:
+            request = self.waiting.next_waiting(self.max_running)
+            if request is None or not self._admissible(request):
                 break
             hit = self.kv.start(request)
             if request.num_preemptions == 0:
@@ -163,7 +197,7 @@ class Scheduler:
                 self.kv.free(request)
                 request.num_computed = 0
                 break
-            self.waiting.popleft()
+            self.waiting.admit(request, request.num_tokens - hit)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             step.scheduled.append(Scheduled(request, n, plans))
@@ -181,6 +215,9 @@ class Scheduler:
         outcome = StepOutcome()
         for entry in batch.scheduled:  # their K/V is written: what the runner ran is computed
             entry.request.num_computed += entry.num_tokens
+        for request in batch.expired:
+            request.error_code = "queue_timeout"
+            self._finish_failed(request, self.waiting.expiry_reason(request), outcome)
         for request, why in failed:
             self._finish_failed(request, why, outcome)
         for entry in batch.scheduled:
@@ -208,6 +245,7 @@ class Scheduler:
                 logger.exception("request %s failed after sampling", request.request_id)
                 self._finish_failed(request, f"{type(exc).__name__} while appending a token", outcome)
                 continue
+            self.waiting.generated(request, len(appended))
             if verified:
                 self.speculation.new_tokens += len(appended)
             outcome.outputs.append(request.output(appended))
@@ -242,6 +280,7 @@ class Scheduler:
             fork.num_cached_tokens = request.num_cached_tokens
             fork.status = RequestStatus.RUNNING
             self.running.append(fork)
+            self.waiting.started(fork)
         request.forks = []
 
     def _roll_back_draft(self, request: Request, accepted: int) -> None:

@@ -1,0 +1,477 @@
+"""Sharing the engine between tenants: which waiting request is admitted next, which running request
+yields its slot, and each tenant's quotas (docs/engine.md#sharing-between-tenants).
+
+Every request belongs to a tenant (`LLM.add_request(..., tenant=...)`; the server's API key). Each
+tenant has a share (a weight, 1 by default) and, optionally, limits (`TenantLimits`).
+
+**Virtual time over tokens.** A tenant's virtual time grows by `tokens / share` for every token the
+engine takes on for it: a prompt's uncached tokens when it is admitted (again after a preemption:
+recomputing costs the same), and each generated token. A tenant that becomes active (its first
+request after having none queued or running) starts level with the least-served active tenant: an
+idle tenant banks no credit and carries no debt.
+
+**Admission.** While requests wait, the next one comes from the tenant that is under its share of the
+running slots (`max_running · share / Σ shares of the active tenants`) before one that is not, then
+the smallest virtual time. Inside a tenant, the lowest `priority` value first, then first come first
+served; a preempted request goes back to the front of its priority level.
+
+**Slots.** With every slot taken, a waiting tenant under its slot share makes the running request of
+the tenant furthest over its share (running / share) yield at the next step: the one with the largest
+`priority` value, then the newest. Preemption for KV blocks picks its victim by the same rule. A
+yielded request is preempted by recompute and keeps its tokens.
+
+**Quotas** (`TenantLimits`): at most `max_running` running and `max_waiting` waiting requests (a
+request beyond both is refused with `QuotaExceeded`), `tokens_per_minute` (prompt + max_tokens per
+sample, charged when added, the unused part refunded when it finishes), and `max_queue_time` seconds
+before a request that was never admitted ends with an error.
+
+With one tenant and no limits this is the engine's first-come-first-served order. `TenantPolicy(fair=
+False)` keeps arrival order across tenants too (quotas still apply), for comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import json
+import math
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # only for annotations: request.py imports nothing from here
+    from gptoss_lite.engine.request import Request
+
+DEFAULT_TENANT = "default"
+
+
+class QuotaExceeded(Exception):
+    """A tenant's quota refuses a request now; `retry_after` is the seconds after which it may pass."""
+
+    def __init__(self, tenant: str, message: str, retry_after: float) -> None:
+        super().__init__(message)
+        self.tenant = tenant
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """One tenant's share and quotas (None: no limit)."""
+
+    share: float = 1.0
+    max_running: int | None = None
+    max_waiting: int | None = None
+    tokens_per_minute: int | None = None
+    max_queue_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.share, bool) or not isinstance(self.share, (int, float)):
+            raise TypeError(f"share={self.share!r}: expected a number")
+        if not (math.isfinite(self.share) and self.share > 0):
+            raise ValueError(f"share={self.share!r}: must be a finite number > 0")
+        for name in ("max_running", "tokens_per_minute"):
+            _check_count(name, getattr(self, name), 1)
+        _check_count("max_waiting", self.max_waiting, 0)
+        t = self.max_queue_time
+        if t is not None:
+            if isinstance(t, bool) or not isinstance(t, (int, float)):
+                raise TypeError(f"max_queue_time={t!r}: expected a number of seconds")
+            if not (math.isfinite(t) and t > 0):
+                raise ValueError(f"max_queue_time={t!r}: must be a finite number of seconds > 0")
+
+
+def _check_count(name: str, value: Any, low: int) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}={value!r}: expected an integer")
+    if value < low:
+        raise ValueError(f"{name}={value!r}: must be >= {low}")
+
+
+_LIMIT_FIELDS = tuple(f.name for f in fields(TenantLimits))
+
+
+@dataclass(frozen=True)
+class TenantPolicy:
+    """Limits for every tenant (`default`) and for named ones (`tenants`, each a whole `TenantLimits`:
+    a field it leaves out takes the default's value when built by `from_mapping`). `fair=False`
+    admits in arrival order across tenants (the rule before tenants shared fairly)."""
+
+    default: TenantLimits = field(default_factory=TenantLimits)
+    tenants: Mapping[str, TenantLimits] = field(default_factory=dict)
+    fair: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.default, TenantLimits):
+            raise TypeError(f"default: expected TenantLimits, got {type(self.default).__name__}")
+        for name, limits in self.tenants.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"tenant name {name!r}: expected a non-empty string")
+            if not isinstance(limits, TenantLimits):
+                raise TypeError(f"tenant {name!r}: expected TenantLimits, got {type(limits).__name__}")
+        if not isinstance(self.fair, bool):
+            raise TypeError(f"fair={self.fair!r}: expected a bool")
+
+    def limits(self, tenant: str) -> TenantLimits:
+        return self.tenants.get(tenant, self.default)
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], *, where: str = "tenant policy") -> TenantPolicy:
+        """`{"default": {...}, "tenants": {NAME: {...}}, "fair": bool}`, every part optional; a named
+        tenant's missing fields come from "default". Unknown keys are errors naming them."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{where}: expected a mapping with 'default' and/or 'tenants'")
+        unknown = set(data) - {"default", "tenants", "fair"}
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; expected 'default', 'tenants', 'fair'")
+        default = _limits(data.get("default") or {}, TenantLimits(), f"{where}: default")
+        named = data.get("tenants") or {}
+        if not isinstance(named, Mapping):
+            raise ValueError(f"{where}: 'tenants' must map tenant names to their limits")
+        tenants = {str(k): _limits(v or {}, default, f"{where}: tenant {k!r}") for k, v in named.items()}
+        return cls(default=default, tenants=tenants, fair=data.get("fair", True))
+
+    @classmethod
+    def load(cls, path: str | Path) -> TenantPolicy:
+        """Read a policy file: YAML (`.yaml`/`.yml`) or JSON (anything else)."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ValueError(f"tenant policy {path}: {exc.strerror or exc}") from None
+        try:
+            if path.suffix in (".yaml", ".yml"):
+                import yaml
+
+                data = yaml.safe_load(text)
+            else:
+                data = json.loads(text)
+        except Exception as exc:  # noqa: BLE001 - a parse error of any kind: say where
+            raise ValueError(f"tenant policy {path}: not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'}: {exc}") from None
+        return cls.from_mapping(data or {}, where=f"tenant policy {path}")
+
+
+def _limits(data: Any, base: TenantLimits, where: str) -> TenantLimits:
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where}: expected a mapping of {', '.join(_LIMIT_FIELDS)}")
+    unknown = set(data) - set(_LIMIT_FIELDS)
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; expected some of {', '.join(_LIMIT_FIELDS)}")
+    values = {name: data.get(name, getattr(base, name)) for name in _LIMIT_FIELDS}
+    try:
+        return TenantLimits(**values)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+@dataclass
+class TenantCounters:
+    """What a tenant has had from the engine (for metrics): requests refused by its quotas, requests
+    that waited past `max_queue_time`, prompt tokens admitted (uncached, recomputation included) and
+    tokens generated; and the requests it has running and waiting now."""
+
+    running: int = 0
+    waiting: int = 0
+    admitted_requests: int = 0
+    admitted_tokens: int = 0
+    generated_tokens: int = 0
+    rejected: int = 0
+    expired: int = 0
+
+
+class _TokenBucket:
+    """tokens_per_minute as a bucket: holds up to a minute's tokens, refills continuously."""
+
+    def __init__(self, per_minute: int, now: float) -> None:
+        self.capacity = float(per_minute)
+        self.rate = per_minute / 60.0
+        self.level = self.capacity
+        self.at = now
+
+    def _refill(self, now: float) -> None:
+        self.level = min(self.capacity, self.level + (now - self.at) * self.rate)
+        self.at = now
+
+    def wait_for(self, cost: int, now: float) -> float:
+        """0 if cost tokens are there now, else the seconds until they will be."""
+        self._refill(now)
+        return 0.0 if cost <= self.level else (cost - self.level) / self.rate
+
+    def take(self, cost: int) -> None:
+        self.level -= cost
+
+    def refund(self, tokens: int, now: float) -> None:
+        self._refill(now)
+        self.level = min(self.capacity, self.level + tokens)
+
+
+class _Tenant:
+    def __init__(self, name: str, limits: TenantLimits, now: float) -> None:
+        self.name = name
+        self.limits = limits
+        self.vtime = 0.0
+        self.waiting: list[tuple[int, int, Request]] = []  # heap of (priority, order, request)
+        self.running = 0
+        self.counters = TenantCounters()
+        self.bucket = None if limits.tokens_per_minute is None else _TokenBucket(limits.tokens_per_minute, now)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    @property
+    def head(self) -> Request:
+        return self.waiting[0][2]
+
+
+class TenantQueues:
+    """The waiting requests, per tenant, and each tenant's running count, virtual time, quotas and
+    counters (the module docstring has the rule). The scheduler owns one; it iterates and sizes like
+    the waiting queue it replaces."""
+
+    def __init__(self, policy: TenantPolicy | None = None, *, clock=time.monotonic) -> None:
+        self.policy = policy or TenantPolicy()
+        self.clock = clock
+        self._tenants: dict[str, _Tenant] = {}
+        self._order = itertools.count()  # arrival order; preempted requests take -order to go first
+        self._front = itertools.count(1)
+        self._num_waiting = 0
+        self._level = 0.0  # the virtual time a tenant activating with nobody active starts at
+
+    # ---- the waiting queue ---------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self._num_waiting
+
+    def __bool__(self) -> bool:
+        return self._num_waiting > 0
+
+    def __iter__(self) -> Iterator[Request]:
+        for tenant in self._tenants.values():
+            for _, _, request in tenant.waiting:
+                yield request
+
+    def _tenant(self, name: str) -> _Tenant:
+        tenant = self._tenants.get(name)
+        if tenant is None:
+            tenant = self._tenants[name] = _Tenant(name, self.policy.limits(name), self.clock())
+        return tenant
+
+    def _activate(self, tenant: _Tenant) -> None:
+        """A tenant with nothing queued or running gets work: start it level with the active ones."""
+        if tenant.active:
+            return
+        active = [t.vtime for t in self._tenants.values() if t.active]
+        tenant.vtime = min(active) if active else self._level
+
+    def add(self, request: Request) -> None:
+        """Queue a new request at the back of its tenant's priority level."""
+        tenant = self._tenant(request.tenant)
+        self._activate(tenant)
+        request.queue_order = next(self._order)
+        self._push(tenant, request)
+
+    def requeue(self, request: Request) -> None:
+        """Queue a preempted request at the front of its tenant's priority level."""
+        tenant = self._tenants[request.tenant]
+        tenant.running -= 1
+        request.queue_order = -next(self._front)
+        self._push(tenant, request)
+
+    def _push(self, tenant: _Tenant, request: Request) -> None:
+        heapq.heappush(tenant.waiting, (request.priority, request.queue_order, request))
+        tenant.counters.waiting = len(tenant.waiting)
+        self._num_waiting += 1
+
+    def remove(self, request: Request) -> bool:
+        """Take a waiting request out of the queue (aborted or expired); False if it is not waiting."""
+        tenant = self._tenants.get(request.tenant)
+        if tenant is None:
+            return False
+        for i, (_, _, queued) in enumerate(tenant.waiting):
+            if queued is request:
+                tenant.waiting[i] = tenant.waiting[-1]
+                tenant.waiting.pop()
+                heapq.heapify(tenant.waiting)
+                tenant.counters.waiting = len(tenant.waiting)
+                self._num_waiting -= 1
+                self._note_idle(tenant)
+                return True
+        return False
+
+    def _note_idle(self, tenant: _Tenant) -> None:
+        if not tenant.active:
+            self._level = max(self._level, tenant.vtime)
+
+    # ---- admission -----------------------------------------------------------------------------------
+
+    def slot_share(self, tenant: _Tenant, max_running: int) -> float:
+        total = sum(t.limits.share for t in self._tenants.values() if t.active)
+        return max_running * tenant.limits.share / total if total else float(max_running)
+
+    def next_waiting(self, max_running: int) -> Request | None:
+        """The request admission should try next (see the module docstring), or None when every
+        waiting tenant is at its own max_running."""
+        best, best_key = None, None
+        for tenant in self._tenants.values():
+            if not tenant.waiting:
+                continue
+            cap = tenant.limits.max_running
+            if cap is not None and tenant.running >= cap:
+                continue
+            head = tenant.head
+            if self.policy.fair:
+                under = tenant.running < self.slot_share(tenant, max_running)
+                key = (not under, tenant.vtime, head.metrics.arrival_time, head.queue_order)
+            else:  # arrival order across tenants (a preempted request still goes first)
+                key = (head.queue_order >= 0, head.queue_order)
+            if best_key is None or key < best_key:
+                best, best_key = head, key
+        return best
+
+    def admit(self, request: Request, new_tokens: int) -> None:
+        """The request at its tenant's head starts running, with new_tokens of its prompt to compute."""
+        tenant = self._tenants[request.tenant]
+        _, _, head = heapq.heappop(tenant.waiting)
+        assert head is request, "admit: not the tenant's head"
+        self._num_waiting -= 1
+        tenant.running += 1
+        c = tenant.counters
+        c.waiting, c.running = len(tenant.waiting), tenant.running
+        if request.metrics.scheduled_time is None:
+            request.metrics.scheduled_time = self.clock()
+            c.admitted_requests += 1
+        c.admitted_tokens += new_tokens
+        tenant.vtime += new_tokens / tenant.limits.share
+
+    def generated(self, request: Request, tokens: int) -> None:
+        tenant = self._tenants[request.tenant]
+        tenant.counters.generated_tokens += tokens
+        tenant.vtime += tokens / tenant.limits.share
+
+    def started(self, request: Request) -> None:
+        """A request enters the running list without admission (a sample forked from a running one)."""
+        tenant = self._tenants[request.tenant]
+        tenant.running += 1
+        tenant.counters.running = tenant.running
+        if request.metrics.scheduled_time is None:
+            request.metrics.scheduled_time = self.clock()
+
+    def stopped(self, request: Request) -> None:
+        """A running request finished or was aborted."""
+        tenant = self._tenants[request.tenant]
+        tenant.running -= 1
+        tenant.counters.running = tenant.running
+        self._note_idle(tenant)
+
+    def refund(self, request: Request) -> None:
+        """A request ended (any way): give its tenant's bucket back the max_tokens it did not use."""
+        tenant = self._tenants.get(request.tenant)
+        if tenant is not None and tenant.bucket is not None:
+            unused = request.sampling.max_tokens - len(request.output_token_ids)
+            if unused > 0:
+                tenant.bucket.refund(unused, self.clock())
+
+    # ---- yielding ------------------------------------------------------------------------------------
+
+    def over_share(self, name: str, max_running: int) -> float:
+        """How far a tenant is over its slot share (running / share of slots; > 1 is over)."""
+        tenant = self._tenants[name]
+        return tenant.running / self.slot_share(tenant, max_running)
+
+    def starved(self, max_running: int) -> list[str]:
+        """Waiting tenants under their slot share and under their own max_running, least served first
+        (none when the policy is not fair)."""
+        out: list[tuple[float, str]] = []
+        if not self.policy.fair:
+            return []
+        for tenant in self._tenants.values():
+            cap = tenant.limits.max_running
+            if tenant.waiting and (cap is None or tenant.running < cap):
+                if tenant.running < self.slot_share(tenant, max_running) - 1e-9:
+                    out.append((tenant.vtime, tenant.name))
+        return [name for _, name in sorted(out)]
+
+    def victim(self, candidates: list[Request], max_running: int) -> Request:
+        """Which of the candidates (running, in running order) yields: the one of the tenant furthest
+        over its share, then the largest priority value, then the newest (last in running order)."""
+        if not self.policy.fair:
+            return max(enumerate(candidates), key=lambda ir: (ir[1].priority, ir[0]))[1]
+        over = {name: self.over_share(name, max_running) for name in {r.tenant for r in candidates}}
+        return max(enumerate(candidates), key=lambda ir: (over[ir[1].tenant], ir[1].priority, ir[0]))[1]
+
+    # ---- quotas ----------------------------------------------------------------------------------------
+
+    def check_quota(self, name: str, samples: int, tokens: int, max_running: int) -> None:
+        """Raise QuotaExceeded if the tenant may not queue `samples` more requests costing `tokens`
+        now; otherwise take the tokens from its per-minute bucket."""
+        tenant = self._tenant(name)
+        limits = tenant.limits
+        if limits.max_waiting is not None:
+            cap = (limits.max_running or max_running) + limits.max_waiting
+            if tenant.running + len(tenant.waiting) + samples > cap:
+                tenant.counters.rejected += 1
+                raise QuotaExceeded(
+                    name,
+                    f"tenant {name!r} already has {tenant.running} running and {len(tenant.waiting)} waiting "
+                    f"requests (its quota: {cap} at once); retry when one finishes",
+                    retry_after=1.0,
+                )
+        if tenant.bucket is not None:
+            if tokens > tenant.bucket.capacity:
+                tenant.counters.rejected += 1
+                raise ValueError(
+                    f"the request needs {tokens} tokens (prompt + max_tokens per sample), more than tenant "
+                    f"{name!r}'s tokens_per_minute={limits.tokens_per_minute}; lower max_tokens"
+                )
+            wait = tenant.bucket.wait_for(tokens, self.clock())
+            if wait > 0:
+                tenant.counters.rejected += 1
+                raise QuotaExceeded(
+                    name,
+                    f"tenant {name!r} is over its tokens_per_minute={limits.tokens_per_minute}; "
+                    f"{tokens} tokens are free again in {wait:.1f} s",
+                    retry_after=wait,
+                )
+            tenant.bucket.take(tokens)
+
+    def expired(self) -> list[Request]:
+        """Take out the waiting requests that were never admitted and have waited longer than their
+        tenant's max_queue_time."""
+        now, out = self.clock(), []
+        for tenant in self._tenants.values():
+            limit = tenant.limits.max_queue_time
+            if limit is None or not tenant.waiting:
+                continue
+            late = [r for _, _, r in tenant.waiting if r.metrics.scheduled_time is None and now - r.metrics.arrival_time > limit]
+            for request in late:
+                self.remove(request)
+                tenant.counters.expired += 1
+                out.append(request)
+        return out
+
+    def expiry_reason(self, request: Request) -> str:
+        limit = self._tenants[request.tenant].limits.max_queue_time
+        waited = self.clock() - request.metrics.arrival_time
+        return (
+            f"the request waited {waited:.1f} s for a slot, longer than tenant {request.tenant!r}'s "
+            f"max_queue_time={limit:g} s; retry later"
+        )
+
+    def counters(self) -> dict[str, TenantCounters]:
+        """Each tenant's counters (copies), by name."""
+        return {name: dataclasses.replace(t.counters) for name, t in self._tenants.items()}
+
+    def validate(self, running: list[Request]) -> None:
+        """The counts agree with the queues: each tenant's running count is its requests in `running`."""
+        counts: dict[str, int] = {}
+        for request in running:
+            counts[request.tenant] = counts.get(request.tenant, 0) + 1
+        for name, tenant in self._tenants.items():
+            assert tenant.running == counts.get(name, 0), f"tenant {name!r}: running {tenant.running} != {counts.get(name, 0)}"
+        assert self._num_waiting == sum(len(t.waiting) for t in self._tenants.values())
+
