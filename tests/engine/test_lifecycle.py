@@ -18,7 +18,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from gptoss_lite.engine import LLM, SamplingParams
+from gptoss_lite.engine import LLM, QuotaExceeded, SamplingParams, TenantLimits, TenantPolicy
 from gptoss_lite.generation import generate
 from tests.engine.conftest import assert_nothing_leaks, random_workload, run
 
@@ -38,22 +38,44 @@ def test_aborts_at_random_steps_free_everything(models):
     assert_nothing_leaks(llm)
 
 
+# Three tenants with unequal shares; "c" may run one request at a time and queue two more.
+POLICY = TenantPolicy(
+    tenants={"a": TenantLimits(share=3), "b": TenantLimits(share=1), "c": TenantLimits(max_running=1, max_waiting=2)}
+)
+
+
 class EngineMachine(RuleBasedStateMachine):
-    """add / step / abort in any order on a small pool; the pool validates after every rule and every
-    request either finishes with its max_tokens (greedy, EOS ignored) or was aborted."""
+    """add / step / abort in any order on a small pool shared by three tenants with shares, priorities
+    and a quota; the pool and the tenants' counts validate after every rule, no tenant runs more than
+    its max_running, a refused request changes nothing, and every request either finishes with its
+    max_tokens (greedy, EOS ignored) or was aborted."""
 
     model = None
 
     @initialize()
     def setup(self):
-        self.llm = LLM(self.model, kv_blocks=60, max_batch_tokens=48, max_running=4)
+        self.llm = LLM(self.model, kv_blocks=60, max_batch_tokens=48, max_running=4, tenants=POLICY)
         self.live: set[str] = set()
         self.expected: dict[str, int] = {}
 
-    @rule(length=st.integers(1, 200), max_tokens=st.integers(1, 6), seed=st.integers(0, 5))
-    def add(self, length, max_tokens, seed):
+    @rule(
+        length=st.integers(1, 200),
+        max_tokens=st.integers(1, 6),
+        seed=st.integers(0, 5),
+        tenant=st.sampled_from("abc"),
+        priority=st.integers(-1, 2),
+    )
+    def add(self, length, max_tokens, seed, tenant, priority):
         prompt = [(seed * 31 + i * 7) % self.model.config.vocab_size for i in range(length)]
-        rid = self.llm.add_request(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        queued = self.llm.num_running + self.llm.num_waiting
+        try:
+            rid = self.llm.add_request(prompt, params, tenant=tenant, priority=priority)
+        except QuotaExceeded:
+            c = self.llm.stats().tenants["c"]
+            assert tenant == "c" and c.running + c.waiting == 3
+            assert self.llm.num_running + self.llm.num_waiting == queued
+            return
         self.live.add(rid)
         self.expected[rid] = max_tokens
 
@@ -77,6 +99,8 @@ class EngineMachine(RuleBasedStateMachine):
     def consistent(self):
         self.llm.validate()
         assert self.llm.num_running + self.llm.num_waiting == len(self.live)
+        tenants = self.llm.stats().tenants
+        assert "c" not in tenants or tenants["c"].running <= 1
 
     def teardown(self):
         while self.llm.has_unfinished():

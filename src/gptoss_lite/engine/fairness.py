@@ -273,6 +273,7 @@ class TenantQueues:
         tenant = self._tenant(request.tenant)
         self._activate(tenant)
         request.queue_order = next(self._order)
+        request.queued_at = self.clock()
         self._push(tenant, request)
 
     def requeue(self, request: Request) -> None:
@@ -447,7 +448,7 @@ class TenantQueues:
             limit = tenant.limits.max_queue_time
             if limit is None or not tenant.waiting:
                 continue
-            late = [r for _, _, r in tenant.waiting if r.metrics.scheduled_time is None and now - r.metrics.arrival_time > limit]
+            late = [r for _, _, r in tenant.waiting if r.metrics.scheduled_time is None and now - r.queued_at > limit]
             for request in late:
                 self.remove(request)
                 tenant.counters.expired += 1
@@ -456,7 +457,7 @@ class TenantQueues:
 
     def expiry_reason(self, request: Request) -> str:
         limit = self._tenants[request.tenant].limits.max_queue_time
-        waited = self.clock() - request.metrics.arrival_time
+        waited = self.clock() - request.queued_at
         return (
             f"the request waited {waited:.1f} s for a slot, longer than tenant {request.tenant!r}'s "
             f"max_queue_time={limit:g} s; retry later"

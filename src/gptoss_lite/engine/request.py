@@ -109,6 +109,7 @@ class Request:
         self.tenant = tenant  # whose share of the engine it runs on (engine/fairness.py)
         self.priority = priority  # lower runs first within its tenant's share
         self.queue_order = 0  # its place in its tenant's queue (set when queued)
+        self.queued_at = 0.0  # when it was queued, by the queue's clock (for max_queue_time)
         self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.num_computed = 0  # tokens whose K/V the cache holds
