@@ -8,8 +8,9 @@ something this server cannot do (`modalities: ["audio"]`, `web_search_options`, 
 client never gets an answer computed without an option it needs. docs/server.md#request-fields has
 the table, field by field.
 
-Two extensions beyond the OpenAI fields: `cache_salt` (a client-chosen string that further splits the
-prefix-cache scope of its tenant) and `ignore_eos` (generate exactly `max_tokens`, for benchmarks).
+Three extensions beyond the OpenAI fields: `cache_salt` (a client-chosen string that further splits the
+prefix-cache scope of its tenant), `ignore_eos` (generate exactly `max_tokens`, for benchmarks) and
+`priority` (an integer, lower first, that orders the request within its tenant's share of the engine).
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class _SamplingFields(_Strict):
     # Extensions.
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     ignore_eos: bool = False
+    priority: F.Priority = 0
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
