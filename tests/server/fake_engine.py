@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from gptoss_lite.engine import EngineStats, PreparedRequest, RequestMetrics, RequestOutput, SamplingParams
+from gptoss_lite.engine.config import EngineConfig
 from gptoss_lite.tokenizer import ByteTokenizer
 
 LETTERS = b"abcdefghijklmnopqrstuvwxyz   ."
@@ -55,6 +56,7 @@ class FakeLLM:
         self.chat_template = chat_template
         self.block_size, self.kv_blocks, self.max_running = block_size, kv_blocks, max_running
         self.step_delay, self.eos_after = step_delay, eos_after
+        self.engine_config = EngineConfig(max_running=max_running)  # no tenant policy: no quotas
         self._waiting: list[_Req] = []
         self._running: list[_Req] = []
         self._all: dict[str, _Req] = {}
@@ -81,7 +83,7 @@ class FakeLLM:
             raise ValueError(f"prompt + max_tokens = {len(ids) + sampling.max_tokens} > max_model_len")
         return PreparedRequest(ids, sampling)
 
-    def add_request(self, prompt, sampling=None, *, request_id=None, scope="default") -> str:
+    def add_request(self, prompt, sampling=None, *, request_id=None, scope="default", tenant="default", priority=0):
         prepared = prompt if isinstance(prompt, PreparedRequest) else self.prepare(prompt, sampling)
         ids, sampling = prepared.token_ids, prepared.sampling
         rid = request_id or f"req-{len(self._all)}"
@@ -102,6 +104,7 @@ class FakeLLM:
             if self._used() + need > self.kv_blocks:
                 break
             req = self._waiting.pop(0)
+            req.metrics.scheduled_time = time.monotonic()
             req.blocks = need
             req.cached = self._lookup(req)
             self._running.append(req)

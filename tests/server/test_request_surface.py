@@ -97,6 +97,7 @@ SURFACE = {
         "moderation": None,
         "cache_salt": "salt-1",
         "ignore_eos": True,
+        "priority": -1,
     },
     COMPLETIONS: {
         "prompt": "Hello",
@@ -118,6 +119,7 @@ SURFACE = {
         "user": "user-1",
         "cache_salt": "salt-1",
         "ignore_eos": True,
+        "priority": -1,
     },
     RESPONSES: {
         "input": [{"role": "user", "content": "Hi"}],
@@ -160,6 +162,7 @@ SURFACE = {
         "context_management": [],
         "moderation": None,
         "cache_salt": "salt-1",
+        "priority": 3,
     },
 }
 # Further requests for fields that exclude one in SURFACE; the first of each route is not streamed,

@@ -1,5 +1,9 @@
 """`gptoss-lite serve`: the OpenAI-compatible HTTP server (docs/server.md).
 
+The --tenant-* flags, --max-queue-time, --tenant-config and --admission set how tenants (API keys) share
+the engine (docs/server.md#sharing-between-tenants); without them every tenant has an equal share and no
+quota, and one tenant is plain first come, first served.
+
 SIGTERM (or Ctrl-C) drains: the listening socket closes, new requests on open connections get 503,
 running requests finish (up to --drain-timeout seconds; then each still running ends with an error
 event and `[DONE]`), then the engine stops and the process exits 0. A second signal stops at once.
@@ -8,6 +12,7 @@ event and `[DONE]`), then the engine stops and the process exits 0. A second sig
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import math
 import os
@@ -65,6 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "chat template, or auto: harmony when the tokenizer is the gpt-oss vocabulary (default: auto)",
     )
     add_engine_kv_args(p)
+    add_tenant_args(p)
     p.add_argument(
         "--drain-timeout",
         type=float,
@@ -165,6 +171,158 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(handler=run)
+
+
+def add_tenant_args(p: argparse.ArgumentParser) -> None:
+    """How tenants share the engine (engine/fairness.py; docs/server.md#sharing-between-tenants)."""
+    g = p.add_argument_group(
+        "sharing between tenants",
+        "each API key's tenant gets a share of the engine's slots and tokens; the limits below are each "
+        "tenant's own (docs/server.md#sharing-between-tenants). Default: equal shares, no quotas",
+    )
+    g.add_argument(
+        "--tenant-share",
+        action="append",
+        default=None,
+        metavar="NAME=WEIGHT",
+        help="tenant NAME's share of the engine relative to the others' (repeatable; a number > 0; default 1)",
+    )
+    g.add_argument(
+        "--tenant-max-running",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests one tenant may have running at once (default: no limit but --max-running)",
+    )
+    g.add_argument(
+        "--tenant-max-waiting",
+        type=int,
+        default=None,
+        metavar="M",
+        help="requests one tenant may have waiting beyond its running ones; one more is a 429 with Retry-After "
+        "(default: no limit but --max-waiting)",
+    )
+    g.add_argument(
+        "--tenant-tokens-per-minute",
+        type=int,
+        default=None,
+        metavar="T",
+        help="tokens (prompt + max_tokens per sample, the unused part given back) one tenant may queue per "
+        "minute; beyond it a 429 with Retry-After (default: no limit)",
+    )
+    g.add_argument(
+        "--max-queue-time",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="a request that waited this long without being admitted is answered 429 queue_timeout "
+        "(default: it waits as long as it takes)",
+    )
+    g.add_argument(
+        "--tenant-config",
+        default=None,
+        metavar="FILE",
+        help="the whole tenant policy from a YAML (.yaml, .yml) or JSON file: a 'default' section and "
+        "per-tenant sections of share, max_running, max_waiting, tokens_per_minute, max_queue_time, and "
+        "'fair'; not with the flags above, which set its 'default' section",
+    )
+    g.add_argument(
+        "--admission",
+        choices=("fair", "fcfs"),
+        default=None,
+        help="fair: tenants in turn by their shares; fcfs: arrival order across tenants, the rule before "
+        "tenants shared (quotas still apply), for comparison (default: fair, or the config file's 'fair')",
+    )
+
+
+# The flags that set every tenant's limits, by TenantLimits field.
+TENANT_LIMIT_FLAGS = {
+    "max_running": "--tenant-max-running",
+    "max_waiting": "--tenant-max-waiting",
+    "tokens_per_minute": "--tenant-tokens-per-minute",
+    "max_queue_time": "--max-queue-time",
+}
+
+
+def tenant_policy(args: argparse.Namespace, keys: dict[str, str] | None):
+    """The TenantPolicy of the tenant flags (None when none is given: the engine's default, equal
+    shares and no quotas), checked before the model loads. With API keys, every tenant the policy
+    names must be one a key maps to (a misspelt name would silently get the default share); an open
+    server has one tenant, "default"."""
+    from gptoss_lite.engine import TenantLimits, TenantPolicy
+    from gptoss_lite.engine.fairness import DEFAULT_TENANT
+    from gptoss_lite.validation import check_int
+
+    given = {field: getattr(args, flag[2:].replace("-", "_")) for field, flag in TENANT_LIMIT_FLAGS.items()}
+    limits = {field: value for field, value in given.items() if value is not None}
+    shares = parse_tenant_shares(args.tenant_share or [])
+    if args.tenant_config is not None:
+        clash = [TENANT_LIMIT_FLAGS[f] for f in limits] + (["--tenant-share"] if shares else [])
+        if clash:
+            raise ValueError(
+                f"{', '.join(clash)} with --tenant-config: the file is the whole policy; put the limits in its "
+                "'default' section and the shares under 'tenants'"
+            )
+        try:
+            policy = TenantPolicy.load(args.tenant_config)
+        except ValueError as exc:
+            raise ValueError(f"--tenant-config: {exc}") from None
+    elif limits or shares or args.admission is not None:
+        for field, low in (("max_running", 1), ("max_waiting", 0), ("tokens_per_minute", 1)):
+            if field in limits:
+                check_int(TENANT_LIMIT_FLAGS[field], limits[field], low)
+        seconds = limits.get("max_queue_time")
+        if seconds is not None and not 0 < seconds < math.inf:
+            raise ValueError(f"--max-queue-time {seconds}: must be a positive number of seconds")
+        default = TenantLimits(**limits)
+        named = {name: dataclasses.replace(default, share=share) for name, share in shares.items()}
+        policy = TenantPolicy(default=default, tenants=named)
+    else:
+        return None
+    if args.admission is not None:
+        policy = dataclasses.replace(policy, fair=args.admission == "fair")
+    known = set(keys.values()) if keys is not None else {DEFAULT_TENANT}
+    for name in policy.tenants:
+        if name not in known:
+            where = "--tenant-share" if args.tenant_config is None else f"--tenant-config {args.tenant_config}"
+            served = (
+                f"the --api-key tenants are {', '.join(sorted(known))}"
+                if keys is not None
+                else f"a server without --api-key has one tenant, {DEFAULT_TENANT!r}"
+            )
+            raise ValueError(f"{where}: no API key maps to tenant {name!r} ({served})")
+    return policy
+
+
+def describe_policy(policy) -> str:
+    """A tenant policy in words, for the start-up lines."""
+    from gptoss_lite.engine import TenantLimits
+
+    def limits(lim: TenantLimits) -> str:
+        parts = [f"{name} {getattr(lim, name):g}" for name in TENANT_LIMIT_FLAGS if getattr(lim, name) is not None]
+        return ", ".join(parts) or "no quotas"
+
+    rule = "fair shares" if policy.fair else "arrival order (fcfs)"
+    named = "; ".join(f"{name}: share {lim.share:g}, {limits(lim)}" for name, lim in sorted(policy.tenants.items()))
+    return f"{rule}; every tenant: {limits(policy.default)}" + (f"; {named}" if named else "")
+
+
+def parse_tenant_shares(entries: list[str]) -> dict[str, float]:
+    """['NAME=WEIGHT', ...] -> {name: weight}; each weight a finite number > 0, each name once."""
+    shares: dict[str, float] = {}
+    for entry in entries:
+        name, sep, weight = entry.partition("=")
+        name = name.strip()
+        try:
+            share = float(weight) if sep and name else math.nan
+        except ValueError:
+            share = math.nan
+        if not 0 < share < math.inf:
+            raise ValueError(f"--tenant-share {entry!r}: expected NAME=WEIGHT with a number WEIGHT > 0, e.g. alice=3")
+        if name in shares:
+            raise ValueError(f"--tenant-share: tenant {name!r} given twice")
+        shares[name] = share
+    return shares
 
 
 def parse_api_keys(entries: list[str]) -> dict[str, str]:
@@ -282,6 +440,7 @@ def run(args: argparse.Namespace) -> int:
     from gptoss_lite.server.http import uvicorn_config
 
     keys = check_args(args)
+    tenants = tenant_policy(args, keys)
     tools = tool_kwargs(args)
     device = resolve_device(args.device)
     threads = configure_threads(args.threads)
@@ -297,6 +456,7 @@ def run(args: argparse.Namespace) -> int:
         device=device,
         enable_prefix_caching=not args.no_prefix_caching,
         max_model_len=args.max_model_len,
+        tenants=tenants,
         **engine_kv_kwargs(args, load_draft=True),
     )
     app = create_app(
@@ -328,6 +488,8 @@ def run(args: argparse.Namespace) -> int:
         f"({args.response_ttl / 86400:.3g} days), the newest {state.responses.max_per_tenant:,} per tenant",
         file=sys.stderr,
     )
+    if tenants is not None:
+        print(f"gptoss-lite serve: tenants: {describe_policy(tenants)}", file=sys.stderr)
     if state.harmony is not None:
         print("gptoss-lite serve: chats in the harmony format (reasoning, tool calls)", file=sys.stderr)
     served = describe_tools(state.tools)

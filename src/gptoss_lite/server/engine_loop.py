@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gptoss_lite.engine import EngineStats, PreparedRequest, RequestOutput
+from gptoss_lite.engine.fairness import DEFAULT_TENANT
 
 
 class QueueFull(Exception):
@@ -93,6 +94,7 @@ class _Route:
     loop: asyncio.AbstractEventLoop
     channel: Channel
     remaining: int  # samples not finished yet
+    tenant: str
 
 
 @dataclass
@@ -100,6 +102,8 @@ class _Add:
     request_id: str
     prepared: PreparedRequest
     scope: str
+    tenant: str
+    priority: int
     out: Channel
     done: asyncio.Future
     loop: asyncio.AbstractEventLoop
@@ -139,8 +143,9 @@ class Snapshot:
 class EngineLoop:
     """Owns `llm` on one thread. Use from the event loop: `await add(...)`, `abort(...)`, `stop()`.
 
-    `on_finished(output)` is called on the engine thread for each request that finishes (not for
-    aborted ones), e.g. to record latency histograms.
+    `on_finished(output, tenant)` is called on the engine thread for each sample that finishes (not
+    for aborted or failed ones; for one that timed out in its tenant's queue, yes: its wait is a
+    figure too), e.g. to record latency histograms.
     """
 
     def __init__(self, llm, *, max_waiting: int, on_finished=None):
@@ -152,6 +157,7 @@ class EngineLoop:
         self.snapshot = Snapshot(stats=llm.stats())
         self.error: str | None = None  # the last failure (a request's or a whole step's), for /health
         self.failed_requests = 0  # requests the engine finished with an error, confined to them
+        self.queue_timeouts = 0  # requests that waited past their tenant's max_queue_time (not failures)
         self.step_failures = 0  # steps that raised out of the engine (their running requests failed)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._routes: dict[str, _Route] = {}
@@ -167,18 +173,28 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
-    async def add(self, request_id: str, prepared: PreparedRequest, scope: str) -> Channel:
+    async def add(
+        self,
+        request_id: str,
+        prepared: PreparedRequest,
+        scope: str,
+        *,
+        tenant: str = DEFAULT_TENANT,
+        priority: int = 0,
+    ) -> Channel:
         """Queue a request (tokenised and checked by `llm.prepare` in the caller's thread); returns its
-        channel once the engine accepted it.
+        channel once the engine accepted it. `tenant` is whose share of the engine it runs on and
+        `priority` its order within that share (lower first; engine/fairness.py).
 
-        Raises the engine's ValueError for a request it refuses, QueueFull, or ShuttingDown.
+        Raises the engine's ValueError for a request it refuses, QuotaExceeded when the tenant's quota
+        refuses it now, QueueFull, or ShuttingDown.
         """
         if not self.alive:
             raise ShuttingDown("the server is shutting down")
         loop = asyncio.get_running_loop()
         out = Channel()
         done = loop.create_future()
-        self._commands.put(_Add(request_id, prepared, scope, out, done, loop))
+        self._commands.put(_Add(request_id, prepared, scope, tenant, priority, out, done, loop))
         try:
             await done  # raises what add_request raised
         except asyncio.CancelledError:  # the client left while the add was queued: undo it
@@ -248,11 +264,13 @@ class EngineLoop:
             try:
                 if llm.num_waiting >= self.max_waiting:
                     raise QueueFull(f"{llm.num_waiting} requests are already waiting (max_waiting={self.max_waiting})")
-                llm.add_request(cmd.prepared, request_id=cmd.request_id, scope=cmd.scope)
+                llm.add_request(
+                    cmd.prepared, request_id=cmd.request_id, scope=cmd.scope, tenant=cmd.tenant, priority=cmd.priority
+                )
             except Exception as exc:  # noqa: BLE001 - handed to the waiting handler, which maps it to a status
                 cmd.loop.call_soon_threadsafe(_settle, cmd.done, exc)
                 return
-            self._routes[cmd.request_id] = _Route(cmd.loop, cmd.out, cmd.prepared.sampling.n)
+            self._routes[cmd.request_id] = _Route(cmd.loop, cmd.out, cmd.prepared.sampling.n, cmd.tenant)
             cmd.loop.call_soon_threadsafe(_settle, cmd.done, None)
         elif isinstance(cmd, _Call):
             try:
@@ -284,15 +302,22 @@ class EngineLoop:
             if out.finished:
                 route.remaining -= 1
                 if out.finish_reason == "error":
-                    self.failed_requests += 1
-                    self.error = out.error
+                    # A request that never got a slot in time is the load's doing, not a fault: its
+                    # handler answers 429 and /health's failure figures stay for faults.
+                    if out.error_code == "queue_timeout":
+                        self.queue_timeouts += 1
+                        if self.on_finished is not None:
+                            self.on_finished(out, route.tenant)
+                    else:
+                        self.failed_requests += 1
+                        self.error = out.error
                     del self._routes[out.request_id]
                     self.llm.abort(out.request_id)  # its other samples too: the request has failed
                 else:
                     if route.remaining == 0:
                         del self._routes[out.request_id]
                     if self.on_finished is not None:
-                        self.on_finished(out)
+                        self.on_finished(out, route.tenant)
             batches.setdefault(route.loop, []).append((route.channel, out))
         for loop, items in batches.items():
             loop.call_soon_threadsafe(_deliver, items)

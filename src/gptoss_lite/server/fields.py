@@ -26,6 +26,9 @@ Metadata = Annotated[
 ]
 Identifier = Annotated[str, Field(max_length=256)]  # user, prompt_cache_key: opaque client strings
 SafetyIdentifier = Annotated[str, Field(max_length=128)]  # the API's documented maximum
+# `priority` (an extension, as vLLM takes it): lower runs first within the tenant's share of the engine
+# (docs/server.md#sharing-between-tenants). Bounded to a signed 64-bit integer, what every client can send.
+Priority = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 # Every tier the API names; this server has one, and answers "default" whichever was asked.
 ServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast", "ultrafast"]
@@ -112,6 +115,7 @@ __all__ = [
     "Metadata",
     "ServiceTier",
     "SERVED_TIER",
+    "Priority",
     "Effort",
     "nearest_effort",
     "StreamOptions",

@@ -1,11 +1,15 @@
 """Prometheus metrics of one server (its own registry, so two apps in one process never mix figures).
 
 Request counts and latency histograms are recorded as requests end; engine figures (running and
-waiting requests, KV blocks, prefix-cache hits, preemptions) are read at scrape time from the
-engine loop's last stats snapshot, so a scrape never waits for, or touches, the engine.
+waiting requests, KV blocks, prefix-cache hits, preemptions, and each tenant's queues and tokens) are
+read at scrape time from the engine loop's last stats snapshot, so a scrape never waits for, or
+touches, the engine. Series labelled `tenant` name tenants, which is why /metrics needs a key on a
+keyed server (docs/server.md#metrics).
 """
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -17,6 +21,8 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 # A browser search takes milliseconds, a python cell up to its 120 s limit.
 TOOL_BUCKETS = (0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# Time in the queue: none at all on an idle server, up to a tenant's max_queue_time (minutes) under a flood.
+QUEUE_BUCKETS = (0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class ServerMetrics:
@@ -88,15 +94,40 @@ class ServerMetrics:
             buckets=TOOL_BUCKETS,
             registry=self.registry,
         )
+        self.rejected = Counter(
+            f"{PREFIX}_tenant_rejected_requests",
+            "Requests answered 429 before they were queued, by tenant and code (rate_limit_exceeded: the "
+            "tenant's quota; queue_full: --max-waiting requests already waited)",
+            ("tenant", "code"),
+            registry=self.registry,
+        )
+        self.queue_time = Histogram(
+            f"{PREFIX}_tenant_queue_time_seconds",
+            "Seconds a request waited from its arrival in the engine to its first admission, by tenant "
+            "(observed when it finishes; a request that timed out in the queue counts its whole wait)",
+            ("tenant",),
+            buckets=QUEUE_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(_EngineCollector(snapshot))
 
-    def record_finished(self, output) -> None:
-        """Latency histograms of one finished request (called on the engine thread)."""
+    def record_finished(self, output, tenant: str) -> None:
+        """Latency histograms of one finished sample, and its request's time in the queue (called on
+        the engine thread)."""
         m = output.metrics
         if m.ttft is not None:
             self.ttft.observe(m.ttft)
         for gap in m.itl:
             self.itl.observe(gap)
+        if output.index == 0:  # one figure per request: its other samples were forked, never queued
+            if m.scheduled_time is not None:
+                self.queue_time.labels(tenant).observe(m.scheduled_time - m.arrival_time)
+            elif output.error_code == "queue_timeout":
+                self.queue_time.labels(tenant).observe(time.monotonic() - m.arrival_time)
+
+    def record_rejected(self, tenant: str, code: str) -> None:
+        """A request refused with a 429 before it was queued."""
+        self.rejected.labels(tenant, code).inc()
 
     def record_tool(self, tool: str, seconds: float, error: bool) -> None:
         """One built-in tool call: its count, its time, and whether it ended in an error."""
@@ -148,3 +179,36 @@ class _EngineCollector:
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+        yield from _tenant_families(s.tenants)
+
+
+def _tenant_families(tenants: dict):
+    """Each tenant's queues and tokens (engine/fairness.py's TenantCounters), labelled by tenant."""
+    gauges = (
+        ("requests_running", "Requests of the tenant being generated (each of n samples counts)", "running"),
+        ("requests_waiting", "Requests of the tenant waiting for a slot", "waiting"),
+    )
+    for name, doc, attr in gauges:
+        family = GaugeMetricFamily(f"{PREFIX}_tenant_{name}", doc, labels=("tenant",))
+        for tenant, c in sorted(tenants.items()):
+            family.add_metric((tenant,), getattr(c, attr))
+        yield family
+    counters = (
+        ("admitted_requests", "Requests of the tenant admitted to run (first admissions)", "admitted_requests"),
+        (
+            "admitted_tokens",
+            "Prompt tokens the engine took on for the tenant (uncached; recomputation after a preemption included)",
+            "admitted_tokens",
+        ),
+        ("generated_tokens", "Tokens generated for the tenant", "generated_tokens"),
+        (
+            "queue_timeouts",
+            "Requests of the tenant that waited longer than its max_queue_time and were answered 429 queue_timeout",
+            "expired",
+        ),
+    )
+    for name, doc, attr in counters:
+        family = CounterMetricFamily(f"{PREFIX}_tenant_{name}", doc, labels=("tenant",))
+        for tenant, c in sorted(tenants.items()):
+            family.add_metric((tenant,), getattr(c, attr))
+        yield family

@@ -13,6 +13,11 @@ Tenancy: with `api_keys` ({key: tenant}) every /v1 request needs `Authorization:
 the prefix-cache scope of its request is its tenant plus any `cache_salt` it sent, so a prefix that
 one key cached is never a hit for another (docs/server.md#tenancy). Without keys everyone is the
 tenant "default".
+
+Sharing: every request runs on its tenant's share of the engine, ordered within it by its `priority`
+(engine/fairness.py). A request a tenant's quota refuses, or that finds the queue full, is a 429 with
+Retry-After; one that waits longer than its tenant's max_queue_time is a 429 `queue_timeout`
+(docs/server.md#sharing-between-tenants).
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from gptoss_lite.engine import PreparedRequest, SamplingParams
+from gptoss_lite.engine import PreparedRequest, QuotaExceeded, SamplingParams
+from gptoss_lite.engine.fairness import DEFAULT_TENANT
 from gptoss_lite.grammar import GrammarError, HarmonyConstraint, JsonConstraint, compile_schema, lltokenizer, schema_of
 from gptoss_lite.harmony.render import function_tools
 from gptoss_lite.server import protocol as P
@@ -58,7 +64,9 @@ from gptoss_lite.server.response_store import FILE_NAME, TTL_SECONDS, ResponseSt
 from gptoss_lite.server.sealing import Sealer, data_dir_key, read_key_file
 
 STATIC = Path(__file__).resolve().parent / "static"
-DEFAULT_TENANT = "default"
+# Seconds a 429 for a full queue or a queue timeout tells the client to wait: the engine's own figure for
+# a full per-tenant queue (fairness.py: a slot frees when any running request finishes).
+BUSY_RETRY_AFTER = 1.0
 MAX_BODY_BYTES = 8 << 20  # a request body over this is a 413 (a prompt this long is over any context anyway)
 DEFAULT_STALL_TIMEOUT = 60.0  # seconds a stream may wait for its client to take data before it is aborted
 
@@ -108,8 +116,13 @@ class ServerState:
         self.draining = False
         self.created = int(time.time())
 
-    def _finished(self, output) -> None:
-        self.metrics.record_finished(output)
+    def _finished(self, output, tenant: str) -> None:
+        self.metrics.record_finished(output, tenant)
+
+    def max_queue_time(self, tenant: str) -> float | None:
+        """The tenant's max_queue_time (None: its requests wait as long as it takes)."""
+        policy = self.llm.engine_config.tenants
+        return None if policy is None else policy.limits(tenant).max_queue_time
 
     def admin(self, request: Request) -> None:
         """Admin routes: open on a server without API keys, else only for `admin_key` (401 otherwise;
@@ -152,6 +165,15 @@ class ServerState:
         if self.metrics_open or self._is_admin(_bearer(request)):
             return
         self.tenant(request)
+
+    def may_observe(self, request: Request) -> bool:
+        """Whether `observer` would let this request see tenant names (for /health, which is open to
+        all and shows them only then)."""
+        try:
+            self.observer(request)
+        except P.APIError:
+            return False
+        return True
 
     def _is_admin(self, key: str | None) -> bool:
         admin = self.admin_key
@@ -317,11 +339,12 @@ def create_app(
         return FileResponse(STATIC / "index.html", media_type="text/html")
 
     @app.get("/health")
-    async def health():
+    async def health(request: Request):
         engine = state.engine
         faults = {"failed_requests": engine.failed_requests, "step_failures": engine.step_failures}
         if engine.error is not None:
             faults["last_failure"] = engine.error
+        faults["queue"] = _queue(engine.snapshot.stats, tenants=state.may_observe(request))
         if state.draining or not engine.alive:
             why = "draining" if state.draining else "engine stopped"
             return JSONResponse({"status": why, **faults}, status_code=503)
@@ -420,6 +443,30 @@ def create_app(
 
 
 # ---- request handling ------------------------------------------------------------------------------------
+
+
+def _queue(stats, *, tenants: bool) -> dict:
+    """/health's view of the queue: running and waiting requests, and with `tenants` each tenant's."""
+    if stats is None:
+        return {"running": 0, "waiting": 0}
+    queue = {"running": stats.num_running, "waiting": stats.num_waiting}
+    if tenants:
+        queue["tenants"] = {
+            name: {"running": c.running, "waiting": c.waiting} for name, c in sorted(stats.tenants.items())
+        }
+    return queue
+
+
+def _busy(state: ServerState, tenant: str, exc: Exception) -> P.APIError:
+    """The 429 for a request refused before it was queued: the tenant's quota, or a full queue."""
+    if isinstance(exc, QuotaExceeded):
+        state.metrics.record_rejected(tenant, "rate_limit_exceeded")
+        return P.APIError(
+            429, str(exc), type="rate_limit_error", code="rate_limit_exceeded", headers=P.retry_after(exc.retry_after)
+        )
+    state.metrics.record_rejected(tenant, "queue_full")
+    busy = f"the server is busy: {exc}; retry later"
+    return P.APIError(429, busy, type="server_error", code="queue_full", headers=P.retry_after(BUSY_RETRY_AFTER))
 
 
 def _model_card(state: ServerState) -> dict:
@@ -738,15 +785,17 @@ async def _serve(
     if rid is None:
         rid = R.response_id() if on_response is not None else f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     try:
-        channel = await state.engine.add(rid, prepared, cache_scope(tenant, req.cache_salt))
-    except QueueFull as exc:
-        busy = f"the server is busy: {exc}; retry later"
-        raise P.APIError(429, busy, type="server_error", code="queue_full") from None
+        channel = await state.engine.add(
+            rid, prepared, cache_scope(tenant, req.cache_salt), tenant=tenant, priority=req.priority
+        )
+    except (QuotaExceeded, QueueFull) as exc:
+        raise _busy(state, tenant, exc) from None
     except ShuttingDown as exc:
         raise P.APIError(503, str(exc), type="server_error", code="shutting_down") from None
     except (ValueError, TypeError) as exc:  # the engine refused the request (nothing was queued)
         raise P.APIError(400, str(exc)) from None
     run = _Run(state, tenant, rid, channel, sampling.n)
+    run.priority = req.priority
     if sampling.n > req.n:  # completions' best_of
         run.answer_n, run.show_logprobs = req.n, req.logprobs is not None
     if extra and state.harmony is not None:  # a harmony chat: parse each sample's tokens
@@ -758,6 +807,11 @@ async def _serve(
     if on_response is not None:
         run.writer, run.on_response = R.EventWriter(rid, state.model_name, req, seal=seal), on_response
     run.echo, run.metadata = echo, getattr(req, "metadata", None)
+    if req.stream and state.max_queue_time(tenant) is not None:
+        # Until the request is admitted it may still time out in the queue: a 429 then, not a stream
+        # that began with 200 and ends in an error event, so its first tokens are awaited first.
+        if not await run.started(request):
+            return Response(status_code=499)  # nginx's "client closed request": nobody reads it
     if req.stream:
         return _SSEResponse(
             run.response_events() if run.writer is not None else run.events(chat, req.include_usage),
@@ -792,7 +846,9 @@ class _Run:
         self.req = None  # the request (its sampling fields and token limit, for later rounds)
         self.prompt_ids: list[int] = []  # the prompt of the round being generated
         self.scope, self.harmony_choice = "", None
+        self.priority = 0  # the request's, for later rounds of a response with built-in tools
         self.client_gone = False
+        self._held = None  # an update `started` took from the channel, for the stream to begin with
 
     async def _watch(self, request: Request) -> None:
         """Wake the reader when the server reports that the client disconnected (the body is already
@@ -802,9 +858,32 @@ class _Run:
         self.client_gone = True
         self.channel.leave()
 
+    async def started(self, request: Request) -> bool:
+        """Wait for the request's first update (its first tokens, or its end), watching for the client
+        leaving meanwhile; False if it left (the request is aborted). A request that timed out in the
+        queue raises its 429 here; any other update is kept for the stream to begin with."""
+        watcher = asyncio.ensure_future(self._watch(request))
+        try:
+            update = await self.channel.get()
+        except BaseException:  # the handler was cancelled (the server stops): free the request
+            self.abort()
+            raise
+        finally:
+            watcher.cancel()
+        if update.client_gone:
+            self.abort()
+            return False
+        for final in update.finals.values():
+            if final.error_code == "queue_timeout":
+                self.done = True  # the engine loop has aborted the other samples
+                raise _queue_timeout(final)
+        self._held = update
+        return True
+
     async def _next(self):
-        """The next update; an APIError 500 if the server ended the request or the engine failed it."""
-        update = await self.channel.get()
+        """The next update; an APIError 500 if the server ended the request or the engine failed it,
+        429 if it timed out in its tenant's queue."""
+        update, self._held = self._held or await self.channel.get(), None
         if update.failure is not None:
             self.done = True
             code = "shutting_down" if self.state.draining else None
@@ -812,6 +891,8 @@ class _Run:
         for index, final in update.finals.items():
             if final.finish_reason == "error":
                 self.done = True  # the engine loop has aborted the other samples
+                if final.error_code == "queue_timeout":
+                    raise _queue_timeout(final)
                 raise P.APIError(500, f"the engine failed on this request: {final.error}", type="server_error")
             self.finals[index] = final
         if len(self.finals) == self.n and not self.done:
@@ -919,8 +1000,12 @@ class _Run:
             prepared = state.llm.prepare(ids, sampling)
             loop.rounds += 1
             engine_rid = f"{self.rid}-{loop.rounds}"
-            channel = await state.engine.add(engine_rid, prepared, self.scope)
-        except (QueueFull, ShuttingDown, ValueError, TypeError) as exc:
+            channel = await state.engine.add(
+                engine_rid, prepared, self.scope, tenant=self.tenant, priority=self.priority
+            )
+        except (QuotaExceeded, QueueFull) as exc:  # busy, not broken: the client may retry the response
+            raise _busy(state, self.tenant, exc) from None
+        except (ShuttingDown, ValueError, TypeError) as exc:
             why = f"the next round of the response could not start: {exc}"
             raise P.APIError(503, why, type="server_error") from None
         self.engine_rid, self.channel, self.prompt_ids = engine_rid, channel, list(prepared.token_ids)
@@ -1137,6 +1222,13 @@ class _Run:
             self.abort()  # a no-op unless the client left before the end
 
 
+def _queue_timeout(final) -> P.APIError:
+    """The 429 for a request that waited longer than its tenant's max_queue_time without a slot."""
+    return P.APIError(
+        429, final.error, type="server_error", code="queue_timeout", headers=P.retry_after(BUSY_RETRY_AFTER)
+    )
+
+
 def _writes_message_text(parser, token: int) -> bool:
     """Whether a token just fed to a harmony parse is text of a message (not reasoning, a call, a
     header or a control token): the tokens whose logprobs a Response's output_text reports."""
@@ -1235,8 +1327,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(P.APIError)
     async def api_error(request: Request, exc: P.APIError):
         # A body refused before it was all read leaves the connection unusable: close it.
-        headers = {"Connection": "close"} if exc.status in (408, 413) else None
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+        headers = {"Connection": "close"} if exc.status in (408, 413) else {}
+        return JSONResponse(exc.body(), status_code=exc.status, headers={**headers, **(exc.headers or {})})
 
     @app.exception_handler(ClientDisconnect)
     async def client_left(request: Request, exc: ClientDisconnect):

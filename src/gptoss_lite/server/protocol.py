@@ -8,8 +8,9 @@ something this server cannot do (`modalities: ["audio"]`, `web_search_options`, 
 client never gets an answer computed without an option it needs. docs/server.md#request-fields has
 the table, field by field.
 
-Two extensions beyond the OpenAI fields: `cache_salt` (a client-chosen string that further splits the
-prefix-cache scope of its tenant) and `ignore_eos` (generate exactly `max_tokens`, for benchmarks).
+Three extensions beyond the OpenAI fields: `cache_salt` (a client-chosen string that further splits the
+prefix-cache scope of its tenant), `ignore_eos` (generate exactly `max_tokens`, for benchmarks) and
+`priority` (an integer, lower first, that orders the request within its tenant's share of the engine).
 """
 
 from __future__ import annotations
@@ -36,13 +37,22 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI default for /v1/completions, a
 
 
 class APIError(Exception):
-    """An error the HTTP layer turns into an OpenAI-shaped body with this status."""
+    """An error the HTTP layer turns into an OpenAI-shaped body with this status (and these headers:
+    a 429's Retry-After)."""
 
     def __init__(
-        self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None, code=None
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code=None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, type=self.type, param=self.param, code=self.code)
@@ -51,6 +61,12 @@ class APIError(Exception):
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None, code=None) -> dict:
     """{"error": {"message", "type", "param", "code"}}: the shape every OpenAI client library parses."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def retry_after(seconds: float) -> dict[str, str]:
+    """The Retry-After header for a wait of `seconds`: whole seconds (RFC 9110 allows no fraction),
+    rounded up so a client that waits as told is not refused again for a fraction, and at least 1."""
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}
 
 
 def refuse(param: str, why: str) -> None:
@@ -82,6 +98,7 @@ class _SamplingFields(_Strict):
     # Extensions.
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     ignore_eos: bool = False
+    priority: F.Priority = 0
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:

@@ -130,6 +130,7 @@ class ResponsesRequest(P._Strict):
     store: bool = True
     text: TextParam | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    priority: F.Priority = 0  # an extension: lower runs first within the tenant's share
     # Echoed in the answer.
     metadata: F.Metadata | None = None
     user: F.Identifier | None = None
