@@ -200,3 +200,17 @@ def test_a_named_tenant_takes_the_defaults_it_does_not_set():
     policy = TenantPolicy.from_mapping({"default": {"max_waiting": 4}, "tenants": {"a": {"share": 3}}})
     assert policy.limits("a") == TenantLimits(share=3, max_waiting=4)
     assert policy.limits("zzz") == TenantLimits(max_waiting=4)
+
+
+@pytest.mark.parametrize("max_running, tenants", [(1, "ab"), (8, "abc")])
+def test_a_slot_does_not_flap_between_tenants_whose_share_is_not_whole(models, max_running, tenants):
+    """Shares of half a slot (1 slot, 2 tenants) or 2.67 slots (8 slots, 3 tenants): a slot moves only
+    from a tenant that keeps its share to one that stays within its own, so after the first steps
+    no request is preempted again and again."""
+    llm = _engine(models, max_running=max_running)
+    for k, tenant in enumerate(tenants):
+        _flood(llm, tenant, 2 * max_running, max_tokens=20, start=40 * k)
+    for _ in range(40):
+        llm.step()
+        assert sum(llm.stats().tenants[t].running for t in tenants) <= max_running
+    assert llm.stats().preemptions <= len(tenants)

@@ -280,6 +280,7 @@ class TenantQueues:
         """Queue a preempted request at the front of its tenant's priority level."""
         tenant = self._tenants[request.tenant]
         tenant.running -= 1
+        tenant.counters.running = tenant.running
         request.queue_order = -next(self._front)
         self._push(tenant, request)
 
@@ -384,16 +385,24 @@ class TenantQueues:
         tenant = self._tenants[name]
         return tenant.running / self.slot_share(tenant, max_running)
 
+    def can_yield(self, name: str, max_running: int) -> bool:
+        """Whether a tenant may give up a slot and still hold its share (no flapping: a share of 2.5
+        slots keeps 3 against a tenant that would then hold more than its own)."""
+        tenant = self._tenants[name]
+        return tenant.running - 1 >= self.slot_share(tenant, max_running) - 1e-9
+
     def starved(self, max_running: int) -> list[str]:
-        """Waiting tenants under their slot share and under their own max_running, least served first
-        (none when the policy is not fair)."""
+        """Waiting tenants that one more slot keeps within their share, and under their own
+        max_running, least served first (none when the policy is not fair). Paired with `can_yield`,
+        a slot moves only from a tenant that stays at or above its share to one that stays at or
+        below its own, so two tenants never take a slot back and forth."""
         out: list[tuple[float, str]] = []
         if not self.policy.fair:
             return []
         for tenant in self._tenants.values():
             cap = tenant.limits.max_running
             if tenant.waiting and (cap is None or tenant.running < cap):
-                if tenant.running < self.slot_share(tenant, max_running) - 1e-9:
+                if tenant.running + 1 <= self.slot_share(tenant, max_running) + 1e-9:
                     out.append((tenant.vtime, tenant.name))
         return [name for _, name in sorted(out)]
 
@@ -459,8 +468,8 @@ class TenantQueues:
         limit = self._tenants[request.tenant].limits.max_queue_time
         waited = self.clock() - request.queued_at
         return (
-            f"the request waited {waited:.1f} s for a slot, longer than tenant {request.tenant!r}'s "
-            f"max_queue_time={limit:g} s; retry later"
+            f"the request waited {waited:.1f} s for a slot, longer than the max_queue_time={limit:g} s of "
+            f"tenant {request.tenant!r}; retry later"
         )
 
     def counters(self) -> dict[str, TenantCounters]:

@@ -177,10 +177,7 @@ class LLM:
         self.kv = self._make_kv(cfg, model, source, model_dir)
         if cfg.full_window is None:  # a request's whole length must fit in the (first) pool
             self.max_model_len = min(self.max_model_len, self.kv.pool_tokens())
-        step, running, reserve = cfg.max_batch_tokens, cfg.max_running, cfg.decode_reserve
-        self.scheduler = Scheduler(
-            self.kv, max_batch_tokens=step, max_running=running, decode_reserve=reserve, tenants=cfg.tenants
-        )
+        self.scheduler = Scheduler(self.kv, cfg)
         # Quantised blocks have no fixed-shape form yet: their steps stay eager (docs/engine.md#kv-bits).
         decoder = None if cfg.compile_decode is False or self.kv.quantized else model.compiled_decoder
         self.runner = ModelRunner(model, self.kv, decoder)
@@ -452,8 +449,8 @@ class LLM:
                 self._aborted += 1
         for request in outcome.finished:
             self._retire(request)
-            if request.finish_reason == "error":
-                self._failed += 1
+            if request.finish_reason == "error" and request.error_code != "queue_timeout":
+                self._failed += 1  # a fault; a request that timed out in the queue is counted by its tenant
             else:
                 self._finished += 1
         new_tokens = sum(len(o.new_token_ids) for o in outcome.outputs)

@@ -27,7 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from gptoss_lite.engine.fairness import TenantPolicy, TenantQueues
+from gptoss_lite.engine.config import EngineConfig
+from gptoss_lite.engine.fairness import TenantQueues
 from gptoss_lite.engine.kv_manager import KVManager
 from gptoss_lite.engine.request import Request, RequestOutput, RequestStatus, TokenLogprobs
 from gptoss_lite.kv.block_pool import AppendPlan
@@ -78,20 +79,12 @@ class StepOutcome:
 class Scheduler:
     """Waiting and running queues over a `KVManager` (see the module docstring)."""
 
-    def __init__(
-        self,
-        kv: KVManager,
-        *,
-        max_batch_tokens: int,
-        max_running: int,
-        decode_reserve: int = 0,
-        tenants: TenantPolicy | None = None,
-    ) -> None:
+    def __init__(self, kv: KVManager, config: EngineConfig) -> None:
         self.kv = kv
-        self.max_batch_tokens = max_batch_tokens
-        self.max_running = max_running
-        self.decode_reserve = decode_reserve  # decode tokens of growth kept free per running request
-        self.waiting = TenantQueues(tenants)  # the waiting requests, per tenant, and each tenant's share
+        self.max_batch_tokens = config.max_batch_tokens
+        self.max_running = config.max_running
+        self.decode_reserve = config.decode_reserve  # decode tokens of growth kept free per running request
+        self.waiting = TenantQueues(config.tenants)  # the waiting requests, per tenant, and each tenant's share
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.speculation = SpeculationStats()  # drafts verified, kept and the tokens they gave
@@ -130,7 +123,7 @@ class Scheduler:
             return
         for tenant in queues.starved(self.max_running):
             victim = queues.victim(self.running, self.max_running)
-            if victim.tenant == tenant or queues.over_share(victim.tenant, self.max_running) <= 1.0 + 1e-9:
+            if victim.tenant == tenant or not queues.can_yield(victim.tenant, self.max_running):
                 return
             self._preempt(victim)
             step.preempted.append(victim)
