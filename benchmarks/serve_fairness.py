@@ -54,7 +54,7 @@ class Server:
         self.cmd = [
             sys.executable, "-m", "gptoss_lite.cli", "serve", "--model", MODEL, "--port", str(self.port),
             "--threads", str(threads), "--max-running", str(max_running), "--max-waiting", "4096",
-            "--api-key", f"{KEYS['a']}=a", "--api-key", f"{KEYS['b']}=b", "--admin-key", ADMIN,
+            "--api-key", f"a={KEYS['a']}", "--api-key", f"b={KEYS['b']}", "--admin-key", ADMIN,
             "--log-level", "warning", *extra,
         ]  # fmt: skip
 
@@ -80,10 +80,15 @@ class Server:
             self.proc.kill()
 
 
+def ids(text: str) -> list[int]:
+    """The benchmark model has no tokenizer: prompts go as token ids (the text's bytes)."""
+    return [b + 1 for b in text.encode()]
+
+
 async def stream(client: httpx.AsyncClient, tenant: str, prompt: str, max_tokens: int) -> dict:
     """One streaming completion (greedy, EOS ignored): seconds to finish and tokens generated."""
     body = {
-        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+        "model": MODEL, "prompt": ids(prompt), "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
         "stream": True, "stream_options": {"include_usage": True},
     }  # fmt: skip
     headers = {"Authorization": f"Bearer {KEYS[tenant]}"}

@@ -214,3 +214,43 @@ def test_a_slot_does_not_flap_between_tenants_whose_share_is_not_whole(models, m
         llm.step()
         assert sum(llm.stats().tenants[t].running for t in tenants) <= max_running
     assert llm.stats().preemptions <= len(tenants)
+
+
+def test_a_light_tenant_keeps_its_steps_short_and_the_heavy_rows_take_turns(models):
+    """While b's one request runs beside a's 7 (a yielded one of its 8 slots), a runs at most
+    ceil(1 + F) rows a step, and the rows that sit out are a's least recently run: every one of a's
+    running requests still moves."""
+    llm = _engine(models, max_running=8)
+    llm.scheduler.waiting.step_cost.fixed_rows = lambda: 2.0  # F = 2: a may run ceil(1 + 2) = 3 rows
+    heavy = _flood(llm, "a", 8, max_tokens=60)
+    for _ in range(4):
+        llm.step()
+    rid = llm.add_request(_prompt(90), SamplingParams(max_tokens=12, **GREEDY), tenant="b")
+    before = {r.request_id: len(r.output_token_ids) for r in llm.scheduler.running}
+    rows = []
+    for _ in range(10):
+        step = llm.scheduler.schedule()
+        rows.append(sum(1 for e in step.scheduled if e.request.tenant == "a"))
+        sampled, failed = llm._execute(step)
+        llm.scheduler.postprocess(step, sampled, failed)
+    assert max(rows[1:]) <= 3  # the first step admits b
+    moved = {r.request_id: len(r.output_token_ids) - before[r.request_id] for r in llm.scheduler.running if r.tenant == "a"}
+    assert len(moved) == 7 and set(moved) <= set(heavy) and min(moved.values()) >= 2
+    while llm.has_unfinished():
+        llm.step()
+    assert_nothing_leaks(llm)
+
+
+def test_the_step_cost_fit_recovers_fixed_and_per_row_costs():
+    from gptoss_lite.engine.fairness import StepCost
+
+    cost = StepCost()
+    assert cost.fixed_rows() == StepCost.PRIOR_FIXED_ROWS
+    for i in range(200):
+        rows = 1 + (i * 7) % 64
+        cost.record(rows, 0.006 + 0.0005 * rows)
+    assert cost.fixed_rows() == pytest.approx(12.0, rel=1e-6)
+    steady = StepCost()
+    for _ in range(50):
+        steady.record(64, 0.03)  # no spread in rows: nothing to fit
+    assert steady.fixed_rows() == StepCost.PRIOR_FIXED_ROWS

@@ -442,7 +442,10 @@ class LLM:
                     "their first chunk); use more kv_blocks or a smaller max_batch_tokens"
                 )
             return []
+        executed = time.perf_counter()
         sampled, failed = self._execute(step) if step.scheduled else ([], [])
+        if step.scheduled and all(entry.num_tokens == 1 for entry in step.scheduled):  # a decode-only step
+            self.scheduler.waiting.step_cost.record(len(step.scheduled), time.perf_counter() - executed)
         outcome = self.scheduler.postprocess(step, sampled, failed)
         for sample in outcome.aborted:  # forks of a request that failed before its prompt was computed
             if self._requests.pop(sample.request_id, None) is not None:

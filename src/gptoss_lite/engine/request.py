@@ -110,6 +110,7 @@ class Request:
         self.priority = priority  # lower runs first within its tenant's share
         self.queue_order = 0  # its place in its tenant's queue (set when queued)
         self.queued_at = 0.0  # when it was queued, by the queue's clock (for max_queue_time)
+        self.last_step = 0  # the last step it was scheduled in (which held-back rows run first)
         self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.num_computed = 0  # tokens whose K/V the cache holds

@@ -154,9 +154,13 @@ class Scheduler:
         self._yield_slots(step)
         short_of_blocks = False
         budget = self.max_batch_tokens
+        held = self.waiting.held_back(self.running, self.max_running)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request in held:
+                i += 1
+                continue
             n = min(request.num_to_run, budget)
             if n < request.num_to_run and request.draft:  # the budget cuts the draft, never the token
                 del request.draft[max(0, n - (request.num_tokens - request.num_computed)) :]
