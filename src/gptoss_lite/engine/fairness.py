@@ -409,7 +409,7 @@ class TenantQueues:
         if request.metrics.scheduled_time is None:
             request.metrics.scheduled_time = self.clock()
 
-    def stopped(self, request: Request) -> None:
+    def left_running(self, request: Request) -> None:
         """A running request finished or was aborted."""
         tenant = self._tenants[request.tenant]
         tenant.running -= 1

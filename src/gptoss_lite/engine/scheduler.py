@@ -96,7 +96,7 @@ class Scheduler:
         """Take a request out of the queues and free its blocks (finish or abort)."""
         if request in self.running:
             self.running.remove(request)
-            self.waiting.stopped(request)
+            self.waiting.left_running(request)
         else:
             self.waiting.remove(request)
         self.waiting.refund(request)
