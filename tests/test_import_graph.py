@@ -120,6 +120,9 @@ FORBIDDEN = {
     "gptoss_lite.config": ("gptoss_lite.model", "gptoss_lite.kv"),
     # the engine runs the model; it is not a command and never knows about HTTP
     "gptoss_lite.engine": ("gptoss_lite.server", "gptoss_lite.commands", "gptoss_lite.generation"),
+    # evaluation and training sit side by side: what both need (the filler) lives below them
+    "gptoss_lite.evals": ("gptoss_lite.train", "gptoss_lite.commands"),
+    "gptoss_lite.filler": ("gptoss_lite",),
 }
 
 

@@ -69,7 +69,7 @@ def test_no_eval_template_piece_is_in_a_train_template_and_back():
 
 def test_eval_words_are_in_no_training_word_bank():
     """Eval label and value words are in none of the training filler's word banks."""
-    from gptoss_lite.train import filler
+    from gptoss_lite import filler
 
     banks = {
         w.lower()
@@ -87,7 +87,7 @@ def test_train_split_haystacks_are_the_training_fillers():
     """Every filler the training data can use is a train-split haystack kind (so never an eval one), and
     the RULER documents accept train-split kinds only."""
     from gptoss_lite.train.config import DataConfig
-    from gptoss_lite.train.filler import FILLERS
+    from gptoss_lite.filler import FILLERS
 
     assert set(FILLERS) < set(TRAIN.haystacks)
     DataConfig(ruler_haystacks=TRAIN.haystacks)

@@ -9,7 +9,7 @@ last one so the total is exact. Needles go between units.
 - `stdlib-docs`: docstrings of `STDLIB_MODULES`, read with `ast` from the running interpreter's
   standard library (never imported), split into sentences; a window from a random sentence on.
 - `stdlib-code`: the source lines of the same files; a window from a random line on.
-- `procedural`, `varied`: the training data's filler generators (`gptoss_lite.train.filler`).
+- `procedural`, `varied`: the training data's filler generators (`gptoss_lite.filler`).
 - `train-code`: source lines of `TRAIN_STDLIB_MODULES`, a module list disjoint from `STDLIB_MODULES`,
   with every docstring removed (docstrings are prose, the kind `stdlib-docs` evaluates, which no
   training data ever holds); a window from a random line on.
@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gptoss_lite.evals.passkey import CLASSIC_FILLER, FILLER_SENTENCES
+from gptoss_lite.filler import sentence_generator, varied_sentence
 
 if TYPE_CHECKING:
     from gptoss_lite.tokenizer import Tokenizer
@@ -234,8 +235,6 @@ def unit_stream(kind: str, rng: random.Random) -> Callable[[], str]:
     """A function returning the next unit of `kind`, all randomness drawn from `rng`."""
     if kind in ("noise", "stdlib-docs", "stdlib-code", "train-code", "echo"):
         if kind == "echo":
-            from gptoss_lite.train.filler import varied_sentence  # imports torch via gptoss_lite.train
-
             corpus = tuple(varied_sentence(rng) for _ in range(rng.randint(2, 5)))
         else:
             corpus = {
@@ -255,8 +254,6 @@ def unit_stream(kind: str, rng: random.Random) -> Callable[[], str]:
     if kind == "sentences":
         return lambda: rng.choice(FILLER_SENTENCES)
     if kind in ("procedural", "varied"):
-        from gptoss_lite.train.filler import sentence_generator  # imports torch via gptoss_lite.train
-
         sentence = sentence_generator(kind)
         return lambda: sentence(rng)
     raise ValueError(f"haystack {kind!r}: must be one of {HAYSTACKS}")

@@ -30,7 +30,7 @@ from typing import Any
 
 from gptoss_lite.config import ModelConfig
 from gptoss_lite.fixtures import resolve_config
-from gptoss_lite.train.filler import FILLERS
+from gptoss_lite.filler import FILLERS
 from gptoss_lite.validation import check_int as _check_int
 
 PRECISIONS = ("fp32", "bf16")
@@ -70,7 +70,7 @@ class DataConfig:
     eval_phrasing_prob: float = 0.5  # share of passkey documents using the evaluator's exact wording
     max_facts: int = 6  # most key/value facts in one kv document (>= 2)
     loss_on: str = "all"  # "all": plain LM loss on every token; "answer": only the answer tokens
-    filler: str = "procedural"  # haystack generator: "procedural" (small bank) or "varied" (train/filler.py)
+    filler: str = "procedural"  # haystack generator: "procedural" (small bank) or "varied" (gptoss_lite/filler.py)
     ruler_weight: float = 0.0  # mixture weight of RULER-style label-matching documents (train/ruler_docs.py)
     ruler_haystacks: tuple[str, ...] = ("varied",)  # their haystack kinds: the RULER train split's
     ruler_mix: int = 1  # which grammar and proportions they are drawn from (ruler_docs.MIXES)

@@ -16,7 +16,7 @@ Every document is exactly `seq_len + 1` tokens (inputs are the first `seq_len`, 
 - `ruler`: label matching over many phrasings, with distractors and absent labels (answer `none`),
   in the RULER train split's haystacks (`gptoss_lite.train.ruler_docs`, `data.ruler_haystacks`).
 
-NOTE: the filler here is NOT the evaluator's filler: it comes from `gptoss_lite.train.filler`
+NOTE: the filler here is NOT the evaluator's filler: it comes from `gptoss_lite.filler`
 (`data.filler`: `procedural` or `varied`; own word banks, no digits, never an evaluator sentence)
 with a seed stream derived from the training seed, never `42 + context_length`. A model therefore
 cannot score on the passkey evaluation by memorising its haystack.
@@ -36,7 +36,7 @@ import torch
 
 from gptoss_lite.prompts import CLASSIC_NEEDLE, CLASSIC_QUESTION, NEEDLE_TEMPLATE, QUESTION
 from gptoss_lite.tokenizer import ByteTokenizer
-from gptoss_lite.train.filler import ADJ, NOUN, SYLLABLES, sentence_generator
+from gptoss_lite.filler import ADJ, NOUN, SYLLABLES, sentence_generator
 from gptoss_lite.train.ruler_docs import RulerDocument, ruler_document
 
 if TYPE_CHECKING:

@@ -171,7 +171,7 @@ _HEX = "0123456789abcdef"
 def _word_bank() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(label words, value words): train-split words and the filler's nouns/adjectives, never an eval word."""
     from gptoss_lite.evals.ruler_splits import EVAL, TRAIN
-    from gptoss_lite.train import filler
+    from gptoss_lite import filler
 
     banned = set(EVAL.labels) | set(EVAL.words)
     labels = tuple(w for w in dict.fromkeys(TRAIN.labels + filler.NOUN + filler._V_NOUNS) if w not in banned)
@@ -180,7 +180,7 @@ def _word_bank() -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 def _made_up(rng: random.Random) -> str:
-    from gptoss_lite.train.filler import SYLLABLES
+    from gptoss_lite.filler import SYLLABLES
 
     return "".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 4)))
 

@@ -1,4 +1,5 @@
-"""Training filler: the haystack text around needles, generated on the fly.
+"""Haystack filler: the text around needles in training documents and in some evaluation haystacks,
+generated on the fly (a leaf module: the standard library only, so `train` and `evals` both use it).
 
 Two generators, chosen by `data.filler`:
 
