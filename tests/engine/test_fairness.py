@@ -254,3 +254,27 @@ def test_the_step_cost_fit_recovers_fixed_and_per_row_costs():
     for _ in range(50):
         steady.record(64, 0.03)  # no spread in rows: nothing to fit
     assert steady.fixed_rows() == StepCost.PRIOR_FIXED_ROWS
+
+
+def test_preemption_for_blocks_takes_from_the_tenant_furthest_over_its_share(models):
+    """A pool too small for every output: when a request needs a block, the victim is a request of
+    the tenant holding more than its share of the slots (a, 3 of 4 with equal shares), not the newest
+    running request (b's)."""
+    llm = _engine(models, kv_blocks=40, max_running=4, enable_prefix_caching=False)
+    preempted = []
+    original = llm.scheduler._preempt
+
+    def record(request):
+        preempted.append(request.tenant)
+        original(request)
+
+    llm.scheduler._preempt = record
+    _flood(llm, "a", 3, max_tokens=150)
+    llm.step()
+    llm.add_request(_prompt(80), SamplingParams(max_tokens=150, **GREEDY), tenant="b")
+    while llm.has_unfinished() and not preempted:
+        llm.step()
+    assert preempted and preempted[0] == "a"
+    while llm.has_unfinished():
+        llm.step()
+    assert_nothing_leaks(llm)
