@@ -35,9 +35,9 @@ import torch
 
 from gptoss_lite.checkpoint import default_model_source
 from gptoss_lite.engine import LLM, SamplingParams
+from gptoss_lite.filler import sentence_generator
 from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.speculative import PromptLookup
-from gptoss_lite.filler import sentence_generator
 
 
 def repeat_prompts(n: int, seed: int) -> list[str]:

@@ -233,7 +233,11 @@ def main(argv: list[str] | None = None) -> int:
                 with Server([*base, "--admission", "fair", *extra], args.threads, args.max_running) as server:
                     results.append(asyncio.run(both_flooding(server.url, 2 * args.max_running, args.share_seconds)))
                 r = results[-1]
-                print(f"shares {label} round {rnd}: A {r['a_tokens']:.0f} B {r['b_tokens']:.0f} tokens, ratio {r['ratio']:.3f}", flush=True)
+                print(
+                    f"shares {label} round {rnd}: A {r['a_tokens']:.0f} B {r['b_tokens']:.0f} tokens, "
+                    f"ratio {r['ratio']:.3f}",
+                    flush=True,
+                )
             shares[label] = {"rounds": results, "median_ratio": med(r["ratio"] for r in results)}
             print(f"shares {label}: median A/B generated-token ratio {shares[label]['median_ratio']:.3f}")
     out = {

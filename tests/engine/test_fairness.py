@@ -225,7 +225,7 @@ def test_a_light_tenant_keeps_its_steps_short_and_the_heavy_rows_take_turns(mode
     heavy = _flood(llm, "a", 8, max_tokens=60)
     for _ in range(4):
         llm.step()
-    rid = llm.add_request(_prompt(90), SamplingParams(max_tokens=12, **GREEDY), tenant="b")
+    llm.add_request(_prompt(90), SamplingParams(max_tokens=12, **GREEDY), tenant="b")
     before = {r.request_id: len(r.output_token_ids) for r in llm.scheduler.running}
     rows = []
     for _ in range(10):
@@ -234,7 +234,9 @@ def test_a_light_tenant_keeps_its_steps_short_and_the_heavy_rows_take_turns(mode
         sampled, failed = llm._execute(step)
         llm.scheduler.postprocess(step, sampled, failed)
     assert max(rows[1:]) <= 3  # the first step admits b
-    moved = {r.request_id: len(r.output_token_ids) - before[r.request_id] for r in llm.scheduler.running if r.tenant == "a"}
+    moved = {
+        r.request_id: len(r.output_token_ids) - before[r.request_id] for r in llm.scheduler.running if r.tenant == "a"
+    }
     assert len(moved) == 7 and set(moved) <= set(heavy) and min(moved.values()) >= 2
     while llm.has_unfinished():
         llm.step()

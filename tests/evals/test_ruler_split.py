@@ -86,8 +86,8 @@ def test_eval_words_are_in_no_training_word_bank():
 def test_train_split_haystacks_are_the_training_fillers():
     """Every filler the training data can use is a train-split haystack kind (so never an eval one), and
     the RULER documents accept train-split kinds only."""
-    from gptoss_lite.train.config import DataConfig
     from gptoss_lite.filler import FILLERS
+    from gptoss_lite.train.config import DataConfig
 
     assert set(FILLERS) < set(TRAIN.haystacks)
     DataConfig(ruler_haystacks=TRAIN.haystacks)

@@ -15,11 +15,11 @@ import torch
 
 from gptoss_lite.config import count_parameters
 from gptoss_lite.evals.passkey import FILLER_SENTENCES
+from gptoss_lite.filler import varied_sentence
 from gptoss_lite.prompts import NEEDLE_TEMPLATE, QUESTION
 from gptoss_lite.tokenizer import ByteTokenizer
 from gptoss_lite.train.config import DataConfig, ScheduleConfig, TrainConfig, load_train_config
 from gptoss_lite.train.data import IGNORE_INDEX, SyntheticRetrievalData
-from gptoss_lite.filler import varied_sentence
 
 REPO = Path(__file__).resolve().parents[2]
 SEQ_LEN = 224  # shortest comfortable length for the byte-level documents

@@ -2,8 +2,9 @@
 
 `LLM` is the facade; `SamplingParams`, `RequestOutput` and `EngineStats` are what callers exchange
 with it. The parts: request.py (request state), kv_manager.py (blocks per layer kind + prefix cache),
-scheduler.py (token budget, chunked prefill, preemption), fairness.py (tenants' shares and quotas), paged_batch.py (writes and reads over block
-tables for a ragged batch), runner.py (one forward per step), llm.py (the facade).
+scheduler.py (token budget, chunked prefill, preemption), fairness.py (tenants' shares and quotas),
+paged_batch.py (writes and reads over block tables for a ragged batch), runner.py (one forward per
+step), llm.py (the facade).
 """
 
 from gptoss_lite.engine.fairness import QuotaExceeded, TenantLimits, TenantPolicy

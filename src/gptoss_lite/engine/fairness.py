@@ -160,7 +160,9 @@ class TenantPolicy:
             else:
                 data = json.loads(text)
         except Exception as exc:  # noqa: BLE001 - a parse error of any kind: say where
-            raise ValueError(f"tenant policy {path}: not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'}: {exc}") from None
+            raise ValueError(
+                f"tenant policy {path}: not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'}: {exc}"
+            ) from None
         return cls.from_mapping(data or {}, where=f"tenant policy {path}")
 
 
@@ -459,7 +461,11 @@ class TenantQueues:
         step's fixed cost in rows (`StepCost`). The rows of H that ran least recently run first."""
         if not self.policy.fair:
             return set()
-        light = [t for t in self._tenants.values() if t.running and t.running + len(t.waiting) < self.slot_share(t, max_running)]
+        light = [
+            t
+            for t in self._tenants.values()
+            if t.running and t.running + len(t.waiting) < self.slot_share(t, max_running)
+        ]
         heavy = [t for t in self._tenants.values() if t.running and t not in light]
         held: set[Request] = set()
         if light and heavy:
@@ -553,6 +559,7 @@ class TenantQueues:
         for request in running:
             counts[request.tenant] = counts.get(request.tenant, 0) + 1
         for name, tenant in self._tenants.items():
-            assert tenant.running == counts.get(name, 0), f"tenant {name!r}: running {tenant.running} != {counts.get(name, 0)}"
+            assert tenant.running == counts.get(name, 0), (
+                f"tenant {name!r}: running {tenant.running} != {counts.get(name, 0)}"
+            )
         assert self._num_waiting == sum(len(t.waiting) for t in self._tenants.values())
-

@@ -365,7 +365,8 @@ class LLM:
         cost = (len(ids) + sampling.max_tokens) * sampling.n
         self.scheduler.waiting.check_quota(tenant, sampling.n, cost, self.scheduler.max_running)  # the last check
         samples = [
-            self._new_request(name, ids, sampling.for_sample(i), scope, tenant, priority) for i, name in enumerate(names)
+            self._new_request(name, ids, sampling.for_sample(i), scope, tenant, priority)
+            for i, name in enumerate(names)
         ]
         for i, sample in enumerate(samples):
             sample.group, sample.index = request_id, i

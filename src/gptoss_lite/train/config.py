@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from gptoss_lite.config import ModelConfig
-from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.filler import FILLERS
+from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.validation import check_int as _check_int
 
 PRECISIONS = ("fp32", "bf16")

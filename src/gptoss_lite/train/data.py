@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from gptoss_lite.filler import ADJ, NOUN, SYLLABLES, sentence_generator
 from gptoss_lite.prompts import CLASSIC_NEEDLE, CLASSIC_QUESTION, NEEDLE_TEMPLATE, QUESTION
 from gptoss_lite.tokenizer import ByteTokenizer
-from gptoss_lite.filler import ADJ, NOUN, SYLLABLES, sentence_generator
 from gptoss_lite.train.ruler_docs import RulerDocument, ruler_document
 
 if TYPE_CHECKING:

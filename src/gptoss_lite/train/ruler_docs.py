@@ -170,8 +170,8 @@ _HEX = "0123456789abcdef"
 @cache
 def _word_bank() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(label words, value words): train-split words and the filler's nouns/adjectives, never an eval word."""
-    from gptoss_lite.evals.ruler_splits import EVAL, TRAIN
     from gptoss_lite import filler
+    from gptoss_lite.evals.ruler_splits import EVAL, TRAIN
 
     banned = set(EVAL.labels) | set(EVAL.words)
     labels = tuple(w for w in dict.fromkeys(TRAIN.labels + filler.NOUN + filler._V_NOUNS) if w not in banned)
