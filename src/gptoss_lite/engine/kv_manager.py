@@ -123,9 +123,6 @@ class KVManager:
         for group in self.groups:
             group.pool.truncate(request.request_id, n_tokens)
 
-    def holds(self, request: Request) -> bool:
-        return any(request.request_id in group.pool for group in self.groups)
-
     # ------------------------------------------------------------------ allocation
 
     def allocate(self, request: Request, n_tokens: int) -> dict[str, AppendPlan] | None:
