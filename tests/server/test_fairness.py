@@ -331,6 +331,10 @@ def test_a_config_file_is_the_whole_policy(tmp_path):
         (["--api-key", "bob=k1", "--tenant-share", "alice=3"], "no API key maps to tenant 'alice' (the --api-key"),
         (["--tenant-max-running", "0"], "--tenant-max-running"),
         (["--tenant-max-waiting", "-1"], "--tenant-max-waiting"),
+        (
+            ["--max-running", "8", "--tenant-max-running", "9"],
+            "max_running=9 for every tenant is more than --max-running 8",
+        ),
         (["--tenant-tokens-per-minute", "0"], "--tenant-tokens-per-minute"),
         (["--max-queue-time", "0"], "--max-queue-time 0.0: must be a positive number of seconds"),
         (["--max-queue-time", "inf"], "--max-queue-time"),

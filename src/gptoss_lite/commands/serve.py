@@ -281,6 +281,12 @@ def tenant_policy(args: argparse.Namespace, keys: dict[str, str] | None):
         return None
     if args.admission is not None:
         policy = dataclasses.replace(policy, fair=args.admission == "fair")
+    for name, lim in [("every tenant", policy.default), *((f"tenant {n!r}", v) for n, v in policy.tenants.items())]:
+        if lim.max_running is not None and lim.max_running > args.max_running:
+            raise ValueError(
+                f"max_running={lim.max_running} for {name} is more than --max-running {args.max_running}, "
+                "which no tenant can pass; lower it or raise --max-running"
+            )
     known = set(keys.values()) if keys is not None else {DEFAULT_TENANT}
     for name in policy.tenants:
         if name not in known:
