@@ -3,8 +3,9 @@
 # shipped model with its rotary context moved to 4,096), then stage 2 (4,096-token documents). Each stage
 # resumes from its newest checkpoint when re-run, and a finished stage is skipped. One thread: the run's
 # sums must not depend on what else the machine is doing (docs/training.md), and it leaves a core free.
-# models/lite-4k is stage 2's output. Stage 3 (1,200 more steps at 4,096) is an experiment not yet
-# measured in full: STAGES="3" runs it (resuming from its newest checkpoint).
+# models/lite-4k is stage 2's output. Stage 3 (1,200 more steps at 4,096) was measured at 131,072 tokens (44.4%, not
+# shipped): STAGES="3" runs it (resuming from its newest checkpoint); STAGES="3p" runs the
+# position-skipping stage (configs/long4k_stage3p.yaml).
 #   bash benchmarks/train_long4k.sh            # stages 1 and 2; logs to runs/long4k.log
 set -euo pipefail
 cd "$(dirname "$0")/.."

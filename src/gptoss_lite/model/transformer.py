@@ -221,18 +221,29 @@ class GPTOSS(nn.Module):
         start_pos: int = 0,
         last_only: bool = False,
         attn_impl: str = "fast",
+        full_positions: torch.Tensor | None = None,
     ) -> ModelOutput:
         """input_ids (B, T) at absolute positions start_pos… -> ModelOutput.
 
         targets (B, T) are next-token labels aligned with input positions; -100 is ignored.
         With a cache, new K/V are appended and attention covers the cached past.
+        full_positions (T,), training only (no cache): the positions the full layers rotate the tokens
+        at instead of 0 … T-1 (PoSE-style skipping, docs/training.md#position-skipping); which keys a
+        query sees is still decided by token order, and the sliding layers keep 0 … T-1.
         """
         B, T = input_ids.shape
         if attn_impl not in ("fast", "reference"):
             raise ValueError(f"attn_impl={attn_impl!r}: must be 'fast' or 'reference'")
         x = self.embed(input_ids)  # (B, T, C)
         rope_w = rotary_tables(*self.rope_sliding(start_pos, T))  # (cos|cos, -sin|sin) each (T, D)
-        rope_g = rotary_tables(*self.rope_full(start_pos, T))
+        if full_positions is None:
+            rope_g = rotary_tables(*self.rope_full(start_pos, T))
+        else:
+            if cache is not None or start_pos or tuple(full_positions.shape) != (T,):
+                raise ValueError(
+                    f"full_positions: expected shape ({T},) and no cache, got {tuple(full_positions.shape)}"
+                )
+            rope_g = rotary_tables(*self.rope_full.at(full_positions))
         aux_total = x.new_zeros((), dtype=torch.float32)
         # The load-balancing loss is a training quantity; cached inference skips computing it.
         need_aux = cache is None

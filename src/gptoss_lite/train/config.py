@@ -74,9 +74,22 @@ class DataConfig:
     ruler_weight: float = 0.0  # mixture weight of RULER-style label-matching documents (train/ruler_docs.py)
     ruler_haystacks: tuple[str, ...] = ("varied",)  # their haystack kinds: the RULER train split's
     ruler_mix: int = 1  # which grammar and proportions they are drawn from (ruler_docs.MIXES)
+    # PoSE-style position skipping (docs/training.md#position-skipping): the full layers see each
+    # sequence's seq_len tokens at positions spread over pose_length (None: 0 … seq_len - 1), in
+    # pose_chunks runs of consecutive positions with random gaps between them. The documents stay
+    # seq_len tokens long.
+    pose_length: int | None = None
+    pose_chunks: int = 2
 
     def __post_init__(self) -> None:
         _check_int("data.seq_len", self.seq_len, 1)
+        if self.pose_length is not None:
+            _check_int("data.pose_length", self.pose_length, self.seq_len)
+        _check_int("data.pose_chunks", self.pose_chunks, 1)
+        if self.pose_chunks > self.seq_len:
+            raise ValueError(
+                f"data.pose_chunks={self.pose_chunks}: more chunks than data.seq_len={self.seq_len} tokens"
+            )
         _check_int("data.batch_size", self.batch_size, 1)
         _check_int("data.seed", self.seed, 0)
         _check_int("data.max_facts", self.max_facts, 2)
@@ -222,6 +235,12 @@ class TrainConfig:
             raise ValueError("init_rope_change: true needs init_from (the checkpoint whose positions change)")
         if self.device not in DEVICES:
             raise ValueError(f"device={self.device!r}: must be one of {DEVICES}")
+        pose = self.data.pose_length
+        if pose is not None and pose > self.model.max_position_embeddings:
+            raise ValueError(
+                f"data.pose_length={pose} exceeds model.max_position_embeddings="
+                f"{self.model.max_position_embeddings}; the positions it trains must exist"
+            )
         if self.data.seq_len > self.model.max_position_embeddings:
             raise ValueError(
                 f"data.seq_len={self.data.seq_len} exceeds model.max_position_embeddings="

@@ -85,6 +85,19 @@ def _key(rng: random.Random) -> str:
     return f"{rng.randrange(100_000):05d}"
 
 
+def pose_positions(seq_len: int, length: int, chunks: int, rng: random.Random) -> torch.Tensor:
+    """PoSE-style positions for one sequence: seq_len increasing positions in [0, length), cut into
+    `chunks` runs of consecutive positions (random cut points) with random gaps between the runs, the
+    gaps together at most length - seq_len. The first run starts at position 0 only if its gap draws
+    0; the relative distances inside a run are the document's own. (LongTensor (seq_len,).)"""
+    cuts = sorted(rng.sample(range(1, seq_len), chunks - 1)) if chunks > 1 else []
+    spare = length - seq_len
+    skips = sorted(rng.randint(0, spare) for _ in range(chunks))  # cumulative offset of each run
+    bounds = [0, *cuts, seq_len]
+    parts = [torch.arange(bounds[i], bounds[i + 1]) + skips[i] for i in range(chunks)]
+    return torch.cat(parts)
+
+
 class SyntheticRetrievalData:
     """Deterministic (input_ids, targets) batches of retrieval documents; see the module docstring.
 

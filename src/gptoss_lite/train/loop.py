@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import shutil
 import sys
 import time
@@ -38,8 +39,8 @@ from pathlib import Path
 
 import torch
 
-from gptoss_lite.train.config import TrainConfig
-from gptoss_lite.train.data import SyntheticRetrievalData
+from gptoss_lite.train.config import DataConfig, TrainConfig
+from gptoss_lite.train.data import SyntheticRetrievalData, pose_positions
 
 CHECKPOINT_DIR = "checkpoints"
 FINAL_DIR = "final"
@@ -91,6 +92,15 @@ def _broadcast_parameters(model: torch.nn.Module) -> None:
 
     for t in list(model.parameters()) + list(model.buffers()):
         dist.broadcast(t.data, src=0)
+
+
+def _pose(data: DataConfig, step: int, micro: int, rank: int) -> torch.Tensor | None:
+    """The full layers' positions for one micro-batch under PoSE (None without it): drawn from (data
+    seed, step, micro-step, rank) alone, so a resumed run sees the same positions."""
+    if data.pose_length is None:
+        return None
+    rng = random.Random(f"pose:{data.seed}:{step}:{micro}:{rank}")
+    return pose_positions(data.seq_len, data.pose_length, data.pose_chunks, rng)
 
 
 def _average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
@@ -419,8 +429,9 @@ def train(
             for micro in range(accum):
                 inputs, targets = data.batch(step, micro)  # (B, T), (B, T)
                 inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+                positions = _pose(config.data, step, micro, rank)
                 with autocast:
-                    out = model(inputs, targets=targets)
+                    out = model(inputs, targets=targets, full_positions=positions)
                 lm_loss, aux_loss = out.loss.float(), out.aux_loss.float()
                 total = (lm_loss + config.aux_loss_coef * aux_loss) / accum
                 total.backward()
