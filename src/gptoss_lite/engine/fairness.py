@@ -286,7 +286,7 @@ class TenantQueues:
         self._order = itertools.count()  # arrival order; preempted requests take -order to go first
         self._front = itertools.count(1)
         self._num_waiting = 0
-        self._step = 0  # steps scheduled so far (which held-back rows ran least recently)
+        self._step = 0  # steps that held rows back so far (which held rows ran least recently)
         self.step_cost = StepCost()
         self._level = 0.0  # the virtual time a tenant activating with nobody active starts at
 
@@ -459,25 +459,25 @@ class TenantQueues:
         docstring, "Light tenants"): while a tenant that does not fill its share of the slots runs,
         every other tenant H runs at most `share_H / share_light · (rows_light + F)` rows, F being a
         step's fixed cost in rows (`StepCost`). The rows of H that ran least recently run first."""
-        if not self.policy.fair:
+        busy = [t for t in self._tenants.values() if t.running]
+        if not self.policy.fair or len(busy) < 2:  # the common case: nothing to hold, no per-row work
             return set()
-        light = [
-            t
-            for t in self._tenants.values()
-            if t.running and t.running + len(t.waiting) < self.slot_share(t, max_running)
-        ]
-        heavy = [t for t in self._tenants.values() if t.running and t not in light]
+        total = sum(t.limits.share for t in self._tenants.values() if t.active)
+        light = [t for t in busy if t.running + len(t.waiting) < max_running * t.limits.share / total]
+        if not light or len(light) == len(busy):
+            return set()
+        rows, weight = sum(t.running for t in light), sum(t.limits.share for t in light)
+        fixed = self.step_cost.fixed_rows()
         held: set[Request] = set()
-        if light and heavy:
-            rows, weight = sum(t.running for t in light), sum(t.limits.share for t in light)
-            fixed = self.step_cost.fixed_rows()
-            for tenant in heavy:
-                allow = math.ceil(tenant.limits.share / weight * (rows + fixed))
-                mine = [r for r in running if r.tenant == tenant.name]
-                if len(mine) > allow:
-                    mine.sort(key=lambda r: r.last_step)
-                    held.update(mine[allow:])
-        self._step += 1
+        for tenant in busy:
+            if tenant in light:
+                continue
+            allow = math.ceil(tenant.limits.share / weight * (rows + fixed))
+            mine = [r for r in running if r.tenant == tenant.name]
+            if len(mine) > allow:
+                mine.sort(key=lambda r: r.last_step)
+                held.update(mine[allow:])
+        self._step += 1  # the turn order among held rows: stamped only while rows are held
         for request in running:
             if request not in held:
                 request.last_step = self._step
