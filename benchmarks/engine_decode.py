@@ -31,10 +31,10 @@ import numpy as np
 import torch
 
 CONFIGS = {
-    "16-bit eager": {"kv_bits": 16, "compile_decode": False},
-    "16-bit compiled": {"kv_bits": 16, "compile_decode": True},
-    "int8 eager": {"kv_bits": 8, "compile_decode": False},
-    "int4 eager": {"kv_bits": 4, "compile_decode": False},
+    "16-bit eager": {"kv_format": "dense", "compile_decode": False},
+    "16-bit compiled": {"kv_format": "dense", "compile_decode": True},
+    "int8 eager": {"kv_format": "int8", "compile_decode": False},
+    "int4 eager": {"kv_format": "int4", "compile_decode": False},
 }
 
 

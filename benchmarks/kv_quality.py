@@ -40,6 +40,7 @@ import torch
 from gptoss_lite.checkpoint import default_model_source, load_model
 from gptoss_lite.evals.passkey import PasskeyEvaluator, build_passkey_prompt, filler_sentences
 from gptoss_lite.kv.settings import KVSettings
+from gptoss_lite.kvspec import kv_format
 from gptoss_lite.prompts import NEEDLE_TEMPLATE
 from gptoss_lite.tokenizer import load_tokenizer
 
@@ -51,7 +52,7 @@ def parse_setting(text: str) -> KVSettings:
     if "@" in text:
         policy, budget = text.split("@", 1)
         return KVSettings(budget=int(budget), policy=policy)
-    return KVSettings(bits=int(text))
+    return KVSettings(format=kv_format(int(text)))
 
 
 def _load(path: Path) -> dict:
@@ -93,18 +94,16 @@ def run_passkey(args, model, tok) -> None:
         print(f"{kv.label:>16}  {cells}  [{time.perf_counter() - t0:.0f} s]", flush=True)
 
 
-def engine_setting(text: str) -> tuple[int, int | None, str]:
-    """'16' / '8' / '4' -> kv_bits; 'window@N' -> the engine's full-layer window of N tokens. Returns
-    (kv_bits, full_window, label)."""
+def engine_setting(text: str) -> tuple[str, int | None, str]:
+    """'16' / '8' / '4' (or a format name) -> the KV format; 'window@N' -> the engine's full-layer window
+    of N tokens. Returns (format name, full_window, label)."""
     if text.startswith("window@"):
         window = int(text.split("@", 1)[1])
         if window < 1:
             raise ValueError(f"{text}: the full-layer window must be >= 1 token")
-        return 16, window, text
-    bits = int(text)
-    if bits not in (16, 8, 4):
-        raise ValueError(f"{text}: kv bits must be 16, 8 or 4")
-    return bits, None, "16-bit" if bits == 16 else f"int{bits}"
+        return "dense", window, text
+    fmt = kv_format(int(text) if text.isdigit() else text)
+    return fmt.name, None, fmt.label
 
 
 def run_engine(args, model, tok) -> None:
@@ -121,10 +120,10 @@ def run_engine(args, model, tok) -> None:
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     print(f"engine passkey: {args.trials} keys x 3 depths per length, lengths {args.lengths}", flush=True)
     for text in args.settings:
-        bits, window, label = engine_setting(text)
+        fmt, window, label = engine_setting(text)
         entry = {"accuracy": {}, "accuracy_by_depth": {}, "full_layer_bytes": {}, "seconds": {}}
         for n in args.lengths:
-            llm = LLM(model, kv_bits=bits, full_window=window, enable_prefix_caching=window is None)
+            llm = LLM(model, kv_format=fmt, full_window=window, enable_prefix_caching=window is None)
             cases = [(key, d) for key in evaluator.keys(n) for d in depths]
             t0 = time.perf_counter()
             outs = llm.generate([evaluator.prompt_ids(n, key, d) for key, d in cases], params)

@@ -8,7 +8,7 @@ first token) and the ratio of both to the 16-bit engine measured in the same rou
 
     python benchmarks/kv_speed.py --settings 16 8 4 window@1024 --rounds 3
 
-Settings: 16, 8, 4 (`kv_bits`), window@N (`full_window=N`, prefix caching off).
+Settings: 16, 8, 4 (`kv_format` dense, int8, int4), window@N (`full_window=N`, prefix caching off).
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ import torch
 from gptoss_lite.checkpoint import default_model_source, load_model
 from gptoss_lite.engine import LLM, SamplingParams
 from gptoss_lite.engine.request import percentile
+from gptoss_lite.kvspec import kv_format
 
 
 def engine_kwargs(setting: str) -> dict:
     if setting.startswith("window@"):
         return {"full_window": int(setting.split("@", 1)[1]), "enable_prefix_caching": False}
-    return {"kv_bits": int(setting)}
+    return {"kv_format": kv_format(int(setting))}
 
 
 def run_once(model, setting: str, prompts: list[list[int]], new_tokens: int) -> dict:

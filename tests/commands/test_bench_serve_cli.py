@@ -70,11 +70,15 @@ def test_bad_flags(capsys, argv, match):
 
 @pytest.mark.parametrize(
     "flags,expect",
-    [(["--kv-bits", "8"], (8, None)), (["--full-window", "40", "--no-prefix-caching"], (16, 40))],
+    [
+        (["--kv-format", "int8"], ("int8", None)),
+        (["--kv-bits", "4"], ("int4", None)),
+        (["--full-window", "40", "--no-prefix-caching"], ("dense", 40)),
+    ],
 )
 def test_kv_flags_reach_the_engine(capsys, flags, expect):
     out = run_json(capsys, "--requests", "3", "--prompt-len", "8:60", "--max-tokens", "4", *flags)
-    assert (out["kv_bits"], out["full_window"]) == expect
+    assert (out["kv_format"], out["full_window"]) == expect
     assert out["engine"]["requests"] == 3
 
 
@@ -82,9 +86,10 @@ def test_kv_flags_reach_the_engine(capsys, flags, expect):
     "flags,message",
     [
         (["--full-window", "64"], "--no-prefix-caching"),
-        (["--full-window", "64", "--no-prefix-caching", "--kv-bits", "4"], "give one of them"),
+        (["--full-window", "64", "--no-prefix-caching", "--kv-format", "int4"], "give one of them"),
         (["--full-window", "0", "--no-prefix-caching"], "--full-window"),
         (["--kv-bits", "3"], "invalid choice"),
+        (["--kv-format", "fp7"], "invalid choice"),
     ],
 )
 def test_bad_kv_flags_are_refused_before_loading(capsys, flags, message):

@@ -59,7 +59,7 @@ def test_generate_reads_stdin(monkeypatch, capsys):
         (["generate", "x", "--model", "lite-tiny", "--max-new-tokens", "-1"], "--max-new-tokens=-1: must be >= 0"),
         (["generate", "x", "--model", "no-such-preset"], "unknown preset|not a directory|no-such-preset"),
         (
-            ["generate", "x", "--model", "lite-tiny", "--compile", "--kv-bits", "8"],
+            ["generate", "x", "--model", "lite-tiny", "--compile", "--kv-format", "int8"],
             "--compile runs decode on the 16-bit",
         ),
         (["generate", "x", "--model", "lite-tiny", "--compile", "--speculate", "lookup"], "--speculate lookup cannot"),

@@ -1,4 +1,4 @@
-"""--kv-bits / --kv-budget / --kv-policy on `generate` and `passkey`."""
+"""--kv-format (and its older spelling --kv-bits) / --kv-budget / --kv-policy on `generate` and `passkey`."""
 
 import json
 
@@ -15,14 +15,14 @@ def _generate_json(capsys, *extra):
     return json.loads(capsys.readouterr().out)
 
 
-def test_generate_kv_bits_reports_fewer_bytes(capsys):
-    """--kv-bits 8 and 4 generate, label their setting, and hold fewer payload bytes than 16-bit once
-    tokens have left the residual window (a long prompt)."""
+def test_generate_kv_formats_report_fewer_bytes(capsys):
+    """--kv-format int8 and int4 generate, label their setting, and hold fewer payload bytes than dense
+    once tokens have left the residual window (a long prompt); --kv-bits 4 is int4 by its older name."""
     long_prompt = PROMPT * 4
     out = {}
-    for bits in ("16", "8", "4"):
+    for bits, flags in (("16", ["--kv-format", "dense"]), ("8", ["--kv-format", "int8"]), ("4", ["--kv-bits", "4"])):
         argv = ["generate", long_prompt, "--model", "lite-tiny", "--max-new-tokens", "4", "--temperature", "0"]
-        assert main([*argv, "--json", "--kv-bits", bits]) == 0
+        assert main([*argv, "--json", *flags]) == 0
         out[bits] = json.loads(capsys.readouterr().out)
     assert [out[b]["kv_setting"] for b in ("16", "8", "4")] == ["16-bit", "int8", "int4"]
     assert out["16"]["kv_payload_bytes"] > out["8"]["kv_payload_bytes"] > out["4"]["kv_payload_bytes"]
@@ -39,7 +39,7 @@ def test_generate_budget_covering_the_prompt_equals_plain(capsys, policy):
 @pytest.mark.parametrize(
     ("extra", "match"),
     [
-        (["--kv-bits", "8", "--kv-budget", "64"], "give one of them"),
+        (["--kv-format", "int8", "--kv-budget", "64"], "give one of them"),
         (["--kv-budget", "64", "--speculate", "lookup"], "cannot be combined"),
         (["--kv-policy", "h2o"], "need --kv-budget"),
         (["--kv-budget", "4", "--kv-sinks", "4"], "sink_tokens=4"),
@@ -54,7 +54,7 @@ def test_bad_kv_flags_are_refused_before_the_model_loads(capsys, extra, match):
 
 def test_passkey_accepts_kv_flags(capsys):
     """passkey runs under --kv-bits 4 and under a streaming budget and prints its table."""
-    for extra in (["--kv-bits", "4"], ["--kv-budget", "32"]):
+    for extra in (["--kv-format", "int4"], ["--kv-budget", "32"]):
         argv = ["passkey", "--model", "lite-tiny", "--lengths", "128", "--trials", "1", "--no-progress", "--json"]
         assert main([*argv, *extra]) == 0
         out = json.loads(capsys.readouterr().out)

@@ -32,7 +32,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
         (["--drain-timeout", "-1"], "--drain-timeout"),
         (["--api-key-file", "/no/such/file"], "No such file"),
         (["--full-window", "512"], "--no-prefix-caching"),
-        (["--full-window", "512", "--no-prefix-caching", "--kv-bits", "8"], "give one of them"),
+        (["--full-window", "512", "--no-prefix-caching", "--kv-format", "int8"], "give one of them"),
         (["--stalled-client-timeout", "0"], "--stalled-client-timeout"),
         (["--header-timeout", "nan"], "--header-timeout"),
         (["--allowed-host", "http://x"], "--allowed-host"),

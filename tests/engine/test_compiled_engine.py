@@ -17,7 +17,7 @@ def _compiled_llm(model, **kwargs) -> LLM:
     """An engine over a copy of `model` (compiling re-packs the weights out-major; the shared model
     stays as the other tests expect it)."""
     llm = LLM(copy.deepcopy(model).prepare_for_inference(compile_decode=True), **kwargs)  # compile_decode: as prepared
-    assert (llm.compile_seconds is None) == ("kv_bits" in kwargs)  # quantised blocks: nothing to compile
+    assert (llm.compile_seconds is None) == ("kv_format" in kwargs)  # quantised blocks: nothing to compile
     recording(llm)
     return llm
 
@@ -66,7 +66,7 @@ def test_quantised_blocks_stay_eager_and_equal(models, bits):
     model = models("shipped")
     prompts = [[random.Random(i).randrange(model.config.vocab_size) for _ in range(40 + 30 * i)] for i in range(4)]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    want = [o.token_ids for o in LLM(model, kv_bits=bits).generate(prompts, params)]
-    llm = _compiled_llm(model, kv_bits=bits)
+    want = [o.token_ids for o in LLM(model, kv_format=f"int{bits}").generate(prompts, params)]
+    llm = _compiled_llm(model, kv_format=f"int{bits}")
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
     assert llm.runner.decoder is None and llm.runner.compiled_steps == 0

@@ -100,7 +100,7 @@ def test_bad_full_windows_are_refused(models):
     with pytest.raises(ValueError, match="prefix"):
         LLM(model, full_window=64)
     with pytest.raises(ValueError, match="one of them"):
-        LLM(model, full_window=64, kv_bits=8, enable_prefix_caching=False)
+        LLM(model, full_window=64, kv_format="int8", enable_prefix_caching=False)
     with pytest.raises(ValueError, match="full_window"):
         LLM(model, full_window=0, enable_prefix_caching=False)
     with pytest.raises(TypeError, match="kv_budget"):  # the old name is not taken silently

@@ -8,7 +8,7 @@ from gptoss_lite.config import FULL, SLIDING
 from gptoss_lite.engine import paged_batch
 from gptoss_lite.engine.paged_batch import PagedBatch, Segment
 from gptoss_lite.fixtures import resolve_config
-from gptoss_lite.kv.paged_quant import QuantizedPagedStore, quantized_block_bytes
+from gptoss_lite.kv.paged_quant import QuantizedPagedStore
 from gptoss_lite.model.attention import attend_ragged, attention_reference
 from gptoss_lite.plan.core import AttentionKVGeometry, quantized_kv_bytes
 
@@ -104,7 +104,11 @@ def test_block_bytes_match_the_planner(bits):
     block, no residual), and the store allocates exactly its blocks' bytes plus the tails."""
     config = resolve_config("gpt-oss-tiny")
     store = QuantizedPagedStore(config, 64, 16, bits=bits, tail_blocks=4)
-    per_block = quantized_block_bytes(config, 16, bits)
+    K, D, bs = config.n_kv_heads, config.head_dim, 16
+    vg = 64 if D % 64 == 0 else D
+    # codes of K and V, a float16 scale and zero per key channel (key group = the block) and per value
+    # group of each token, in every full layer
+    per_block = (2 * K * bs * D * bits // 8 + 2 * 2 * K * D + 2 * 2 * K * bs * (D // vg)) * len(config.full_layers)
     assert store.block_bytes(FULL) == per_block
     geometry = AttentionKVGeometry(
         "tiny",

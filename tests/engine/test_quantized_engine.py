@@ -14,7 +14,7 @@ def _alone(model, bits, work):
     """Each request on a fresh engine of its own (the batch-free reference)."""
     outs = []
     for prompt, params in zip(work.prompts, work.params):
-        llm = LLM(model, kv_bits=bits, kv_blocks=400, max_batch_tokens=128)
+        llm = LLM(model, kv_format=f"int{bits}", kv_blocks=400, max_batch_tokens=128)
         outs.append(llm.generate([prompt], params)[0].token_ids)
     return outs
 
@@ -27,7 +27,7 @@ def test_batched_preempted_and_prefix_hits_equal_alone(models, bits):
     shared = [rng.randrange(model.config.vocab_size) for _ in range(100)]
     work.prompts[:3] = [shared + [rng.randrange(model.config.vocab_size)] * (i + 1) for i in range(2)] + [list(shared)]
     # a pool that fits only a few requests at a time: later ones are preempted and recomputed
-    llm = LLM(model, kv_bits=bits, kv_blocks=48, max_batch_tokens=128, max_running=10)
+    llm = LLM(model, kv_format=f"int{bits}", kv_blocks=48, max_batch_tokens=128, max_running=10)
     done = run(llm, work)
     assert llm.stats().preemptions > 0, "the pool was meant to force preemption"
     assert llm.kv.hit_tokens > 0, "the shared prefix was meant to hit"
@@ -42,17 +42,17 @@ def test_batched_preempted_and_prefix_hits_equal_alone(models, bits):
 def test_same_bytes_hold_more_blocks(models, bits):
     model = models("gpt-oss-tiny")
     dense = LLM(model, kv_cache_bytes=4 << 20)
-    quant = LLM(model, kv_bits=bits, kv_cache_bytes=4 << 20)
-    assert quant.stats().kv_bits == bits
+    quant = LLM(model, kv_format=f"int{bits}", kv_cache_bytes=4 << 20)
+    assert quant.stats().kv_format == f"int{bits}"
     full_dense = dense.kv.store.block_bytes(FULL)
     full_quant = quant.kv.store.block_bytes(FULL)
     assert full_dense / full_quant >= (3.2 if bits == 4 else 1.8)  # fp32 fixture: int8 is ~3.8x, int4 ~7x
     assert quant.kv.blocks_total()[FULL] > dense.kv.blocks_total()[FULL]
 
 
-def test_bad_kv_bits_is_refused(models):
-    with pytest.raises(ValueError, match="kv_bits"):
-        LLM(models("gpt-oss-tiny"), kv_bits=3)
+def test_a_bad_kv_format_is_refused(models):
+    with pytest.raises(ValueError, match="KV format"):
+        LLM(models("gpt-oss-tiny"), kv_format="int3")
 
 
 def test_long_prompt_in_chunks_equals_one_piece(models):
@@ -61,6 +61,6 @@ def test_long_prompt_in_chunks_equals_one_piece(models):
     model = models("shipped")
     prompt = [random.Random(5).randrange(model.config.vocab_size) for _ in range(600)]
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    chunked = LLM(model, kv_bits=8, kv_blocks=200, max_batch_tokens=128).generate([prompt], params)[0]
-    whole = LLM(model, kv_bits=8, kv_blocks=200, max_batch_tokens=1024).generate([prompt], params)[0]
+    chunked = LLM(model, kv_format="int8", kv_blocks=200, max_batch_tokens=128).generate([prompt], params)[0]
+    whole = LLM(model, kv_format="int8", kv_blocks=200, max_batch_tokens=1024).generate([prompt], params)[0]
     assert chunked.token_ids == whole.token_ids

@@ -297,7 +297,7 @@ def test_cli_ruler_json(capsys):
     from gptoss_lite.cli import main
 
     argv = ["ruler", "--model", "lite-tiny", "--lengths", "500", "--tasks", "single-word", "--trials", "1"]
-    argv += ["--kv-bits", "8"]
+    argv += ["--kv-format", "int8"]
     assert main(argv + ["--haystacks", "sentences", "--json", "--no-progress", "--threads", "1"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert set(data["score"]) == {"sentences"} and set(data["score"]["sentences"]["single-word"]) == {"500"}

@@ -148,13 +148,13 @@ def test_kv_settings_build_label_and_errors():
     """KVSettings builds the right cache, labels it, cuts prefill to the budget and refuses mixtures."""
     cfg = resolve_config("lite-tiny")
     assert type(KVSettings().build(cfg)) is MixedKVCache and KVSettings().label == "16-bit"
-    assert KVSettings(bits=4).label == "int4" and KVSettings(bits=4).build(cfg).spec.bits == 4
+    assert KVSettings(format="int4").label == "int4" and KVSettings(format="int4").build(cfg).spec.bits == 4
     s = KVSettings(budget=64, policy="h2o")
     assert s.label == "h2o@64" and s.prefill_chunk(2048) == 64 and KVSettings().prefill_chunk(2048) == 2048
     assert isinstance(s.build(cfg), EvictingKVCache)
-    with pytest.raises(ValueError, match="must be one of"):
-        KVSettings(bits=2)
+    with pytest.raises(ValueError, match="KV format 2"):
+        KVSettings(format=2)
     with pytest.raises(ValueError, match="give one of them"):
-        KVSettings(bits=8, budget=64)
+        KVSettings(format="int8", budget=64)
     with pytest.raises(ValueError, match="speculative"):
         s.build(cfg, rollback_tokens=4)

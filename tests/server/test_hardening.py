@@ -16,6 +16,7 @@ import pytest
 from fake_engine import FakeLLM
 from live_server import tiny_llm, wait_until
 
+from gptoss_lite.server import headers as H
 from gptoss_lite.server import protocol as P
 
 serve = live_server.serve  # the fixture
@@ -241,13 +242,13 @@ def test_5_foreign_hosts_origins_and_content_types_are_refused(serve):
 
 def test_5_host_names_parse():
     """Host headers with ports, IPv6 brackets and case all reduce to the name."""
-    assert P.host_name("LocalHost:8000") == "localhost"
-    assert P.host_name("[::1]:8000") == "::1" and P.host_name("[::1]") == "::1"
-    assert P.host_name("127.0.0.1") == "127.0.0.1"
-    assert P.allowed_host_set(None, "0.0.0.0", keyed=False) == {"localhost", "127.0.0.1", "::1"}
-    assert P.allowed_host_set(None, "10.1.2.3", keyed=False) == {"localhost", "127.0.0.1", "::1", "10.1.2.3"}
-    assert P.allowed_host_set(["*"], "127.0.0.1", keyed=False) is None
-    assert P.allowed_host_set(None, "127.0.0.1", keyed=True) is None
+    assert H.host_name("LocalHost:8000") == "localhost"
+    assert H.host_name("[::1]:8000") == "::1" and H.host_name("[::1]") == "::1"
+    assert H.host_name("127.0.0.1") == "127.0.0.1"
+    assert H.allowed_host_set(None, "0.0.0.0", keyed=False) == {"localhost", "127.0.0.1", "::1"}
+    assert H.allowed_host_set(None, "10.1.2.3", keyed=False) == {"localhost", "127.0.0.1", "::1", "10.1.2.3"}
+    assert H.allowed_host_set(["*"], "127.0.0.1", keyed=False) is None
+    assert H.allowed_host_set(None, "127.0.0.1", keyed=True) is None
 
 
 # 6 ---------------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from gptoss_lite.engine import SamplingParams
 PROMPT = "The pass key is 52718. Remember it. " * 6 + "The pass key is"
 
 
-@pytest.mark.parametrize("kwargs", [{"kv_bits": 4}, {"full_window": 48, "enable_prefix_caching": False}])
+@pytest.mark.parametrize("kwargs", [{"kv_format": "int4"}, {"full_window": 48, "enable_prefix_caching": False}])
 def test_completion_equals_the_engines_generate(kwargs):
     llm = tiny_llm(**kwargs)
     want = llm.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0))[0].text
@@ -26,5 +26,5 @@ def test_completion_equals_the_engines_generate(kwargs):
         assert r.json()["choices"][0]["text"] == want
         metrics = httpx.get(live.url + "/metrics", timeout=30).text
         values = dict(line.split(" ", 1) for line in metrics.splitlines() if line and not line.startswith("#"))
-        assert float(values["gptoss_kv_bits"]) == kwargs.get("kv_bits", 16)
+        assert float(values[f'gptoss_kv_format{{format="{kwargs.get("kv_format", "dense")}"}}']) == 1
         assert float(values["gptoss_kv_cache_bytes"]) == llm.kv.store.nbytes

@@ -15,7 +15,7 @@ import live_server
 import pytest
 from live_server import tiny_llm
 
-from gptoss_lite.server.openai_api import cache_scope
+from gptoss_lite.server.state import cache_scope
 
 serve = live_server.serve  # the fixture
 

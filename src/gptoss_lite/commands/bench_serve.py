@@ -249,7 +249,7 @@ def _print(result: dict) -> None:
                 "model",
                 "dtype",
                 "threads",
-                "kv_bits",
+                "kv_format",
                 "full_window",
                 "compile_decode",
                 "speculate",
@@ -258,7 +258,7 @@ def _print(result: dict) -> None:
                 print(f"  {key:32s} {value}")
         return
     e, p = result["engine"], result["planner"]
-    kv = f"int{result['kv_bits']} KV" if result["kv_bits"] != 16 else "16-bit KV"
+    kv = "16-bit KV" if result["kv_format"] == "dense" else f"{result['kv_format']} KV"
     if result["full_window"] is not None:
         kv += f", full-layer window {result['full_window']:,} tokens"
     compiled = "eager decode"

@@ -334,16 +334,40 @@ def speculation_line(stats) -> str:
     )
 
 
-def add_kv_args(parser: argparse.ArgumentParser) -> None:
-    """--kv-bits, --kv-budget, --kv-policy, --kv-sinks (docs/kv-cache.md#kv-settings-and-the-command-line)."""
+KV_FORMAT_NAMES = ("dense", "int8", "int4")  # kvspec.FORMATS, listed here so --help needs no import
+_FORMAT_OF_BITS = {16: "dense", 8: "int8", 4: "int4"}
+
+
+class _KVBitsAlias(argparse.Action):
+    """--kv-bits B, the older spelling of --kv-format: 16 dense, 8 int8, 4 int4."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, _FORMAT_OF_BITS[values])
+
+
+def _add_kv_format_args(parser: argparse.ArgumentParser, what: str) -> None:
+    """--kv-format NAME and its older spelling --kv-bits {16,8,4}; both set args.kv_format."""
+    parser.add_argument(
+        "--kv-format",
+        choices=KV_FORMAT_NAMES,
+        default="dense",
+        help=f"{what}: dense keeps the model's dtype, int8 / int4 store KIVI-style codes with their scales "
+        "(docs/kv-cache.md#the-kv-spec) (default: dense)",
+    )
     parser.add_argument(
         "--kv-bits",
         type=int,
-        choices=(16, 8, 4),
-        default=16,
-        help="bits per K/V element on full layers: 16 keeps the model's dtype, 8 or 4 quantise "
-        "(KIVI-style, scales counted) (default: 16)",
+        choices=tuple(_FORMAT_OF_BITS),
+        action=_KVBitsAlias,
+        dest="kv_format",
+        default=argparse.SUPPRESS,
+        help="the older spelling of --kv-format: 16 = dense, 8 = int8, 4 = int4",
     )
+
+
+def add_kv_args(parser: argparse.ArgumentParser) -> None:
+    """--kv-format, --kv-budget, --kv-policy, --kv-sinks (docs/kv-cache.md#kv-settings-and-the-command-line)."""
+    _add_kv_format_args(parser, "how full layers store K/V")
     parser.add_argument(
         "--kv-budget",
         type=int,
@@ -373,9 +397,11 @@ def kv_settings(args: argparse.Namespace):
     if args.kv_budget is None and (args.kv_policy != "streaming" or args.kv_sinks != 4):
         raise ValueError("--kv-policy / --kv-sinks need --kv-budget N")
     try:
-        return KVSettings(bits=args.kv_bits, budget=args.kv_budget, policy=args.kv_policy, sink_tokens=args.kv_sinks)
+        return KVSettings(
+            format=args.kv_format, budget=args.kv_budget, policy=args.kv_policy, sink_tokens=args.kv_sinks
+        )
     except (ValueError, TypeError) as exc:
-        raise type(exc)(f"--kv-bits/--kv-budget/--kv-sinks: {exc}") from None
+        raise type(exc)(f"--kv-format/--kv-budget/--kv-sinks: {exc}") from None
 
 
 DEFAULT_DECODE_RESERVE = 256  # serve / bench-serve: decode tokens of growth kept free per running request
@@ -395,14 +421,8 @@ class _RenamedFlag(argparse.Action):
 
 
 def add_engine_kv_args(parser: argparse.ArgumentParser) -> None:
-    """--kv-bits and --full-window for the engine (docs/engine.md#kv-bits and #full-layer-window)."""
-    parser.add_argument(
-        "--kv-bits",
-        type=int,
-        choices=(16, 8, 4),
-        default=16,
-        help="full-layer KV blocks: 16 keeps the model's dtype, 8 or 4 stores int8 / int4 codes (default: 16)",
-    )
+    """--kv-format and --full-window for the engine (docs/engine.md#kv-format and #full-layer-window)."""
+    _add_kv_format_args(parser, "full-layer KV blocks")
     parser.add_argument(
         "--full-window",
         type=int,
@@ -452,15 +472,15 @@ def add_engine_kv_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kv_kwargs(args: argparse.Namespace, *, load_draft: bool = False) -> dict:
-    """LLM keyword arguments from --kv-bits / --full-window / --no-compile / --speculate / --draft-tokens,
+    """LLM keyword arguments from --kv-format / --full-window / --no-compile / --speculate / --draft-tokens,
     checked before the model loads. A draft model (--speculate draft:PATH) is loaded only with
     `load_draft` (otherwise `speculate` is left None after its flags are checked)."""
     from gptoss_lite.validation import check_int
 
     if args.full_window is not None:
         check_int("--full-window", args.full_window, 1)
-        if args.kv_bits != 16:
-            raise ValueError(f"--full-window {args.full_window} with --kv-bits {args.kv_bits}: give one of them")
+        if args.kv_format != "dense":
+            raise ValueError(f"--full-window {args.full_window} with --kv-format {args.kv_format}: give one of them")
         if not args.no_prefix_caching:
             raise ValueError(
                 "--full-window releases prompt blocks the prefix cache would need; add --no-prefix-caching"
@@ -479,7 +499,7 @@ def engine_kv_kwargs(args: argparse.Namespace, *, load_draft: bool = False) -> d
         draft = load_model(args.speculate[len("draft:") :], device=device, dtype=torch_dtype(args.dtype))
         speculate = DraftModel(draft) if args.draft_tokens is None else DraftModel(draft, k=args.draft_tokens)
     return {
-        "kv_bits": args.kv_bits,
+        "kv_format": args.kv_format,
         "full_window": args.full_window,
         "compile_decode": not args.no_compile,
         "decode_reserve": check_int("--decode-reserve", args.decode_reserve, 0),

@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         speculation_line,
     )
     from gptoss_lite.generation import stream_generate
+    from gptoss_lite.kvspec import token_bytes
     from gptoss_lite.sampling import SamplingParams
     from gptoss_lite.speculative import SpeculationStats
     from gptoss_lite.validation import check_int
@@ -78,8 +79,8 @@ def run(args: argparse.Namespace) -> int:
     check_int("--prefill-chunk", args.prefill_chunk, 1)
     check_speculate_args(args)
     kv = kv_settings(args)
-    if args.compile and (kv.bits != 16 or kv.budget is not None or args.speculate != "none"):
-        what = f"--speculate {args.speculate}" if args.speculate != "none" else f"--kv-bits/--kv-budget ({kv.label})"
+    if args.compile and (kv.format.quantized or kv.budget is not None or args.speculate != "none"):
+        what = f"--speculate {args.speculate}" if args.speculate != "none" else f"--kv-format/--kv-budget ({kv.label})"
         raise ValueError(f"--compile runs decode on the 16-bit mixed cache without speculation; {what} cannot")
     prompt = read_prompt(args.prompt)
     model, tokenizer, source = load_model_and_tokenizer(args)
@@ -140,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
         decode_steps, decode_s = decode_steps - 1, decode_s - compile_s
     cfg = model.config
     total_tokens = cache.num_tokens
-    per_token_layer = 2 * cfg.n_kv_heads * cfg.head_dim * next(model.parameters()).element_size()
+    K, D = cfg.n_kv_heads, cfg.head_dim
+    per_token_layer = token_bytes(K, D, K, D, next(model.parameters()).element_size())
     stats = {
         "model": str(source),
         "threads": args.threads,

@@ -119,12 +119,15 @@ def measure_quantized_cache(contexts: tuple[int, ...], bits: int, chunk: int = 2
     layers, scales and zero points included) after prefill in `chunk`-token pieces."""
     from gptoss_lite.config import get_preset
     from gptoss_lite.kv.settings import KVSettings
+    from gptoss_lite.kvspec import kv_format
 
-    return measure_cache_bytes(get_preset(PRESET), KVSettings(bits=bits), contexts, chunk)
+    return measure_cache_bytes(get_preset(PRESET), KVSettings(format=kv_format(bits)), contexts, chunk)
 
 
 def quantized_rows(geometry: P.AttentionKVGeometry, contexts: tuple[int, ...]) -> list[dict]:
     """Planned (incl. scales) vs measured bytes of int8 / int4 full layers at each context."""
+    from gptoss_lite.kvspec import kv_format
+
     rows = []
     for bits in (8, 4):
         measured = measure_quantized_cache(contexts, bits)
@@ -135,7 +138,7 @@ def quantized_rows(geometry: P.AttentionKVGeometry, contexts: tuple[int, ...]) -
             rows.append(
                 {
                     "context_tokens": t,
-                    "kv_bits": bits,
+                    "kv_format": kv_format(bits).name,
                     "planned_bytes": planned,
                     "measured_payload_bytes": measured[t][0],
                     "measured_allocated_bytes": measured[t][1],
@@ -229,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
                     quantized,  # type: ignore[arg-type]
                     [
                         ("context", lambda r: f"{r['context_tokens']:,}"),  # type: ignore[index]
-                        ("kv-bits", lambda r: str(r["kv_bits"])),  # type: ignore[index]
+                        ("kv-format", lambda r: str(r["kv_format"])),  # type: ignore[index]
                         ("planned B", lambda r: f"{r['planned_bytes']:,}"),  # type: ignore[index]
                         ("measured payload B", lambda r: f"{r['measured_payload_bytes']:,}"),  # type: ignore[index]
                         ("measured allocated B", lambda r: f"{r['measured_allocated_bytes']:,}"),  # type: ignore[index]

@@ -127,6 +127,7 @@ def _measure(
     from gptoss_lite.config import PRESETS
     from gptoss_lite.fixtures import FIXTURES
     from gptoss_lite.kv.settings import KVSettings
+    from gptoss_lite.kvspec import kv_format
 
     config = PRESETS.get(model) or FIXTURES.get(model)
     if config is None or native_bits != 16:
@@ -137,7 +138,9 @@ def _measure(
     out = {}
     for bits in kv_bits:
         if bits in (16, 8, 4):
-            for n, (_, allocated) in measure_cache_bytes(config, KVSettings(bits=bits), tuple(contexts)).items():
+            for n, (_, allocated) in measure_cache_bytes(
+                config, KVSettings(format=kv_format(bits)), tuple(contexts)
+            ).items():
                 out[(bits, n)] = allocated
     return out
 

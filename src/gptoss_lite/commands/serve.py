@@ -250,7 +250,7 @@ def tenant_policy(args: argparse.Namespace, keys: dict[str, str] | None):
     names must be one a key maps to (a misspelt name would silently get the default share); an open
     server has one tenant, "default"."""
     from gptoss_lite.engine import TenantLimits, TenantPolicy
-    from gptoss_lite.engine.fairness import DEFAULT_TENANT
+    from gptoss_lite.engine.tenants import DEFAULT_TENANT
     from gptoss_lite.validation import check_int
 
     given = {field: getattr(args, flag[2:].replace("-", "_")) for field, flag in TENANT_LIMIT_FLAGS.items()}
@@ -359,7 +359,7 @@ def check_args(args: argparse.Namespace) -> dict[str, str] | None:
     """Everything checkable before the model loads; returns the {key: tenant} map (None: open server).
     The data directory is opened here too, so a store or key that cannot be used stops the start."""
     from gptoss_lite.commands.common import engine_kv_kwargs
-    from gptoss_lite.server.openai_api import open_data_dir
+    from gptoss_lite.server.state import open_data_dir
     from gptoss_lite.validation import check_int
 
     check_int("--port", args.port, 0, 65535)

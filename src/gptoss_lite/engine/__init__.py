@@ -7,9 +7,16 @@ paged_batch.py (writes and reads over block tables for a ragged batch), runner.p
 step), llm.py (the facade).
 """
 
-from gptoss_lite.engine.fairness import QuotaExceeded, TenantLimits, TenantPolicy
-from gptoss_lite.engine.llm import LLM, EngineStats, PreparedRequest
-from gptoss_lite.engine.request import RequestMetrics, RequestOutput, SamplingParams, TokenLogprobs
+from gptoss_lite.engine.llm import LLM
+from gptoss_lite.engine.request import (
+    EngineStats,
+    PreparedRequest,
+    RequestMetrics,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprobs,
+)
+from gptoss_lite.engine.tenants import QuotaExceeded, TenantLimits, TenantPolicy
 
 __all__ = [
     "LLM",

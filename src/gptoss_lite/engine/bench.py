@@ -165,8 +165,9 @@ def planner_figures(llm: LLM, context_tokens: int) -> dict[str, float]:
         per_request = geometry.sequence_bytes(context_tokens) - dropped
         resident = (hw.device_capacity_bytes - hw.resident_bytes - hw.runtime_reserve_bytes) // per_request
         knee = hw.weight_bytes / per_request
-    if llm.kv_bits != 16:  # the planner's quantised bytes: key group = the block, no residual beyond it
-        per_request = quantized_kv_bytes(geometry, context_tokens, llm.kv_bits, key_group=llm.kv.block_size, residual=0)
+    if llm.kv_format.quantized:  # the planner's quantised bytes: key group = the block, no residual beyond it
+        bits = llm.kv_format.bits
+        per_request = quantized_kv_bytes(geometry, context_tokens, bits, key_group=llm.kv.block_size, residual=0)
         tails = llm.kv.tail_bytes  # full-precision staging for blocks being filled, not KV payload
         resident = (hw.device_capacity_bytes - hw.resident_bytes - tails) // per_request
     return {

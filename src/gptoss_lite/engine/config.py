@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from gptoss_lite.engine.fairness import TenantPolicy
+from gptoss_lite.engine.tenants import TenantPolicy
 from gptoss_lite.kv.block_pool import DEFAULT_BLOCK_SIZE
-from gptoss_lite.kv.quant import KV_BITS
+from gptoss_lite.kvspec import DENSE, KVFormat, kv_format
 from gptoss_lite.speculative import DraftModel, PromptLookup
 from gptoss_lite.validation import check_int
 
@@ -29,8 +29,8 @@ class EngineConfig:
 
     KV memory: `kv_blocks` (and `sliding_blocks`) size the pools directly; otherwise they are what
     `kv_cache_bytes` (default 1 GiB) holds, capped by what `max_running` requests of `max_model_len`
-    tokens need. `kv_bits` 8 or 4 stores full-layer blocks as int8 / int4 codes. `full_window` N keeps
-    only the last N keys of every full layer for each query (a full-layer window, not the eviction
+    tokens need. `kv_format` 'int8' or 'int4' stores full-layer blocks as codes (`gptoss_lite.kvspec`).
+    `full_window` N keeps only the last N keys of every full layer for each query (a full-layer window, not the eviction
     budget of `kv.evicting_cache`; docs/engine.md#full-layer-window). `decode_reserve` N is the
     admission watermark: blocks kept for every running request's next N decode tokens. `speculate`
     drafts decoding requests' tokens by prompt lookup or with a draft model. `compile_decode` None
@@ -50,7 +50,7 @@ class EngineConfig:
     revision: str | None = None
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
-    kv_bits: int = 16
+    kv_format: KVFormat = DENSE  # full-layer blocks: DENSE (the model's dtype), INT8, INT4, or their names
     kv_cache_bytes: int | None = None
     full_window: int | None = None
     compile_decode: bool | None = None
@@ -68,12 +68,11 @@ class EngineConfig:
         check_int("decode_reserve", self.decode_reserve, 0)
         if not isinstance(self.enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching={self.enable_prefix_caching!r}: expected a bool")
-        if isinstance(self.kv_bits, bool) or self.kv_bits not in KV_BITS:
-            raise ValueError(f"kv_bits={self.kv_bits!r}: must be one of {KV_BITS}")
+        object.__setattr__(self, "kv_format", kv_format(self.kv_format))
         if self.full_window is not None:
             check_int("full_window", self.full_window, 1)
-            if self.kv_bits != 16:
-                raise ValueError(f"full_window={self.full_window} with kv_bits={self.kv_bits}: give one of them")
+            if self.kv_format.quantized:
+                raise ValueError(f"full_window={self.full_window} with kv_format={self.kv_format}: give one of them")
             if self.enable_prefix_caching:
                 raise ValueError(
                     f"full_window={self.full_window} releases prompt blocks the prefix cache would need; "

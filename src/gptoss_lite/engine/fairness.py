@@ -29,10 +29,11 @@ times what the light rows would take alone, which is what an equal share of the 
 means for a tenant that can only use one row. The rows that sit a step out keep their slots and
 blocks and take turns; the heavy tenant's throughput drops only while a light tenant runs.
 
-**Quotas** (`TenantLimits`): at most `max_running` running and `max_waiting` waiting requests (a
-request beyond both is refused with `QuotaExceeded`), `tokens_per_minute` (prompt + max_tokens per
-sample, charged when added, the unused part refunded when it finishes), and `max_queue_time` seconds
-before a request that was never admitted ends with an error.
+**Quotas** (`TenantLimits`; engine/tenants.py holds the policy and counters): at most `max_running`
+running and `max_waiting` waiting requests (a request beyond both is refused with `QuotaExceeded`),
+`tokens_per_minute` (prompt + max_tokens per sample, charged when added, the unused part refunded
+when it finishes), and `max_queue_time` seconds before a request that was never admitted ends with
+an error.
 
 With one tenant and no limits this is the engine's first-come-first-served order. `TenantPolicy(fair=
 False)` keeps arrival order across tenants too (quotas still apply), for comparison.
@@ -43,155 +44,15 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
-import json
 import math
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, fields
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from gptoss_lite.engine.tenants import QuotaExceeded, TenantCounters, TenantLimits, TenantPolicy
 
 if TYPE_CHECKING:  # only for annotations: request.py imports nothing from here
     from gptoss_lite.engine.request import Request
-
-DEFAULT_TENANT = "default"
-
-
-class QuotaExceeded(Exception):
-    """A tenant's quota refuses a request now; `retry_after` is the seconds after which it may pass."""
-
-    def __init__(self, tenant: str, message: str, retry_after: float) -> None:
-        super().__init__(message)
-        self.tenant = tenant
-        self.retry_after = retry_after
-
-
-@dataclass(frozen=True)
-class TenantLimits:
-    """One tenant's share and quotas (None: no limit)."""
-
-    share: float = 1.0
-    max_running: int | None = None
-    max_waiting: int | None = None
-    tokens_per_minute: int | None = None
-    max_queue_time: float | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.share, bool) or not isinstance(self.share, (int, float)):
-            raise TypeError(f"share={self.share!r}: expected a number")
-        if not (math.isfinite(self.share) and self.share > 0):
-            raise ValueError(f"share={self.share!r}: must be a finite number > 0")
-        for name in ("max_running", "tokens_per_minute"):
-            _check_count(name, getattr(self, name), 1)
-        _check_count("max_waiting", self.max_waiting, 0)
-        t = self.max_queue_time
-        if t is not None:
-            if isinstance(t, bool) or not isinstance(t, (int, float)):
-                raise TypeError(f"max_queue_time={t!r}: expected a number of seconds")
-            if not (math.isfinite(t) and t > 0):
-                raise ValueError(f"max_queue_time={t!r}: must be a finite number of seconds > 0")
-
-
-def _check_count(name: str, value: Any, low: int) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r}: expected an integer")
-    if value < low:
-        raise ValueError(f"{name}={value!r}: must be >= {low}")
-
-
-_LIMIT_FIELDS = tuple(f.name for f in fields(TenantLimits))
-
-
-@dataclass(frozen=True)
-class TenantPolicy:
-    """Limits for every tenant (`default`) and for named ones (`tenants`, each a whole `TenantLimits`:
-    a field it leaves out takes the default's value when built by `from_mapping`). `fair=False`
-    admits in arrival order across tenants (the rule before tenants shared fairly)."""
-
-    default: TenantLimits = field(default_factory=TenantLimits)
-    tenants: Mapping[str, TenantLimits] = field(default_factory=dict)
-    fair: bool = True
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.default, TenantLimits):
-            raise TypeError(f"default: expected TenantLimits, got {type(self.default).__name__}")
-        for name, limits in self.tenants.items():
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"tenant name {name!r}: expected a non-empty string")
-            if not isinstance(limits, TenantLimits):
-                raise TypeError(f"tenant {name!r}: expected TenantLimits, got {type(limits).__name__}")
-        if not isinstance(self.fair, bool):
-            raise TypeError(f"fair={self.fair!r}: expected a bool")
-
-    def limits(self, tenant: str) -> TenantLimits:
-        return self.tenants.get(tenant, self.default)
-
-    @classmethod
-    def from_mapping(cls, data: Mapping[str, Any], *, where: str = "tenant policy") -> TenantPolicy:
-        """`{"default": {...}, "tenants": {NAME: {...}}, "fair": bool}`, every part optional; a named
-        tenant's missing fields come from "default". Unknown keys are errors naming them."""
-        if not isinstance(data, Mapping):
-            raise ValueError(f"{where}: expected a mapping with 'default' and/or 'tenants'")
-        unknown = set(data) - {"default", "tenants", "fair"}
-        if unknown:
-            raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; expected 'default', 'tenants', 'fair'")
-        default = _limits(data.get("default") or {}, TenantLimits(), f"{where}: default")
-        named = data.get("tenants") or {}
-        if not isinstance(named, Mapping):
-            raise ValueError(f"{where}: 'tenants' must map tenant names to their limits")
-        tenants = {str(k): _limits(v or {}, default, f"{where}: tenant {k!r}") for k, v in named.items()}
-        return cls(default=default, tenants=tenants, fair=data.get("fair", True))
-
-    @classmethod
-    def load(cls, path: str | Path) -> TenantPolicy:
-        """Read a policy file: YAML (`.yaml`/`.yml`) or JSON (anything else)."""
-        path = Path(path)
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise ValueError(f"tenant policy {path}: {exc.strerror or exc}") from None
-        try:
-            if path.suffix in (".yaml", ".yml"):
-                import yaml
-
-                data = yaml.safe_load(text)
-            else:
-                data = json.loads(text)
-        except Exception as exc:  # noqa: BLE001 - a parse error of any kind: say where
-            raise ValueError(
-                f"tenant policy {path}: not valid {'YAML' if path.suffix in ('.yaml', '.yml') else 'JSON'}: {exc}"
-            ) from None
-        return cls.from_mapping(data or {}, where=f"tenant policy {path}")
-
-
-def _limits(data: Any, base: TenantLimits, where: str) -> TenantLimits:
-    if not isinstance(data, Mapping):
-        raise ValueError(f"{where}: expected a mapping of {', '.join(_LIMIT_FIELDS)}")
-    unknown = set(data) - set(_LIMIT_FIELDS)
-    if unknown:
-        raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; expected some of {', '.join(_LIMIT_FIELDS)}")
-    values = {name: data.get(name, getattr(base, name)) for name in _LIMIT_FIELDS}
-    try:
-        return TenantLimits(**values)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{where}: {exc}") from None
-
-
-@dataclass
-class TenantCounters:
-    """What a tenant has had from the engine (for metrics): requests refused by its quotas, requests
-    that waited past `max_queue_time`, prompt tokens admitted (uncached, recomputation included) and
-    tokens generated; and the requests it has running and waiting now."""
-
-    running: int = 0
-    waiting: int = 0
-    admitted_requests: int = 0
-    admitted_tokens: int = 0
-    generated_tokens: int = 0
-    rejected: int = 0
-    expired: int = 0
 
 
 class _TokenBucket:

@@ -21,15 +21,20 @@ prefix cached for one tenant or one set of weights is never a hit for another.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 
 from gptoss_lite.config import ModelConfig
+from gptoss_lite.engine.config import EngineConfig
 from gptoss_lite.engine.paged_batch import PagedBatch, PagedDecode, Segment
 from gptoss_lite.engine.request import Request
 from gptoss_lite.kv.block_pool import AppendPlan
 from gptoss_lite.kv.groups import KVGroup, attach_prefix
 from gptoss_lite.kv.paged_cache import PagedKVStore
 from gptoss_lite.kv.paged_quant import QuantizedPagedStore
+from gptoss_lite.kvspec import KVFormat, LayerKind, LayerKVSpec
 
 
 class KVManager:
@@ -47,7 +52,7 @@ class KVManager:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
-        kv_bits: int,
+        kv_format: KVFormat,
         tail_blocks: int,
         revision: str,
         enable_prefix_caching: bool,
@@ -58,8 +63,8 @@ class KVManager:
         docs/engine.md#full-layer-window) and its manager."""
         quant = {}
         store_type: type[PagedKVStore] = PagedKVStore
-        if kv_bits != 16 and config.full_layers:
-            store_type, quant = QuantizedPagedStore, {"bits": kv_bits, "tail_blocks": tail_blocks}
+        if kv_format.quantized and config.full_layers:
+            store_type, quant = QuantizedPagedStore, {"bits": kv_format.bits, "tail_blocks": tail_blocks}
         store = store_type(
             config,
             kv_blocks,
@@ -305,3 +310,28 @@ class KVManager:
     def all_free(self) -> bool:
         """No block held by anyone (prefix-cache pins included)."""
         return all(group.pool.free_blocks == group.pool.total_blocks for group in self.groups)
+
+
+def pool_blocks(specs: Sequence[LayerKVSpec], cfg: EngineConfig, max_model_len: int) -> tuple[int, int]:
+    """(full-layer, sliding-layer) pool blocks, each given by the config or sized here from the layers'
+    specs. The full-layer pool: `kv_cache_bytes` over both pools (every layer's `block_bytes`), but no
+    more than `max_running` requests of `max_model_len` tokens need (under a full-layer window, the
+    window plus one step). The sliding pool: as large while the prefix cache is on (a cached prompt
+    pins its sliding-layer blocks too); without it, what the running requests hold at once,
+    ceil(W / bs) + 1 blocks each in decode plus the window and one chunk for a prefill."""
+    bs, running, step = cfg.block_size, cfg.max_running, cfg.max_batch_tokens
+    full = cfg.kv_blocks
+    if full is None:
+        by_memory = cfg.kv_bytes // sum(spec.block_bytes(bs) for spec in specs)
+        window = cfg.full_window
+        held = max_model_len if window is None else min(max_model_len, window + step)
+        by_need = running * (math.ceil(held / bs) + (window is not None))
+        full = max(1, min(by_memory, by_need))
+    sliding = cfg.sliding_blocks
+    if sliding is None:
+        W = next((spec.window for spec in specs if spec.kind is LayerKind.SLIDING), None)
+        if cfg.enable_prefix_caching or W is None:
+            sliding = full
+        else:
+            sliding = min(full, running * (math.ceil(W / bs) + 1) + math.ceil((W + step) / bs) + 1)
+    return full, sliding

@@ -21,10 +21,8 @@ import hashlib
 import itertools
 import json
 import logging
-import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,64 +30,27 @@ import torch
 from gptoss_lite.checkpoint import load_model
 from gptoss_lite.engine.config import EngineConfig
 from gptoss_lite.engine.detokenize import TextStream
-from gptoss_lite.engine.fairness import DEFAULT_TENANT, TenantCounters
-from gptoss_lite.engine.kv_manager import KVManager
-from gptoss_lite.engine.request import Request, RequestOutput, RequestStatus, SamplingParams, TokenLogprobs
+from gptoss_lite.engine.kv_manager import KVManager, pool_blocks
+from gptoss_lite.engine.request import (
+    EngineStats,
+    PreparedRequest,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    TokenLogprobs,
+)
 from gptoss_lite.engine.runner import ModelRunner
 from gptoss_lite.engine.scheduler import ScheduledBatch, Scheduler
-from gptoss_lite.kv.paged_quant import quantized_block_bytes
+from gptoss_lite.engine.speculation import SPEC_MIN_ACCEPTANCE, SPEC_MIN_FILL, DecodeChoice
+from gptoss_lite.engine.tenants import DEFAULT_TENANT
+from gptoss_lite.kvspec import model_kv_specs
 from gptoss_lite.model.transformer import GPTOSS
 from gptoss_lite.speculative import DraftModel, NgramIndex, RequestDrafter, SpeculationStats
 from gptoss_lite.tokenizer import ByteTokenizer, load_tokenizer
 from gptoss_lite.validation import check_int
 
 logger = logging.getLogger(__name__)
-
-# Speculation (docs/engine.md#speculative-decoding): a request whose running acceptance falls below
-# this stops drafting for a while; one decode-only step in SPEC_EXPLORE_EVERY tries the way the
-# measured rates say is slower, so the choice follows the workload.
-SPEC_MIN_ACCEPTANCE = 0.1
-SPEC_EXPLORE_EVERY = 16
-# A step whose drafts would fill less than this share of the rows it computes (requests without a
-# draft are padded to the longest draft's rows) drafts nothing.
-SPEC_MIN_FILL = 0.5
-
-
-@dataclass(frozen=True)
-class PreparedRequest:
-    """A prompt's token ids and its sampling, checked once by `LLM.prepare`."""
-
-    token_ids: list[int]
-    sampling: SamplingParams
-
-
-@dataclass
-class EngineStats:
-    """A snapshot of the engine for metrics and benchmarks. Blocks count the full-layer pool and the
-    sliding-layer pool together; prefix figures count the engine's lookups (a request's first
-    admission and every resumption after preemption) and the prompt tokens they reused."""
-
-    num_running: int
-    num_waiting: int
-    kv_blocks_total: int
-    kv_blocks_used: int
-    kv_blocks_free: int
-    kv_blocks_cached: int  # of the used blocks, those held by nobody but the prefix cache (reclaimable)
-    prefix_queries: int
-    prefix_hits: int  # prompt tokens served from the cache
-    prefix_hit_rate: float  # prefix_hits / prompt tokens looked up
-    preemptions: int
-    finished: int
-    aborted: int
-    generated_tokens: int
-    failed: int = 0  # requests finished with finish_reason "error" (a fault confined to them)
-    kv_bits: int = 16  # full-layer K/V storage: 16 (the model's dtype), 8 or 4
-    kv_bytes: int = 0  # bytes allocated for K/V (both pools, scales and full-precision tails included)
-    spec_drafted: int = 0  # speculative decoding: draft tokens proposed
-    spec_accepted: int = 0  # draft tokens the verification kept
-    spec_verifications: int = 0  # drafts verified (one per request per step that had one)
-    spec_tokens: int = 0  # tokens those verifications emitted (accepted drafts + one each)
-    tenants: dict[str, TenantCounters] = field(default_factory=dict)  # per tenant: queues, tokens, refusals
 
 
 def _checkpoint_revision(source: str, model_dir: Path | None, config: object) -> str:
@@ -121,42 +82,6 @@ def _weights_revision(model: GPTOSS) -> str:
     return h.hexdigest()
 
 
-class DecodeChoice:
-    """Whether a decode-only step drafts, chosen by measurement (docs/engine.md#speculative-decoding):
-    the running mean tokens per second of decode-only steps run each way, the faster way taken, the
-    other tried one decode-only step in SPEC_EXPLORE_EVERY. Until both ways have a figure, each is
-    tried. Steps with prompt chunks always draft (for the requests already decoding)."""
-
-    def __init__(self) -> None:
-        self.rates: dict[str, float | None] = {"plain": None, "spec": None}
-        self.current: str | None = None  # how this decode-only step runs (None: not one)
-        self.steps = 0
-
-    def choose(self, decode_only: bool) -> str:
-        """ "spec" or "plain" for the coming step."""
-        self.current = None
-        if not decode_only:
-            return "spec"
-        self.steps += 1
-        rates = self.rates
-        if rates["plain"] is None or rates["spec"] is None:
-            use = "spec" if rates["spec"] is None else "plain"
-        else:
-            use = "spec" if rates["spec"] > rates["plain"] else "plain"
-            if self.steps % SPEC_EXPLORE_EVERY == 0:
-                use = "plain" if use == "spec" else "spec"
-        self.current = use
-        return use
-
-    def record(self, seconds: float, tokens: int) -> None:
-        """Fold the step's tokens per second into its way's running mean (if it was decode-only)."""
-        if self.current is None or seconds <= 0:
-            return
-        rate = tokens / seconds
-        old = self.rates[self.current]
-        self.rates[self.current] = rate if old is None else 0.8 * old + 0.2 * rate
-
-
 class LLM:
     """Continuous-batching engine over a paged KV pool (see the module docstring and docs/engine.md).
     Its knobs are `EngineConfig`'s fields (engine/config.py): KV memory, bits and full-layer window,
@@ -172,13 +97,13 @@ class LLM:
         self.tokenizer = tokenizer if tokenizer is not None else _own_tokenizer(model_dir, self.config)
         limit = self.config.max_position_embeddings
         self.max_model_len = check_int("max_model_len", cfg.max_model_len or limit, 1, limit)
-        self.enable_prefix_caching, self.kv_bits = cfg.enable_prefix_caching, cfg.kv_bits
+        self.enable_prefix_caching, self.kv_format = cfg.enable_prefix_caching, cfg.kv_format
         self.full_window = cfg.full_window
         self.kv = self._make_kv(cfg, model, source, model_dir)
         if cfg.full_window is None:  # a request's whole length must fit in the (first) pool
             self.max_model_len = min(self.max_model_len, self.kv.pool_tokens())
         self.scheduler = Scheduler(self.kv, cfg)
-        # Quantised blocks have no fixed-shape form yet: their steps stay eager (docs/engine.md#kv-bits).
+        # Quantised blocks have no fixed-shape form yet: their steps stay eager (docs/engine.md#kv-format).
         decoder = None if cfg.compile_decode is False or self.kv.quantized else model.compiled_decoder
         self.runner = ModelRunner(model, self.kv, decoder)
         # compiling the decode step now, not in the first request's step (None: not compiled)
@@ -229,17 +154,16 @@ class LLM:
     def _make_kv(self, cfg: EngineConfig, model: GPTOSS, source: str | None, model_dir: Path | None) -> KVManager:
         """The KV manager over pools sized by the config (or by its memory and the context)."""
         param = next(model.parameters())
-        bs, running, step = cfg.block_size, cfg.max_running, cfg.max_batch_tokens
-        kv_blocks = cfg.kv_blocks or self._default_blocks(bs, running, step, param.dtype, cfg.kv_bytes)
-        sliding = cfg.sliding_blocks or self._default_sliding_blocks(kv_blocks, bs, running, step)
+        specs = model_kv_specs(self.config, param.dtype.itemsize, cfg.kv_format, full_window=cfg.full_window)
+        kv_blocks, sliding = pool_blocks(specs, cfg, self.max_model_len)
         return KVManager.create(
             self.config,
             kv_blocks=kv_blocks,
             sliding_blocks=sliding,
-            block_size=bs,
+            block_size=cfg.block_size,
             dtype=param.dtype,
             device=param.device,
-            kv_bits=cfg.kv_bits,
+            kv_format=cfg.kv_format,
             tail_blocks=cfg.tail_blocks,
             revision=cfg.revision if cfg.revision is not None else self._default_revision(model, source, model_dir),
             enable_prefix_caching=cfg.enable_prefix_caching,
@@ -254,34 +178,6 @@ class LLM:
         if source is None:
             return _weights_revision(model)
         return _checkpoint_revision(source, model_dir, (model.config, model.embed.weight.dtype))
-
-    def _default_blocks(
-        self, block_size: int, max_running: int, max_batch_tokens: int, dtype: torch.dtype, budget: int
-    ) -> int:
-        """Blocks per pool: `budget` bytes over both pools, but no more than max_running
-        requests of max_model_len tokens need (under a full-layer window, of the window plus one step)."""
-        cfg = self.config
-        layer_block = 2 * cfg.n_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size() * block_size
-        if self.kv_bits == 16:
-            block_bytes = layer_block * cfg.n_layers
-        else:
-            full = quantized_block_bytes(cfg, block_size, self.kv_bits)
-            block_bytes = full + layer_block * len(cfg.sliding_layers)
-        by_memory = budget // block_bytes
-        window = self.full_window
-        held = self.max_model_len if window is None else min(self.max_model_len, window + max_batch_tokens)
-        by_need = max_running * (math.ceil(held / block_size) + (window is not None))
-        return max(1, min(by_memory, by_need))
-
-    def _default_sliding_blocks(self, kv_blocks: int, block_size: int, max_running: int, max_batch_tokens: int) -> int:
-        """The sliding-layer pool: as large as the full-layer pool while the prefix cache is on (a cached
-        prompt pins its sliding-layer blocks too); without it, what the running requests can hold at
-        once: ceil(W / bs) + 1 blocks each in decode, plus the window and one chunk for a prefill."""
-        if self.enable_prefix_caching or not self.config.sliding_layers:
-            return kv_blocks
-        W = self.config.sliding_window
-        per_request = math.ceil(W / block_size) + 1
-        return min(kv_blocks, max_running * per_request + math.ceil((W + max_batch_tokens) / block_size) + 1)
 
     # ------------------------------------------------------------------ requests
 
@@ -613,7 +509,7 @@ class LLM:
             aborted=self._aborted,
             failed=self._failed,
             generated_tokens=self._generated,
-            kv_bits=self.kv_bits,
+            kv_format=self.kv_format.name,
             kv_bytes=kv.nbytes,
             spec_drafted=self.speculation.drafted,
             spec_accepted=self.speculation.accepted,

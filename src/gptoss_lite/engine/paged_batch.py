@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
-from gptoss_lite.config import FULL
 from gptoss_lite.kv.base import DecodeChunk, DecodeRows, KVRead, KVSegment, RaggedRead, StaticRead, TensorSegment
 from gptoss_lite.kv.paged_cache import PagedKVStore
 from gptoss_lite.kv.paged_quant import QuantizedPagedStore
+from gptoss_lite.kvspec import LayerKind
 
 QUANT_READ_ELEMENTS = 1 << 22  # dequantised keys held at once by a decode read (per K and V)
 
@@ -85,10 +85,10 @@ class PagedBatch:
         self._decode_buckets: dict[str, list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, dict]]] = {}
         self._prefill_tables: dict[tuple[int, str], torch.Tensor] = {}
         self.quant: _QuantReads | None = None
-        if isinstance(store, QuantizedPagedStore) and FULL in store.pools:
-            self.quant = _QuantReads(store, self.decode, self.prefill, write_slots[FULL])
+        if isinstance(store, QuantizedPagedStore) and LayerKind.FULL in store.pools:
+            self.quant = _QuantReads(store, self.decode, self.prefill, write_slots[LayerKind.FULL])
         for kind in store.pools:
-            if self.quant is not None and kind == FULL:
+            if self.quant is not None and kind == LayerKind.FULL:
                 continue  # the quantised blocks have tables of their own
             for i, seg in enumerate(self.prefill):
                 self._prefill_tables[(i, kind)] = torch.tensor(seg.tables[kind][0], dtype=torch.long, device=dev)
@@ -108,9 +108,9 @@ class PagedBatch:
         `gptoss_lite.kv.base.RaggedBatch`)."""
         store = self.store
         kind = store.kind(layer)
-        horizon = self.full_window if kind == FULL else None
+        horizon = self.full_window if kind == LayerKind.FULL else None
         k, v = k[0], v[0]  # (K, N, D)
-        if self.quant is not None and kind == FULL:
+        if self.quant is not None and kind == LayerKind.FULL:
             return self.quant.update(layer, k, v, self.decode_rows, horizon)
         K, _, D = k.shape
         slots = self.write_slots[kind]
@@ -183,7 +183,7 @@ class PagedBatch:
                 distance = torch.cat([distance, torch.full_like(distance, -1)], dim=2)
             tables[kind], distances[kind] = table.to(dev), distance.to(dev)
             slots[kind] = self.write_slots[kind][order_t]
-        horizon = {kind: self.full_window if kind == FULL else None for kind in tables}
+        horizon = {kind: self.full_window if kind == LayerKind.FULL else None for kind in tables}
         real_t = torch.tensor(real, dtype=torch.long, device=dev)
         return PagedDecode(self.store, self._positions[order_t], tables, slots, distances, horizon, order_t, real_t)
 
@@ -293,7 +293,7 @@ class _QuantReads:
 
         def split(s: Segment) -> tuple[tuple[int, ...], int, int]:
             """(complete blocks, tokens in the tail, tail index) of the segment after this step."""
-            blocks, first = s.tables[FULL]
+            blocks, first = s.tables[LayerKind.FULL]
             assert first == 0, "full layers release nothing"
             n = s.start_pos + s.length
             complete, fill = divmod(n, bs)

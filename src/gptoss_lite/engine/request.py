@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gptoss_lite.engine.detokenize import TextStream
+from gptoss_lite.engine.tenants import TenantCounters
 from gptoss_lite.sampling import SamplingParams  # re-exported: the engine's parameter type
 from gptoss_lite.speculative import NgramIndex, RequestDrafter
 
@@ -259,3 +260,40 @@ def percentile(values: Sequence[float], q: float) -> float:
     lo = math.floor(rank)
     hi = min(lo + 1, len(ordered) - 1)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A prompt's token ids and its sampling, checked once by `LLM.prepare`."""
+
+    token_ids: list[int]
+    sampling: SamplingParams
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine for metrics and benchmarks. Blocks count the full-layer pool and the
+    sliding-layer pool together; prefix figures count the engine's lookups (a request's first
+    admission and every resumption after preemption) and the prompt tokens they reused."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_cached: int  # of the used blocks, those held by nobody but the prefix cache (reclaimable)
+    prefix_queries: int
+    prefix_hits: int  # prompt tokens served from the cache
+    prefix_hit_rate: float  # prefix_hits / prompt tokens looked up
+    preemptions: int
+    finished: int
+    aborted: int
+    generated_tokens: int
+    failed: int = 0  # requests finished with finish_reason "error" (a fault confined to them)
+    kv_format: str = "dense"  # full-layer K/V storage: 'dense' (the model's dtype), 'int8' or 'int4'
+    kv_bytes: int = 0  # bytes allocated for K/V (both pools, scales and full-precision tails included)
+    spec_drafted: int = 0  # speculative decoding: draft tokens proposed
+    spec_accepted: int = 0  # draft tokens the verification kept
+    spec_verifications: int = 0  # drafts verified (one per request per step that had one)
+    spec_tokens: int = 0  # tokens those verifications emitted (accepted drafts + one each)
+    tenants: dict[str, TenantCounters] = field(default_factory=dict)  # per tenant: queues, tokens, refusals

@@ -356,7 +356,7 @@ class PasskeyEvaluator:
             raise ValueError("kv budget and speculate: an evicting cache cannot roll back; give one of them")
         self.kv = KVSettings() if kv is None else kv
         self.speculation_stats = None  # a SpeculationStats summed over the answers() calls
-        self.share_prefix = bool(share_prefix) and self.kv.budget is None and self.kv.bits == 16
+        self.share_prefix = bool(share_prefix) and self.kv.budget is None and not self.kv.format.quantized
         self.shared_tokens = 0  # prompt tokens prefilled once instead of once per trial (last run)
 
     def keys(self, length: int) -> list[str]:

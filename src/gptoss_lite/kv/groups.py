@@ -1,8 +1,9 @@
 """Layer kinds as types: a KV group owns one kind's layers, block pool, prefix cache and window rule.
 
-All layers of one kind (FULL or SLIDING of `gptoss_lite.config`) see the same positions, so they
-share block ids: one `PagedKVPool` per kind hands them out, a block id names the same slots in the
-K/V tensors of every layer of the kind, and one `PrefixCache` over that pool pins cached prompts.
+All layers of one kind (`LayerKind.FULL` or `LayerKind.SLIDING`, `gptoss_lite.kvspec`) see the same
+positions, so they share block ids: one `PagedKVPool` per kind hands them out, a block id names the
+same slots in the K/V tensors of every layer of the kind, and one `PrefixCache` over that pool pins
+cached prompts.
 A `KVGroup` is that unit:
 
 - `SlidingGroup`: the sliding layers; every query attends to the last W keys
@@ -34,9 +35,9 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Iterable, Sequence
 
-from gptoss_lite.config import FULL, SLIDING
 from gptoss_lite.kv.block_pool import PagedKVPool
 from gptoss_lite.kv.prefix import PrefixCache
+from gptoss_lite.kvspec import LayerKind
 from gptoss_lite.validation import check_int
 
 
@@ -45,7 +46,7 @@ class KVGroup:
 
     Not built directly: `SlidingGroup` and `FullGroup` say where the window comes from."""
 
-    #: the layer kind (FULL or SLIDING): the key of AppendPlan dicts, stats and tables
+    #: the layer kind: the key of AppendPlan dicts, stats and tables
     name: str = ""
     #: 'sliding-layer' or 'full-layer', for messages
     word: str = ""
@@ -134,7 +135,7 @@ class KVGroup:
 class SlidingGroup(KVGroup):
     """The sliding layers: queries attend to the last `window` keys (the model's W)."""
 
-    name = SLIDING
+    name = LayerKind.SLIDING
     word = "sliding-layer"
 
     def __init__(self, layers: Iterable[int], total_blocks: int, block_size: int, window: int) -> None:
@@ -145,7 +146,7 @@ class FullGroup(KVGroup):
     """The full layers: every key, or the last `window` keys under a full-layer window
     (docs/engine.md#full-layer-window)."""
 
-    name = FULL
+    name = LayerKind.FULL
     word = "full-layer"
 
     def __init__(self, layers: Iterable[int], total_blocks: int, block_size: int, window: int | None = None) -> None:

@@ -12,6 +12,7 @@ import torch
 
 from gptoss_lite.config import ModelConfig
 from gptoss_lite.kv.base import KVRead, RollbackKVCache, StaticRead, check_rollback, rollback_floor
+from gptoss_lite.kvspec import token_bytes
 from gptoss_lite.validation import check_int
 
 DEFAULT_FULL_CAP_TOKENS = 4_000_000  # per full layer (docs/kv-cache.md#mixed-kv-cache)
@@ -62,7 +63,10 @@ class _LayerStore:
         return z, z
 
     def _token_bytes(self) -> int:
-        return 0 if self.k is None else 2 * self.batch_size * self.kv_heads * self.head_dim * self.k.element_size()
+        if self.k is None:
+            return 0
+        K, D = self.kv_heads, self.head_dim
+        return self.batch_size * token_bytes(K, D, K, D, self.k.element_size())
 
 
 class RingBuffer(_LayerStore):

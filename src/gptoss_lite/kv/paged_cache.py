@@ -8,15 +8,16 @@ per layer: **one pool per layer kind** hands them out, and a block id names the 
 tensors of every layer of that kind. Each kind is a `KVGroup` (`gptoss_lite.kv.groups`: its layer
 ids, pool, prefix cache and window rule; `store.groups`, or `store.group(kind)`):
 
-- The full layers are a `FullGroup` (`store.group(FULL).pool`): they see every token, so their page
-  tables are identical.
-- The sliding layers are a `SlidingGroup` (`store.group(SLIDING).pool`): every sliding layer has the
-  same window W (`config.sliding_window`) and sees the same positions, so their page tables are
-  identical too; the group releases a sequence's leading blocks once they fall outside the window
-  (`release_window`), which is why it cannot share a table with the full-layer pool.
+- The full layers are a `FullGroup` (`store.group(LayerKind.FULL).pool`): they see every token, so
+  their page tables are identical.
+- The sliding layers are a `SlidingGroup` (`store.group(LayerKind.SLIDING).pool`): every sliding
+  layer has the same window W (`config.sliding_window`) and sees the same positions, so their page
+  tables are identical too; the group releases a sequence's leading blocks once they fall outside
+  the window (`release_window`), which is why it cannot share a table with the full-layer pool.
 
-(FULL and SLIDING are the layer kinds of `gptoss_lite.config`, and the groups' names. `store.pools`,
-`store.prefix` and `store.layers_of` are read-only views of the groups by kind.)
+(`LayerKind` is the layer kind of `gptoss_lite.kvspec`, and the groups' names; `store.specs[layer]`
+says what each layer stores and its bytes. `store.pools`, `store.prefix` and `store.layers_of` are
+read-only views of the groups by kind.)
 
 So a decode step costs one `append` per kind per sequence, not one per layer, and a prefix hit
 shares a block across all layers of a kind at once.
@@ -34,10 +35,11 @@ from types import MappingProxyType
 
 import torch
 
-from gptoss_lite.config import FULL, SLIDING, ModelConfig
+from gptoss_lite.config import ModelConfig
 from gptoss_lite.kv.block_pool import DEFAULT_BLOCK_SIZE, PagedKVPool
 from gptoss_lite.kv.groups import FullGroup, KVGroup, SlidingGroup
 from gptoss_lite.kv.prefix import PrefixCache
+from gptoss_lite.kvspec import DENSE, KVFormat, LayerKind, model_kv_specs
 from gptoss_lite.validation import check_int
 
 
@@ -60,6 +62,8 @@ class PagedKVStore:
         full_window: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        full_format: KVFormat = DENSE,
+        value_group: int | None = None,
     ) -> None:
         if not isinstance(config, ModelConfig):
             raise TypeError(f"config: expected a ModelConfig, got {type(config).__name__}")
@@ -72,6 +76,10 @@ class PagedKVStore:
         self.config = config
         self.block_size = block_size
         self.dtype, self.device = dtype, torch.device(device)
+        #: what each layer stores (`gptoss_lite.kvspec`): kind, window, format, bytes
+        self.specs = model_kv_specs(
+            config, dtype.itemsize, full_format, full_window=full_window, value_group=value_group
+        )
         groups: list[KVGroup] = []
         if config.full_layers:
             groups.append(FullGroup(config.full_layers, total_blocks, block_size, full_window))
@@ -88,14 +96,11 @@ class PagedKVStore:
         self.v: list[torch.Tensor] = []
         for layer in range(config.n_layers):
             group = self.group_of(layer)
-            blocks = group.pool.total_blocks if group.name in self.dense_kinds else 0
+            # a layer that stores codes keeps them elsewhere (a subclass's): its dense tensors stay empty
+            blocks = 0 if self.specs[layer].format.quantized else group.pool.total_blocks
             shape = (K, blocks, block_size, D)  # (K, N, bs, D)
             self.k.append(torch.zeros(shape, dtype=dtype, device=self.device))
             self.v.append(torch.zeros(shape, dtype=dtype, device=self.device))
-
-    #: layer kinds whose blocks are the dense (K, N, bs, D) tensors `k` / `v` (a subclass may store a
-    #: kind another way and leave its tensors empty)
-    dense_kinds: frozenset[str] = frozenset((FULL, SLIDING))
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -103,7 +108,7 @@ class PagedKVStore:
         return tuple(self._by_kind)
 
     def group(self, kind: str) -> KVGroup:
-        """The group of layer kind `kind` (FULL or SLIDING)."""
+        """The group of layer kind `kind`."""
         try:
             return self._by_kind[kind]
         except KeyError:
@@ -131,11 +136,11 @@ class PagedKVStore:
     @property
     def full_window(self) -> int | None:
         """The full layers' window (None: they keep every key)."""
-        return self._by_kind[FULL].window if FULL in self._by_kind else None
+        return self._by_kind[LayerKind.FULL].window if LayerKind.FULL in self._by_kind else None
 
     def kind(self, layer: int) -> str:
-        """SLIDING for a sliding layer, FULL otherwise."""
-        return SLIDING if self.config.is_sliding(layer) else FULL
+        """The layer's kind (its spec's)."""
+        return self.specs[layer].kind
 
     def pool(self, layer: int) -> PagedKVPool:
         """The pool whose page tables index `layer`'s tensors."""
@@ -164,9 +169,7 @@ class PagedKVStore:
 
     def block_bytes(self, kind: str) -> int:
         """Bytes of one block id across every layer of `kind`, K and V."""
-        K, D = self.config.n_kv_heads, self.config.head_dim
-        per_layer = 2 * self.block_size * K * D * torch.empty((), dtype=self.dtype).element_size()
-        return per_layer * len(self.group(kind).layers)
+        return sum(self.specs[layer].block_bytes(self.block_size) for layer in self.group(kind).layers)
 
     @property
     def nbytes(self) -> int:

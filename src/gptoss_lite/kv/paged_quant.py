@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gptoss_lite.config import FULL, SLIDING, ModelConfig
+from gptoss_lite.config import ModelConfig
 from gptoss_lite.kv.block_pool import DEFAULT_BLOCK_SIZE
 from gptoss_lite.kv.paged_cache import PagedKVStore
 from gptoss_lite.kv.quant import (
@@ -46,12 +46,8 @@ from gptoss_lite.kv.quant import (
     quantize_keys,
     quantize_values,
 )
+from gptoss_lite.kvspec import LayerKind, default_value_group, kv_format
 from gptoss_lite.validation import check_int
-
-
-def default_value_group(head_dim: int) -> int:
-    """Channels per value group: 64 when it divides D, else D (as `QuantizedKVCache`)."""
-    return 64 if head_dim % 64 == 0 else head_dim
 
 
 @dataclass
@@ -67,8 +63,6 @@ class WritePlan:
 
 class QuantizedPagedStore(PagedKVStore):
     """A `PagedKVStore` with int8 / int4 full-layer blocks (see the module docstring)."""
-
-    dense_kinds = frozenset((SLIDING,))
 
     def __init__(
         self,
@@ -89,13 +83,22 @@ class QuantizedPagedStore(PagedKVStore):
                 f"full_window={full_window}: quantised full-layer blocks hold every key; a full-layer window "
                 "needs 16-bit blocks (PagedKVStore)"
             )
-        super().__init__(config, total_blocks, block_size, sliding_blocks=sliding_blocks, dtype=dtype, device=device)
         K, D = config.n_kv_heads, config.head_dim
         vg = default_value_group(D) if value_group is None else value_group
+        super().__init__(
+            config,
+            total_blocks,
+            block_size,
+            sliding_blocks=sliding_blocks,
+            dtype=dtype,
+            device=device,
+            full_format=kv_format(bits),
+            value_group=vg,
+        )
         self.spec = QuantSpec(bits=bits, key_group=block_size, value_group=vg, residual=0)
         self.spec.check_head_dim(D)
         self.tail_blocks = check_int("tail_blocks", tail_blocks, minimum=1)
-        full = self.group(FULL) if FULL in self.kinds else None
+        full = self.group(LayerKind.FULL) if LayerKind.FULL in self.kinds else None
         n = full.pool.total_blocks if full is not None else 0
         bs, Dc = block_size, D * bits // 8
         dev = self.device
@@ -147,7 +150,7 @@ class QuantizedPagedStore(PagedKVStore):
         """Tails of blocks completed by the previous step, or that no sequence holds any more."""
         self._free_tails.extend(self._pending_tails)
         self._pending_tails = []
-        pool = self.group(FULL).pool
+        pool = self.group(LayerKind.FULL).pool
         for block in [b for b in self.tail_of if pool.refcount(b) == 0]:
             self._drop_tail(block)
 
@@ -196,11 +199,11 @@ class QuantizedPagedStore(PagedKVStore):
             store[layer].index_copy_(1, blocks, x)
 
     def apply_copies(self, kind: str, copies: Sequence[tuple[int, int, int]]) -> None:
-        if kind != FULL:
+        if kind != LayerKind.FULL:
             super().apply_copies(kind, copies)
             return
         bs = self.block_size
-        full_layers = self.group(FULL).layers
+        full_layers = self.group(LayerKind.FULL).layers
         for src, dst, n in copies:
             if n == bs and src not in self.tail_of:  # a complete block: copy its codes
                 for layer in full_layers:
@@ -241,9 +244,9 @@ class QuantizedPagedStore(PagedKVStore):
 
     def gather(self, seq_id: Hashable, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's resident K and V, each (K, n, D); full layers dequantised (the reference read)."""
-        if self.kind(layer) != FULL:
+        if self.kind(layer) != LayerKind.FULL:
             return super().gather(seq_id, layer)
-        pool = self.group(FULL).pool
+        pool = self.group(LayerKind.FULL).pool
         table = pool.page_table(seq_id)
         n = pool.num_tokens(seq_id)
         parts = [self._block_contents(layer, block) for block in table]
@@ -257,11 +260,6 @@ class QuantizedPagedStore(PagedKVStore):
 
     # ------------------------------------------------------------------ bytes
 
-    def block_bytes(self, kind: str) -> int:
-        if kind != FULL:
-            return super().block_bytes(kind)
-        return quantized_block_bytes(self.config, self.block_size, self.spec.bits, self.spec.value_group)
-
     @property
     def tail_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in list(self.tk.values()) + list(self.tv.values()))
@@ -270,15 +268,3 @@ class QuantizedPagedStore(PagedKVStore):
     def nbytes(self) -> int:
         codes = sum(t.numel() * t.element_size() for store in self._code_stores() for t in store.values())
         return super().nbytes + codes + self.tail_bytes
-
-
-def quantized_block_bytes(config: ModelConfig, block_size: int, bits: int, value_group: int | None = None) -> int:
-    """Bytes of one quantised block id across every full layer: codes for K and V, one float16 scale
-    and zero per key channel and per value group of each token."""
-    K, D = config.n_kv_heads, config.head_dim
-    vg = default_value_group(D) if value_group is None else value_group
-    scale = torch.empty((), dtype=SCALE_DTYPE).element_size()
-    codes = 2 * K * block_size * D * bits // 8
-    key_scales = 2 * K * D * scale
-    value_scales = 2 * K * block_size * (D // vg) * scale
-    return (codes + key_scales + value_scales) * len(config.full_layers)

@@ -22,9 +22,9 @@ import torch
 from gptoss_lite.config import ModelConfig
 from gptoss_lite.kv.base import KVRead, KVSegment, TensorSegment
 from gptoss_lite.kv.mixed import DEFAULT_FULL_CAP_TOKENS, MixedKVCache, _LayerStore
+from gptoss_lite.kvspec import LayerKind, LayerKVSpec, kv_format
 from gptoss_lite.validation import check_int
 
-KV_BITS = (16, 8, 4)  # 16 = no quantisation (the plain MixedKVCache)
 SCALE_DTYPE = torch.float16  # scales and zero points: 2 bytes each
 FP16_MAX = 65504.0
 
@@ -291,11 +291,11 @@ class QuantizedBuffer(_LayerStore):
         """Bytes of what is held: codes, scales and zeros of the quantised tokens, residual K and V."""
         if self.k is None:
             return 0
-        B, K, D, G = self.batch_size, self.kv_heads, self.head_dim, self.spec.key_group
-        n, s = self.num_quantized, SCALE_DTYPE.itemsize
-        codes = 2 * B * K * n * D * self.spec.bits // 8
-        scales = 2 * s * B * K * (n // G * D + n * D // self.spec.value_group)
-        return codes + scales + self.num_residual * self._token_bytes()
+        K, D, q = self.kv_heads, self.head_dim, self.spec
+        layer = LayerKVSpec(LayerKind.FULL, None, kv_format(q.bits), self.k.element_size(), K, D, K, D, q.value_group)
+        return self.batch_size * layer.quantized_bytes(self.num_quantized, q.key_group) + (
+            self.num_residual * self._token_bytes()
+        )
 
 
 class QuantizedKVCache(MixedKVCache):

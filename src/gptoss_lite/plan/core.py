@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Union
 
+from gptoss_lite.kvspec import INT4, INT8, LayerKind, LayerKVSpec, token_bytes
 from gptoss_lite.validation import check_int as _int
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30
@@ -92,8 +93,8 @@ class AttentionKVGeometry:
 
     @property
     def bytes_per_token_per_layer(self) -> int:
-        """K plus V of one token in one layer: 2 · H_kv · D · bytes_per_element."""
-        return 2 * self.kv_heads * self.head_dim * self.bytes_per_element
+        """K plus V of one token in one layer: 2 · H_kv · D · bytes_per_element (`kv.spec.token_bytes`)."""
+        return token_bytes(self.kv_heads, self.head_dim, self.kv_heads, self.head_dim, self.bytes_per_element)
 
     @property
     def bytes_per_token(self) -> int:
@@ -180,14 +181,13 @@ def quantized_kv_bytes(
     key_group: int = 64,
     value_group: int | None = None,
     residual: int = 64,
-    scale_bytes: int = 2,
 ) -> int:
     """Bytes of one batch of sequences whose full layers store KIVI-style quantised K/V, scales and
     zero points included (docs/plan.md#quantised-kv-bytes); sliding layers keep min(W, T) tokens at
     `bytes_per_element`.
 
     Per full layer, of T tokens the first `Q = max(0, (T - residual) // key_group) · key_group` are
-    quantised: codes 2·K·D·bits/8 B per token, one scale and one zero (`scale_bytes` each) per channel
+    quantised: codes 2·K·D·bits/8 B per token, one float16 scale and one zero per channel
     per key group (keys) and per value group per token (values); the other T - Q stay at
     `bytes_per_element`. `value_group` defaults to 64 when it divides D, else D (as `QuantizedKVCache`).
     """
@@ -197,17 +197,16 @@ def quantized_kv_bytes(
         raise ValueError(f"bits={bits!r}: quantised KV is 8 or 4 bits")
     _int("key_group", key_group, 1)
     _int("residual", residual, 0)
+    if value_group is not None:
+        _int("value_group", value_group, 1)
     K, D = geometry.kv_heads, geometry.head_dim
-    vg = (64 if D % 64 == 0 else D) if value_group is None else _int("value_group", value_group, 1)
-    if D % vg:
-        raise ValueError(f"value_group={vg}: must divide head_dim={D}")
+    fmt = INT8 if bits == 8 else INT4
+    spec = LayerKVSpec(LayerKind.FULL, None, fmt, geometry.bytes_per_element, K, D, K, D, value_group)
     q = max(0, (t - residual) // key_group) * key_group
-    codes = 2 * K * q * D * bits // 8
-    scales = 2 * scale_bytes * K * (q // key_group * D + q * D // vg)
-    residual_bytes = (t - q) * geometry.bytes_per_token_per_layer
+    residual_bytes = (t - q) * spec.token_bytes
     windowed = min(geometry.sliding_window, t) if geometry.sliding_window is not None else 0
     sliding = geometry.sliding_layers * windowed * geometry.bytes_per_token_per_layer
-    return batch_size * (geometry.full_layers * (codes + scales + residual_bytes) + sliding)
+    return batch_size * (geometry.full_layers * (spec.quantized_bytes(q, key_group) + residual_bytes) + sliding)
 
 
 # ---- hardware and decode roofline (docs/plan.md#decode-roofline-knee-and-capacity) -------------------------

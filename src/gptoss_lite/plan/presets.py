@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gptoss_lite.config import PRESETS, ModelConfig, count_active_parameters, count_parameters
+from gptoss_lite.kvspec import LayerKind
 from gptoss_lite.plan.core import GB, MIB, AttentionKVGeometry, KVGeometry, MLAKVGeometry, ServingHardware, _real
 from gptoss_lite.validation import check_int as _int
 
@@ -313,10 +314,11 @@ def geometry_from_hf_config(
     types = config.get("layer_types") or ()
     if types and len(types) != layers:
         raise ValueError(f"layer_types has {len(types)} entries; num_hidden_layers={layers}")
-    unknown = sorted({t for t in types if t not in ("sliding_attention", "full_attention")})
+    words = [kind.value for kind in LayerKind]
+    unknown = sorted({t for t in types if t not in words})
     if unknown:
-        raise ValueError(f"layer_types {unknown}: expected 'sliding_attention' or 'full_attention'")
-    sliding = sum(t == "sliding_attention" for t in types)
+        raise ValueError(f"layer_types {unknown}: expected one of {words}")
+    sliding = sum(t == LayerKind.SLIDING for t in types)
     window = config.get("sliding_window") if sliding else None
     label = name or str(config.get("_name_or_path") or config.get("model_type") or "hf-config")
     return AttentionKVGeometry(label, layers, kv_heads, head_dim, bytes_per_element, sliding, window)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gptoss_lite.engine import EngineStats, PreparedRequest, RequestOutput
-from gptoss_lite.engine.fairness import DEFAULT_TENANT
+from gptoss_lite.engine.tenants import DEFAULT_TENANT
 
 
 class QueueFull(Exception):

@@ -159,11 +159,17 @@ class _EngineCollector:
             ("kv_blocks_free", "KV blocks held by nobody", s.kv_blocks_free),
             ("kv_blocks_cached", "KV blocks held only by the prefix cache (reclaimable)", s.kv_blocks_cached),
             ("prefix_cache_hit_rate", "Prompt tokens found in the prefix cache / tokens looked up", s.prefix_hit_rate),
-            ("kv_bits", "Bits per full-layer K/V element (16: the model's dtype)", s.kv_bits),
             ("kv_cache_bytes", "Bytes allocated for K/V, scales and full-precision tails included", s.kv_bytes),
         )
         for name, doc, value in gauges:
             yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+        kv_format = GaugeMetricFamily(
+            f"{PREFIX}_kv_format",
+            "How full-layer K/V is stored (dense: the model's dtype; int8, int4)",
+            labels=["format"],
+        )
+        kv_format.add_metric([s.kv_format], 1)
+        yield kv_format
         counters = (
             ("prefix_cache_queries", "Prefix-cache lookups (admissions and resumptions)", s.prefix_queries),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_hits),
