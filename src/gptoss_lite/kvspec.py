@@ -72,7 +72,7 @@ DENSE = KVFormat("dense")
 INT8 = KVFormat("int8", 8)
 INT4 = KVFormat("int4", 4)
 FORMATS: dict[str, KVFormat] = {f.name: f for f in (DENSE, INT8, INT4)}
-_BY_BITS = {16: DENSE, 8: INT8, 4: INT4}  # the older --kv-bits words
+BY_BITS: dict[int, KVFormat] = {16: DENSE, 8: INT8, 4: INT4}  # the older --kv-bits words
 
 
 def token_bytes(k_heads: int, k_dim: int, v_heads: int, v_dim: int, element_bytes: int) -> int:
@@ -87,8 +87,8 @@ def kv_format(value: KVFormat | str | int) -> KVFormat:
         return value
     if isinstance(value, str) and value in FORMATS:
         return FORMATS[value]
-    if isinstance(value, int) and not isinstance(value, bool) and value in _BY_BITS:
-        return _BY_BITS[value]
+    if isinstance(value, int) and not isinstance(value, bool) and value in BY_BITS:
+        return BY_BITS[value]
     raise ValueError(f"KV format {value!r}: must be one of {sorted(FORMATS)} (or the bit counts 16, 8, 4)")
 
 

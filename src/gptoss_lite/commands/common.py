@@ -7,6 +7,8 @@ import os
 import sys
 from pathlib import Path
 
+from gptoss_lite.kvspec import BY_BITS, FORMATS
+
 # `--threads` above this is refused: torch accepts it, then runs hundreds of spinning OpenMP threads.
 MAX_THREADS = 1024
 
@@ -334,22 +336,18 @@ def speculation_line(stats) -> str:
     )
 
 
-KV_FORMAT_NAMES = ("dense", "int8", "int4")  # kvspec.FORMATS, listed here so --help needs no import
-_FORMAT_OF_BITS = {16: "dense", 8: "int8", 4: "int4"}
-
-
 class _KVBitsAlias(argparse.Action):
     """--kv-bits B, the older spelling of --kv-format: 16 dense, 8 int8, 4 int4."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
-        setattr(namespace, self.dest, _FORMAT_OF_BITS[values])
+        setattr(namespace, self.dest, BY_BITS[values].name)
 
 
 def _add_kv_format_args(parser: argparse.ArgumentParser, what: str) -> None:
     """--kv-format NAME and its older spelling --kv-bits {16,8,4}; both set args.kv_format."""
     parser.add_argument(
         "--kv-format",
-        choices=KV_FORMAT_NAMES,
+        choices=tuple(FORMATS),
         default="dense",
         help=f"{what}: dense keeps the model's dtype, int8 / int4 store KIVI-style codes with their scales "
         "(docs/kv-cache.md#the-kv-spec) (default: dense)",
@@ -357,7 +355,7 @@ def _add_kv_format_args(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument(
         "--kv-bits",
         type=int,
-        choices=tuple(_FORMAT_OF_BITS),
+        choices=tuple(BY_BITS),
         action=_KVBitsAlias,
         dest="kv_format",
         default=argparse.SUPPRESS,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Union
 
-from gptoss_lite.kvspec import INT4, INT8, LayerKind, LayerKVSpec, token_bytes
+from gptoss_lite.kvspec import LayerKind, LayerKVSpec, kv_format, token_bytes
 from gptoss_lite.validation import check_int as _int
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30
@@ -93,7 +93,7 @@ class AttentionKVGeometry:
 
     @property
     def bytes_per_token_per_layer(self) -> int:
-        """K plus V of one token in one layer: 2 · H_kv · D · bytes_per_element (`kv.spec.token_bytes`)."""
+        """K plus V of one token in one layer: 2 · H_kv · D · bytes_per_element (`kvspec.token_bytes`)."""
         return token_bytes(self.kv_heads, self.head_dim, self.kv_heads, self.head_dim, self.bytes_per_element)
 
     @property
@@ -200,8 +200,7 @@ def quantized_kv_bytes(
     if value_group is not None:
         _int("value_group", value_group, 1)
     K, D = geometry.kv_heads, geometry.head_dim
-    fmt = INT8 if bits == 8 else INT4
-    spec = LayerKVSpec(LayerKind.FULL, None, fmt, geometry.bytes_per_element, K, D, K, D, value_group)
+    spec = LayerKVSpec(LayerKind.FULL, None, kv_format(bits), geometry.bytes_per_element, K, D, K, D, value_group)
     q = max(0, (t - residual) // key_group) * key_group
     residual_bytes = (t - q) * spec.token_bytes
     windowed = min(geometry.sliding_window, t) if geometry.sliding_window is not None else 0
