@@ -134,7 +134,7 @@ def run_engine(args, model, tok) -> None:
             blocks = math.ceil(held / llm.kv.block_size)
             entry["accuracy"][str(n)] = sum(hits) / len(hits)
             entry["accuracy_by_depth"][str(n)] = by_depth
-            entry["full_layer_bytes"][str(n)] = blocks * llm.kv.store.block_bytes(FULL)
+            entry["full_layer_bytes"][str(n)] = blocks * llm.runner.store.block_bytes(FULL)
             entry["seconds"][str(n)] = seconds
             print(
                 f"{label:>14}  {n}: {100 * sum(hits) / len(hits):5.1f}% ("

@@ -35,8 +35,8 @@ def models():
 class RecordingRunner(ModelRunner):
     """A runner that keeps every sampled row's logits per request, to explain a differing token."""
 
-    def __init__(self, model, kv, decoder=None):
-        super().__init__(model, kv, decoder)
+    def __init__(self, model, store, decoder=None):
+        super().__init__(model, store, decoder)
         self.logits: dict[str, list[torch.Tensor]] = {}
 
     def forward(self, step):
@@ -47,7 +47,7 @@ class RecordingRunner(ModelRunner):
 
 
 def recording(llm: LLM) -> RecordingRunner:
-    llm.runner = RecordingRunner(llm.model, llm.kv, llm.runner.decoder)
+    llm.runner = RecordingRunner(llm.model, llm.runner.store, llm.runner.decoder)
     return llm.runner
 
 
@@ -123,4 +123,4 @@ def assert_nothing_leaks(llm: LLM) -> None:
     assert not llm.has_unfinished()
     llm.clear_prefix_cache()
     llm.validate()
-    assert llm.all_blocks_free(), llm.kv.blocks_used()
+    assert llm.all_blocks_free(), llm.kv.usage().blocks_used

@@ -34,7 +34,7 @@ def test_measured_capacity_matches_planner(models, fits):
         bandwidth_bytes_per_second=1.0,
         peak_flops_per_second=1.0,
         parameter_count=1,
-        device_capacity_bytes=llm.kv.store.nbytes + 1,  # every byte of both pools
+        device_capacity_bytes=llm.runner.kv_bytes + 1,  # every byte of both pools
     )
     geometry = geometry_from_model_config(cfg, bytes_per_element=4)
     predicted = max_resident_requests(hw, geometry, context)

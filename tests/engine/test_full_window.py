@@ -57,7 +57,7 @@ def test_blocks_held_stay_within_the_window(models):
     for _ in range(5):
         prompt = [rng.randrange(model.config.vocab_size) for _ in range(rng.randint(1, 250))]
         llm.add_request(prompt, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
-    group = llm.kv.store.group(FULL)
+    group = llm.runner.store.group(FULL)
     assert group.window == window
     checked = 0
     while llm.has_unfinished():
@@ -119,7 +119,7 @@ def test_planner_figures_count_the_full_window(models):
     geometry = geometry_from_model_config(model.config, bytes_per_element=4)
     per_token = geometry.bytes_per_token_per_layer
     payload = geometry.full_layers * 64 * per_token + geometry.sliding_layers * model.config.sliding_window * per_token
-    free = windowed_llm.kv.nbytes
+    free = windowed_llm.runner.kv_bytes
     fits = planner_figures(windowed_llm, 1000)["max_resident_requests"]
     assert fits == free // payload > planner_figures(plain, 1000)["max_resident_requests"]
     # a window covering the context changes nothing

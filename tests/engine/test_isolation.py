@@ -68,7 +68,7 @@ def test_a_forward_that_fails_because_of_one_request_is_retried_without_it():
     forward = llm.runner.forward
 
     def poisoned(step):
-        if any(request.request_id == "r2" for request, _, _ in step.scheduled):
+        if any(entry.request.request_id == "r2" for entry in step.scheduled):
             raise RuntimeError("r2 breaks the forward")
         return forward(step)
 

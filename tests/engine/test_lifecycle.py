@@ -223,6 +223,6 @@ def test_prompt_is_inserted_once_per_new_block_not_every_step(models, monkeypatc
     model = models("shipped")
     llm = LLM(model, max_batch_tokens=64)
     llm.generate([list(range(1, 201))], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
-    kinds = len(llm.kv.store.pools)
+    kinds = len(llm.runner.store.pools)
     assert sorted(set(calls)) == [64, 128, 192]
     assert len(calls) == 3 * kinds

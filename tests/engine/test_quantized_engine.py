@@ -34,8 +34,8 @@ def test_batched_preempted_and_prefix_hits_equal_alone(models, bits):
     want = _alone(model, bits, work)
     assert [done[i].token_ids for i in range(len(work.prompts))] == want
     assert_nothing_leaks(llm)
-    llm.kv.store.plan_writes([])  # the next step reclaims every tail
-    assert llm.kv.store.tails_in_use == 0
+    llm.runner.store.plan_writes([])  # the next step reclaims every tail
+    assert llm.runner.store.tails_in_use == 0
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -44,10 +44,10 @@ def test_same_bytes_hold_more_blocks(models, bits):
     dense = LLM(model, kv_cache_bytes=4 << 20)
     quant = LLM(model, kv_format=f"int{bits}", kv_cache_bytes=4 << 20)
     assert quant.stats().kv_format == f"int{bits}"
-    full_dense = dense.kv.store.block_bytes(FULL)
-    full_quant = quant.kv.store.block_bytes(FULL)
+    full_dense = dense.runner.store.block_bytes(FULL)
+    full_quant = quant.runner.store.block_bytes(FULL)
     assert full_dense / full_quant >= (3.2 if bits == 4 else 1.8)  # fp32 fixture: int8 is ~3.8x, int4 ~7x
-    assert quant.kv.blocks_total()[FULL] > dense.kv.blocks_total()[FULL]
+    assert quant.kv.usage().blocks_total[FULL] > dense.kv.usage().blocks_total[FULL]
 
 
 def test_a_bad_kv_format_is_refused(models):

@@ -152,7 +152,7 @@ def test_n_samples_share_the_prompt_and_each_equals_its_single_run():
     while llm.has_unfinished():
         outs = llm.step()
         if shared is None and len(llm.scheduler.running) == 4:
-            for pool in llm.kv.store.pools.values():
+            for pool in llm.runner.store.pools.values():
                 table = pool._seq("r").table
                 assert all(pool.refcount(b) >= 4 for b in table), [pool.refcount(b) for b in table]
             shared = True

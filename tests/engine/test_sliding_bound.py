@@ -23,7 +23,7 @@ def test_a_long_decode_keeps_each_request_within_its_window_of_sliding_blocks():
         outputs = step()
         for request in llm.scheduler.running:
             if request.num_computed > len(request.prompt_token_ids):  # decoding
-                decoding.append(len(llm.kv.resident(request, SLIDING)[0]))
+                decoding.append(len(llm.kv.tables(request)[SLIDING][0]))
         return outputs
 
     llm.step = watched

@@ -27,4 +27,4 @@ def test_completion_equals_the_engines_generate(kwargs):
         metrics = httpx.get(live.url + "/metrics", timeout=30).text
         values = dict(line.split(" ", 1) for line in metrics.splitlines() if line and not line.startswith("#"))
         assert float(values[f'gptoss_kv_format{{format="{kwargs.get("kv_format", "dense")}"}}']) == 1
-        assert float(values["gptoss_kv_cache_bytes"]) == llm.kv.store.nbytes
+        assert float(values["gptoss_kv_cache_bytes"]) == llm.runner.kv_bytes

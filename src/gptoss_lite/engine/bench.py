@@ -16,8 +16,6 @@ import random
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from gptoss_lite.engine.llm import LLM
 from gptoss_lite.engine.request import SamplingParams, percentile
 from gptoss_lite.plan.core import ServingHardware, batch_knee, max_resident_requests, quantized_kv_bytes
@@ -118,7 +116,7 @@ def run_workload(llm: LLM, work: list[WorkItem], *, progress=None) -> ServeRepor
                 if progress is not None:
                     progress(len(outputs), len(work))
         steps += 1
-        used_samples.append(sum(kv.blocks_used().values()))
+        used_samples.append(sum(kv.usage().blocks_used.values()))
         peak_running = max(peak_running, llm.num_running)
     wall = time.monotonic() - start
     ttft, itl = [], []
@@ -133,7 +131,7 @@ def run_workload(llm: LLM, work: list[WorkItem], *, progress=None) -> ServeRepor
         generated_tokens=sum(len(o.token_ids) for o in outputs.values()),
         ttft=ttft,
         itl=itl,
-        blocks_total=sum(kv.blocks_total().values()),
+        blocks_total=sum(kv.usage().blocks_total.values()),
         blocks_peak=max(used_samples, default=0),
         blocks_mean=sum(used_samples) / max(1, len(used_samples)),
         prefix_hit_rate=(kv.hit_tokens - hits_before) / looked if looked else 0.0,
@@ -146,7 +144,7 @@ def run_workload(llm: LLM, work: list[WorkItem], *, progress=None) -> ServeRepor
 def planner_figures(llm: LLM, context_tokens: int) -> dict[str, float]:
     """The planner's figures for this engine's pool and model at `context_tokens` per request."""
     cfg = llm.config
-    element = torch.empty((), dtype=llm.kv.dtype).element_size()
+    element = next(llm.model.parameters()).element_size()
     weights = weights_from_model_config(cfg, bytes_per_parameter=element)
     geometry = geometry_from_model_config(cfg, bytes_per_element=element)
     hw = ServingHardware(
@@ -154,7 +152,7 @@ def planner_figures(llm: LLM, context_tokens: int) -> dict[str, float]:
         bandwidth_bytes_per_second=1.0,  # capacity and knee do not depend on speed
         peak_flops_per_second=1.0,
         parameter_count=weights.active_parameters,
-        device_capacity_bytes=llm.kv.nbytes + weights.resident_weight_bytes,
+        device_capacity_bytes=llm.runner.kv_bytes + weights.resident_weight_bytes,
         resident_weight_bytes=weights.resident_weight_bytes,
     )
     resident = max_resident_requests(hw, geometry, context_tokens)
@@ -168,7 +166,7 @@ def planner_figures(llm: LLM, context_tokens: int) -> dict[str, float]:
     if llm.kv_format.quantized:  # the planner's quantised bytes: key group = the block, no residual beyond it
         bits = llm.kv_format.bits
         per_request = quantized_kv_bytes(geometry, context_tokens, bits, key_group=llm.kv.block_size, residual=0)
-        tails = llm.kv.tail_bytes  # full-precision staging for blocks being filled, not KV payload
+        tails = llm.runner.kv_tail_bytes  # full-precision staging for blocks being filled, not KV payload
         resident = (hw.device_capacity_bytes - hw.resident_bytes - tails) // per_request
     return {
         "context_tokens": context_tokens,

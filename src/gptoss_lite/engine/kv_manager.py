@@ -1,15 +1,18 @@
 """KV blocks for the engine's requests: one sequence per request in each layer kind's pool.
 
-`KVManager` owns a `PagedKVStore` (per-layer block tensors, and one `KVGroup` per layer kind: its
-layers, `PagedKVPool`, `PrefixCache` and window rule, `gptoss_lite.kv.groups`) and keeps every
-request's sequences in step, group by group:
+`KVManager` holds the `KVGroup`s of a `PagedKVStore` (one per layer kind: its layers, `PagedKVPool`,
+`PrefixCache` and window rule, `gptoss_lite.kv.groups`) and keeps every request's sequences in step,
+group by group. It holds block ids and counts, never a tensor: the store's tensors are the runner's
+(`engine/runner.py`), which makes the step's copy-on-write copies and builds its batch from what the
+scheduler hands it (`ScheduledBatch`: each request's block tables, the step's copies).
 
 - `start(request)`: create the request's sequence in every pool, attached to the prompt's cached
   blocks when the prefix cache has them (the hit is the shorter of the two kinds' hits, so that every
   layer holds the same tokens); the request then starts computing at the hit.
-- `allocate(request, n)`: room for the next n tokens in every pool, or False with nothing changed.
-  Blocks that left the window of every future query are released first (each group by its own
-  rule); blocks only the prefix cache holds are evicted (least recently used) when a pool is short.
+- `allocate(request, n, copies)`: room for the next n tokens in every pool, or None with nothing
+  changed; the copy-on-write copies it needs are added to `copies`. Blocks that left the window of
+  every future query are released first (each group by its own rule); blocks only the prefix cache
+  holds are evicted (least recently used) when a pool is short.
 - `cache_prompt(request)`: pin the prompt's computed full blocks in the prefix cache. Called after
   every step, so a prompt prefilled in chunks is cached before the sliding layers release its
   leading blocks.
@@ -22,76 +25,63 @@ prefix cached for one tenant or one set of weights is never a hit for another.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from gptoss_lite.config import ModelConfig
-from gptoss_lite.engine.config import EngineConfig
-from gptoss_lite.engine.paged_batch import PagedBatch, PagedDecode, Segment
-from gptoss_lite.engine.request import Request
 from gptoss_lite.kv.block_pool import AppendPlan
 from gptoss_lite.kv.groups import KVGroup, attach_prefix
-from gptoss_lite.kv.paged_cache import PagedKVStore
-from gptoss_lite.kv.paged_quant import QuantizedPagedStore
-from gptoss_lite.kvspec import KVFormat, LayerKind, LayerKVSpec
+from gptoss_lite.kvspec import LayerKind, LayerKVSpec
+
+if TYPE_CHECKING:  # annotations only: this module imports nothing that imports torch
+    from gptoss_lite.engine.config import EngineConfig
+    from gptoss_lite.engine.request import Request
+    from gptoss_lite.kv.paged_cache import PagedKVStore
+
+#: one copy-on-write copy: (layer kind, source block, destination block, slots [0, n) to copy)
+BlockCopy = tuple[str, int, int, int]
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """The pools at one moment, per layer kind: blocks held (by a request or the prefix cache), all
+    blocks, and those only the prefix cache holds (reclaimable); and every sequence some pool holds."""
+
+    blocks_used: dict[str, int]
+    blocks_total: dict[str, int]
+    blocks_cached: int
+    sequences: frozenset[Hashable]
+
+    @property
+    def all_free(self) -> bool:
+        """No block held by anyone (prefix-cache pins included)."""
+        return not any(self.blocks_used.values())
 
 
 class KVManager:
-    """Per-request block allocation over the store's KV groups (module docstring). The engine's one
-    door to KV: nothing else in `engine/` reads the store, its groups, pools or prefix caches
-    (tests/test_import_graph.py checks it); the scheduler, the runner and the facade ask here."""
-
-    @classmethod
-    def create(
-        cls,
-        config: ModelConfig,
-        *,
-        kv_blocks: int,
-        sliding_blocks: int,
-        block_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        kv_format: KVFormat,
-        tail_blocks: int,
-        revision: str,
-        enable_prefix_caching: bool,
-        full_window: int | None,
-    ) -> KVManager:
-        """The store (16-bit blocks, or int8 / int4 full-layer blocks with `tail_blocks` full-precision
-        tails; the full layers' group keeps the last `full_window` keys, if given:
-        docs/engine.md#full-layer-window) and its manager."""
-        quant = {}
-        store_type: type[PagedKVStore] = PagedKVStore
-        if kv_format.quantized and config.full_layers:
-            store_type, quant = QuantizedPagedStore, {"bits": kv_format.bits, "tail_blocks": tail_blocks}
-        store = store_type(
-            config,
-            kv_blocks,
-            block_size,
-            sliding_blocks=sliding_blocks,
-            full_window=full_window,
-            dtype=dtype,
-            device=device,
-            **quant,
-        )
-        return cls(store, revision=revision, enable_prefix_caching=enable_prefix_caching)
+    """Per-request block allocation over the KV groups (module docstring). It deals in block ids and
+    counts only: the device tensors are the runner's (`ModelRunner`, over the `PagedKVStore` whose
+    groups these are), and the copies copy-on-write needs go to it in the step's `ScheduledBatch`.
+    The engine's one door to the groups, pools and prefix caches: nothing else in `engine/` reads
+    them (tests/test_import_graph.py checks it); the scheduler and the facade ask here."""
 
     def __init__(self, store: PagedKVStore, *, revision: str, enable_prefix_caching: bool = True) -> None:
-        if store.full_window is not None and enable_prefix_caching:
+        """Manage the blocks of `store`'s groups (its tensors stay the runner's: read here, never)."""
+        groups = store.groups
+        window = next((g.window for g in groups if g.name == LayerKind.FULL), None)
+        if enable_prefix_caching and window is not None:
             # a window releases prompt blocks the prefix cache would need
             raise ValueError(
-                f"the store's full-layer window of {store.full_window} keys releases prompt blocks the prefix "
+                f"the store's full-layer window of {window} keys releases prompt blocks the prefix "
                 "cache would need; pass enable_prefix_caching=False"
             )
-        self.store = store
-        self.config: ModelConfig = store.config
-        self.groups: tuple[KVGroup, ...] = store.groups
-        self.block_size = store.block_size
+        self.groups: tuple[KVGroup, ...] = tuple(groups)
+        self.block_size = self.groups[0].block_size
         self.revision = revision
         self.enable_prefix_caching = enable_prefix_caching
         self.evicted_blocks = 0
         self.lookups = self.lookup_tokens = self.hit_tokens = 0  # prefix-cache lookups by start()
+        self._by_kind = {group.name: group for group in self.groups}
 
     # ------------------------------------------------------------------ lifetime
 
@@ -130,10 +120,12 @@ class KVManager:
 
     # ------------------------------------------------------------------ allocation
 
-    def allocate(self, request: Request, n_tokens: int) -> dict[str, AppendPlan] | None:
+    def allocate(self, request: Request, n_tokens: int, copies: list[BlockCopy]) -> dict[str, AppendPlan] | None:
         """Append n_tokens to the request in every pool; None (nothing appended) if they do not fit even
         after evicting blocks only the prefix cache holds. Blocks that left the window of the next query
-        are released first either way (they are never needed again)."""
+        are released first either way (they are never needed again). The copy-on-write copies the
+        appends need go to the end of `copies`, in order: the runner makes them before the step's
+        forward, and a later copy may write a block an earlier one read."""
         rid = request.request_id
         for group in self.groups:
             group.release_window(rid, request.num_computed)
@@ -148,7 +140,7 @@ class KVManager:
             if short > 0:
                 self.evicted_blocks += group.prefix.evict(short)
             plans[group.name] = plan = group.pool.append(rid, n_tokens)
-            self.store.apply_copies(group.name, plan.copies)
+            copies.extend((group.name, src, dst, n) for src, dst, n in plan.copies)
         return plans
 
     def cache_prompt(self, request: Request) -> None:
@@ -174,95 +166,30 @@ class KVManager:
 
     # ------------------------------------------------------------------ admission arithmetic
 
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The layer kinds with a group (sliding and/or full)."""
+        return tuple(self._by_kind)
+
     def prompt_blocks(self, kind: str, n_tokens: int, max_batch_tokens: int) -> int:
         """Blocks of `kind` a request needs to run n_tokens of prompt from scratch, max_batch_tokens a
         step (`KVGroup.prompt_blocks`: all of them, or at most a window plus one step)."""
-        return self.store.group(kind).prompt_blocks(n_tokens, max_batch_tokens)
+        return self._by_kind[kind].prompt_blocks(n_tokens, max_batch_tokens)
 
     def growth_blocks(self, kind: str, tokens_left: int, reserve: int) -> int:
         """Blocks of `kind` the admission watermark keeps for a request's next decode tokens: up to
         `reserve` of the `tokens_left` it may still generate (`KVGroup.growth_blocks`: none on a
         windowed kind)."""
-        return self.store.group(kind).growth_blocks(tokens_left, reserve)
-
-    # ------------------------------------------------------------------ the batch
-
-    @property
-    def kinds(self) -> tuple[str, ...]:
-        """The layer kinds with a group (sliding and/or full)."""
-        return tuple(group.name for group in self.groups)
-
-    @property
-    def quantized(self) -> bool:
-        return isinstance(self.store, QuantizedPagedStore)
-
-    @property
-    def full_window(self) -> int | None:
-        """The full layers' window: they attend to their last N keys (None: to every key)."""
-        return self.store.full_window
-
-    def batch(self, segments: list[Segment], write_slots: dict[str, list[int]], logits_index: list[int]) -> PagedBatch:
-        """A step's ragged batch over the store (the model's writes and reads go through it)."""
-        return PagedBatch(self.store, segments, write_slots, logits_index, full_window=self.full_window)
-
-    #: rows per group of the warm-up step that compiles the draft-verifying graph: any size above 1
-    #: gives that graph, and one unlike the warm-up's other sizes keeps them apart as symbols
-    WARM_UP_GROUP_ROWS = 7
-
-    def warm_up_state(self, groups: int, per_group: int, device: torch.device) -> PagedDecode:
-        """A dummy decode state of `groups` groups of `per_group` rows at position 0 of block 0 of each
-        pool, which no request may hold yet (for compiling the decode step before the first request)."""
-        bs = self.block_size
-        if any(group.pool.allocated_blocks for group in self.groups):
-            raise RuntimeError("warm_up() writes block 0: call it before any request is admitted")
-        kinds = self.kinds
-        # distinct sizes (groups, rows per group, a table width per kind): sizes equal at trace time
-        # would be taken for one symbol, and a later step where they differ would compile again
-        widths = {kind: 3 + i for i, kind in enumerate(kinds)}
-        rows = groups * per_group
-        zeros = torch.zeros(rows, dtype=torch.long, device=device)
-        return PagedDecode(
-            self.store,
-            zeros.clone(),
-            {kind: torch.zeros(groups, w, dtype=torch.long, device=device) for kind, w in widths.items()},
-            {kind: zeros.clone() for kind in kinds},
-            # only slot 0 (position 0) is visible
-            {
-                kind: -torch.arange(w * bs, device=device).expand(groups, per_group, -1).contiguous()
-                for kind, w in widths.items()
-            },
-            {kind: None for kind in kinds},
-            torch.zeros(rows, dtype=torch.long, device=device),
-            torch.arange(rows, device=device),
-        )
-
-    # ------------------------------------------------------------------ reads
-
-    def resident(self, request: Request, kind: str) -> tuple[tuple[int, ...], int]:
-        """(resident blocks, position of the first resident token) of the request in `kind`'s pool."""
-        group = self.store.group(kind)
-        rid = request.request_id
-        return group.pool.page_table(rid), group.released_tokens(rid)
-
-    # ------------------------------------------------------------------ accounting
+        return self._by_kind[kind].growth_blocks(tokens_left, reserve)
 
     def spare_blocks(self, kind: str) -> int:
         """Blocks of `kind` a new request could take now: free ones, and those only the prefix cache
         holds (it gives them up)."""
-        group = self.store.group(kind)
+        group = self._by_kind[kind]
         spare = group.pool.free_blocks
         if self.enable_prefix_caching:
             spare += group.prefix.evictable_blocks
         return spare
-
-    def cached_blocks(self) -> int:
-        """Blocks held by nobody but the prefix cache (reclaimable), both kinds."""
-        return sum(group.prefix.evictable_blocks for group in self.groups)
-
-    def pool_tokens(self) -> int:
-        """Tokens the first pool holds (a request's whole length must fit in it without a full-layer
-        window)."""
-        return self.groups[0].pool.total_blocks * self.block_size
 
     def check_step_fits(self, max_batch_tokens: int) -> None:
         """Every pool holds one step of max_batch_tokens beside a window (ValueError if not)."""
@@ -274,42 +201,35 @@ class KVManager:
                     "or a smaller max_batch_tokens"
                 )
 
-    def sequences(self) -> set:
-        """Every sequence id some pool holds."""
-        return {seq for group in self.groups for seq in group.pool.sequences}
+    # ------------------------------------------------------------------ the batch's block tables
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes allocated for K/V (both pools; scales and full-precision tails included)."""
-        return self.store.nbytes
+    def tables(self, request: Request) -> dict[str, tuple[tuple[int, ...], int]]:
+        """Per layer kind: (the request's resident blocks, the position of its first resident token),
+        what the runner's batch reads the request's keys through."""
+        rid = request.request_id
+        return {group.name: (group.pool.page_table(rid), group.released_tokens(rid)) for group in self.groups}
 
-    @property
-    def tail_bytes(self) -> int:
-        """Full-precision staging bytes of quantised blocks being filled (0 for 16-bit blocks)."""
-        return getattr(self.store, "tail_bytes", 0)
+    # ------------------------------------------------------------------ accounting
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.store.dtype
-
-    def blocks_used(self) -> dict[str, int]:
-        return {group.name: group.pool.allocated_blocks for group in self.groups}
-
-    def blocks_total(self) -> dict[str, int]:
-        return {group.name: group.pool.total_blocks for group in self.groups}
+    def usage(self) -> KVUsage:
+        return KVUsage(
+            blocks_used={group.name: group.pool.allocated_blocks for group in self.groups},
+            blocks_total={group.name: group.pool.total_blocks for group in self.groups},
+            blocks_cached=sum(group.prefix.evictable_blocks for group in self.groups),
+            sequences=frozenset(seq for group in self.groups for seq in group.pool.sequences),
+        )
 
     def clear_prefix_cache(self) -> None:
         for group in self.groups:
             group.prefix.clear()
 
-    def validate(self) -> None:
-        """Every group's pool and prefix cache pass their own consistency checks."""
+    def validate(self, live: set[Hashable]) -> None:
+        """Every group's pool and prefix cache pass their own consistency checks, and every sequence a
+        pool holds is one of the `live` request ids (AssertionError if not)."""
         for group in self.groups:
             group.validate()
-
-    def all_free(self) -> bool:
-        """No block held by anyone (prefix-cache pins included)."""
-        return all(group.pool.free_blocks == group.pool.total_blocks for group in self.groups)
+        orphans = self.usage().sequences - live
+        assert not orphans, f"pool sequences without a request: {sorted(map(str, orphans))}"
 
 
 def pool_blocks(specs: Sequence[LayerKVSpec], cfg: EngineConfig, max_model_len: int) -> tuple[int, int]:

@@ -40,10 +40,11 @@ from gptoss_lite.engine.request import (
     SamplingParams,
     TokenLogprobs,
 )
-from gptoss_lite.engine.runner import ModelRunner
+from gptoss_lite.engine.runner import ModelRunner, make_store
 from gptoss_lite.engine.scheduler import ScheduledBatch, Scheduler
 from gptoss_lite.engine.speculation import SPEC_MIN_ACCEPTANCE, SPEC_MIN_FILL, DecodeChoice
 from gptoss_lite.engine.tenants import DEFAULT_TENANT
+from gptoss_lite.kv.paged_cache import PagedKVStore
 from gptoss_lite.kvspec import model_kv_specs
 from gptoss_lite.model.transformer import GPTOSS
 from gptoss_lite.speculative import DraftModel, NgramIndex, RequestDrafter, SpeculationStats
@@ -99,15 +100,16 @@ class LLM:
         self.max_model_len = check_int("max_model_len", cfg.max_model_len or limit, 1, limit)
         self.enable_prefix_caching, self.kv_format = cfg.enable_prefix_caching, cfg.kv_format
         self.full_window = cfg.full_window
-        self.kv = self._make_kv(cfg, model, source, model_dir)
+        store, self.kv = self._make_kv(cfg, model, source, model_dir)
         if cfg.full_window is None:  # a request's whole length must fit in the (first) pool
-            self.max_model_len = min(self.max_model_len, self.kv.pool_tokens())
+            pool_tokens = self.kv.usage().blocks_total[self.kv.kinds[0]] * cfg.block_size
+            self.max_model_len = min(self.max_model_len, pool_tokens)
         self.scheduler = Scheduler(self.kv, cfg)
-        # Quantised blocks have no fixed-shape form yet: their steps stay eager (docs/engine.md#kv-format).
-        decoder = None if cfg.compile_decode is False or self.kv.quantized else model.compiled_decoder
-        self.runner = ModelRunner(model, self.kv, decoder)
-        # compiling the decode step now, not in the first request's step (None: not compiled)
-        self.compile_seconds = self.runner.warm_up(cfg.speculate is not None) if decoder is not None else None
+        decoder = None if cfg.compile_decode is False else model.compiled_decoder
+        self.runner = ModelRunner(model, store, decoder)
+        # compiling the decode step now, before any request holds a block (None: not compiled)
+        compiled = self.runner.decoder is not None
+        self.compile_seconds = self.runner.warm_up(cfg.speculate is not None) if compiled else None
         self._requests: dict[str, Request] = {}  # by each sample's own id
         self._groups: dict[str, list[Request]] = {}  # request id -> its n samples
         self._ids = itertools.count()
@@ -151,24 +153,25 @@ class LLM:
             raise ValueError("speculate: the draft model is not prepared; call draft.prepare_for_inference() first")
         return model, model_dir, source
 
-    def _make_kv(self, cfg: EngineConfig, model: GPTOSS, source: str | None, model_dir: Path | None) -> KVManager:
-        """The KV manager over pools sized by the config (or by its memory and the context)."""
+    def _make_kv(
+        self, cfg: EngineConfig, model: GPTOSS, source: str | None, model_dir: Path | None
+    ) -> tuple[PagedKVStore, KVManager]:
+        """The KV blocks, sized by the config (or by its memory and the context), for the runner; and
+        the manager over their groups, for the scheduler."""
         param = next(model.parameters())
         specs = model_kv_specs(self.config, param.dtype.itemsize, cfg.kv_format, full_window=cfg.full_window)
         kv_blocks, sliding = pool_blocks(specs, cfg, self.max_model_len)
-        return KVManager.create(
-            self.config,
+        store = make_store(
+            model,
             kv_blocks=kv_blocks,
             sliding_blocks=sliding,
             block_size=cfg.block_size,
-            dtype=param.dtype,
-            device=param.device,
             kv_format=cfg.kv_format,
             tail_blocks=cfg.tail_blocks,
-            revision=cfg.revision if cfg.revision is not None else self._default_revision(model, source, model_dir),
-            enable_prefix_caching=cfg.enable_prefix_caching,
             full_window=cfg.full_window,
         )
+        revision = cfg.revision if cfg.revision is not None else self._default_revision(model, source, model_dir)
+        return store, KVManager(store, revision=revision, enable_prefix_caching=cfg.enable_prefix_caching)
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -420,7 +423,9 @@ class LLM:
     def _execute(self, step: ScheduledBatch) -> tuple[list[tuple[Request, int, TokenLogprobs | None]], list]:
         """The runner's (sampled, failed) for the step; if the batched forward raises, each request
         runs again alone (its K/V slots are rewritten with the same values) and fails only if it
-        raises alone too. The runner changes no request, so a retry starts where the step did."""
+        raises alone too. The runner changes no request, so a retry starts where the step did. Each
+        retry makes the step's copy-on-write copies again (the forward may have failed before them):
+        a copy reads slots no step writes, so making it twice gives the same block."""
         try:
             return self.runner.execute(step)
         except Exception as exc:  # noqa: BLE001 - told apart below
@@ -431,7 +436,7 @@ class LLM:
         sampled, failed = [], []
         for entry in step.scheduled:
             try:
-                one_sampled, one_failed = self.runner.execute(ScheduledBatch([entry]))
+                one_sampled, one_failed = self.runner.execute(ScheduledBatch([entry], copies=step.copies))
             except Exception as exc:  # noqa: BLE001 - this request makes the forward raise
                 logger.exception("request %s fails the forward alone", entry[0].request_id)
                 failed.append((entry[0], f"{type(exc).__name__} in the forward"))
@@ -491,16 +496,15 @@ class LLM:
     # ------------------------------------------------------------------ introspection
 
     def stats(self) -> EngineStats:
-        used = sum(self.kv.blocks_used().values())
-        total = sum(self.kv.blocks_total().values())
-        kv = self.kv
+        kv, usage = self.kv, self.kv.usage()
+        used, total = sum(usage.blocks_used.values()), sum(usage.blocks_total.values())
         return EngineStats(
             num_running=self.num_running,
             num_waiting=self.num_waiting,
             kv_blocks_total=total,
             kv_blocks_used=used,
             kv_blocks_free=total - used,
-            kv_blocks_cached=kv.cached_blocks(),
+            kv_blocks_cached=usage.blocks_cached,
             prefix_queries=kv.lookups,
             prefix_hits=kv.hit_tokens,
             prefix_hit_rate=kv.hit_tokens / kv.lookup_tokens if kv.lookup_tokens else 0.0,
@@ -510,7 +514,7 @@ class LLM:
             failed=self._failed,
             generated_tokens=self._generated,
             kv_format=self.kv_format.name,
-            kv_bytes=kv.nbytes,
+            kv_bytes=self.runner.kv_bytes,
             spec_drafted=self.speculation.drafted,
             spec_accepted=self.speculation.accepted,
             spec_verifications=self.speculation.target_forwards,
@@ -521,10 +525,8 @@ class LLM:
     def validate(self) -> None:
         """The pools' and prefix caches' consistency checks, plus: every block a live sequence holds
         belongs to a queued request."""
-        self.kv.validate()
         live = {r.request_id for r in self.scheduler.running} | {r.request_id for r in self.scheduler.waiting}
-        orphans = self.kv.sequences() - live
-        assert not orphans, f"pool sequences without a request: {sorted(map(str, orphans))}"
+        self.kv.validate(live)
         self.scheduler.waiting.validate(self.scheduler.running)
 
     def clear_prefix_cache(self) -> None:
@@ -532,7 +534,7 @@ class LLM:
 
     def all_blocks_free(self) -> bool:
         """Nothing held (after clearing the prefix cache, every block should be free)."""
-        return self.kv.all_free()
+        return self.kv.usage().all_free
 
 
 def _own_tokenizer(model_dir: Path | None, config) -> object | None:

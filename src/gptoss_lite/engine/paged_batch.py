@@ -85,9 +85,9 @@ class PagedBatch:
         self._decode_buckets: dict[str, list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, dict]]] = {}
         self._prefill_tables: dict[tuple[int, str], torch.Tensor] = {}
         self.quant: _QuantReads | None = None
-        if isinstance(store, QuantizedPagedStore) and LayerKind.FULL in store.pools:
+        if isinstance(store, QuantizedPagedStore) and LayerKind.FULL in store.kinds:
             self.quant = _QuantReads(store, self.decode, self.prefill, write_slots[LayerKind.FULL])
-        for kind in store.pools:
+        for kind in store.kinds:
             if self.quant is not None and kind == LayerKind.FULL:
                 continue  # the quantised blocks have tables of their own
             for i, seg in enumerate(self.prefill):
@@ -176,7 +176,7 @@ class PagedBatch:
         order_t = torch.tensor(order, dtype=torch.long, device=dev)
         offsets = torch.arange(T)[None, :].clamp(max=torch.tensor([seg.length - 1 for seg in groups])[:, None])
         tables, slots, distances = {}, {}, {}
-        for kind in self.store.pools:
+        for kind in self.store.kinds:
             table, distance = _decode_table(groups, kind, self.store.block_size, offsets)  # one table, padded
             if table.shape[1] == 1:  # a width of 1 would get a graph of its own: add a hidden column
                 table = torch.cat([table, torch.zeros_like(table)], dim=1)
@@ -258,6 +258,33 @@ class PagedDecode:
             if t.shape[1] > 1:  # a size of 1 is specialised anyway: plain decode has a graph of its own
                 torch._dynamo.maybe_mark_dynamic(t, 1)
             torch._dynamo.maybe_mark_dynamic(t, 2)
+
+    @classmethod
+    def warm_up(cls, store: PagedKVStore, groups: int, per_group: int) -> PagedDecode:
+        """A dummy state of `groups` groups of `per_group` rows at position 0 of block 0 of each pool,
+        for compiling the decode step before the first request: the caller makes sure no request
+        holds a block yet (this writes block 0)."""
+        bs, device = store.block_size, store.device
+        kinds = store.kinds
+        # distinct sizes (groups, rows per group, a table width per kind): sizes equal at trace time
+        # would be taken for one symbol, and a later step where they differ would compile again
+        widths = {kind: 3 + i for i, kind in enumerate(kinds)}
+        rows = groups * per_group
+        zeros = torch.zeros(rows, dtype=torch.long, device=device)
+        return cls(
+            store,
+            zeros.clone(),
+            {kind: torch.zeros(groups, w, dtype=torch.long, device=device) for kind, w in widths.items()},
+            {kind: zeros.clone() for kind in kinds},
+            # only slot 0 (position 0) is visible
+            {
+                kind: -torch.arange(w * bs, device=device).expand(groups, per_group, -1).contiguous()
+                for kind, w in widths.items()
+            },
+            {kind: None for kind in kinds},
+            torch.zeros(rows, dtype=torch.long, device=device),
+            torch.arange(rows, device=device),
+        )
 
     @property
     def positions(self) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """One engine step on the model: a flat batch of every scheduled token, one forward, then sampling.
 
-The runner turns a `ScheduledBatch` into the token ids, positions, write slots and block tables of a
-`PagedBatch`, runs `GPTOSS.forward_batch` once, and samples one token for every request whose
+The runner is the device side of the engine: it owns the `PagedKVStore`'s tensors, which the
+scheduler and `KVManager` never touch. It makes the step's copy-on-write copies, turns a
+`ScheduledBatch` into the token ids, positions, write slots and block tables of a `PagedBatch`, runs
+`GPTOSS.forward_batch` once, and samples one token for every request whose
 scheduled tokens reach the end of what it holds (the last prompt chunk, or a decode step). Greedy
 rows are one batched argmax; sampled rows draw one at a time with their own generator (seeded like
 `generate()` seeds a single request's, so a seeded request draws the same tokens alone or batched).
@@ -15,10 +17,12 @@ from collections.abc import Callable
 
 import torch
 
-from gptoss_lite.engine.kv_manager import KVManager
-from gptoss_lite.engine.paged_batch import PagedBatch, Segment
+from gptoss_lite.engine.paged_batch import PagedBatch, PagedDecode, Segment
 from gptoss_lite.engine.request import Request, TokenLogprobs
 from gptoss_lite.engine.scheduler import ScheduledBatch
+from gptoss_lite.kv.paged_cache import PagedKVStore
+from gptoss_lite.kv.paged_quant import QuantizedPagedStore
+from gptoss_lite.kvspec import KVFormat
 from gptoss_lite.model.compiled_decode import CompiledDecoder
 from gptoss_lite.model.transformer import GPTOSS
 from gptoss_lite.sampling import log_probs, sample
@@ -27,16 +31,51 @@ from gptoss_lite.speculative import verify
 logger = logging.getLogger(__name__)
 
 
-class ModelRunner:
-    """Runs scheduled steps of `model` over the blocks of `kv` (see the module docstring)."""
+def make_store(
+    model: GPTOSS,
+    *,
+    kv_blocks: int,
+    sliding_blocks: int,
+    block_size: int,
+    kv_format: KVFormat,
+    tail_blocks: int,
+    full_window: int | None,
+) -> PagedKVStore:
+    """The engine's KV blocks on the model's device, in its dtype: 16-bit blocks, or int8 / int4
+    full-layer blocks with `tail_blocks` full-precision tails; the full layers' group keeps the last
+    `full_window` keys, if given (docs/engine.md#full-layer-window)."""
+    config, param = model.config, next(model.parameters())
+    quant = {}
+    store_type: type[PagedKVStore] = PagedKVStore
+    if kv_format.quantized and config.full_layers:
+        store_type, quant = QuantizedPagedStore, {"bits": kv_format.bits, "tail_blocks": tail_blocks}
+    return store_type(
+        config,
+        kv_blocks,
+        block_size,
+        sliding_blocks=sliding_blocks,
+        full_window=full_window,
+        dtype=param.dtype,
+        device=param.device,
+        **quant,
+    )
 
-    def __init__(self, model: GPTOSS, kv: KVManager, decoder: CompiledDecoder | None = None) -> None:
+
+class ModelRunner:
+    """Runs scheduled steps of `model` over the blocks of `store` (see the module docstring)."""
+
+    #: rows per group of the warm-up step that compiles the draft-verifying graph: any size above 1
+    #: gives that graph, and one unlike the warm-up's other sizes keeps them apart as symbols
+    WARM_UP_GROUP_ROWS = 7
+
+    def __init__(self, model: GPTOSS, store: PagedKVStore, decoder: CompiledDecoder | None = None) -> None:
         self.model = model
-        self.kv = kv
+        self.store = store
         # With a decoder, a step whose every row samples (decode rows and verified drafts) runs as the
         # model's compiled decode step over the block tables, one row per token (`PagedBatch.static`);
-        # prompt chunks and quantised blocks stay on the eager forward.
-        self.decoder = decoder
+        # prompt chunks stay on the eager forward, and so does every step over quantised blocks, which
+        # have no fixed-shape form yet (docs/engine.md#kv-format).
+        self.decoder = None if isinstance(store, QuantizedPagedStore) else decoder
         self.compiled_steps = 0
         self.compiled_verifications = 0  # of those, steps that verified a draft
         self.device = next(model.parameters()).device
@@ -44,20 +83,29 @@ class ModelRunner:
         # it raises fails that request alone (tests/engine/test_isolation.py).
         self.fault_hook: Callable[[Request], None] | None = None
 
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes allocated for K/V (both pools; scales and full-precision tails included)."""
+        return self.store.nbytes
+
+    @property
+    def kv_tail_bytes(self) -> int:
+        """Full-precision staging bytes of quantised blocks being filled (0 for 16-bit blocks)."""
+        return getattr(self.store, "tail_bytes", 0)
+
     def build_batch(self, step: ScheduledBatch) -> tuple[torch.Tensor, PagedBatch, list[Request]]:
         """(input ids (N,), the batch, the requests that sample, in logits order: a request with a draft
         of k tokens has k + 1 rows). Changes no request: the engine advances `num_computed` after the
         step (`LLM.step`)."""
-        bs = self.kv.block_size
+        bs = self.store.block_size
         ids: list[int] = []
         segments: list[Segment] = []
-        write_slots: dict[str, list[int]] = {kind: [] for kind in self.kv.kinds}
+        write_slots: dict[str, list[int]] = {kind: [] for kind in self.store.kinds}
         logits_index: list[int] = []
         samplers: list[Request] = []
-        for request, n, plans in step.scheduled:
+        for request, n, plans, tables in step.scheduled:
             for kind, plan in plans.items():
                 write_slots[kind].extend(block * bs + slot for block, slot in plan.slots)
-            tables = {kind: self.kv.resident(request, kind) for kind in self.kv.kinds}
             start = request.num_computed
             segments.append(Segment(offset=len(ids), length=n, start_pos=start, tables=tables))
             ids.extend(request.token_range(start, n))
@@ -65,19 +113,19 @@ class ModelRunner:
                 # one row of logits per token a draft is verified on (the fed token and each draft)
                 logits_index.extend(range(len(ids) - 1 - len(request.draft), len(ids)))
                 samplers.append(request)
-        batch = self.kv.batch(segments, write_slots, logits_index)
+        batch = PagedBatch(self.store, segments, write_slots, logits_index, full_window=self.store.full_window)
         return torch.tensor(ids, dtype=torch.long, device=self.device), batch, samplers
 
     @torch.inference_mode()
     def warm_up(self, drafts: bool = False) -> float:
         """Compile the decode step (or load it from inductor's disk cache) on a dummy step of two
-        one-row groups at position 0 of block 0 of each pool, which no request holds yet, and with
-        `drafts` also on groups of several rows (the graph that verifies drafts); the wall time in
-        seconds."""
+        one-row groups at position 0 of block 0 of each pool, and with `drafts` also on groups of
+        several rows (the graph that verifies drafts); the wall time in seconds. It writes block 0:
+        the engine calls it before admitting any request."""
         assert self.decoder is not None, "warm_up() compiles the decoder"
         t0 = time.perf_counter()
-        for per_group in (1, self.kv.WARM_UP_GROUP_ROWS) if drafts else (1,):
-            static = self.kv.warm_up_state(2, per_group, self.device)
+        for per_group in (1, self.WARM_UP_GROUP_ROWS) if drafts else (1,):
+            static = PagedDecode.warm_up(self.store, 2, per_group)
             ids = torch.zeros(static.positions.shape[0], dtype=torch.long, device=self.device)
             torch._dynamo.maybe_mark_dynamic(ids, 0)
             self.decoder.step(static, ids)
@@ -85,7 +133,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, step: ScheduledBatch) -> tuple[torch.Tensor, list[Request]]:
-        """Run the step's one forward: (logits (M, V), the requests they belong to, in order)."""
+        """Make the step's copy-on-write copies, then run its one forward: (logits (M, V), the requests
+        they belong to, in order)."""
+        for kind, src, dst, n in step.copies:
+            self.store.apply_copies(kind, [(src, dst, n)])
         input_ids, batch, samplers = self.build_batch(step)
         if self.decoder is not None:
             static = batch.static()

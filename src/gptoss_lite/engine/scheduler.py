@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 from gptoss_lite.engine.config import EngineConfig
 from gptoss_lite.engine.fairness import TenantQueues
-from gptoss_lite.engine.kv_manager import KVManager
+from gptoss_lite.engine.kv_manager import BlockCopy, KVManager
 from gptoss_lite.engine.request import Request, RequestOutput, RequestStatus, TokenLogprobs
 from gptoss_lite.kv.block_pool import AppendPlan
 from gptoss_lite.speculative import SpeculationStats
@@ -38,19 +38,25 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduled(NamedTuple):
-    """One request's part of a step: how many of its tokens run, and where they go per layer kind."""
+    """One request's part of a step: how many of its tokens run, where they go per layer kind, and per
+    layer kind the blocks its keys are read from (`KVManager.tables`: its resident blocks and the
+    position of the first)."""
 
     request: Request
     num_tokens: int
     plans: dict[str, AppendPlan]
+    tables: dict[str, tuple[tuple[int, ...], int]]
 
 
 @dataclass
 class ScheduledBatch:
-    """One step's work, in batch order; the requests preempted to make room for it (for blocks, or to
-    give a tenant under its share a slot); and the waiting requests that ran out of queue time."""
+    """One step's work, in batch order; the copy-on-write block copies the runner makes before the
+    step's forward, in the order the allocations asked for them; the requests preempted to make room
+    for it (for blocks, or to give a tenant under its share a slot); and the waiting requests that ran
+    out of queue time."""
 
     scheduled: list[Scheduled] = field(default_factory=list)
+    copies: list[BlockCopy] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     expired: list[Request] = field(default_factory=list)
 
@@ -165,7 +171,7 @@ class Scheduler:
             if n < request.num_to_run and request.draft:  # the budget cuts the draft, never the token
                 del request.draft[max(0, n - (request.num_tokens - request.num_computed)) :]
                 n = request.num_to_run
-            plans = self.kv.allocate(request, n)
+            plans = self.kv.allocate(request, n, step.copies)
             while plans is None:
                 short_of_blocks = True
                 # never one already scheduled (those sit before i)
@@ -174,10 +180,10 @@ class Scheduler:
                 step.preempted.append(victim)
                 if victim is request:
                     break
-                plans = self.kv.allocate(request, n)
+                plans = self.kv.allocate(request, n, step.copies)
             if plans is None:
                 continue  # the request preempted itself: the one after it now sits at i
-            step.scheduled.append(Scheduled(request, n, plans))
+            step.scheduled.append(Scheduled(request, n, plans, self.kv.tables(request)))
             budget -= n
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_running and not short_of_blocks:
@@ -189,7 +195,7 @@ class Scheduler:
                 request.num_cached_tokens = hit
             request.num_computed = hit
             n = min(request.num_tokens - hit, budget)
-            plans = self.kv.allocate(request, n)
+            plans = self.kv.allocate(request, n, step.copies)
             if plans is None:  # cannot happen after _admissible; stay safe and keep it queued
                 self.kv.free(request)
                 request.num_computed = 0
@@ -197,7 +203,7 @@ class Scheduler:
             self.waiting.admit(request, request.num_tokens - hit)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            step.scheduled.append(Scheduled(request, n, plans))
+            step.scheduled.append(Scheduled(request, n, plans, self.kv.tables(request)))
             budget -= n
         return step
 
