@@ -181,8 +181,7 @@ class TenantQueues:
         """Queue a new request at the back of its tenant's priority level."""
         tenant = self._tenant(request.tenant)
         self._activate(tenant)
-        request.queue_order = next(self._order)
-        request.queued_at = self.clock()
+        request.enqueue(next(self._order), self.clock())
         self._push(tenant, request)
 
     def requeue(self, request: Request) -> None:
@@ -190,7 +189,7 @@ class TenantQueues:
         tenant = self._tenants[request.tenant]
         tenant.running -= 1
         tenant.counters.running = tenant.running
-        request.queue_order = -next(self._front)
+        request.enqueue(-next(self._front))
         self._push(tenant, request)
 
     def _push(self, tenant: _Tenant, request: Request) -> None:
@@ -253,8 +252,7 @@ class TenantQueues:
         tenant.running += 1
         c = tenant.counters
         c.waiting, c.running = len(tenant.waiting), tenant.running
-        if request.metrics.scheduled_time is None:
-            request.metrics.scheduled_time = self.clock()
+        if request.mark_scheduled(self.clock()):
             c.admitted_requests += 1
         c.admitted_tokens += new_tokens
         tenant.vtime += new_tokens / tenant.limits.share
@@ -269,8 +267,7 @@ class TenantQueues:
         tenant = self._tenants[request.tenant]
         tenant.running += 1
         tenant.counters.running = tenant.running
-        if request.metrics.scheduled_time is None:
-            request.metrics.scheduled_time = self.clock()
+        request.mark_scheduled(self.clock())
 
     def left_running(self, request: Request) -> None:
         """A running request finished or was aborted."""
@@ -341,7 +338,7 @@ class TenantQueues:
         self._step += 1  # the turn order among held rows: stamped only while rows are held
         for request in running:
             if request not in held:
-                request.last_step = self._step
+                request.ran_in(self._step)
         return held
 
     def victim(self, candidates: list[Request], max_running: int) -> Request:

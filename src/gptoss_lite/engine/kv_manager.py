@@ -82,6 +82,8 @@ class KVManager:
         self.evicted_blocks = 0
         self.lookups = self.lookup_tokens = self.hit_tokens = 0  # prefix-cache lookups by start()
         self._by_kind = {group.name: group for group in self.groups}
+        # per request id: the prompt tokens its blocks have put in the prefix cache so far
+        self._inserted: dict[Hashable, int] = {}
 
     # ------------------------------------------------------------------ lifetime
 
@@ -104,11 +106,12 @@ class KVManager:
         (copy-on-write: the first append into a shared block copies it)."""
         for group in self.groups:
             group.pool.share_prefix(source.request_id, target.request_id, n_tokens)
-        target.num_prompt_inserted = source.num_prompt_inserted  # the same blocks, already cached
+        if source.request_id in self._inserted:  # the same blocks, already cached
+            self._inserted[target.request_id] = self._inserted[source.request_id]
 
     def free(self, request: Request) -> None:
         """Release the request's sequences in every pool (blocks the prefix cache pins stay cached)."""
-        request.num_prompt_inserted = 0  # a preempted request inserts again as it recomputes
+        self._inserted.pop(request.request_id, None)  # a preempted request inserts again as it recomputes
         for group in self.groups:
             if request.request_id in group.pool:
                 group.pool.release(request.request_id)
@@ -151,18 +154,18 @@ class KVManager:
             return
         n = min(request.num_computed, len(request.prompt_token_ids))
         n -= n % self.block_size
-        if n <= request.num_prompt_inserted:
+        if n <= self._inserted.get(request.request_id, 0):
             return
         tokens = request.prompt_token_ids[:n]
         rid, scope = request.request_id, request.scope
         # Blocks a window released can be cached no more; if the cache evicted one of them under
         # pressure, the chain of hashes is broken there and nothing after it can be cached.
         if not all(group.chain_intact(rid, tokens, scope, self.revision) for group in self.groups):
-            request.num_prompt_inserted = len(request.prompt_token_ids)  # broken for good: stop trying
+            self._inserted[rid] = len(request.prompt_token_ids)  # broken for good: stop trying
             return
         for group in self.groups:
             group.prefix.insert(tokens, scope, self.revision, seq_id=rid)
-        request.num_prompt_inserted = n
+        self._inserted[rid] = n
 
     # ------------------------------------------------------------------ admission arithmetic
 

@@ -36,7 +36,6 @@ from gptoss_lite.engine.request import (
     PreparedRequest,
     Request,
     RequestOutput,
-    RequestStatus,
     SamplingParams,
     TokenLogprobs,
 )
@@ -47,7 +46,7 @@ from gptoss_lite.engine.tenants import DEFAULT_TENANT
 from gptoss_lite.kv.paged_cache import PagedKVStore
 from gptoss_lite.kvspec import model_kv_specs
 from gptoss_lite.model.transformer import GPTOSS
-from gptoss_lite.speculative import DraftModel, NgramIndex, RequestDrafter, SpeculationStats
+from gptoss_lite.speculative import DraftModel, RequestDrafter, SpeculationStats
 from gptoss_lite.tokenizer import ByteTokenizer, load_tokenizer
 from gptoss_lite.validation import check_int
 
@@ -264,24 +263,41 @@ class LLM:
         cost = (len(ids) + sampling.max_tokens) * sampling.n
         self.scheduler.waiting.check_quota(tenant, sampling.n, cost, self.scheduler.max_running)  # the last check
         samples = [
-            self._new_request(name, ids, sampling.for_sample(i), scope, tenant, priority)
+            self._new_request(name, ids, sampling.for_sample(i), scope, tenant, priority, request_id, i)
             for i, name in enumerate(names)
         ]
-        for i, sample in enumerate(samples):
-            sample.group, sample.index = request_id, i
         first = samples[0]
-        first.forks = samples[1:]  # they start from its K/V once its prompt is computed (_fork)
+        first.fork_later(samples[1:])  # they start from its K/V once its prompt is computed (_fork)
         self._groups[request_id] = samples
         self.scheduler.add(first)
         return request_id
 
     def _new_request(
-        self, request_id: str, ids: list[int], sampling: SamplingParams, scope: str, tenant: str, priority: int
+        self,
+        request_id: str,
+        ids: list[int],
+        sampling: SamplingParams,
+        scope: str,
+        tenant: str,
+        priority: int,
+        group: str,
+        index: int,
     ) -> Request:
+        """Sample `index` of request `group`, under its own id."""
         eos = None if self.tokenizer is None else getattr(self.tokenizer, "eos_id", None)
-        request = Request(request_id, ids, sampling, scope, eos, tenant=tenant, priority=priority)
-        if self.tokenizer is not None:
-            request.stream = TextStream(self.tokenizer, sampling.stop)
+        stream = None if self.tokenizer is None else TextStream(self.tokenizer, sampling.stop)
+        request = Request(
+            request_id,
+            ids,
+            sampling,
+            scope,
+            eos,
+            tenant=tenant,
+            priority=priority,
+            stream=stream,
+            group=group,
+            index=index,
+        )
         self._requests[request_id] = request
         return request
 
@@ -298,9 +314,7 @@ class LLM:
         if self._requests.pop(request.request_id, None) is None:
             return False
         self.scheduler.remove(request)  # (a sample still waiting to fork is in neither queue: a no-op)
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = "abort"
-        request.forks = []
+        request.abort()
         self._aborted += 1
         return True
 
@@ -396,20 +410,13 @@ class LLM:
             room = sampling.max_tokens - len(request.output_token_ids) - 1
             if room < 1:
                 continue
-            if request.acceptance < SPEC_MIN_ACCEPTANCE:
-                request.acceptance += 0.01
+            if request.pass_draft(SPEC_MIN_ACCEPTANCE):
                 continue
-            if isinstance(spec, DraftModel):
-                if request.drafter is None:
-                    request.drafter = RequestDrafter(spec, self.max_model_len)
-                request.draft = request.drafter.draft(request.all_token_ids, min(spec.k, room))
-                continue
-            if request.drafter is None:
-                request.drafter = NgramIndex(spec.ngram, spec.min_ngram)
-                request.drafter.tokens.extend(request.prompt_token_ids)
-            index = request.drafter
-            index.tokens.extend(request.output_token_ids[len(index.tokens) - len(request.prompt_token_ids) :])
-            request.draft = index.draft(min(spec.k, room))
+            drafter = request.drafter_for(spec, self.max_model_len)
+            if isinstance(drafter, RequestDrafter):
+                request.set_draft(drafter.draft(request.all_token_ids, min(spec.k, room)))
+            else:
+                request.set_draft(drafter.draft(min(spec.k, room)))
         # The compiled step runs every request as a group of 1 + (longest draft) rows, the rows past a
         # request's own draft being padding: a decode-only step that would be mostly padding drafts
         # nothing. Eager steps keep the rule too: on random prompts they measured 0.84x without it,
@@ -418,7 +425,7 @@ class LLM:
             rows = len(running) * (1 + max((len(r.draft) for r in running), default=0))
             if rows and sum(1 + len(r.draft) for r in running) < SPEC_MIN_FILL * rows:
                 for request in running:
-                    request.draft = []
+                    request.set_draft([])
 
     def _execute(self, step: ScheduledBatch) -> tuple[list[tuple[Request, int, TokenLogprobs | None]], list]:
         """The runner's (sampled, failed) for the step; if the batched forward raises, each request

@@ -8,6 +8,10 @@ K/V in the cache; a step runs the next n of them (a prefill chunk, or the one to
 feeds back) and, when that reaches the end of `all_token_ids`, samples one new token. Preemption by
 recompute frees the request's blocks and sets `num_computed` back to 0 (or to a prefix-cache hit):
 its prompt and output so far are simply run again, as one longer prompt.
+
+A request is written in two places only (tests/test_import_graph.py): its own methods below, which
+the scheduler, the queues and the facade call at each change of its life (admitted, preempted,
+drafted, aborted, finished), and the scheduler's `postprocess`, which applies a step's results.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 from gptoss_lite.engine.detokenize import TextStream
 from gptoss_lite.engine.tenants import TenantCounters
 from gptoss_lite.sampling import SamplingParams  # re-exported: the engine's parameter type
-from gptoss_lite.speculative import NgramIndex, RequestDrafter
+from gptoss_lite.speculative import DraftModel, NgramIndex, PromptLookup, RequestDrafter
 
 
 class RequestStatus(enum.Enum):
@@ -102,6 +106,9 @@ class Request:
         *,
         tenant: str = "default",
         priority: int = 0,
+        stream: TextStream | None = None,
+        group: str | None = None,
+        index: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -116,16 +123,16 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed = 0  # tokens whose K/V the cache holds
         self.num_cached_tokens = 0  # prompt tokens the first prefix-cache hit supplied
-        self.num_prompt_inserted = 0  # prompt tokens this request's blocks put in the prefix cache so far
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.error: str | None = None  # set with finish_reason "error"
         self.error_code: str | None = None  # "queue_timeout" for a request that never got a slot in time
-        self.stream: TextStream | None = None  # the output text, when the engine has a tokenizer
+        self.stream = stream  # the output text, when the engine has a tokenizer
         self.token_counts: dict[int, int] = {}  # generated token id -> times (for the penalties)
         self._bias: tuple[torch.Tensor, torch.Tensor] | None = None  # logit_bias as (ids, values) tensors
-        self.group = request_id  # the id outputs carry: the request's, for each of its n samples
-        self.index = 0  # which sample
+        # the id outputs carry: the request's, for each of its n samples
+        self.group = request_id if group is None else group
+        self.index = index  # which sample
         self.forks: list[Request] = []  # samples 1..n-1, waiting for this one's prompt to be computed
         self.new_logprobs: list[TokenLogprobs] = []  # since the last output, when sampling.logprobs is set
         # Speculative decoding (LLM(speculate=...)): the request's drafter (the prompt-lookup index of its
@@ -143,6 +150,103 @@ class Request:
         self.generator: torch.Generator | None = None
         if not sampling.greedy and sampling.seed is not None:
             self.generator = torch.Generator().manual_seed(sampling.seed)
+
+    # ------------------------------------------------------------------ its life, step by step
+
+    def fork_later(self, samples: list[Request]) -> None:
+        """Samples 1..n-1 of this request start from its K/V once its prompt is computed."""
+        self.forks = list(samples)
+
+    def enqueue(self, order: int, at: float | None = None) -> None:
+        """Its place in its tenant's queue (and, when first queued, the queue clock's time)."""
+        self.queue_order = order
+        if at is not None:
+            self.queued_at = at
+
+    def mark_scheduled(self, now: float) -> bool:
+        """It runs (admitted, or forked from a running request); True the first time."""
+        if self.metrics.scheduled_time is not None:
+            return False
+        self.metrics.scheduled_time = now
+        return True
+
+    def ran_in(self, step: int) -> None:
+        """The last step it was scheduled in (held-back rows take turns by it)."""
+        self.last_step = step
+
+    def admit(self, hit: int) -> None:
+        """It starts running with the first `hit` tokens from the prefix cache (on its first admission,
+        the tokens it reports as cached)."""
+        if self.num_preemptions == 0:
+            self.num_cached_tokens = hit
+        self.num_computed = hit
+        self.status = RequestStatus.RUNNING
+
+    def requeue(self, *, preempted: bool) -> None:
+        """Back to waiting with nothing computed (its blocks are freed): preempted by recompute, or an
+        admission that found no blocks after all."""
+        self.draft = []
+        self.num_computed = 0
+        self.status = RequestStatus.WAITING
+        self.num_preemptions += preempted
+
+    def start_as_fork(self, source: Request) -> None:
+        """A sample starts on `source`'s computed prompt but its last token, which it runs itself so
+        that it draws its first token with its own generator."""
+        self.num_computed = len(source.prompt_token_ids) - 1
+        self.num_cached_tokens = source.num_cached_tokens
+        self.status = RequestStatus.RUNNING
+
+    def set_draft(self, tokens: list[int]) -> None:
+        """The draft tokens this step verifies after its last token ([] for none)."""
+        self.draft = tokens
+
+    def trim_draft(self, n: int) -> None:
+        """Keep the first n draft tokens (a step's token budget cuts the draft, never the token)."""
+        del self.draft[max(0, n) :]
+
+    def pass_draft(self, min_acceptance: float) -> bool:
+        """Whether it sits this step out of drafting: its running acceptance is below `min_acceptance`
+        (most of its drafts were rejected). It drifts back up a little every step it waits."""
+        if self.acceptance >= min_acceptance:
+            return False
+        self.acceptance += 0.01
+        return True
+
+    def drafter_for(self, spec: DraftModel | PromptLookup, max_model_len: int) -> NgramIndex | RequestDrafter:
+        """Its drafter, made on first use: a draft model's cache of its tokens, or the prompt-lookup
+        index of its tokens, brought up to date with its output."""
+        if isinstance(spec, DraftModel):
+            if self.drafter is None:
+                self.drafter = RequestDrafter(spec, max_model_len)
+            return self.drafter
+        if self.drafter is None:
+            self.drafter = NgramIndex(spec.ngram, spec.min_ngram)
+            self.drafter.tokens.extend(self.prompt_token_ids)
+        index = self.drafter
+        assert isinstance(index, NgramIndex)
+        index.tokens.extend(self.output_token_ids[len(index.tokens) - len(self.prompt_token_ids) :])
+        return index
+
+    def verified(self, accepted: int) -> None:
+        """A draft was verified and `accepted` of its tokens kept: the running acceptance moves toward
+        that share, and the rejected tokens' K/V no longer counts (the pools roll back too)."""
+        self.acceptance = 0.7 * self.acceptance + 0.3 * accepted / len(self.draft)
+        self.num_computed -= len(self.draft) - accepted
+
+    def finish(self, reason: str, error: str | None = None, error_code: str | None = None) -> None:
+        """It ends with finish reason `reason` ("stop", "length", "abort" or "error", with why)."""
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        if error is not None:
+            self.error = error
+        if error_code is not None:
+            self.error_code = error_code
+
+    def abort(self) -> None:
+        """Ended by the caller: finish reason "abort", and no sample forks from it any more."""
+        self.finish("abort")
+        self.forks = []
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -30,7 +30,7 @@ from typing import NamedTuple
 from gptoss_lite.engine.config import EngineConfig
 from gptoss_lite.engine.fairness import TenantQueues
 from gptoss_lite.engine.kv_manager import BlockCopy, KVManager
-from gptoss_lite.engine.request import Request, RequestOutput, RequestStatus, TokenLogprobs
+from gptoss_lite.engine.request import Request, RequestOutput, TokenLogprobs
 from gptoss_lite.kv.block_pool import AppendPlan
 from gptoss_lite.speculative import SpeculationStats
 
@@ -113,11 +113,8 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        request.draft = []
         self.kv.free(request)
-        request.num_computed = 0
-        request.status = RequestStatus.WAITING
-        request.num_preemptions += 1
+        request.requeue(preempted=True)
         self.num_preemptions += 1
         self.waiting.requeue(request)
 
@@ -169,7 +166,7 @@ class Scheduler:
                 continue
             n = min(request.num_to_run, budget)
             if n < request.num_to_run and request.draft:  # the budget cuts the draft, never the token
-                del request.draft[max(0, n - (request.num_tokens - request.num_computed)) :]
+                request.trim_draft(n - (request.num_tokens - request.num_computed))
                 n = request.num_to_run
             plans = self.kv.allocate(request, n, step.copies)
             while plans is None:
@@ -191,17 +188,14 @@ class Scheduler:
             if request is None or not self._admissible(request):
                 break
             hit = self.kv.start(request)
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = hit
-            request.num_computed = hit
+            request.admit(hit)
             n = min(request.num_tokens - hit, budget)
             plans = self.kv.allocate(request, n, step.copies)
             if plans is None:  # cannot happen after _admissible; stay safe and keep it queued
                 self.kv.free(request)
-                request.num_computed = 0
+                request.requeue(preempted=False)
                 break
             self.waiting.admit(request, request.num_tokens - hit)
-            request.status = RequestStatus.RUNNING
             self.running.append(request)
             step.scheduled.append(Scheduled(request, n, plans, self.kv.tables(request)))
             budget -= n
@@ -219,8 +213,7 @@ class Scheduler:
         for entry in batch.scheduled:  # their K/V is written: what the runner ran is computed
             entry.request.num_computed += entry.num_tokens
         for request in batch.expired:
-            request.error_code = "queue_timeout"
-            self._finish_failed(request, self.waiting.expiry_reason(request), outcome)
+            self._finish_failed(request, self.waiting.expiry_reason(request), outcome, "queue_timeout")
         for request, why in failed:
             self._finish_failed(request, why, outcome)
         for entry in batch.scheduled:
@@ -253,25 +246,22 @@ class Scheduler:
                 self.speculation.new_tokens += len(appended)
             outcome.outputs.append(request.output(appended))
         for entry in batch.scheduled:
-            entry.request.draft = []  # verified, or its request failed
+            entry.request.set_draft([])  # verified, or its request failed
         return outcome
 
-    def _finish(self, request: Request, reason: str, outcome: StepOutcome) -> None:
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
+    def _finish(self, request: Request, reason: str, outcome: StepOutcome, **why: str | None) -> None:
+        request.finish(reason, **why)
         self.remove(request)
         outcome.finished.append(request)
 
-    def _finish_failed(self, request: Request, why: str, outcome: StepOutcome) -> None:
-        """Finish a request with finish reason "error" and give its final output. Samples still waiting
-        to fork from it are aborted: its prompt will not be computed."""
+    def _finish_failed(self, request: Request, why: str, outcome: StepOutcome, code: str | None = None) -> None:
+        """Finish a request with finish reason "error" (and error code `code`) and give its final
+        output. Samples still waiting to fork from it are aborted: its prompt will not be computed."""
         for fork in request.forks:
-            fork.status = RequestStatus.FINISHED
-            fork.finish_reason = "abort"
+            fork.abort()
             outcome.aborted.append(fork)
-        request.forks = []
-        request.error = why
-        self._finish(request, "error", outcome)
+        request.fork_later([])
+        self._finish(request, "error", outcome, error=why, error_code=code)
         outcome.outputs.append(request.output([]))
 
     def _fork(self, request: Request) -> None:
@@ -279,12 +269,10 @@ class Scheduler:
         last prompt token still to run, so each draws its first token with its own generator."""
         for fork in request.forks:
             self.kv.fork(request, fork, len(request.prompt_token_ids) - 1)
-            fork.num_computed = len(request.prompt_token_ids) - 1
-            fork.num_cached_tokens = request.num_cached_tokens
-            fork.status = RequestStatus.RUNNING
+            fork.start_as_fork(request)
             self.running.append(fork)
             self.waiting.started(fork)
-        request.forks = []
+        request.fork_later([])
 
     def _roll_back_draft(self, request: Request, accepted: int) -> None:
         """After verifying a draft: forget the K/V of its rejected tokens (the pools' `truncate`)."""
@@ -293,7 +281,6 @@ class Scheduler:
         stats.drafted += len(request.draft)
         stats.accepted += accepted
         stats.target_forwards += 1
-        request.acceptance = 0.7 * request.acceptance + 0.3 * accepted / len(request.draft)
+        request.verified(accepted)
         if rejected:
-            request.num_computed -= rejected
             self.kv.truncate(request, request.num_computed)
