@@ -31,20 +31,21 @@ def request_attributes(source: str) -> set[str]:
     return names
 
 
-def functions(sources: dict[str, str]) -> dict[Function, ast.FunctionDef]:
+def functions(sources: dict[str, str]) -> dict[Function, tuple[ast.FunctionDef, str]]:
+    """Every function and method of the sources, with the file it is in."""
     found = {}
     for file, source in sources.items():
         for node in ast.parse(source).body:
             if isinstance(node, ast.FunctionDef):
-                found[(file, node.name)] = node
+                found[(file, node.name)] = (node, file)
             elif isinstance(node, ast.ClassDef):
                 for item in node.body:
                     if isinstance(item, ast.FunctionDef):
-                        found[(node.name, item.name)] = item
+                        found[(node.name, item.name)] = (item, file)
     return found
 
 
-def calls(fn: ast.FunctionDef, cls: str, file: str, known: dict[Function, ast.FunctionDef]) -> set[Function]:
+def calls(fn: ast.FunctionDef, cls: str, file: str, known: dict[Function, object]) -> set[Function]:
     """The engine functions `fn` calls: self.m(), self.<held>.m(), a module-level f() of its file."""
     out = set()
     for node in ast.walk(fn):
@@ -91,16 +92,7 @@ def check(sources: dict[str, str], request_source: str) -> list[str]:
     """What breaks the rule, as 'Class.function: line target' (empty when it holds)."""
     attrs = request_attributes(request_source)
     known = functions(sources)
-    file_of = {}
-    for file, source in sources.items():
-        for node in ast.parse(source).body:
-            if isinstance(node, ast.FunctionDef):
-                file_of[(file, node.name)] = file
-            elif isinstance(node, ast.ClassDef):
-                for item in node.body:
-                    if isinstance(item, ast.FunctionDef):
-                        file_of[(node.name, item.name)] = file
-    graph = {key: calls(fn, key[0], file_of[key], known) for key, fn in known.items()}
+    graph = {key: calls(fn, key[0], file, known) for key, (fn, file) in known.items()}
 
     def reach(start: Function) -> set[Function]:
         seen, todo = {start}, [start]
@@ -116,7 +108,7 @@ def check(sources: dict[str, str], request_source: str) -> list[str]:
     broken = []
     if ("Scheduler", "postprocess") not in from_step:
         broken.append("LLM.step does not reach Scheduler.postprocess")
-    for key, fn in known.items():
+    for key, (fn, _) in known.items():
         found = writes(fn, attrs)
         if not found:
             continue

@@ -41,12 +41,12 @@ from gptoss_lite.engine.request import (
 )
 from gptoss_lite.engine.runner import ModelRunner, make_store
 from gptoss_lite.engine.scheduler import ScheduledBatch, Scheduler
-from gptoss_lite.engine.speculation import SPEC_MIN_ACCEPTANCE, SPEC_MIN_FILL, DecodeChoice
+from gptoss_lite.engine.speculation import DecodeChoice, propose_drafts
 from gptoss_lite.engine.tenants import DEFAULT_TENANT
 from gptoss_lite.kv.paged_cache import PagedKVStore
 from gptoss_lite.kvspec import model_kv_specs
 from gptoss_lite.model.transformer import GPTOSS
-from gptoss_lite.speculative import DraftModel, RequestDrafter, SpeculationStats
+from gptoss_lite.speculative import DraftModel, SpeculationStats
 from gptoss_lite.tokenizer import ByteTokenizer, load_tokenizer
 from gptoss_lite.validation import check_int
 
@@ -379,53 +379,13 @@ class LLM:
     # ------------------------------------------------------------------ speculative decoding
 
     def _propose_drafts(self) -> None:
-        """A draft for every running request in decode that may speculate, no longer than it may still
-        emit: by prompt lookup (up to k tokens that followed the latest earlier occurrence of its last
-        n-gram) or by the draft model (k greedy tokens from its own cache of the request).
-        Requests with logprobs, penalties, a logit bias or a logits processor decode one token a step
-        (their logits depend on every token before), as do seeded sampled requests (a verification
-        draws from their generator differently, and they promise the same tokens alone or batched),
-        and so does a request whose drafts have mostly been rejected (its running acceptance below
-        SPEC_MIN_ACCEPTANCE; it drifts back up while it waits, so the request tries again later).
-
-        Whether a decode-only step speculates at all is measured, not guessed (docs/engine.md
-        #speculative-decoding): a step with drafts verifies k + 1 tokens a request (and a draft model
-        costs its own forwards), which may cost more than the tokens it adds. The engine keeps the
-        tokens per second of decode-only steps with and without drafts (running means) and drafts in
-        the faster way, trying the other one step in SPEC_EXPLORE_EVERY."""
-        spec = self.speculate
+        """Drafts for the running requests, when this step speculates (`speculation.propose_drafts`:
+        which requests draft, and how the engine decides whether a decode-only step drafts at all)."""
         running = self.scheduler.running
         decode_only = all(r.num_tokens - r.num_computed == 1 for r in running) and not self.scheduler.waiting
         if self._spec_choice.choose(decode_only) == "plain":
             return
-        for request in running:
-            sampling = request.sampling
-            if (
-                request.num_tokens - request.num_computed != 1
-                or sampling.adjusts_logits
-                or sampling.logprobs is not None
-                or (request.generator is not None)  # seeded sampling: the same tokens however it is batched
-            ):
-                continue
-            room = sampling.max_tokens - len(request.output_token_ids) - 1
-            if room < 1:
-                continue
-            if request.pass_draft(SPEC_MIN_ACCEPTANCE):
-                continue
-            drafter = request.drafter_for(spec, self.max_model_len)
-            if isinstance(drafter, RequestDrafter):
-                request.set_draft(drafter.draft(request.all_token_ids, min(spec.k, room)))
-            else:
-                request.set_draft(drafter.draft(min(spec.k, room)))
-        # The compiled step runs every request as a group of 1 + (longest draft) rows, the rows past a
-        # request's own draft being padding: a decode-only step that would be mostly padding drafts
-        # nothing. Eager steps keep the rule too: on random prompts they measured 0.84x without it,
-        # 0.92-0.96x with it (docs/engine.md#speculative-decoding).
-        if decode_only:
-            rows = len(running) * (1 + max((len(r.draft) for r in running), default=0))
-            if rows and sum(1 + len(r.draft) for r in running) < SPEC_MIN_FILL * rows:
-                for request in running:
-                    request.set_draft([])
+        propose_drafts(running, self.speculate, self.max_model_len, decode_only)
 
     def _execute(self, step: ScheduledBatch) -> tuple[list[tuple[Request, int, TokenLogprobs | None]], list]:
         """The runner's (sampled, failed) for the step; if the batched forward raises, each request
