@@ -1,5 +1,6 @@
 """Shared fixtures: tiny seeded models on CPU in fp32; and no test reaches the network."""
 
+import os
 import socket
 
 import pytest
@@ -16,6 +17,15 @@ use_inductor_cache_per_isa()
 # One intra-op thread: tiny models gain nothing from two, and on a shared 2-core machine (CI, or a
 # developer training in the background) oversubscribed OpenMP threads make tests 10x slower.
 torch.set_num_threads(1)
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (pyproject's addopts): one worker per core this process may use, at most 4.
+
+    Each worker runs on one thread (above), so two workers on 2 cores halve the suite. More than 4
+    gains little (a few long files set the end) and multiplies the memory of the model fixtures."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(4, cores))
 
 
 def make_model(preset: str = "lite-tiny", seed: int = 0, **changes) -> GPTOSS:
