@@ -200,8 +200,9 @@ def format_table(result, source: str, rope_factor: float | None = None) -> str:
     return "\n".join(lines)
 
 
-def plot_heatmap(result, path: str) -> None:
-    """Length x depth accuracy heatmap as PNG (matplotlib, imported only here)."""
+def plot_heatmap(result, path: str, title: str | None = None) -> None:
+    """Length x depth accuracy heatmap as PNG (matplotlib, imported only here); `result` needs
+    `lengths`, `depths`, `accuracy_by_depth`, `extrapolation` and `n_trials` (or a `title`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -219,7 +220,7 @@ def plot_heatmap(result, path: str) -> None:
         for j, value in enumerate(row):
             ax.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=9)
     fig.colorbar(im, ax=ax, label="accuracy (%)")
-    ax.set_title(f"passkey retrieval, {result.n_trials} trials per cell")
+    ax.set_title(title or f"passkey retrieval, {result.n_trials} trials per cell")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
