@@ -89,7 +89,7 @@ class ResponseStore:
     def _open(self) -> None:
         db = self._db
         db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-        db.execute("PRAGMA journal_mode = WAL")  # reads "file is not a database" first if it is not one
+        self._enter_wal()  # reads "file is not a database" first if it is not one
         db.execute("BEGIN IMMEDIATE")  # of two processes creating the schema at once, the second waits
         try:
             app_id = db.execute("PRAGMA application_id").fetchone()[0]
@@ -121,6 +121,20 @@ class ResponseStore:
         problem = db.execute("PRAGMA quick_check").fetchone()[0]
         if problem != "ok":
             raise StoreError(f"{self.path}: the response store is damaged ({problem}); move it away")
+
+    def _enter_wal(self) -> None:
+        """Switch the file to WAL. The switch needs the file to itself for a moment, and SQLite answers
+        "database is locked" at once, without the busy handler, when another process holds it (two
+        servers starting together on one --data-dir); so it is retried, up to BUSY_TIMEOUT_MS."""
+        deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+        while True:
+            try:
+                self._db.execute("PRAGMA journal_mode = WAL")
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.01)
 
     def put(
         self, tenant: str, response_id: str, conversation: list[dict], body: dict, chain: str | None = None
