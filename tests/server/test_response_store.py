@@ -109,6 +109,25 @@ def test_concurrent_writers_lose_nothing(tmp_path):
     assert all(stores[1].body("alice", f"r{k}-{i}") == body(f"r{k}-{i}") for k in range(4) for i in range(25))
 
 
+def _open_together(path, n: int) -> tuple[list[ResponseStore], list[str]]:
+    """n stores opened on `path` at once, one thread each (its own connection): (opened, errors)."""
+    barrier, opened, errors = threading.Barrier(n), [], []
+
+    def open_store() -> None:
+        barrier.wait()
+        try:
+            opened.append(ResponseStore(path))
+        except StoreError as exc:
+            errors.append(str(exc))
+
+    threads = [threading.Thread(target=open_store) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return opened, errors
+
+
 def test_stores_opening_a_new_file_together_all_open(tmp_path):
     """Several servers started together on one new --data-dir (here: threads, each with its own
     connection) all open the store: switching a new file to WAL answers "locked" at once to all
@@ -116,20 +135,7 @@ def test_stores_opening_a_new_file_together_all_open(tmp_path):
     for round_ in range(20):
         path = tmp_path / str(round_) / FILE_NAME
         path.parent.mkdir()
-        barrier, opened, errors = threading.Barrier(4), [], []
-
-        def open_store() -> None:
-            barrier.wait()
-            try:
-                opened.append(ResponseStore(path))
-            except StoreError as exc:
-                errors.append(str(exc))
-
-        threads = [threading.Thread(target=open_store) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        opened, errors = _open_together(path, 4)
         assert errors == [] and len(opened) == 4
         opened[0].put("alice", "resp_a", CONVERSATION, body("resp_a"))
         assert opened[3].body("alice", "resp_a") == body("resp_a")
