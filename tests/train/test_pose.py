@@ -27,6 +27,19 @@ def test_pose_positions_are_runs_of_the_documents_own_order_within_the_range(seq
         assert max(spread) > length // 2  # the far positions are reached
 
 
+def test_anchored_runs_span_the_whole_range_and_anchor_zero_draws_as_before():
+    """pose_anchor=1 pins the first run to 0 and the last to length - 1 (the farthest distance is
+    trained every time); 0 draws exactly the positions of a run without the option; 0.5 pins about half."""
+    for seed in range(20):
+        pos = pose_positions(100, 131072, 2, random.Random(seed), anchor=1.0)
+        assert int(pos[0]) == 0 and int(pos[-1]) == 131071 and int(((pos[1:] - pos[:-1]) > 1).sum()) == 1
+        plain = pose_positions(100, 131072, 2, random.Random(seed))
+        assert torch.equal(pose_positions(100, 131072, 2, random.Random(seed), anchor=0.0), plain)
+    ends = [pose_positions(64, 4096, 2, random.Random(s), anchor=0.5) for s in range(400)]
+    pinned = sum(int(p[0]) == 0 and int(p[-1]) == 4095 for p in ends)
+    assert 150 < pinned < 250
+
+
 def test_full_positions_rotate_only_the_full_layers_and_match_the_plain_forward():
     """0 … T-1 given explicitly is the plain forward; a common shift of every position leaves the
     logits as they were (rotary is relative), and positions with a gap change them."""
@@ -69,6 +82,7 @@ def test_a_pose_run_trains_resumes_identically_and_records_the_document_length(t
     [
         ({"pose_length": 100}, "data.pose_length"),  # shorter than seq_len (224)
         ({"pose_length": 4096, "pose_chunks": 0}, "data.pose_chunks"),
+        ({"pose_length": 4096, "pose_anchor": 1.5}, "data.pose_anchor"),
         ({"pose_length": 10**9}, "exceeds model.max_position_embeddings"),
     ],
 )

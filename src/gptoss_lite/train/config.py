@@ -80,12 +80,14 @@ class DataConfig:
     # seq_len tokens long.
     pose_length: int | None = None
     pose_chunks: int = 2
+    pose_anchor: float = 0.0  # share of sequences whose runs are pinned to 0 and pose_length - 1
 
     def __post_init__(self) -> None:
         _check_int("data.seq_len", self.seq_len, 1)
         if self.pose_length is not None:
             _check_int("data.pose_length", self.pose_length, self.seq_len)
         _check_int("data.pose_chunks", self.pose_chunks, 1)
+        _check_float("data.pose_anchor", self.pose_anchor, 0.0, 1.0)
         if self.pose_chunks > self.seq_len:
             raise ValueError(
                 f"data.pose_chunks={self.pose_chunks}: more chunks than data.seq_len={self.seq_len} tokens"

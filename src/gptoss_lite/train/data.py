@@ -85,14 +85,21 @@ def _key(rng: random.Random) -> str:
     return f"{rng.randrange(100_000):05d}"
 
 
-def pose_positions(seq_len: int, length: int, chunks: int, rng: random.Random) -> torch.Tensor:
+def pose_positions(seq_len: int, length: int, chunks: int, rng: random.Random, anchor: float = 0.0) -> torch.Tensor:
     """PoSE-style positions for one sequence: seq_len increasing positions in [0, length), cut into
     `chunks` runs of consecutive positions (random cut points) with random gaps between the runs, the
     gaps together at most length - seq_len. The first run starts at position 0 only if its gap draws
-    0; the relative distances inside a run are the document's own. (LongTensor (seq_len,).)"""
+    0; the relative distances inside a run are the document's own. (LongTensor (seq_len,).)
+
+    anchor: the chance that the runs are pinned to both ends instead, the first starting at 0 and the
+    last ending at length - 1. Two random gaps rarely add up to the whole range, so without it the
+    farthest distances (a needle at a prompt's start, its question at the end) are almost never seen.
+    At 0 no extra draw is made: the positions are those of a run without the option."""
     cuts = sorted(rng.sample(range(1, seq_len), chunks - 1)) if chunks > 1 else []
     spare = length - seq_len
     skips = sorted(rng.randint(0, spare) for _ in range(chunks))  # cumulative offset of each run
+    if anchor > 0 and chunks > 1 and rng.random() < anchor:
+        skips[0], skips[-1] = 0, spare
     bounds = [0, *cuts, seq_len]
     parts = [torch.arange(bounds[i], bounds[i + 1]) + skips[i] for i in range(chunks)]
     return torch.cat(parts)

@@ -100,7 +100,7 @@ def _pose(data: DataConfig, step: int, micro: int, rank: int) -> torch.Tensor | 
     if data.pose_length is None:
         return None
     rng = random.Random(f"pose:{data.seed}:{step}:{micro}:{rank}")
-    return pose_positions(data.seq_len, data.pose_length, data.pose_chunks, rng)
+    return pose_positions(data.seq_len, data.pose_length, data.pose_chunks, rng, data.pose_anchor)
 
 
 def _average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
