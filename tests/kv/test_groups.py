@@ -1,5 +1,5 @@
-"""KV groups (kv/groups.py): one type per layer kind, owning its layers, pool, prefix cache and window
-rule; the store's by-kind views are views of the groups."""
+"""KV groups (kv/groups.py): one group per layer kind, built from the layers' spec, owning their pool,
+prefix cache and window rule; the store's by-kind views are views of the groups."""
 
 from __future__ import annotations
 
@@ -7,11 +7,21 @@ import pytest
 
 from gptoss_lite.config import FULL, SLIDING
 from gptoss_lite.fixtures import resolve_config
-from gptoss_lite.kv.groups import FullGroup, KVGroup, SlidingGroup, attach_prefix
+from gptoss_lite.kv.groups import KVGroup, attach_prefix
 from gptoss_lite.kv.paged_cache import PagedKVStore
 from gptoss_lite.kv.paged_quant import QuantizedPagedStore
+from gptoss_lite.kvspec import DENSE, LayerKind, LayerKVSpec
 
 BS = 4
+
+
+def sliding_group(layers, total_blocks: int, block_size: int, window: int) -> KVGroup:
+    """A sliding group of W = window over specs of 2 heads of 8 (the sizes do not matter here)."""
+    return KVGroup(LayerKVSpec(LayerKind.SLIDING, window, DENSE, 4, 2, 8, 2, 8), layers, total_blocks, block_size)
+
+
+def full_group(layers, total_blocks: int, block_size: int, window: int | None = None) -> KVGroup:
+    return KVGroup(LayerKVSpec(LayerKind.FULL, window, DENSE, 4, 2, 8, 2, 8), layers, total_blocks, block_size)
 
 
 def _filled(group: KVGroup, seq: str, n_tokens: int) -> None:
@@ -21,7 +31,7 @@ def _filled(group: KVGroup, seq: str, n_tokens: int) -> None:
 
 def test_sliding_group_releases_behind_its_window():
     """A sliding group releases the blocks every slot of which precedes num_computed - W + 1."""
-    group = SlidingGroup((0, 2), total_blocks=10, block_size=BS, window=8)
+    group = sliding_group((0, 2), total_blocks=10, block_size=BS, window=8)
     _filled(group, "s", 20)  # blocks 0..4 (tokens 0..19)
     assert group.release_window("s", 10) == ()  # window starts at 3: block 0 still needed
     assert group.pool.first_block_index("s") == 0
@@ -32,12 +42,12 @@ def test_sliding_group_releases_behind_its_window():
 
 
 def test_full_group_releases_nothing_without_a_window_and_like_sliding_with_one():
-    plain = FullGroup((1,), total_blocks=10, block_size=BS)
+    plain = full_group((1,), total_blocks=10, block_size=BS)
     _filled(plain, "s", 20)
     assert plain.release_window("s", 20) == () and plain.released_tokens("s") == 0
     assert plain.window_start(19) == 0
-    windowed = FullGroup((1,), total_blocks=10, block_size=BS, window=8)
-    sliding = SlidingGroup((0,), total_blocks=10, block_size=BS, window=8)
+    windowed = full_group((1,), total_blocks=10, block_size=BS, window=8)
+    sliding = sliding_group((0,), total_blocks=10, block_size=BS, window=8)
     for group in (windowed, sliding):
         _filled(group, "s", 20)
         group.release_window("s", 17)
@@ -48,9 +58,9 @@ def test_full_group_releases_nothing_without_a_window_and_like_sliding_with_one(
 def test_block_arithmetic_per_group():
     """prompt_blocks: all of the prompt without a window, at most window + one step with one;
     growth_blocks: none on a windowed group; min_blocks: one step beside the window."""
-    full = FullGroup((1,), total_blocks=100, block_size=BS)
-    sliding = SlidingGroup((0,), total_blocks=100, block_size=BS, window=8)
-    windowed = FullGroup((1,), total_blocks=100, block_size=BS, window=12)
+    full = full_group((1,), total_blocks=100, block_size=BS)
+    sliding = sliding_group((0,), total_blocks=100, block_size=BS, window=8)
+    windowed = full_group((1,), total_blocks=100, block_size=BS, window=12)
     assert full.prompt_blocks(100, 16) == 25 + 1
     assert sliding.prompt_blocks(100, 16) == 6 + 1  # 8 + 16 tokens
     assert windowed.prompt_blocks(100, 16) == 7 + 1  # 12 + 16 tokens
@@ -67,8 +77,8 @@ def test_block_arithmetic_per_group():
 def test_chain_intact_and_attach_prefix():
     """A prompt can still be cached while nothing was released, or while every released block is
     still cached; attach_prefix gives the shortest hit over the groups."""
-    full = FullGroup((1,), total_blocks=20, block_size=BS)
-    sliding = SlidingGroup((0,), total_blocks=20, block_size=BS, window=4)
+    full = full_group((1,), total_blocks=20, block_size=BS)
+    sliding = sliding_group((0,), total_blocks=20, block_size=BS, window=4)
     prompt = list(range(1, 14))
     for group in (full, sliding):
         _filled(group, "a", len(prompt))
@@ -89,14 +99,14 @@ def test_chain_intact_and_attach_prefix():
 
 
 def test_groups_refuse_bad_input():
-    with pytest.raises(TypeError, match="abstract"):
-        KVGroup((0,), 4, BS, None)
+    with pytest.raises(TypeError, match="LayerKVSpec"):
+        KVGroup(LayerKind.FULL, (0,), 4, BS)
     with pytest.raises(ValueError, match="no layers"):
-        FullGroup((), 4, BS)
-    with pytest.raises(ValueError, match="full_window"):
-        FullGroup((0,), 4, BS, window=0)
-    with pytest.raises(TypeError, match="full_window"):
-        FullGroup((0,), 4, BS, window=2.5)
+        full_group((), 4, BS)
+    with pytest.raises(ValueError, match="window"):
+        full_group((0,), 4, BS, window=0)
+    with pytest.raises(TypeError, match="window"):
+        full_group((0,), 4, BS, window=2.5)
 
 
 def test_store_views_are_the_groups():
@@ -104,7 +114,7 @@ def test_store_views_are_the_groups():
     cfg = resolve_config("lite-tiny")
     store = PagedKVStore(cfg, total_blocks=12, block_size=BS, sliding_blocks=6)
     assert store.kinds == (FULL, SLIDING)
-    assert [type(g) for g in store.groups] == [FullGroup, SlidingGroup]
+    assert [g.spec for g in store.groups] == [store.specs[1], store.specs[0]]  # each group reads its layers' spec
     for group in store.groups:
         assert store.group(group.name) is group
         assert store.pools[group.name] is group.pool

@@ -1,4 +1,4 @@
-"""Layer kinds as types: a KV group owns one kind's layers, block pool, prefix cache and window rule.
+"""A KV group owns one layer kind's layers, block pool, prefix cache and window rule.
 
 All layers of one kind (`LayerKind.FULL` or `LayerKind.SLIDING`, `gptoss_lite.kvspec`) see the same
 positions, so they share block ids: one `PagedKVPool` per kind hands them out, a block id names the
@@ -6,14 +6,15 @@ same slots in the K/V tensors of every layer of the kind, and one `PrefixCache` 
 cached prompts.
 A `KVGroup` is that unit:
 
-- `SlidingGroup`: the sliding layers; every query attends to the last W keys
-  (`config.sliding_window`), so blocks that fall behind the window are released.
-- `FullGroup`: the full layers; every query sees every key, unless the group has a *full-layer
-  window* N (docs/engine.md#full-layer-window): then its queries attend to their last N keys and its
-  blocks are released exactly as a sliding group's are.
+- the sliding layers' group: every query attends to the last W keys (`config.sliding_window`), so
+  blocks that fall behind the window are released;
+- the full layers' group: every query sees every key, unless the group has a *full-layer window* N
+  (docs/engine.md#full-layer-window): then its queries attend to their last N keys and its blocks are
+  released exactly as a sliding group's are.
 
-Everything that differs between the kinds is the window (W, N or none), so the rules below are
-written once in terms of `window`: a group without one holds every token of a sequence, a windowed
+Everything that differs between the kinds is the window (W, N or none), which the layers'
+`LayerKVSpec` carries, so there is one group type and the rules below are written once in terms of
+`window`: a group without one holds every token of a sequence, a windowed
 group holds a window plus the blocks still being filled.
 
 - `release_window(seq_id, num_computed)`: release the blocks no query from `num_computed` on needs.
@@ -37,30 +38,31 @@ from collections.abc import Hashable, Iterable, Sequence
 
 from gptoss_lite.kv.block_pool import PagedKVPool
 from gptoss_lite.kv.prefix import PrefixCache
-from gptoss_lite.kvspec import LayerKind
-from gptoss_lite.validation import check_int
+from gptoss_lite.kvspec import LayerKVSpec
 
 
 class KVGroup:
     """The layers of one kind, with their pool, prefix cache and window (see the module docstring).
 
-    Not built directly: `SlidingGroup` and `FullGroup` say where the window comes from."""
+    Built from the layers' `LayerKVSpec` (`gptoss_lite.kvspec`): its kind names the group and its
+    window (W on sliding layers; None, or the full-layer window N, on full ones) is the group's rule."""
 
-    #: the layer kind: the key of AppendPlan dicts, stats and tables
-    name: str = ""
-    #: 'sliding-layer' or 'full-layer', for messages
-    word: str = ""
-
-    def __init__(self, layers: Iterable[int], total_blocks: int, block_size: int, window: int | None) -> None:
-        if type(self) is KVGroup:
-            raise TypeError("KVGroup is abstract: build a SlidingGroup or a FullGroup")
+    def __init__(self, spec: LayerKVSpec, layers: Iterable[int], total_blocks: int, block_size: int) -> None:
+        if not isinstance(spec, LayerKVSpec):
+            raise TypeError(f"spec: expected a LayerKVSpec, got {type(spec).__name__}")
+        #: what every layer of the group stores: kind, window, format, bytes
+        self.spec = spec
+        #: the layer kind: the key of AppendPlan dicts, stats and tables
+        self.name: str = spec.kind  # a LayerKind, which is a str
+        #: 'sliding-layer' or 'full-layer', for messages
+        self.word = spec.kind.word
         self.layers: tuple[int, ...] = tuple(layers)
         if not self.layers:
             raise ValueError(f"{self.word} group: no layers; a group holds at least one layer")
         self.block_size = block_size
         self.pool = PagedKVPool(total_blocks, block_size)
         self.prefix = PrefixCache(block_size, pool=self.pool)
-        self.window = window
+        self.window = spec.window
 
     def __repr__(self) -> str:
         window = "none" if self.window is None else self.window
@@ -130,29 +132,6 @@ class KVGroup:
         """The pool's and the prefix cache's own consistency checks."""
         self.pool.validate()
         self.prefix.validate()
-
-
-class SlidingGroup(KVGroup):
-    """The sliding layers: queries attend to the last `window` keys (the model's W)."""
-
-    name = LayerKind.SLIDING
-    word = "sliding-layer"
-
-    def __init__(self, layers: Iterable[int], total_blocks: int, block_size: int, window: int) -> None:
-        super().__init__(layers, total_blocks, block_size, check_int("sliding window", window, 1))
-
-
-class FullGroup(KVGroup):
-    """The full layers: every key, or the last `window` keys under a full-layer window
-    (docs/engine.md#full-layer-window)."""
-
-    name = LayerKind.FULL
-    word = "full-layer"
-
-    def __init__(self, layers: Iterable[int], total_blocks: int, block_size: int, window: int | None = None) -> None:
-        if window is not None:
-            window = check_int("full_window", window, 1)
-        super().__init__(layers, total_blocks, block_size, window)
 
 
 def attach_prefix(groups: Sequence[KVGroup], seq_id: Hashable, tokens: Sequence[int], scope: str, revision: str) -> int:

@@ -8,9 +8,9 @@ per layer: **one pool per layer kind** hands them out, and a block id names the 
 tensors of every layer of that kind. Each kind is a `KVGroup` (`gptoss_lite.kv.groups`: its layer
 ids, pool, prefix cache and window rule; `store.groups`, or `store.group(kind)`):
 
-- The full layers are a `FullGroup` (`store.group(LayerKind.FULL).pool`): they see every token, so
+- The full layers are one `KVGroup` (`store.group(LayerKind.FULL).pool`): they see every token, so
   their page tables are identical.
-- The sliding layers are a `SlidingGroup` (`store.group(LayerKind.SLIDING).pool`): every sliding
+- The sliding layers are another (`store.group(LayerKind.SLIDING).pool`): every sliding
   layer has the same window W (`config.sliding_window`) and sees the same positions, so their page
   tables are identical too; the group releases a sequence's leading blocks once they fall outside
   the window (`release_window`), which is why it cannot share a table with the full-layer pool.
@@ -37,7 +37,7 @@ import torch
 
 from gptoss_lite.config import ModelConfig
 from gptoss_lite.kv.block_pool import DEFAULT_BLOCK_SIZE, PagedKVPool
-from gptoss_lite.kv.groups import FullGroup, KVGroup, SlidingGroup
+from gptoss_lite.kv.groups import KVGroup
 from gptoss_lite.kv.prefix import PrefixCache
 from gptoss_lite.kvspec import DENSE, KVFormat, LayerKind, model_kv_specs
 from gptoss_lite.validation import check_int
@@ -81,10 +81,9 @@ class PagedKVStore:
             config, dtype.itemsize, full_format, full_window=full_window, value_group=value_group
         )
         groups: list[KVGroup] = []
-        if config.full_layers:
-            groups.append(FullGroup(config.full_layers, total_blocks, block_size, full_window))
-        if config.sliding_layers:
-            groups.append(SlidingGroup(config.sliding_layers, sliding_blocks, block_size, config.sliding_window))
+        for layers, blocks in ((config.full_layers, total_blocks), (config.sliding_layers, sliding_blocks)):
+            if layers:
+                groups.append(KVGroup(self.specs[layers[0]], layers, blocks, block_size))
         self.groups: tuple[KVGroup, ...] = tuple(groups)
         self._by_kind = {group.name: group for group in self.groups}
         # read-only views by kind, for callers that index pools or prefix caches directly

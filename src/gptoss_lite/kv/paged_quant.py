@@ -3,7 +3,7 @@
 
 `QuantizedPagedStore` is a `PagedKVStore` whose full-layer blocks hold codes instead of the model's
 dtype; sliding layers keep their dense blocks (O(W) per request, quantising them would save little).
-Only the storage differs: the full layers' `FullGroup` (`gptoss_lite.kv.groups`) owns their pool,
+Only the storage differs: the full layers' `KVGroup` (`gptoss_lite.kv.groups`) owns their pool,
 prefix cache and window rule as in the 16-bit store, while the codes, scales and tails below are the
 store's, per full layer. Quantised blocks hold every key, so the group has no full-layer window.
 
