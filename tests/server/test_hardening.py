@@ -263,7 +263,7 @@ def test_6_stop_strings_are_bounded_and_checked_incrementally(serve):
     long_stops = ["a" * (P.MAX_STOP_CHARS - 1) + c for c in "\x01\x02\x03\x04"]
     r = httpx.post(live.url + C, json=completion(name, stop=["a" * (P.MAX_STOP_CHARS + 1)]))
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("stop")
-    body = completion(name, prompt="a" * 64, max_tokens=1500, temperature=0, ignore_eos=True)
+    body = completion(name, prompt="a" * 64, max_tokens=800, temperature=0, ignore_eos=True)
 
     def timed(**extra) -> tuple[float, str]:
         start = time.perf_counter()
