@@ -24,7 +24,8 @@ figure (docs/kv-cache.md#measured-quality):
     python benchmarks/kv_quality.py engine --settings 16 8 4 window@1024 --out benchmarks/results/kv_quality_engine.json
     python benchmarks/kv_quality.py plot --inputs benchmarks/results/kv_quality_*.json --plot docs/img/kv_quality.png
 
-Settings (`--settings`): 16, 8, 4 (bits), streaming@N and h2o@N (a budget of N tokens per full layer).
+Settings (`--settings`): 16, 8, 4 (bits) or a `--kv-format` name, streaming@N and h2o@N (a budget of N
+tokens per full layer).
 """
 
 from __future__ import annotations
@@ -48,11 +49,12 @@ DEFAULT_SETTINGS = ("16", "8", "4", "streaming@1024", "h2o@1024")
 
 
 def parse_setting(text: str) -> KVSettings:
-    """'16' / '8' / '4' -> bits; 'streaming@N' / 'h2o@N' -> a budget of N tokens."""
+    """'16' / '8' / '4' (bits) or a format name ('int8', ...) -> a format; 'streaming@N' / 'h2o@N' -> a
+    budget of N tokens."""
     if "@" in text:
         policy, budget = text.split("@", 1)
         return KVSettings(budget=int(budget), policy=policy)
-    return KVSettings(format=kv_format(int(text)))
+    return KVSettings(format=kv_format(int(text) if text.isdigit() else text))
 
 
 def _load(path: Path) -> dict:

@@ -9,6 +9,8 @@ from gptoss_lite.engine import paged_batch
 from gptoss_lite.engine.paged_batch import PagedBatch, Segment
 from gptoss_lite.fixtures import resolve_config
 from gptoss_lite.kv.paged_quant import QuantizedPagedStore
+from gptoss_lite.kv.quant import CODECS
+from gptoss_lite.kvspec import kv_format
 from gptoss_lite.model.attention import attend_ragged, attention_reference
 from gptoss_lite.plan.core import AttentionKVGeometry, quantized_kv_bytes
 
@@ -42,15 +44,15 @@ def _step(store, plan, gen, sids):
     return batch, kv
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("fmt", sorted(CODECS))
 @pytest.mark.parametrize("with_sinks", [True, False])
-def test_quantised_reads_match_dequantise_then_reference(bits, with_sinks, monkeypatch):
+def test_quantised_reads_match_dequantise_then_reference(fmt, with_sinks, monkeypatch):
     """Several steps (prefill chunks, decodes, blocks completing mid-step); each full-layer output equals
     attention_reference over the sequence's dequantised history (`gather`) within 1e-5."""
     monkeypatch.setattr(paged_batch, "QUANT_READ_ELEMENTS", 4096)  # several column chunks per decode read
     config = resolve_config("gpt-oss-tiny")
     gen = torch.Generator().manual_seed(0)
-    store = QuantizedPagedStore(config, 120, 16, bits=bits, tail_blocks=16)
+    store = QuantizedPagedStore(config, 120, 16, full_format=fmt, tail_blocks=16)
     for sid in range(3):
         for pool in store.pools.values():
             pool.create(sid)
@@ -80,7 +82,7 @@ def test_quantised_reads_match_dequantise_then_reference(bits, with_sinks, monke
 def test_stored_blocks_are_within_a_step_of_what_was_written(bits):
     config = resolve_config("gpt-oss-tiny")
     gen = torch.Generator().manual_seed(1)
-    store = QuantizedPagedStore(config, 40, 16, bits=bits, tail_blocks=8)
+    store = QuantizedPagedStore(config, 40, 16, full_format=bits, tail_blocks=8)
     for pool in store.pools.values():
         pool.create(0)
     batch, kv = _step(store, [50], gen, [0])
@@ -98,12 +100,13 @@ def test_stored_blocks_are_within_a_step_of_what_was_written(bits):
     torch.testing.assert_close(values[:, 48:], v[:, 48:])
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_block_bytes_match_the_planner(bits):
+@pytest.mark.parametrize("fmt", sorted(CODECS))
+def test_block_bytes_match_the_planner(fmt):
     """n complete blocks of a sequence cost what the planner charges n·bs quantised tokens (key group =
     block, no residual), and the store allocates exactly its blocks' bytes plus the tails."""
     config = resolve_config("gpt-oss-tiny")
-    store = QuantizedPagedStore(config, 64, 16, bits=bits, tail_blocks=4)
+    store = QuantizedPagedStore(config, 64, 16, full_format=fmt, tail_blocks=4)
+    bits = kv_format(fmt).bits
     K, D, bs = config.n_kv_heads, config.head_dim, 16
     vg = 64 if D % 64 == 0 else D
     # codes of K and V, a float16 scale and zero per key channel (key group = the block) and per value
@@ -132,7 +135,7 @@ def test_block_bytes_match_the_planner(bits):
 def test_tails_of_released_sequences_are_reclaimed():
     config = resolve_config("gpt-oss-tiny")
     gen = torch.Generator().manual_seed(2)
-    store = QuantizedPagedStore(config, 40, 16, bits=8, tail_blocks=2)
+    store = QuantizedPagedStore(config, 40, 16, full_format=8, tail_blocks=2)
     for sid in (0, 1):
         for pool in store.pools.values():
             pool.create(sid)

@@ -141,6 +141,6 @@ def test_repeat_rows_continues_like_a_whole_prefill():
     assert all(torch.equal(s.k, k) and s.num_tokens == n for s, (k, n) in zip(shared.layers, before))
     with pytest.raises(ValueError, match="batch-1"):
         rows.repeat_rows(2)
-    quantised = QuantizedKVCache(model.config, batch_size=1, bits=8)
+    quantised = QuantizedKVCache(model.config, batch_size=1, full_format=8)
     with pytest.raises(TypeError, match="plain ring"):
         quantised.repeat_rows(2)

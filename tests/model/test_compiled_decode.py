@@ -144,7 +144,7 @@ def test_static_state_needs_a_free_full_layer_slot_and_plain_layers():
             cache.advance(1)
         cache.reserve(8)
         assert cache.static_decode() is not None and cache.num_tokens == 5
-        quantised = QuantizedKVCache(compiled.config, bits=8, key_group=4, residual=2)
+        quantised = QuantizedKVCache(compiled.config, full_format=8, key_group=4, residual=2)
         compiled.prefill(torch.tensor([[1, 2, 3, 4]]), quantised, 16)
         assert quantised.static_decode() is None
 

@@ -349,7 +349,7 @@ def _add_kv_format_args(parser: argparse.ArgumentParser, what: str) -> None:
         "--kv-format",
         choices=tuple(FORMATS),
         default="dense",
-        help=f"{what}: dense keeps the model's dtype, int8 / int4 store KIVI-style codes with their scales "
+        help=f"{what}: dense keeps the model's dtype, the others store codes with their scales and zero points "
         "(docs/kv-cache.md#the-kv-spec) (default: dense)",
     )
     parser.add_argument(

@@ -29,7 +29,7 @@ class EngineConfig:
 
     KV memory: `kv_blocks` (and `sliding_blocks`) size the pools directly; otherwise they are what
     `kv_cache_bytes` (default 1 GiB) holds, capped by what `max_running` requests of `max_model_len`
-    tokens need. `kv_format` 'int8' or 'int4' stores full-layer blocks as codes (`gptoss_lite.kvspec`).
+    tokens need. `kv_format` (a quantised `gptoss_lite.kvspec` format) stores full-layer blocks as codes.
     `full_window` N keeps only the last N keys of every full layer for each query (a full-layer window, not the eviction
     budget of `kv.evicting_cache`; docs/engine.md#full-layer-window). `decode_reserve` N is the
     admission watermark: blocks kept for every running request's next N decode tokens. `speculate`

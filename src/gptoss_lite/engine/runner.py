@@ -41,14 +41,14 @@ def make_store(
     tail_blocks: int,
     full_window: int | None,
 ) -> PagedKVStore:
-    """The engine's KV blocks on the model's device, in its dtype: 16-bit blocks, or int8 / int4
+    """The engine's KV blocks on the model's device, in its dtype: 16-bit blocks, or quantised
     full-layer blocks with `tail_blocks` full-precision tails; the full layers' group keeps the last
     `full_window` keys, if given (docs/engine.md#full-layer-window)."""
     config, param = model.config, next(model.parameters())
     quant = {}
     store_type: type[PagedKVStore] = PagedKVStore
     if kv_format.quantized and config.full_layers:
-        store_type, quant = QuantizedPagedStore, {"bits": kv_format.bits, "tail_blocks": tail_blocks}
+        store_type, quant = QuantizedPagedStore, {"full_format": kv_format, "tail_blocks": tail_blocks}
     return store_type(
         config,
         kv_blocks,

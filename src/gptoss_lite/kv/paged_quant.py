@@ -1,4 +1,4 @@
-"""Quantised blocks for the engine's full layers: int8 / int4 K/V per block, full-precision tails
+"""Quantised blocks for the engine's full layers: codes per block (`kv.quant.CODECS`), full-precision tails
 (docs/kv-cache.md#quantised-paged-blocks).
 
 `QuantizedPagedStore` is a `PagedKVStore` whose full-layer blocks hold codes instead of the model's
@@ -46,7 +46,7 @@ from gptoss_lite.kv.quant import (
     quantize_keys,
     quantize_values,
 )
-from gptoss_lite.kvspec import LayerKind, default_value_group, kv_format
+from gptoss_lite.kvspec import INT8, KVFormat, LayerKind, default_value_group, kv_format
 from gptoss_lite.validation import check_int
 
 
@@ -62,7 +62,8 @@ class WritePlan:
 
 
 class QuantizedPagedStore(PagedKVStore):
-    """A `PagedKVStore` with int8 / int4 full-layer blocks (see the module docstring)."""
+    """A `PagedKVStore` with quantised full-layer blocks, `full_format` codes (a format of
+    `kv.quant.CODECS`; see the module docstring)."""
 
     def __init__(
         self,
@@ -74,7 +75,7 @@ class QuantizedPagedStore(PagedKVStore):
         full_window: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
-        bits: int = 8,
+        full_format: KVFormat | str | int = INT8,
         value_group: int | None = None,
         tail_blocks: int = 64,
     ) -> None:
@@ -92,15 +93,15 @@ class QuantizedPagedStore(PagedKVStore):
             sliding_blocks=sliding_blocks,
             dtype=dtype,
             device=device,
-            full_format=kv_format(bits),
+            full_format=kv_format(full_format),
             value_group=vg,
         )
-        self.spec = QuantSpec(bits=bits, key_group=block_size, value_group=vg, residual=0)
+        self.spec = QuantSpec(full_format, key_group=block_size, value_group=vg, residual=0)
         self.spec.check_head_dim(D)
         self.tail_blocks = check_int("tail_blocks", tail_blocks, minimum=1)
         full = self.group(LayerKind.FULL) if LayerKind.FULL in self.kinds else None
         n = full.pool.total_blocks if full is not None else 0
-        bs, Dc = block_size, D * bits // 8
+        bs, Dc = block_size, D * self.spec.bits // 8
         dev = self.device
         self.kq: dict[int, torch.Tensor] = {}
         self.ks: dict[int, torch.Tensor] = {}
@@ -122,10 +123,6 @@ class QuantizedPagedStore(PagedKVStore):
         self.tail_of: dict[int, int] = {}  # block id -> tail index, for blocks being filled
         self._free_tails = list(range(self.tail_blocks - 1, -1, -1))
         self._pending_tails: list[int] = []  # tails of blocks completed by the last plan: free from the next one
-
-    @property
-    def bits(self) -> int:
-        return self.spec.bits
 
     # ------------------------------------------------------------------ tails
 

@@ -1,12 +1,18 @@
 """Quantised KV storage for full layers, KIVI-style (docs/kv-cache.md#quantised-kv-cache).
 
 Keys are quantised per channel over groups of `key_group` consecutive tokens, values per token over
-groups of `value_group` channels; int8 codes take a byte each, int4 codes are packed two per byte
-(channel 2i in the low nibble, 2i + 1 in the high one). The quantiser is asymmetric min/max:
-`zero = min(x)`, `scale = (max(x) - min(x)) / (2^bits - 1)`, `code = round((x - zero) / scale)`,
-and scales and zero points are stored in float16 beside the codes (and counted in `nbytes`). The
-most recent `residual` to `residual + key_group - 1` tokens stay in full precision: a key group is
-quantised only once it is complete and has left the residual window.
+groups of `value_group` channels. What a code is, is its format's `Codec` (`CODECS`, by the
+`gptoss_lite.kvspec` format name): the one place a format's rule is written. The dense cache here and
+the engine's paged blocks (`kv/paged_quant.py`) both store through it:
+
+- int8 / int4 (`MinMaxCodec`): asymmetric min/max, `zero = min(x)`, `scale = (max(x) - min(x)) /
+  (2^bits - 1)`, `code = round((x - zero) / scale)`; int8 codes take a byte each, int4 codes are
+  packed two per byte (channel 2i in the low nibble, 2i + 1 in the high one).
+
+Every codec stores byte codes with a float16 scale and zero point per group (counted in `nbytes`), and
+a code reads back as `value(code) · scale + zero`. The most recent `residual` to `residual +
+key_group - 1` tokens stay in full precision: a key group is quantised only once it is complete and
+has left the residual window.
 
 `QuantizedKVCache` is a `MixedKVCache` whose full layers are `QuantizedBuffer`s (sliding layers keep
 their full-precision rings: they hold only W tokens). A full layer's `update` returns a segmented
@@ -22,54 +28,20 @@ import torch
 from gptoss_lite.config import ModelConfig
 from gptoss_lite.kv.base import KVRead, KVSegment, TensorSegment
 from gptoss_lite.kv.mixed import DEFAULT_FULL_CAP_TOKENS, MixedKVCache, _LayerStore
-from gptoss_lite.kvspec import LayerKind, LayerKVSpec, kv_format
+from gptoss_lite.kvspec import INT8, KVFormat, LayerKind, LayerKVSpec, kv_format
 from gptoss_lite.validation import check_int
 
 SCALE_DTYPE = torch.float16  # scales and zero points: 2 bytes each
 FP16_MAX = 65504.0
 
 
-@dataclass(frozen=True)
-class QuantSpec:
-    """How a full layer's K and V are quantised."""
-
-    bits: int = 8  # 8 or 4 bits per code
-    key_group: int = 64  # tokens per key group (keys: one scale/zero per channel per group)
-    value_group: int = 64  # channels per value group (values: one scale/zero per token per group)
-    residual: int = 64  # most recent tokens always kept in full precision (plus < key_group more)
-
-    def __post_init__(self) -> None:
-        if self.bits not in (8, 4):
-            raise ValueError(f"bits={self.bits!r}: quantised KV supports 8 or 4 (16 is the plain cache)")
-        check_int("key_group", self.key_group, minimum=1)
-        check_int("value_group", self.value_group, minimum=1)
-        check_int("residual", self.residual, minimum=0)
-
-    def check_head_dim(self, head_dim: int) -> None:
-        """Raise ValueError unless the value group divides D (and D is even for packed int4)."""
-        if head_dim % self.value_group:
-            raise ValueError(
-                f"value_group={self.value_group}: must divide head_dim={head_dim}; use a divisor such as {head_dim}"
-            )
-        if self.bits == 4 and head_dim % 2:
-            raise ValueError(f"head_dim={head_dim}: int4 packs two channels per byte, so it must be even")
+# ---- codecs: what a code is, one per quantised format ---------------------------------------------
 
 
-# ---- primitives ---------------------------------------------------------------------------------------
-
-
-def _quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric min/max quantisation of x (fp32) over `dim`: (codes uint8 like x, scale, zero) with
-    scale/zero float16 and `dim` kept as size 1. The codes are computed from the float16-rounded scale
-    and zero, so dequantising with what is stored is within half a step of x."""
-    qmax = (1 << bits) - 1
-    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
-    zero = lo.clamp(-FP16_MAX, FP16_MAX).to(SCALE_DTYPE)
-    scale = ((hi - zero.float()) / qmax).clamp(max=FP16_MAX).to(SCALE_DTYPE)
+def _steps(scale: torch.Tensor) -> torch.Tensor:
+    """The float16 scale as fp32, 1 where it is 0 (a constant group: every code reads back as zero)."""
     step = scale.float()
-    step = torch.where(step > 0, step, torch.ones_like(step))  # a constant group: every code 0
-    codes = ((x - zero.float()) / step).round_().clamp_(0, qmax).to(torch.uint8)
-    return codes, scale, zero
+    return torch.where(step > 0, step, torch.ones_like(step))
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -82,24 +54,98 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
 
 
+@dataclass(frozen=True)
+class MinMaxCodec:
+    """int8 / int4: asymmetric min/max over a group; `bits`-bit unsigned codes, int4 packed in pairs."""
+
+    bits: int
+
+    def encode(self, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (fp32) over `dim` -> (codes uint8 like x, one per element, unpacked; scale; zero), scale and
+        zero float16 with `dim` kept as size 1. The codes come from the float16-rounded scale and zero,
+        so what is stored reads back within half a step of x."""
+        qmax = (1 << self.bits) - 1
+        lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+        zero = lo.clamp(-FP16_MAX, FP16_MAX).to(SCALE_DTYPE)
+        scale = ((hi - zero.float()) / qmax).clamp(max=FP16_MAX).to(SCALE_DTYPE)
+        codes = ((x - zero.float()) / _steps(scale)).round_().clamp_(0, qmax).to(torch.uint8)
+        return codes, scale, zero
+
+    def pack(self, codes: torch.Tensor) -> torch.Tensor:
+        """One code per channel -> the stored bytes (D · bits / 8 a row)."""
+        return pack_int4(codes) if self.bits == 4 else codes
+
+    def values(self, stored: torch.Tensor) -> torch.Tensor:
+        """The stored bytes -> each code's value (fp32, one per channel), before scale and zero."""
+        return (unpack_int4(stored) if self.bits == 4 else stored).float()
+
+
+CODECS: dict[str, MinMaxCodec] = {"int8": MinMaxCodec(8), "int4": MinMaxCodec(4)}
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How a full layer's K and V are quantised."""
+
+    format: KVFormat | str | int = INT8  # a quantised format of `gptoss_lite.kvspec`, or its name
+    key_group: int = 64  # tokens per key group (keys: one scale/zero per channel per group)
+    value_group: int = 64  # channels per value group (values: one scale/zero per token per group)
+    residual: int = 64  # most recent tokens always kept in full precision (plus < key_group more)
+
+    def __post_init__(self) -> None:
+        fmt = kv_format(self.format)
+        if fmt.name not in CODECS:
+            raise ValueError(
+                f"KV format {fmt.name!r}: quantised KV is one of {', '.join(CODECS)} (the model's own dtype "
+                "is the plain cache)"
+            )
+        object.__setattr__(self, "format", fmt)  # always the KVFormat itself from here on
+        check_int("key_group", self.key_group, minimum=1)
+        check_int("value_group", self.value_group, minimum=1)
+        check_int("residual", self.residual, minimum=0)
+
+    @property
+    def codec(self) -> MinMaxCodec:
+        """The format's rule: how a group becomes codes, scale and zero, and back."""
+        return CODECS[kv_format(self.format).name]
+
+    @property
+    def bits(self) -> int:
+        """Bits per stored code."""
+        bits = kv_format(self.format).bits
+        assert bits is not None
+        return bits
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raise ValueError unless the value group divides D and D's codes fill whole bytes."""
+        if head_dim % self.value_group:
+            raise ValueError(
+                f"value_group={self.value_group}: must divide head_dim={head_dim}; use a divisor such as {head_dim}"
+            )
+        if head_dim * self.bits % 8:
+            raise ValueError(f"head_dim={head_dim}: {self.bits}-bit codes pack whole bytes, so it must be even")
+
+
+# ---- keys and values ------------------------------------------------------------------------------
+
+
 def quantize_keys(k: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """k (B, K, n, D), n a multiple of key_group -> codes (B, K, n, D·bits/8) uint8, scale and zero
     (B, K, n/key_group, D) float16: one per channel per group of tokens."""
     B, K, n, D = k.shape
     g = spec.key_group
-    codes, scale, zero = _quantize(k.float().view(B, K, n // g, g, D), spec.bits, dim=3)
-    codes = codes.view(B, K, n, D)
-    return (pack_int4(codes) if spec.bits == 4 else codes), scale.squeeze(3), zero.squeeze(3)
+    codes, scale, zero = spec.codec.encode(k.float().view(B, K, n // g, g, D), dim=3)
+    return spec.codec.pack(codes.view(B, K, n, D)), scale.squeeze(3), zero.squeeze(3)
 
 
 def dequantize_keys(
     codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec: QuantSpec, dtype: torch.dtype
 ) -> torch.Tensor:
     """Inverse of `quantize_keys` -> (B, K, n, D) in `dtype`."""
-    c = unpack_int4(codes) if spec.bits == 4 else codes
+    c = spec.codec.values(codes)
     B, K, n, D = c.shape
     g = spec.key_group
-    x = c.view(B, K, n // g, g, D).float() * scale.float()[:, :, :, None] + zero.float()[:, :, :, None]
+    x = c.view(B, K, n // g, g, D) * scale.float()[:, :, :, None] + zero.float()[:, :, :, None]
     return x.view(B, K, n, D).to(dtype)
 
 
@@ -108,19 +154,18 @@ def quantize_values(v: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, tor
     float16: one per token per group of channels."""
     B, K, n, D = v.shape
     g = spec.value_group
-    codes, scale, zero = _quantize(v.float().view(B, K, n, D // g, g), spec.bits, dim=4)
-    codes = codes.view(B, K, n, D)
-    return (pack_int4(codes) if spec.bits == 4 else codes), scale.squeeze(4), zero.squeeze(4)
+    codes, scale, zero = spec.codec.encode(v.float().view(B, K, n, D // g, g), dim=4)
+    return spec.codec.pack(codes.view(B, K, n, D)), scale.squeeze(4), zero.squeeze(4)
 
 
 def dequantize_values(
     codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec: QuantSpec, dtype: torch.dtype
 ) -> torch.Tensor:
     """Inverse of `quantize_values` -> (B, K, n, D) in `dtype`."""
-    c = unpack_int4(codes) if spec.bits == 4 else codes
+    c = spec.codec.values(codes)
     B, K, n, D = c.shape
     g = spec.value_group
-    x = c.view(B, K, n, D // g, g).float() * scale.float()[..., None] + zero.float()[..., None]
+    x = c.view(B, K, n, D // g, g) * scale.float()[..., None] + zero.float()[..., None]
     return x.view(B, K, n, D).to(dtype)
 
 
@@ -292,14 +337,15 @@ class QuantizedBuffer(_LayerStore):
         if self.k is None:
             return 0
         K, D, q = self.kv_heads, self.head_dim, self.spec
-        layer = LayerKVSpec(LayerKind.FULL, None, kv_format(q.bits), self.k.element_size(), K, D, K, D, q.value_group)
+        layer = LayerKVSpec(LayerKind.FULL, None, kv_format(q.format), self.k.element_size(), K, D, K, D, q.value_group)
         return self.batch_size * layer.quantized_bytes(self.num_quantized, q.key_group) + (
             self.num_residual * self._token_bytes()
         )
 
 
 class QuantizedKVCache(MixedKVCache):
-    """A MixedKVCache whose full layers store int8 or int4 K/V (`QuantizedBuffer`); sliding layers keep
+    """A MixedKVCache whose full layers store `full_format` codes (`QuantizedBuffer`: a format named in
+    `CODECS`, or its KVFormat; the older bit counts 8 and 4 are accepted); sliding layers keep
     their full-precision rings. Its reads are segmented: attention dequantises one block of key groups at
     a time.
 
@@ -315,7 +361,7 @@ class QuantizedKVCache(MixedKVCache):
         max_tokens_per_full_layer: int = DEFAULT_FULL_CAP_TOKENS,
         *,
         rollback_tokens: int = 0,
-        bits: int = 8,
+        full_format: KVFormat | str | int = INT8,
         key_group: int = 64,
         value_group: int | None = None,
         residual: int = 64,
@@ -326,7 +372,7 @@ class QuantizedKVCache(MixedKVCache):
             value_group = 64 if D % 64 == 0 else D
         check_int("residual", residual, minimum=0)
         residual = max(residual, rollback_tokens + 1) if rollback_tokens else residual
-        self.spec = QuantSpec(bits, key_group, value_group, residual)
+        self.spec = QuantSpec(full_format, key_group, value_group, residual)
         self.spec.check_head_dim(D)
         for i in range(config.n_layers):
             if not config.is_sliding(i):

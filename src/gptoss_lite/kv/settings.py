@@ -20,7 +20,7 @@ from gptoss_lite.validation import check_int
 
 @dataclass(frozen=True)
 class KVSettings:
-    """How full layers store K/V: a `format` (`kvspec`: dense, int8, int4, or its name), or a token
+    """How full layers store K/V: a `format` (a `kvspec` format, or its name), or a token
     `budget` under `policy`."""
 
     format: KVFormat = DENSE
@@ -65,4 +65,4 @@ class KVSettings:
             )
         if self.format.bits is None:
             return MixedKVCache(config, batch_size, rollback_tokens=rollback_tokens)
-        return QuantizedKVCache(config, batch_size, rollback_tokens=rollback_tokens, bits=self.format.bits)
+        return QuantizedKVCache(config, batch_size, rollback_tokens=rollback_tokens, full_format=self.format)

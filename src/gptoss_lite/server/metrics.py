@@ -165,7 +165,7 @@ class _EngineCollector:
             yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=value)
         kv_format = GaugeMetricFamily(
             f"{PREFIX}_kv_format",
-            "How full-layer K/V is stored (dense: the model's dtype; int8, int4)",
+            "How full-layer K/V is stored (dense: the model's dtype; otherwise the name of its codes)",
             labels=["format"],
         )
         kv_format.add_metric([s.kv_format], 1)
