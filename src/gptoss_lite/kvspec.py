@@ -5,9 +5,9 @@ layer of a model:
 
 - its kind and window: `LayerKind.SLIDING` (a window of W keys) or `LayerKind.FULL` (every key, or the
   last N under the engine's full-layer window);
-- its storage `KVFormat`: the model's own dtype (`DENSE`), or `INT8` / `INT4` codes with float16 scales
-  and zero points (KIVI-style: keys per channel over a group of tokens, values per token over groups
-  of channels);
+- its storage `KVFormat`: the model's own dtype (`DENSE`), or `INT8` / `INT4` / `FP8` codes with
+  float16 scales and zero points (KIVI-style: keys per channel over a group of tokens, values per
+  token over groups of channels; what a code is, is the format's codec in `kv.quant`);
 - the K and V head counts and dims (equal in every model today, kept apart for attention families
   where they differ);
 - its bytes: `token_bytes` (a token in the model's dtype), `quantized_bytes(n, key_group)` (n tokens as
@@ -71,7 +71,8 @@ class KVFormat:
 DENSE = KVFormat("dense")
 INT8 = KVFormat("int8", 8)
 INT4 = KVFormat("int4", 4)
-FORMATS: dict[str, KVFormat] = {f.name: f for f in (DENSE, INT8, INT4)}
+FP8 = KVFormat("fp8", 8)  # float8 e4m3 codes, centred on each group's midpoint
+FORMATS: dict[str, KVFormat] = {f.name: f for f in (DENSE, INT8, INT4, FP8)}
 BY_BITS: dict[int, KVFormat] = {16: DENSE, 8: INT8, 4: INT4}  # the older --kv-bits words
 
 
@@ -82,7 +83,7 @@ def token_bytes(k_heads: int, k_dim: int, v_heads: int, v_dim: int, element_byte
 
 
 def kv_format(value: KVFormat | str | int) -> KVFormat:
-    """A format from itself, its name ('dense', 'int8', 'int4') or the older bit count (16, 8, 4)."""
+    """A format from itself, its name ('dense', 'int8', 'int4', 'fp8') or the older bit count (16, 8, 4)."""
     if isinstance(value, KVFormat):
         return value
     if isinstance(value, str) and value in FORMATS:

@@ -8,6 +8,10 @@ the engine's paged blocks (`kv/paged_quant.py`) both store through it:
 - int8 / int4 (`MinMaxCodec`): asymmetric min/max, `zero = min(x)`, `scale = (max(x) - min(x)) /
   (2^bits - 1)`, `code = round((x - zero) / scale)`; int8 codes take a byte each, int4 codes are
   packed two per byte (channel 2i in the low nibble, 2i + 1 in the high one).
+- fp8 (`Fp8Codec`): float8 e4m3 codes, one byte each, centred on the group's midpoint: `zero = (min(x)
+  + max(x)) / 2`, `scale = half the range / 448` (e4m3's largest value), `code = e4m3((x - zero) /
+  scale)`. Its error is relative (3 mantissa bits: at most 1/16 of a value's distance from the
+  midpoint), where int8's is a fixed step of the range.
 
 Every codec stores byte codes with a float16 scale and zero point per group (counted in `nbytes`), and
 a code reads back as `value(code) · scale + zero`. The most recent `residual` to `residual +
@@ -80,7 +84,33 @@ class MinMaxCodec:
         return (unpack_int4(stored) if self.bits == 4 else stored).float()
 
 
-CODECS: dict[str, MinMaxCodec] = {"int8": MinMaxCodec(8), "int4": MinMaxCodec(4)}
+FP8_MAX = 448.0  # the largest float8 e4m3 value
+
+
+@dataclass(frozen=True)
+class Fp8Codec:
+    """fp8: float8 e4m3 codes, one byte each, for (x - midpoint) / scale (see the module docstring)."""
+
+    bits: int = 8
+
+    def encode(self, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """As `MinMaxCodec.encode`; the codes are e4m3 bit patterns held as uint8, from the float16-rounded
+        scale and midpoint."""
+        lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+        zero = ((lo + hi) / 2).clamp(-FP16_MAX, FP16_MAX).to(SCALE_DTYPE)
+        half = torch.maximum(hi - zero.float(), zero.float() - lo)  # the rounded midpoint moved a little
+        scale = (half / FP8_MAX).clamp(max=FP16_MAX).to(SCALE_DTYPE)
+        y = ((x - zero.float()) / _steps(scale)).clamp_(-FP8_MAX, FP8_MAX)  # e4m3 has no infinity: saturate
+        return y.to(torch.float8_e4m3fn).view(torch.uint8), scale, zero
+
+    def pack(self, codes: torch.Tensor) -> torch.Tensor:
+        return codes
+
+    def values(self, stored: torch.Tensor) -> torch.Tensor:
+        return stored.view(torch.float8_e4m3fn).float()
+
+
+CODECS: dict[str, MinMaxCodec | Fp8Codec] = {"int8": MinMaxCodec(8), "int4": MinMaxCodec(4), "fp8": Fp8Codec()}
 
 
 @dataclass(frozen=True)
@@ -105,7 +135,7 @@ class QuantSpec:
         check_int("residual", self.residual, minimum=0)
 
     @property
-    def codec(self) -> MinMaxCodec:
+    def codec(self) -> MinMaxCodec | Fp8Codec:
         """The format's rule: how a group becomes codes, scale and zero, and back."""
         return CODECS[kv_format(self.format).name]
 
