@@ -185,7 +185,9 @@ def test_run_with_a_real_model_reports_kv_bytes_and_extrapolation(model):
     assert 0 < result.kv_payload_bytes[150] < result.kv_payload_bytes[300] <= result.kv_allocated_bytes[300]
     assert abs(result.prompt_tokens[300] - 300) <= 6
     assert result.verdict().startswith(("PASS: ", "FAIL: ")) and "at 300 tokens" in result.verdict()
-    json.dumps(result.to_dict())
+    trials = json.loads(json.dumps(result.to_dict()))["trials"]  # every answer, to read a miss from the JSON
+    assert len(trials) == 4 and {t["length"] for t in trials} == {150, 300}
+    assert all(set(t) == {"length", "depth", "key", "answer", "correct"} for t in trials)
 
 
 def test_speculative_run_gives_the_same_answers_and_reports_acceptance(model):

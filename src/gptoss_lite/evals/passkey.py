@@ -288,6 +288,7 @@ class PasskeyResult:
             "speculation": self.speculation,
             "seconds": {str(k): v for k, v in self.seconds.items()},
             "peak_rss_bytes": {str(k): v for k, v in self.peak_rss_bytes.items()},
+            "trials": [dict(t) for t in self.trials],  # every trial's length, depth, key, answer and score
         }
 
 
