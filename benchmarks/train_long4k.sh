@@ -5,8 +5,9 @@
 # sums must not depend on what else the machine is doing (docs/training.md), and it leaves a core free.
 # models/lite-4k is stage 2's output. Stage 3 (1,200 more steps at 4,096) was measured at 131,072 tokens (44.4%, not
 # shipped): STAGES="3" runs it (resuming from its newest checkpoint); STAGES="3p" runs the
-# position-skipping stage (configs/long4k_stage3p.yaml).
-#   bash benchmarks/train_long4k.sh            # stages 1 and 2; logs to runs/long4k.log
+# position-skipping stage (configs/long4k_stage3p.yaml), STAGES="3a" its anchored continuation
+# (configs/long4k_stage3a.yaml, from the committed models/lite-4k-pose-1200).
+#   bash benchmarks/train_long4k.sh            # stages 1 and 2, logging to the terminal
 set -euo pipefail
 cd "$(dirname "$0")/.."
 THREADS="${THREADS:-1}"
