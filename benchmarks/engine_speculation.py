@@ -114,10 +114,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-compile", action="store_true", help="both engines decode eagerly")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--model", default=None, help="the repeat workload's model (default: the shipped one)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*RANDOM weights.*")
-    shipped = str(default_model_source())
+    shipped = args.model or str(default_model_source())
     vocab = resolve_config("gpt-oss-bench-20m").vocab_size
     results = [
         workload("repeat", shipped, repeat_prompts(args.requests, 0), args),

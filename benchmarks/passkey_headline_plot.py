@@ -4,7 +4,7 @@ The headline protocol runs in two parts (4,096 to 65,536 tokens with 20 keys a c
 10: benchmarks/passkey_lite4k_headline.sh); this draws them as one length x depth grid and prints the
 markdown table of accuracy, wall time and peak RSS per length that docs/passkey.md shows.
 
-    python benchmarks/passkey_headline_plot.py OUT.png A.json B.json [...]
+    python benchmarks/passkey_headline_plot.py OUT.png A.json B.json [...] [--title TEXT]
 """
 
 from __future__ import annotations
@@ -49,10 +49,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("png")
     ap.add_argument("results", nargs="+")
+    ap.add_argument("--title", default=None, help="the heatmap's title (default: the trials per cell)")
     args = ap.parse_args()
     result = merged(args.results)
     trials = sorted({row[3] for row in result.rows}, reverse=True)
-    title = "passkey retrieval, " + " / ".join(f"{t}" for t in trials) + " trials per cell"
+    cells = " / ".join(f"{t}" for t in trials) + " trials per cell"
+    title = f"{args.title}, {cells}" if args.title else f"passkey retrieval, {cells}"
     plot_heatmap(result, args.png, title=title)
     print(
         "| length | × training | passkey | hits by depth ("

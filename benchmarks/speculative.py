@@ -86,13 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=PromptLookup.k, help="draft tokens per step")
     ap.add_argument("--ngram", type=int, default=PromptLookup.ngram)
     ap.add_argument("--min-ngram", type=int, default=PromptLookup.min_ngram)
+    ap.add_argument("--model", default=str(DEFAULT_MODEL), help="a byte-tokenizer model (default: the shipped one)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    model = load_model(DEFAULT_MODEL)
+    model = load_model(args.model)
     tok = ByteTokenizer()
     spec = PromptLookup(k=args.k, ngram=args.ngram, min_ngram=args.min_ngram)
+    name = "shipped model" if args.model == str(DEFAULT_MODEL) else args.model
     print(
-        f"shipped demo model, fp32, 1 thread, greedy; {spec}; {args.rounds} rounds x {args.trials} "
+        f"{name}, fp32, 1 thread, greedy; {spec}; {args.rounds} rounds x {args.trials} "
         f"prompts x {args.new_tokens} new tokens, plain and speculative interleaved"
     )
     print(

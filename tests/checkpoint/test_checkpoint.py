@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -608,9 +609,28 @@ def test_shipped_demo_model_is_the_default_and_runs():
 
     assert default_model_source() == DEFAULT_MODEL
     model = load_model(DEFAULT_MODEL)
-    assert model.config.train_context_length == 256 and model.config.sliding_window == 128
+    assert model.config.train_context_length == 4096 and model.config.sliding_window == 128
     out = generate(model, torch.tensor([[256, 65, 66]]), 4, temperature=0)
     assert out.shape == (1, 7)
+
+
+def test_shipped_model_is_stage_3a_read_at_yarn_64():
+    """What docs/passkey.md#the-shipped-models-curve says the default is: models/lite-4k-pose-anchor's
+    weights, byte for byte, and its config with the YaRN factor raised to 64 at load (the measured
+    --rope-factor 64), nothing else changed."""
+    import hashlib
+
+    from gptoss_lite.config import ModelConfig
+
+    trained = Path(__file__).resolve().parents[2] / "models" / "lite-4k-pose-anchor"
+    digest = {d: hashlib.sha256((d / "model.safetensors").read_bytes()).hexdigest() for d in (trained, DEFAULT_MODEL)}
+    assert digest[trained] == digest[DEFAULT_MODEL]
+
+    def config(d):
+        return ModelConfig.from_dict(json.loads((d / "config.json").read_text())["model"])
+
+    assert config(DEFAULT_MODEL) == config(trained).with_rope_factor(64)
+    assert config(DEFAULT_MODEL).rope_factor == 64 and config(trained).rope_factor == 32
 
 
 def test_cli_bad_mxfp4_checkpoint_is_one_line(tmp_path, capsys):

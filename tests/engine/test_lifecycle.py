@@ -125,7 +125,7 @@ def test_engine_state_machine(models):
         ([1, 2, 10**6], None, "out of vocabulary"),
         ([1, -2], None, "prompt token id"),
         ("text", None, None),  # fine: the shipped model has a byte tokenizer
-        ([1] * 16000, SamplingParams(max_tokens=1000), "exceeds max_model_len"),
+        ([1] * 40000, SamplingParams(max_tokens=1000), "exceeds max_model_len"),  # 2,000 blocks hold 32,000
         (3, None, "expected a str or a list"),
     ],
 )

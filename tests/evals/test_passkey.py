@@ -318,18 +318,18 @@ def test_cli_passkey_zero_trials_exits_2(capsys):
 # ---- the shipped demo model ---------------------------------------------------------------------
 
 
-def test_shipped_demo_model_retrieves_at_16x_its_training_context():
-    """The embedded default model finds the passkey at 16x its training context at every depth.
+def test_shipped_demo_model_retrieves_at_2x_its_training_context():
+    """The embedded default model finds the passkey at 2x its training context at every depth.
 
     A small regression guard on the model, the loader and the cached generation path together
-    (6 keys x 3 depths at 4,096 tokens, a few seconds); the full 50-trial curve in
+    (4 keys x 3 depths at 8,192 tokens, a few seconds); the full curve to 131,072 tokens in
     docs/passkey.md#the-shipped-models-curve is the claim.
     """
     from gptoss_lite.checkpoint import DEFAULT_MODEL, load_model
 
     model = load_model(DEFAULT_MODEL)
-    length = 16 * model.config.train_context_length
-    result = PasskeyEvaluator(model, lengths=[length], n_trials=6, batch_size=6).run()
+    length = 2 * model.config.train_context_length
+    result = PasskeyEvaluator(model, lengths=[length], n_trials=4, batch_size=4).run()
     assert result.accuracy[length] >= 0.8, result.accuracy_by_depth
 
 

@@ -207,12 +207,16 @@ def test_varied_filler_is_digit_free_and_varied():
         ("demo_cpu_stage2.yaml", 1999, "d549e710342a11ded2d4f616f5f39a474823a0ff51901e92973c607e1dd0beb5"),
         ("demo_cpu_stage3.yaml", 2999, "6c3b037850cfb165f69ffc5efbca1fe2342d7db667388adccf6788267605740f"),
         ("demo_cpu_stage4.yaml", 2699, "f2e02caab38e656c189df8ea816a3d5daf268ee46c1e7fe04002e28487d9c6c4"),
+        ("long4k_stage1.yaml", 599, "e6805d41108e8960740381eada98f10395c3b90feb4f900f336ecc671e2b978f"),
+        ("long4k_stage2.yaml", 699, "22ec2a0c6ab13ee8599b16f41afac4ba64e58360bc83bb1d1278b24a3b9b60f3"),
+        ("long4k_stage3p.yaml", 1199, "8ffec3049eb8c0bb391cf9b308b9d06ff6bb8b00bcc11834289d897a09053cfa"),
+        ("long4k_stage3a.yaml", 299, "3f337113c179bee2e491c57ff3b05db3d294591a89d9f29f318e3eb4796074e0"),
     ],
 )
 def test_demo_recipe_data_streams_are_pinned(config, last_step, expected):
-    """Every stage of the shipped model's recipe must keep drawing the documents they were trained
-    on (the byte-identical re-run in docs/training.md#the-shipped-demo-model depends on it): digests
-    of three batches are pinned. A deliberate data change must update these and retrain the shipped
+    """Every stage of the committed models' recipes must keep drawing the documents they were trained
+    on (the byte-identical re-run in docs/training.md#the-256-token-model-modelslite-256 depends on it): digests
+    of three batches are pinned. A deliberate data change must update these and retrain the committed
     model."""
     data = SyntheticRetrievalData(load_train_config(REPO / "configs" / config).data)
     digest = hashlib.sha256()
