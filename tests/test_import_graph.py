@@ -203,11 +203,14 @@ def test_allowlist_rule_catches_a_stray_import(tmp_path):
 
 #: The engine's two doors to KV. Block bookkeeping (the store's KV groups, their pools and prefix
 #: caches) is the KV manager's alone; the device tensors (the store) are the runner's and the batch
-#: view it builds. So the scheduler and the manager deal in block ids, and the device side in tensors.
+#: view it builds, and the draft model's own store its drafter's (which keeps its blocks through a
+#: KVManager of its own). So the scheduler and the manager deal in block ids, and the device side in
+#: tensors.
 KV_DOORS = {
     "kv_manager.py": {"groups", "pools", "prefix"},
     "runner.py": {"store"},
     "paged_batch.py": {"store"},
+    "drafting.py": {"store"},
 }
 KV_INSIDES = {"store", "groups", "pools", "prefix"}
 

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from gptoss_lite.checkpoint import load_model, save_model
-from gptoss_lite.engine import LLM
-from gptoss_lite.engine import llm as llm_module
+from gptoss_lite.engine import LLM, sources
 
 
 @pytest.fixture
@@ -25,7 +24,7 @@ def test_a_directory_is_named_by_its_files_without_reading_a_tensor(checkpoint, 
     def no_pass(model):
         raise AssertionError("the weights were read to name the checkpoint")
 
-    monkeypatch.setattr(llm_module, "_weights_revision", no_pass)
+    monkeypatch.setattr(sources, "weights_revision", no_pass)
     first = LLM(str(checkpoint), kv_blocks=64).kv.revision
     assert LLM(str(checkpoint), kv_blocks=64).kv.revision == first  # the same files: the same revision
     weights = next(p for p in checkpoint.iterdir() if p.suffix == ".safetensors")
@@ -60,9 +59,9 @@ def test_an_object_is_named_without_reading_a_tensor(monkeypatch):
     monkeypatch.setattr(torch, "sum", no_read)
     monkeypatch.setattr(torch.Tensor, "sum", no_read)
     monkeypatch.setattr(torch.Tensor, "tolist", no_read)
-    revision = llm_module._weights_revision(model)
-    assert llm_module._weights_revision(model) == revision
+    revision = sources.weights_revision(model)
+    assert sources.weights_revision(model) == revision
     monkeypatch.undo()
     with torch.no_grad():
         model.blocks[1].moe.router.weight.mul_(1.0)  # in place, even to the same values: a new version
-    assert llm_module._weights_revision(model) != revision
+    assert sources.weights_revision(model) != revision

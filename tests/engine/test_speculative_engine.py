@@ -153,6 +153,7 @@ def test_a_draft_model_keeps_greedy_output(models, compiled):
     assert {i: o.token_ids for i, o in run(same, work).items()} == {i: o.token_ids for i, o in plain.items()}
     stats = same.stats()
     assert stats.spec_verifications > 0 and stats.spec_accepted == stats.spec_drafted
+    assert (same._drafter.decoder is not None) == compiled  # the draft model's one-token steps compiled too
     assert_nothing_leaks(same)
     other = make_model("lite-tiny", seed=5)  # random weights, the shipped model's vocabulary
     assert other.config.vocab_size == model.config.vocab_size

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from gptoss_lite.kv.block_pool import AppendPlan
 from gptoss_lite.kv.groups import KVGroup, attach_prefix
@@ -40,6 +40,21 @@ if TYPE_CHECKING:  # annotations only: this module imports nothing that imports 
 
 #: one copy-on-write copy: (layer kind, source block, destination block, slots [0, n) to copy)
 BlockCopy = tuple[str, int, int, int]
+
+
+class Sequenced(Protocol):
+    """What the manager reads of a sequence's owner (a `Request`, or the draft model's own sequence
+    of one, `engine/drafting.py`): its id, the position of its next query, its tokens and its prefix-
+    cache scope."""
+
+    @property
+    def request_id(self) -> Hashable: ...
+    @property
+    def num_computed(self) -> int: ...
+    @property
+    def all_token_ids(self) -> list[int]: ...
+    @property
+    def scope(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -87,7 +102,7 @@ class KVManager:
 
     # ------------------------------------------------------------------ lifetime
 
-    def start(self, request: Request) -> int:
+    def start(self, request: Sequenced) -> int:
         """Create the request's sequences; return the prompt tokens served by the prefix cache."""
         rid = request.request_id
         tokens = request.all_token_ids
@@ -109,21 +124,21 @@ class KVManager:
         if source.request_id in self._inserted:  # the same blocks, already cached
             self._inserted[target.request_id] = self._inserted[source.request_id]
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Sequenced) -> None:
         """Release the request's sequences in every pool (blocks the prefix cache pins stay cached)."""
         self._inserted.pop(request.request_id, None)  # a preempted request inserts again as it recomputes
         for group in self.groups:
             if request.request_id in group.pool:
                 group.pool.release(request.request_id)
 
-    def truncate(self, request: Request, n_tokens: int) -> None:
+    def truncate(self, request: Sequenced, n_tokens: int) -> None:
         """Roll the request back to its first n_tokens in every pool (a rejected speculative draft)."""
         for group in self.groups:
             group.pool.truncate(request.request_id, n_tokens)
 
     # ------------------------------------------------------------------ allocation
 
-    def allocate(self, request: Request, n_tokens: int, copies: list[BlockCopy]) -> dict[str, AppendPlan] | None:
+    def allocate(self, request: Sequenced, n_tokens: int, copies: list[BlockCopy]) -> dict[str, AppendPlan] | None:
         """Append n_tokens to the request in every pool; None (nothing appended) if they do not fit even
         after evicting blocks only the prefix cache holds. Blocks that left the window of the next query
         are released first either way (they are never needed again). The copy-on-write copies the
@@ -206,7 +221,7 @@ class KVManager:
 
     # ------------------------------------------------------------------ the batch's block tables
 
-    def tables(self, request: Request) -> dict[str, tuple[tuple[int, ...], int]]:
+    def tables(self, request: Sequenced) -> dict[str, tuple[tuple[int, ...], int]]:
         """Per layer kind: (the request's resident blocks, the position of its first resident token),
         what the runner's batch reads the request's keys through."""
         rid = request.request_id

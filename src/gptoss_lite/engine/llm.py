@@ -17,9 +17,7 @@ rules, rollback of rejected drafts, finished requests' blocks freed.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
-import json
 import logging
 import time
 from collections.abc import Sequence
@@ -28,8 +26,10 @@ from pathlib import Path
 import torch
 
 from gptoss_lite.checkpoint import load_model
+from gptoss_lite.engine import sources
 from gptoss_lite.engine.config import EngineConfig
 from gptoss_lite.engine.detokenize import TextStream
+from gptoss_lite.engine.drafting import PagedDrafter
 from gptoss_lite.engine.kv_manager import KVManager, pool_blocks
 from gptoss_lite.engine.request import (
     EngineStats,
@@ -46,40 +46,10 @@ from gptoss_lite.engine.tenants import DEFAULT_TENANT
 from gptoss_lite.kv.paged_cache import PagedKVStore
 from gptoss_lite.kvspec import model_kv_specs
 from gptoss_lite.model.transformer import GPTOSS
-from gptoss_lite.speculative import DraftModel, SpeculationStats
-from gptoss_lite.tokenizer import ByteTokenizer, load_tokenizer
+from gptoss_lite.speculative import DraftModel, PromptLookup, SpeculationStats
 from gptoss_lite.validation import check_int
 
 logger = logging.getLogger(__name__)
-
-
-def _checkpoint_revision(source: str, model_dir: Path | None, config: object) -> str:
-    """The weights' revision from the checkpoint's identity, without reading a tensor: for a directory,
-    every file's name, size and modification time (a rewritten or replaced checkpoint gets a new
-    revision); for a preset name (seeded weights), the name and its config. The engine's prefix cache
-    keys on it, so a prefix cached under one checkpoint is never a hit under another."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(repr(config).encode())
-    if model_dir is None:
-        h.update(f"preset:{source}".encode())
-        return h.hexdigest()
-    for path in sorted(model_dir.iterdir()):
-        if path.is_file():
-            stat = path.stat()
-            h.update(f"{path.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
-    return h.hexdigest()
-
-
-def _weights_revision(model: GPTOSS) -> str:
-    """The revision of a model handed to the engine as an object, which has no checkpoint to name it:
-    its config and every parameter's name, shape, dtype, storage and version counter, so reading no
-    tensor. The prefix cache lives in the engine, and within the engine's life a model changes only
-    in place, which bumps the changed tensor's version (pass `revision=` to name the weights yourself)."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(repr(model.config).encode())
-    for name, p in model.named_parameters():
-        h.update(f"{name}{tuple(p.shape)}{p.dtype}{p.data_ptr()}:{p._version}\0".encode())
-    return h.hexdigest()
 
 
 class LLM:
@@ -94,7 +64,7 @@ class LLM:
         self.engine_config = cfg
         model, model_dir, source = self._load(model, cfg)
         self.model, self.config = model, model.config
-        self.tokenizer = tokenizer if tokenizer is not None else _own_tokenizer(model_dir, self.config)
+        self.tokenizer = tokenizer if tokenizer is not None else sources.own_tokenizer(model_dir, self.config)
         limit = self.config.max_position_embeddings
         self.max_model_len = check_int("max_model_len", cfg.max_model_len or limit, 1, limit)
         self.enable_prefix_caching, self.kv_format = cfg.enable_prefix_caching, cfg.kv_format
@@ -115,9 +85,18 @@ class LLM:
         self._finished = self._aborted = self._failed = self._generated = 0
         self.speculate = cfg.speculate
         self._spec_choice = DecodeChoice()  # whether decode-only steps draft, by measured tokens/s
+        self._drafter = self._make_drafter(cfg)
         self.kv.check_step_fits(cfg.max_batch_tokens)
 
     # ------------------------------------------------------------------ setup helpers
+
+    def _make_drafter(self, cfg: EngineConfig) -> PromptLookup | PagedDrafter | None:
+        """What drafts: the prompt-lookup rule, or the draft model over blocks of its own, as many
+        tokens as the full-layer pool (engine/drafting.py); None without speculation."""
+        if not isinstance(cfg.speculate, DraftModel):
+            return cfg.speculate
+        full_blocks = max(self.kv.usage().blocks_total.values())
+        return PagedDrafter(cfg.speculate, cfg, full_blocks=full_blocks, max_model_len=self.max_model_len)
 
     def _load(self, model: GPTOSS | str | Path, cfg: EngineConfig) -> tuple[GPTOSS, Path | None, str | None]:
         """(the prepared model, its checkpoint directory, the source it was loaded from), and the
@@ -139,7 +118,7 @@ class LLM:
             model_dir = Path(source) if Path(source).is_dir() else None
             self.model_name = model_dir.name if model_dir is not None else source
             model = load_model(source, device=cfg.device, dtype=cfg.dtype, rope_factor=cfg.rope_factor)
-            self.chat_template = _read_chat_template(model_dir)
+            self.chat_template = sources.read_chat_template(model_dir)
         if cfg.compile_decode and model.compiled_decoder is None:
             model.prepare_for_inference(compile_decode=True)  # out-major weights + the compiled step
         draft = cfg.speculate.model if isinstance(cfg.speculate, DraftModel) else None
@@ -178,8 +157,8 @@ class LLM:
     def _default_revision(model: GPTOSS, source: str | None, model_dir: Path | None) -> str:
         """The checkpoint's identity when the engine loaded it; a checksum of an in-memory model."""
         if source is None:
-            return _weights_revision(model)
-        return _checkpoint_revision(source, model_dir, (model.config, model.embed.weight.dtype))
+            return sources.weights_revision(model)
+        return sources.checkpoint_revision(source, model_dir, (model.config, model.embed.weight.dtype))
 
     # ------------------------------------------------------------------ requests
 
@@ -314,6 +293,8 @@ class LLM:
         if self._requests.pop(request.request_id, None) is None:
             return False
         self.scheduler.remove(request)  # (a sample still waiting to fork is in neither queue: a no-op)
+        if isinstance(self._drafter, PagedDrafter):
+            self._drafter.forget(request.request_id)
         request.abort()
         self._aborted += 1
         return True
@@ -385,7 +366,8 @@ class LLM:
         decode_only = all(r.num_tokens - r.num_computed == 1 for r in running) and not self.scheduler.waiting
         if self._spec_choice.choose(decode_only) == "plain":
             return
-        propose_drafts(running, self.speculate, self.max_model_len, decode_only)
+        assert self._drafter is not None
+        propose_drafts(running, self._drafter, decode_only)
 
     def _execute(self, step: ScheduledBatch) -> tuple[list[tuple[Request, int, TokenLogprobs | None]], list]:
         """The runner's (sampled, failed) for the step; if the batched forward raises, each request
@@ -415,6 +397,8 @@ class LLM:
     def _retire(self, request: Request) -> None:
         """Forget a finished sample, and its request once all n samples are done."""
         self._requests.pop(request.request_id, None)
+        if isinstance(self._drafter, PagedDrafter):
+            self._drafter.forget(request.request_id)
         group = self._groups.get(request.group)
         if group is not None and all(r.request_id not in self._requests for r in group):
             del self._groups[request.group]
@@ -495,32 +479,14 @@ class LLM:
         live = {r.request_id for r in self.scheduler.running} | {r.request_id for r in self.scheduler.waiting}
         self.kv.validate(live)
         self.scheduler.waiting.validate(self.scheduler.running)
+        if isinstance(self._drafter, PagedDrafter):
+            self._drafter.validate(live)
 
     def clear_prefix_cache(self) -> None:
         self.kv.clear_prefix_cache()
 
     def all_blocks_free(self) -> bool:
-        """Nothing held (after clearing the prefix cache, every block should be free)."""
-        return self.kv.usage().all_free
-
-
-def _own_tokenizer(model_dir: Path | None, config) -> object | None:
-    """The checkpoint's tokenizer (the byte tokenizer for a byte-vocabulary model without one; None,
-    ids only, for any other model without a tokenizer.json)."""
-    tokenizer = load_tokenizer(model_dir)
-    if isinstance(tokenizer, ByteTokenizer) and config.vocab_size != tokenizer.vocab_size:
-        return None
-    return tokenizer
-
-
-def _read_chat_template(model_dir: Path | None) -> str | None:
-    if model_dir is None:
-        return None
-    path = model_dir / "tokenizer_config.json"
-    if not path.is_file():
-        return None
-    try:
-        template = json.loads(path.read_text()).get("chat_template")
-    except (OSError, ValueError):
-        return None
-    return template if isinstance(template, str) else None
+        """Nothing held (after clearing the prefix cache, every block should be free), the draft
+        model's blocks included."""
+        drafts_free = not isinstance(self._drafter, PagedDrafter) or self._drafter.all_free
+        return self.kv.usage().all_free and drafts_free

@@ -27,7 +27,7 @@ import torch
 from gptoss_lite.engine.detokenize import TextStream
 from gptoss_lite.engine.tenants import TenantCounters
 from gptoss_lite.sampling import SamplingParams  # re-exported: the engine's parameter type
-from gptoss_lite.speculative import DraftModel, NgramIndex, PromptLookup, RequestDrafter
+from gptoss_lite.speculative import NgramIndex, PromptLookup
 
 
 class RequestStatus(enum.Enum):
@@ -135,10 +135,10 @@ class Request:
         self.index = index  # which sample
         self.forks: list[Request] = []  # samples 1..n-1, waiting for this one's prompt to be computed
         self.new_logprobs: list[TokenLogprobs] = []  # since the last output, when sampling.logprobs is set
-        # Speculative decoding (LLM(speculate=...)): the request's drafter (the prompt-lookup index of its
-        # tokens, or a draft model's cache of them), and the draft tokens this step verifies after its
-        # last token (docs/engine.md#speculative-decoding).
-        self.drafter: NgramIndex | RequestDrafter | None = None
+        # Speculative decoding (LLM(speculate=...)): the prompt-lookup index of its tokens (a draft model
+        # keeps its sequences itself, engine/drafting.py), and the draft tokens this step verifies after
+        # its last token (docs/engine.md#speculative-decoding).
+        self.drafter: NgramIndex | None = None
         self.draft: list[int] = []
         self.acceptance = 0.5  # running estimate of the share of its draft tokens the verification keeps
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
@@ -213,18 +213,12 @@ class Request:
         self.acceptance += 0.01
         return True
 
-    def drafter_for(self, spec: DraftModel | PromptLookup, max_model_len: int) -> NgramIndex | RequestDrafter:
-        """Its drafter, made on first use: a draft model's cache of its tokens, or the prompt-lookup
-        index of its tokens, brought up to date with its output."""
-        if isinstance(spec, DraftModel):
-            if self.drafter is None:
-                self.drafter = RequestDrafter(spec, max_model_len)
-            return self.drafter
+    def lookup_index(self, spec: PromptLookup) -> NgramIndex:
+        """Its prompt-lookup index, made on first use, brought up to date with its output."""
         if self.drafter is None:
             self.drafter = NgramIndex(spec.ngram, spec.min_ngram)
             self.drafter.tokens.extend(self.prompt_token_ids)
         index = self.drafter
-        assert isinstance(index, NgramIndex)
         index.tokens.extend(self.output_token_ids[len(index.tokens) - len(self.prompt_token_ids) :])
         return index
 

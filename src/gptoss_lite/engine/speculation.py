@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from gptoss_lite.speculative import RequestDrafter
+from gptoss_lite.speculative import PromptLookup
 
 if TYPE_CHECKING:
+    from gptoss_lite.engine.drafting import PagedDrafter
     from gptoss_lite.engine.request import Request
-    from gptoss_lite.speculative import DraftModel, PromptLookup
 
 # A request whose running acceptance falls below SPEC_MIN_ACCEPTANCE stops drafting for a while; one
 # decode-only step in SPEC_EXPLORE_EVERY tries the way the measured rates say is slower, so the choice
@@ -57,12 +57,11 @@ class DecodeChoice:
         self.rates[self.current] = rate if old is None else 0.8 * old + 0.2 * rate
 
 
-def propose_drafts(
-    running: list[Request], spec: DraftModel | PromptLookup, max_model_len: int, decode_only: bool
-) -> None:
+def propose_drafts(running: list[Request], spec: PromptLookup | PagedDrafter, decode_only: bool) -> None:
     """A draft for every running request in decode that may speculate, no longer than it may still
     emit: by prompt lookup (up to k tokens that followed the latest earlier occurrence of its last
-    n-gram) or by the draft model (k greedy tokens from its own cache of the request).
+    n-gram) or by the draft model (k greedy tokens, every drafting request in one batch:
+    `engine/drafting.py`).
     Requests with logprobs, penalties, a logit bias or a logits processor decode one token a step
     (their logits depend on every token before), as do seeded sampled requests (a verification
     draws from their generator differently, and they promise the same tokens alone or batched),
@@ -74,6 +73,7 @@ def propose_drafts(
     costs its own forwards), which may cost more than the tokens it adds. The engine keeps the tokens
     per second of decode-only steps with and without drafts (`DecodeChoice`, running means) and drafts
     in the faster way, trying the other one step in SPEC_EXPLORE_EVERY: this runs only when it drafts."""
+    wants: list[tuple[Request, int]] = []  # (request, draft tokens) for the draft model
     for request in running:
         sampling = request.sampling
         if (
@@ -88,11 +88,16 @@ def propose_drafts(
             continue
         if request.pass_draft(SPEC_MIN_ACCEPTANCE):
             continue
-        drafter = request.drafter_for(spec, max_model_len)
-        if isinstance(drafter, RequestDrafter):
-            request.set_draft(drafter.draft(request.all_token_ids, min(spec.k, room)))
+        if isinstance(spec, PromptLookup):
+            request.set_draft(request.lookup_index(spec).draft(min(spec.k, room)))
         else:
-            request.set_draft(drafter.draft(min(spec.k, room)))
+            wants.append((request, min(spec.k, room)))
+    if not isinstance(spec, PromptLookup):
+        spec.retain(r.request_id for r in running)
+        if wants:
+            drafts = spec.draft(wants)
+            for request, _ in wants:
+                request.set_draft(drafts.get(request.request_id, []))
     # The compiled step runs every request as a group of 1 + (longest draft) rows, the rows past a
     # request's own draft being padding: a decode-only step that would be mostly padding drafts
     # nothing. Eager steps keep the rule too: on random prompts they measured 0.84x without it,
