@@ -21,11 +21,10 @@ import argparse
 import json
 import random
 import statistics
-import sys
-import time
 from pathlib import Path
 
 import torch
+from engine_speculation import alternate
 
 from gptoss_lite.checkpoint import default_model_source, load_model
 from gptoss_lite.engine import LLM, SamplingParams
@@ -44,20 +43,6 @@ def prompts(n: int, seed: int) -> list[str]:
             text += gen(rng) + " "
         out.append(text.strip())
     return out
-
-
-def one_round(llm: LLM, batch: list[str], params: SamplingParams) -> tuple[float, dict]:
-    before = llm.stats()
-    t0 = time.perf_counter()
-    outs = llm.generate(batch, params)
-    seconds = time.perf_counter() - t0
-    after = llm.stats()
-    drafted = after.spec_drafted - before.spec_drafted
-    accepted = after.spec_accepted - before.spec_accepted
-    return sum(len(o.token_ids) for o in outs) / seconds, {
-        "acceptance_rate": accepted / drafted if drafted else 0.0,
-        "verifications": after.spec_verifications - before.spec_verifications,
-    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,18 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     batch = prompts(args.requests, 0)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    for llm in engines.values():
-        llm.generate(batch[:2], params)  # warm-up
-    rates: dict[str, list[float]] = {k: [] for k in engines}
-    spec: list[dict] = []
-    for r in range(args.rounds):
-        for key, llm in engines.items():
-            llm.clear_prefix_cache()
-            tps, s = one_round(llm, batch, params)
-            rates[key].append(tps)
-            if key == "draft":
-                spec.append(s)
-            print(f"  round {r + 1} {key:5s} {tps:8.1f} tok/s", file=sys.stderr)
+    rates, spec = alternate(engines, batch, params, args.rounds)
     drafter = getattr(engines["draft"], "_drafter", None)
     result = {
         "draft": args.draft,

@@ -68,8 +68,28 @@ def one_round(llm: LLM, prompts, params: SamplingParams) -> tuple[float, dict]:
     spec = {
         "acceptance_rate": accepted / drafted if drafted else 0.0,
         "tokens_per_verification": emitted / verifications if verifications else 0.0,
+        "verifications": verifications,
     }
     return sum(len(o.token_ids) for o in outs) / seconds, spec
+
+
+def alternate(engines: dict[str, LLM], prompts, params: SamplingParams, rounds: int, label: str = ""):
+    """Warm each engine up on two requests, then run `rounds` rounds of every engine in turn (prefix
+    cache cleared first): (tokens/s per engine, the speculation figures of the last engine's rounds)."""
+    for llm in engines.values():
+        llm.generate(prompts[:2], params)  # warm-up
+    rates: dict[str, list[float]] = {k: [] for k in engines}
+    spec: list[dict] = []
+    last = list(engines)[-1]
+    for r in range(rounds):
+        for key, llm in engines.items():
+            llm.clear_prefix_cache()
+            tps, s = one_round(llm, prompts, params)
+            rates[key].append(tps)
+            if key == last:
+                spec.append(s)
+            print(f"  {label}round {r + 1} {key:6s} {tps:8.1f} tok/s", file=sys.stderr)
+    return rates, spec
 
 
 def workload(name: str, source: str, prompts, args) -> dict:
@@ -78,18 +98,7 @@ def workload(name: str, source: str, prompts, args) -> dict:
         "plain": LLM(source, compile_decode=not args.no_compile),
         "lookup": LLM(source, compile_decode=not args.no_compile, speculate=PromptLookup(k=args.draft_tokens)),
     }
-    for llm in engines.values():
-        llm.generate(prompts[:2], params)  # warm-up
-    rates: dict[str, list[float]] = {k: [] for k in engines}
-    spec: list[dict] = []
-    for r in range(args.rounds):
-        for key, llm in engines.items():
-            llm.clear_prefix_cache()
-            tps, s = one_round(llm, prompts, params)
-            rates[key].append(tps)
-            if key == "lookup":
-                spec.append(s)
-            print(f"  {name} round {r + 1} {key:6s} {tps:8.1f} tok/s", file=sys.stderr)
+    rates, spec = alternate(engines, prompts, params, args.rounds, f"{name} ")
     plain, lookup = statistics.median(rates["plain"]), statistics.median(rates["lookup"])
     return {
         "workload": name,
