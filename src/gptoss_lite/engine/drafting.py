@@ -29,12 +29,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from gptoss_lite.engine.kv_manager import BlockCopy, KVManager, pool_blocks
-from gptoss_lite.engine.paged_batch import PagedBatch, PagedDecode, Segment
+from gptoss_lite.engine.paged_batch import PagedBatch, Segment
+from gptoss_lite.engine.runner import ModelRunner, make_store
 from gptoss_lite.kvspec import DENSE, model_kv_specs
 
 if TYPE_CHECKING:
     from gptoss_lite.engine.config import EngineConfig
     from gptoss_lite.engine.request import Request
+    from gptoss_lite.kv.paged_cache import PagedKVStore
+    from gptoss_lite.model.compiled_decode import CompiledDecoder
     from gptoss_lite.model.transformer import GPTOSS
     from gptoss_lite.speculative import DraftModel
 
@@ -68,8 +71,6 @@ class PagedDrafter:
     def __init__(self, spec: DraftModel, cfg: EngineConfig, *, full_blocks: int, max_model_len: int) -> None:
         """A pool holding as many tokens as the target's full-layer pool (`full_blocks` blocks of
         `cfg.block_size`), in the draft model's dtype and geometry."""
-        from gptoss_lite.engine.runner import make_store  # the runner's module imports this one
-
         model: GPTOSS = spec.model
         self.model, self.k = model, spec.k
         self.max_batch_tokens = cfg.max_batch_tokens
@@ -77,7 +78,7 @@ class PagedDrafter:
         specs = model_kv_specs(model.config, param.dtype.itemsize, DENSE)
         own = dataclasses.replace(cfg, kv_blocks=full_blocks, sliding_blocks=None, enable_prefix_caching=False)
         blocks, sliding = pool_blocks(specs, own, max_model_len)
-        self.store = make_store(
+        store = make_store(
             model,
             kv_blocks=blocks,
             sliding_blocks=sliding + cfg.max_running,  # a block of slack per request mid catch-up
@@ -86,21 +87,26 @@ class PagedDrafter:
             tail_blocks=0,
             full_window=None,
         )
-        self.kv = KVManager(self.store, revision="draft", enable_prefix_caching=False)
+        self.kv = KVManager(store, revision="draft", enable_prefix_caching=False)
         self.device = param.device
         self._seqs: dict[Hashable, _Sequence] = {}
         self.forwards = 0  # draft-model forwards run (each over every drafting request)
-        # As the target's runner: with the engine's compiled decode, the one-token forwards run as the
-        # draft model's compiled step over the block tables (catch-ups stay on the eager forward).
+        # A runner of its own over the draft store: with the engine's compiled decode, the one-token
+        # forwards run as the draft model's compiled step over the block tables (catch-ups stay eager).
         if cfg.compile_decode and model.compiled_decoder is None:
             model.prepare_for_inference(compile_decode=True)
-        self.decoder = None if cfg.compile_decode is False else model.compiled_decoder
-        if self.decoder is not None:  # compile now, while no sequence holds a block (this writes block 0)
-            with torch.inference_mode():
-                static = PagedDecode.warm_up(self.store, 2, 1)
-                ids = torch.zeros(static.positions.shape[0], dtype=torch.long, device=self.device)
-                torch._dynamo.maybe_mark_dynamic(ids, 0)
-                self.decoder.step(static, ids)
+        self.runner = ModelRunner(model, store, None if cfg.compile_decode is False else model.compiled_decoder)
+        if self.runner.decoder is not None:  # compile now, while no sequence holds a block (it writes block 0)
+            self.runner.warm_up()
+
+    @property
+    def store(self) -> PagedKVStore:
+        return self.runner.store
+
+    @property
+    def decoder(self) -> CompiledDecoder | None:
+        """The draft model's compiled step, when the engine compiles decode."""
+        return self.runner.decoder
 
     # ------------------------------------------------------------------ sequences
 
@@ -212,17 +218,9 @@ class PagedDrafter:
             fed.append((seq, tokens, want))
         if not fed:
             return [], []
-        for kind, src, dst, n in copies:
-            self.store.apply_copies(kind, [(src, dst, n)])
+        assert not copies, "the draft pool shares no block (no prefix cache, no fork): nothing to copy"
         batch = PagedBatch(self.store, segments, write_slots, logits_index)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        static = batch.static() if self.decoder is not None else None
-        if static is not None:  # every row a one-token feed that drafts
-            step_ids = input_ids[static.order]
-            torch._dynamo.maybe_mark_dynamic(step_ids, 0)
-            logits = self.decoder.step(static, step_ids)[static.real]
-        else:
-            logits = self.model.forward_batch(input_ids, batch)
+        logits, _ = self.runner.run(torch.tensor(ids, dtype=torch.long, device=self.device), batch)
         self.forwards += 1
         rows: list[torch.Tensor | None] = []
         at = 0

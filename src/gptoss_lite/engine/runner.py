@@ -138,15 +138,20 @@ class ModelRunner:
         for kind, src, dst, n in step.copies:
             self.store.apply_copies(kind, [(src, dst, n)])
         input_ids, batch, samplers = self.build_batch(step)
-        if self.decoder is not None:
-            static = batch.static()
-            if static is not None:
-                ids = input_ids[static.order]  # the rows in groups (padding repeats a row)
-                torch._dynamo.maybe_mark_dynamic(ids, 0)  # the batch is dynamic, as in the state
-                self.compiled_steps += 1
-                self.compiled_verifications += input_ids.shape[0] > len(samplers)
-                return self.decoder.step(static, ids)[static.real], samplers
-        return self.model.forward_batch(input_ids, batch), samplers
+        logits, compiled = self.run(input_ids, batch)
+        self.compiled_verifications += compiled and input_ids.shape[0] > len(samplers)
+        return logits, samplers
+
+    def run(self, input_ids: torch.Tensor, batch: PagedBatch) -> tuple[torch.Tensor, bool]:
+        """One forward of a built batch: (the logits of its `logits_index` rows, whether it ran as the
+        compiled step, which it does when there is a decoder and every row samples)."""
+        static = batch.static() if self.decoder is not None else None
+        if static is None:
+            return self.model.forward_batch(input_ids, batch), False
+        ids = input_ids[static.order]  # the rows in groups (padding repeats a row)
+        torch._dynamo.maybe_mark_dynamic(ids, 0)  # the batch is dynamic, as in the state
+        self.compiled_steps += 1
+        return self.decoder.step(static, ids)[static.real], True
 
     @torch.inference_mode()
     def sample(
