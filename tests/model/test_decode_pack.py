@@ -147,8 +147,9 @@ def test_joined_view_only_for_adjacent_blocks_of_one_buffer():
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("top_k", [2, 3])
 def test_one_token_expert_mix_matches_per_expert_reference(preset, top_k):
-    """The packed decode mix (one gate|up GEMV per expert) equals Σ w·expert(e, x) for every expert
-    pair in either order, and for three experts."""
+    """The one-token expert math run eagerly on the packed weights (one gate|up GEMV per expert)
+    equals Σ w·expert(e, x) for every expert pair in either order, and for three experts, unpacked
+    too (gradients on: the parameters themselves)."""
     model = make_model(preset).pack_for_decode()
     experts = model.blocks[0].moe.experts
     n = experts.gate_proj.shape[0]
@@ -158,4 +159,8 @@ def test_one_token_expert_mix_matches_per_expert_reference(preset, top_k):
         for pick in picks:
             w = torch.softmax(torch.randn(top_k), dim=0)
             want = sum(wj * experts.expert(e, x) for e, wj in zip(pick, w.tolist()))
-            torch.testing.assert_close(experts.mix_one_token(x, pick, w.tolist()), want, atol=1e-6, rtol=1e-5)
+            got = (experts.decode_step(x, torch.tensor([pick])) * w[None, :, None]).sum(dim=1)
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    unpacked = experts.decode_step(x, torch.tensor([picks[0]]))  # gradients on: gate_proj, up_proj
+    torch.testing.assert_close(unpacked[0, 0:1], experts.expert(picks[0][0], x), atol=1e-6, rtol=1e-5)
+    assert unpacked.requires_grad

@@ -108,3 +108,31 @@ def test_few_token_path_matches_grouped_dispatch(preset, N):
     assert aux is None and N <= FEW_TOKENS
     torch.testing.assert_close(few, grouped, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(few, _naive_moe(moe, x), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("preset", ["lite-tiny", "gpt-oss-tiny"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_one_token_forward_is_the_decode_step(preset, packed, monkeypatch):
+    """An eager forward of one token runs `MoE.decode_step` (the compiled step's function) and equals
+    the per-token reference, on the parameters and on the packed weights (fp32 and bf16)."""
+    torch.manual_seed(1)
+    moe = MoE(resolve_config(preset))
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(1, 1, 64)
+    want = _naive_moe(moe, x)
+    if packed:
+        moe.experts.pack_for_decode()
+    calls = []
+    step = moe.decode_step
+    monkeypatch.setattr(moe, "decode_step", lambda h: calls.append(h.shape) or step(h))
+    with torch.no_grad():
+        y, aux = moe(x, need_aux=False)
+        moe.to(torch.bfloat16)
+        y16, _ = moe(x.bfloat16(), need_aux=False)
+        want16 = _naive_moe(moe, x.bfloat16())  # the same routing, every product rounded to bf16
+    assert aux is None and calls == [(1, 64), (1, 64)] and y16.dtype == torch.bfloat16
+    torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
+    scale = want16.float().abs().max().item()  # bf16 sums of terms this large differ by their rounding
+    torch.testing.assert_close(y16.float(), want16.float(), atol=0.01 * scale, rtol=0.02)

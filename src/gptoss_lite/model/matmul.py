@@ -87,14 +87,45 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = Non
     sums, the weight read at the memory's rate, once per four rows."""
     if bf16_kernel.traceable(x, w):
         return bf16_kernel.gemv_fp32(x, w, b)
-    if x.shape[0] == 1:
-        return gemv(x, w, b)
+    if x.shape[0] == 1:  # eagerly the reduction is slow (see `gemv`): `linear`, then the same widening
+        return gemv(x, w, b) if torch.compiler.is_compiling() else linear(x, w, b).float()
     if rows_kernel.traceable(x, w):
         return rows_kernel.rows_mm(x, w, b)
     return F.linear(x.float(), w.float(), None if b is None else b.float())
 
 
+def select_linear(
+    x: torch.Tensor, mats: list[tuple[torch.Tensor, torch.Tensor | None]], idx: torch.Tensor | None
+) -> torch.Tensor:
+    """The experts' one-token projection: row x[b, a] (x (B, 1 or A, K)) through matrix idx[b, a] of
+    every stack (w (E, N, K), b (E, N) or None) in `mats`, their outputs side by side -> (B, A, ΣN)
+    fp32 sums; idx None: every matrix of the stack (A = E, the shared experts). The one place where
+    the compiled step and the eager path differ in how, never in what: compiled, a `gemv` reduction
+    over the gathered rows of each out-major stack, which inductor fuses so that nothing is copied;
+    eager, one `linear` per (row, expert) on a view of its matrix (a gather would copy the weights),
+    whose result for 16-bit rows is already rounded to their dtype, as every caller rounds it
+    (`rounded` widens it)."""
+    if torch.compiler.is_compiling():
+        outs = []
+        for w, b in mats:
+            pick = w[None] if idx is None else w[idx]  # (B or 1, A, N, K)
+            y = (pick.float() * x[:, :, None, :].float()).sum(-1)
+            outs.append(y if b is None else y + (b[None] if idx is None else b[idx]).float())
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+    B, E = x.shape[0], mats[0][0].shape[0]
+    A = E if idx is None else idx.shape[1]
+    experts = list(range(E)) * B if idx is None else idx.view(-1).tolist()
+    rows = x.reshape(-1, x.shape[-1]).split(1)  # (1, K) views: one per (row, expert), or per row
+    shared = x.shape[1] == 1
+    parts = []
+    for i, e in enumerate(experts):
+        xa = rows[i // A if shared else i]
+        for w, b in mats:
+            parts.append(linear(xa, w[e]) if b is None else linear(xa, w[e], b[e]))
+    return torch.cat(parts, dim=0).view(B, A, -1)
+
+
 def rounded(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x rounded to `dtype` and widened back to fp32 (nothing for fp32): where the eager path would
     hold a value in the model's dtype, the fp32 one-token path rounds it the same way."""
-    return x if dtype == torch.float32 else x.to(dtype).float()
+    return x.float() if x.dtype == dtype or dtype == torch.float32 else x.to(dtype).float()

@@ -10,7 +10,7 @@ from torch import nn
 from gptoss_lite.config import ModelConfig
 from gptoss_lite.kernels.mxfp4 import BLOCK, dequantize_rows, matvec, quantize_mxfp4, reference_rows
 from gptoss_lite.model.decode_pack import input_major_for, pack_pair, pack_rows, still_packed, store_for_decode
-from gptoss_lite.model.matmul import Linear, decode_linear, linear, rounded
+from gptoss_lite.model.matmul import Linear, decode_linear, linear, rounded, select_linear
 
 
 def activate(gate: torch.Tensor, up: torch.Tensor, activation: str, limit: float) -> torch.Tensor:
@@ -89,29 +89,6 @@ class Experts(nn.Module):
     def _activate(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return activate(gate, up, self.activation, self.limit)
 
-    def mix_one_token(self, x: torch.Tensor, experts: list[int], weights: list[float]) -> torch.Tensor:
-        """Σ weights[j] · expert(experts[j], x) for one token x (1, C), on the packed weights when the
-        model was packed for decode and gradients are off."""
-        packed = None if torch.is_grad_enabled() else self._packed_gate_up()
-        down_w, down_b = self.down_proj, self.down_bias
-        y = None
-        for e, w in zip(experts, weights):
-            if packed is None:
-                out = self.expert(e, x)
-            else:
-                buf, bias, input_major = packed
-                if input_major:
-                    gate_up = torch.mm(x, buf[e]) if bias is None else torch.addmm(bias[e], x, buf[e])  # (1, 2I)
-                else:
-                    gate_up = linear(x, buf[e], None if bias is None else bias[e])
-                gate, up = gate_up.chunk(2, dim=-1)
-                out = linear(self._activate(gate, up), down_w[e], None if down_b is None else down_b[e])
-            # NOTE: multiplying by the weight as a Python float is exact: it is the fp32/bf16 value
-            # itself, and the product is computed in fp32 as with a tensor operand.
-            out = out * w
-            y = out if y is None else y + out
-        return y
-
     def mix_few_tokens(self, x: torch.Tensor, top_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
         """Σ_j weights[n, j] · expert(top_idx[n, j], x[n]) for a few tokens x (N, C), by running every
         expert on every token in two batched matmuls on the packed weights (E·N rows: cheap for small
@@ -139,32 +116,30 @@ class Experts(nn.Module):
             self._activate(gate, up), self.down_proj[e], None if self.down_bias is None else self.down_bias[e]
         )
 
-    def decode_step(self, h: torch.Tensor, top_idx: torch.Tensor | None, weights: torch.Tensor | None) -> torch.Tensor:
-        """The one-token path: experts top_idx (B, A) of each row h (B, C) (model dtype; None: every
-        expert, the shared ones) as `gemv` reductions over the gathered rows of the out-major packed
-        weights, nothing copied -> their outputs (B, A, C) rounded to the dtype, each times its weight
-        (B, A) when given, rounded again."""
-        dt = h.dtype
-        packed = self._packed_gate_up()
-        if packed is None or packed[2]:
+    def _gate_up_stacks(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """gate and up as out-major stacks (E, ·, C) whose outputs, side by side, are (gate, up): the
+        packed buffer (a transposed view when input-major), else the two parameters. The compiled step
+        needs the packed out-major buffer."""
+        packed = None if torch.is_grad_enabled() else self._packed_gate_up()
+        if torch.compiler.is_compiling() and (packed is None or packed[2]):
             raise ValueError(
                 "decode_step needs out-major expert weights; build the model with "
                 "prepare_for_inference(compile_decode=True)"
             )
-        buf, bias, down, down_b = packed[0], packed[1], self.down_proj, self.down_bias  # (E, 2I, C), (E, 2I), ...
+        if packed is None:
+            return [(self.gate_proj, self.gate_bias), (self.up_proj, self.up_bias)]
+        buf, bias, input_major = packed  # (E, C, 2I) or (E, 2I, C); (E, 2I)
+        return [(buf.transpose(1, 2) if input_major else buf, bias)]
 
-        def pick(w: torch.Tensor) -> torch.Tensor:  # (B, A, ...) rows of the selected experts, or (1, E, ...)
-            return w[None] if top_idx is None else w[top_idx]
-
-        gate_up = (pick(buf).float() * h[:, None, None, :].float()).sum(-1)  # (B, A, 2I)
-        if bias is not None:
-            gate_up = gate_up + pick(bias).float()
-        act = self._activate(*rounded(gate_up, dt).chunk(2, dim=-1)).to(dt)  # (B, A, I)
-        out = (pick(down).float() * act[:, :, None, :].float()).sum(-1)  # (B, A, C)
-        if down_b is not None:
-            out = out + pick(down_b).float()
-        out = rounded(out, dt)
-        return out if weights is None else rounded(out * weights[..., None], dt)
+    def decode_step(self, h: torch.Tensor, top_idx: torch.Tensor | None) -> torch.Tensor:
+        """The one-token expert math, eager and compiled alike (`MoE.decode_step` runs it for a single
+        token either way): experts top_idx (B, A) of each row h (B, C) (model dtype; None: every expert,
+        the shared ones) -> their outputs (B, A, C), fp32 holding values of the dtype. The products are
+        `select_linear`'s, which alone differs between the compiled step and the eager path."""
+        dt = h.dtype
+        gate_up = rounded(select_linear(h[:, None], self._gate_up_stacks(), top_idx), dt)  # (B, A, 2I)
+        act = self._activate(*gate_up.chunk(2, dim=-1)).to(dt)  # (B, A, I)
+        return rounded(select_linear(act, [(self.down_proj, self.down_bias)], top_idx), dt)  # (B, A, C)
 
 
 MATVEC_ROWS = 16  # MXFP4Experts: up to this many rows per expert read the codes; more dequantise a copy
@@ -269,15 +244,6 @@ class MXFP4Experts(nn.Module):
         down_w = dequantize_rows(self.down_blocks[e], self.down_scales[e], wdt).to(x.dtype)  # (C, I)
         return linear(act, down_w, None if self.down_bias is None else self.down_bias[e])
 
-    def mix_one_token(self, x: torch.Tensor, experts: list[int], weights: list[float]) -> torch.Tensor:
-        """Σ weights[j] · expert(experts[j], x) for one token x (1, C), summed in order as `Experts`."""
-        out = self._run(x.expand(len(experts), -1), torch.tensor(experts, dtype=torch.int64, device=x.device))
-        y = None
-        for j, w in enumerate(weights):
-            term = out[j : j + 1] * w
-            y = term if y is None else y + term
-        return y
-
     def mix_few_tokens(self, x: torch.Tensor, top_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Σ_j weights[n, j] · expert(top_idx[n, j], x[n]) for a few tokens x (N, C): every (token,
         expert) pair in one pass over the codes."""
@@ -285,9 +251,9 @@ class MXFP4Experts(nn.Module):
         out = self._run(x.repeat_interleave(A, dim=0), top_idx.reshape(-1)).view(N, A, -1)
         return (out * weights[..., None]).sum(dim=1)
 
-    def decode_step(self, h: torch.Tensor, top_idx: torch.Tensor | None, weights: torch.Tensor | None) -> torch.Tensor:
-        """`Experts.decode_step` on the codes: rows h (B, C), experts top_idx (B, A) -> (B, A, C)
-        rounded to the dtype, each times its weight (B, A) when given, rounded again."""
+    def decode_step(self, h: torch.Tensor, top_idx: torch.Tensor | None) -> torch.Tensor:
+        """`Experts.decode_step` on the codes: rows h (B, C), experts top_idx (B, A) -> (B, A, C), fp32
+        holding values of h's dtype; eager and compiled alike (`matvec` is one op either way)."""
         if top_idx is None:
             raise ValueError("MXFP4 experts are routed experts; shared experts are stored unpacked")
         dt = h.dtype
@@ -296,8 +262,7 @@ class MXFP4Experts(nn.Module):
         rows = h[:, None].expand(B, A, h.shape[-1]).reshape(B * A, -1)
         gate_up = rounded(self._gate_up(rows, experts), dt)
         act = activate(gate_up[:, 0::2], gate_up[:, 1::2], self.activation, self.limit).to(dt)  # (B·A, I)
-        out = rounded(self._down(act, experts), dt).view(B, A, -1)
-        return out if weights is None else rounded(out * weights[..., None], dt)
+        return rounded(self._down(act, experts), dt).view(B, A, -1)
 
 
 FEW_TOKENS = 16  # up to this many tokens (inference), `Experts.mix_few_tokens` replaces the grouping
@@ -326,13 +291,11 @@ class MoE(nn.Module):
         B, T, C = x.shape
         E, A = self.n_experts, self.top_k
         flat = x.reshape(B * T, C)  # (N, C)
+        if flat.shape[0] == 1 and not need_aux:  # one token: the compiled step's own function, run eagerly
+            return self.decode_step(flat).to(x.dtype).view(B, T, C), None
         logits = self.router(flat)  # (N, E)
         top_logits, top_idx = logits.topk(A, dim=-1)  # (N, A)
         weights = torch.softmax(top_logits.float(), dim=-1).to(x.dtype)  # (N, A)
-        if flat.shape[0] == 1 and not need_aux:
-            # Single-token decode: each selected expert is its own group; skip the sort/scatter.
-            y = self.experts.mix_one_token(flat, top_idx.view(-1).tolist(), weights.view(-1).tolist())
-            return self._add_shared(flat, y).view(B, T, C), None
         if flat.shape[0] <= FEW_TOKENS and not need_aux:
             # A few tokens (speculative verification, a short chunk): every expert on every token.
             y = self.experts.mix_few_tokens(flat, top_idx, weights)
@@ -364,22 +327,18 @@ class MoE(nn.Module):
         return y.view(B, T, C), aux
 
     def decode_step(self, h: torch.Tensor) -> torch.Tensor:
-        """The one-token path of `forward`: h (B, C) in the model's dtype -> (B, C) in it. Router as a
-        `gemv`, top-k, the selected experts gathered inside their reductions (`Experts.decode_step`),
-        summed in order and rounded each time as `Experts.mix_one_token`, then the shared experts."""
+        """The one-token MoE, the same function in the compiled step and in an eager `forward` of one
+        token: h (B, C) in the model's dtype -> (B, C) fp32 holding values of that dtype. Router
+        (`decode_linear`), top-k, the selected experts (`Experts.decode_step`, outputs in the dtype),
+        their weighted sum plus the shared experts' outputs in fp32, rounded once."""
         dt = h.dtype
         logits = decode_linear(h, self.router.weight, self.router.bias).to(dt)  # (B, E)
         top_logits, top_idx = logits.topk(self.top_k, dim=-1)  # (B, A)
         weights = torch.softmax(top_logits.float(), dim=-1).to(dt).float()  # (B, A)
-        out = self.experts.decode_step(h, top_idx, weights)  # (B, A, C)
-        y = out[:, 0]
-        for j in range(1, self.top_k):
-            y = rounded(y + out[:, j], dt)
+        y = (self.experts.decode_step(h, top_idx) * weights[..., None]).sum(dim=1)  # (B, C)
         if self.shared is not None:
-            shared = self.shared.decode_step(h, None, None)  # (B, n, C): every shared expert
-            for s in range(shared.shape[1]):
-                y = rounded(y + shared[:, s], dt)
-        return y
+            y = y + self.shared.decode_step(h, None).sum(dim=1)  # every shared expert, weight 1
+        return rounded(y, dt)
 
     def use_mxfp4(self) -> None:
         """Store the routed experts packed in MXFP4 (`MXFP4Experts.quantize`; on the meta device an
