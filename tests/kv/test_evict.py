@@ -114,3 +114,35 @@ def test_streaming_property(length, data):
         assert set(kept[sinks:]) == set(range(length - (budget - sinks), length))
     else:
         assert kept == tuple(range(length))
+
+
+def test_streaming_priority_keeps_what_streaming_keep_indices_keeps():
+    """The evicting cache's priority (tensors) never evicts a token the list rule keeps, and ranks
+    the rest oldest first."""
+    torch = pytest.importorskip("torch")
+    from gptoss_lite.kv.evict import streaming_priority
+
+    for length, budget, sinks in [(10, 5, 2), (10, 3, 0), (4, 5, 2), (9, 4, 4)]:
+        pos = torch.arange(length)
+        priority = streaming_priority(pos, length, budget, sinks)
+        kept = tuple(i for i in range(length) if priority[i] == math.inf)
+        assert kept == streaming_keep_indices(length, budget, sinks)
+        evicted = [float(priority[i]) for i in range(length) if i not in kept]
+        assert evicted == sorted(evicted)
+
+
+def test_a_window_is_streaming_without_sink_tokens():
+    """The engine's window (a KV group's window_start / release_target) is recent_start with no sinks."""
+    from gptoss_lite.config import FULL
+    from gptoss_lite.fixtures import resolve_config
+    from gptoss_lite.kv.evict import recent_start
+    from gptoss_lite.kv.groups import KVGroup
+    from gptoss_lite.kv.paged_cache import PagedKVStore
+
+    store = PagedKVStore(resolve_config("gpt-oss-tiny"), 64, 16, full_window=32)
+    group = store.group(FULL)
+    for n in (0, 5, 31, 32, 33, 100):
+        assert group.window_start(n) == recent_start(n + 1, 32) == max(0, n - 31)
+        assert group.release_target(n, slack=3) == max(0, recent_start(n + 1, 32) - 3)
+        assert streaming_keep_indices(n + 1, 32, 0)[0] == group.window_start(n)
+    assert isinstance(group, KVGroup)

@@ -1,8 +1,18 @@
 """Token eviction under a KV budget (docs/kv-cache.md#compression-and-eviction): which cached positions to keep.
 
-Both rules return a sorted tuple of kept token indices; applying it to a cache is the caller's job.
-Pure Python: a sequence of floats goes in (a torch tensor or numpy array is converted with
-`.tolist()`), so nothing here imports torch.
+The two rules, written once here and used by every cache that evicts:
+
+- **StreamingLLM**: the first `sink_tokens` positions and everything from `recent_start(length,
+  budget, sink_tokens)` on. The evicting cache keeps that (`streaming_priority`), and the engine's
+  full-layer window is the same rule with no sink tokens (gpt-oss's sinks are logits, not tokens):
+  its blocks before `recent_start` are released (`kv.groups.KVGroup.release_target`).
+- **H2O** (heavy hitters): the `recent` most recent positions, and of the rest the largest
+  accumulated attention (`h2o_priority`; `heavy_hitter_indices` on a plain list).
+
+`streaming_keep_indices` and `heavy_hitter_indices` return sorted tuples of kept indices of plain
+Python sequences (a torch tensor or numpy array is converted with `.tolist()`); the `*_priority`
+functions score a cache's held tokens (tensors: +inf is never evicted, the lowest goes first) with
+tensor methods only. Nothing here imports torch.
 
 NOTE: neither rule can know the future. A later query that needs a token past attention ignored
 loses it under both; measure quality (docs/kv-cache.md#compression-and-eviction) rather than assuming it.
@@ -51,18 +61,37 @@ def heavy_hitter_indices(attention_mass: Sequence[float], budget: int) -> tuple[
     return tuple(sorted(ranked[:budget]))
 
 
-def streaming_keep_indices(length: int, budget: int, sink_tokens: int) -> tuple[int, ...]:
-    """Keep the first `sink_tokens` tokens plus the most recent `budget - sink_tokens` (StreamingLLM).
-
-    Returns min(length, budget) sorted indices in [0, length); every token when `length <= budget`.
-    A sink count above the budget is an error.
-    """
+def recent_start(length: int, budget: int, sink_tokens: int = 0) -> int:
+    """StreamingLLM over `length` tokens: the first kept position after the `sink_tokens` sinks, so
+    that sinks and recent tokens together fill `budget` (every token is kept when `length <= budget`).
+    A sink count above the budget is an error."""
     _check_int("length", length, 0)
     _check_int("budget", budget, 1)
     _check_int("sink_tokens", sink_tokens, 0)
     if sink_tokens > budget:
         raise ValueError(f"sink_tokens={sink_tokens}: must be <= budget={budget} (sinks are part of the budget)")
-    if length <= budget:
-        return tuple(range(length))
-    recent = budget - sink_tokens
-    return tuple(range(sink_tokens)) + tuple(range(length - recent, length))
+    return max(sink_tokens, length - (budget - sink_tokens))
+
+
+def streaming_keep_indices(length: int, budget: int, sink_tokens: int) -> tuple[int, ...]:
+    """Keep the first `sink_tokens` tokens plus the most recent `budget - sink_tokens` (StreamingLLM).
+
+    Returns min(length, budget) sorted indices in [0, length); every token when `length <= budget`.
+    """
+    start = recent_start(length, budget, sink_tokens)
+    return tuple(range(min(sink_tokens, length))) + tuple(range(start, length))
+
+
+def streaming_priority(pos: Any, length: int, budget: int, sink_tokens: int) -> Any:
+    """StreamingLLM's keep priority of held tokens at positions `pos` (an int64 tensor) of a sequence
+    now `length` long: +inf where `streaming_keep_indices` keeps them, else their position (the
+    oldest goes first)."""
+    keep = (pos < sink_tokens) | (pos >= recent_start(length, budget, sink_tokens))
+    return pos.float().masked_fill(keep, math.inf)
+
+
+def h2o_priority(pos: Any, mass: Any, length: int, recent: int) -> Any:
+    """H2O's keep priority of held tokens at positions `pos` with accumulated attention `mass` (tensors
+    of one shape) of a sequence now `length` long: +inf for the `recent` most recent positions, else
+    the mass (the lightest goes first)."""
+    return mass.masked_fill(pos >= length - recent, math.inf)

@@ -23,6 +23,7 @@ import torch
 
 from gptoss_lite.config import ModelConfig
 from gptoss_lite.kv.base import KVRead, TensorSegment
+from gptoss_lite.kv.evict import h2o_priority, streaming_priority
 from gptoss_lite.kv.mixed import DEFAULT_FULL_CAP_TOKENS, MixedKVCache, _LayerStore
 from gptoss_lite.validation import check_int
 
@@ -77,12 +78,12 @@ class EvictingBuffer(_LayerStore):
         return blocks
 
     def _scores(self, pos: torch.Tensor, mass: torch.Tensor | None, end: int) -> torch.Tensor:
-        """Keep-priority of candidates (B, K, c): the lowest goes first, +inf is never evicted."""
-        inf = torch.tensor(float("inf"), device=pos.device)
+        """Keep-priority of candidates (B, K, c) of a sequence `end` tokens long, by the policy's rule
+        (`kv.evict`): the lowest goes first, +inf is never evicted."""
         if self.policy == "streaming":
-            return torch.where(pos < self.sink_tokens, inf, pos.float())
+            return streaming_priority(pos, end, self.budget, self.sink_tokens)
         assert mass is not None
-        return torch.where(pos >= end - self.recent, inf, mass)
+        return h2o_priority(pos, mass, end, self.recent)
 
     def commit(self) -> None:
         """Store the staged tokens, evicting the lowest-priority ones beyond the budget."""

@@ -37,6 +37,7 @@ import math
 from collections.abc import Hashable, Iterable, Sequence
 
 from gptoss_lite.kv.block_pool import PagedKVPool
+from gptoss_lite.kv.evict import recent_start
 from gptoss_lite.kv.prefix import PrefixCache
 from gptoss_lite.kvspec import LayerKVSpec
 
@@ -71,15 +72,17 @@ class KVGroup:
     # ------------------------------------------------------------------ the window rule
 
     def window_start(self, position: int) -> int:
-        """The first position a query at `position` attends to (0 without a window)."""
-        return 0 if self.window is None else max(0, position - self.window + 1)
+        """The first position a query at `position` attends to (0 without a window): `recent_start` of
+        the sequence up to that query, a window being StreamingLLM's rule with no sink tokens."""
+        return 0 if self.window is None else recent_start(position + 1, self.window)
 
     def release_target(self, num_computed: int, slack: int = 0) -> int:
         """Tokens before this index are needed by no query from `num_computed` on, keeping `slack` more
-        (0 without a window: everything is needed)."""
+        (0 without a window: everything is needed): StreamingLLM's rule (`kv.evict.recent_start`) with
+        no sink tokens over the window, for the sequence with its next token."""
         if self.window is None:
             return 0
-        return max(0, num_computed - self.window + 1 - slack)
+        return max(0, recent_start(num_computed + 1, self.window) - slack)
 
     def release_window(self, seq_id: Hashable, num_computed: int, *, slack: int = 0) -> tuple[int, ...]:
         """Release the sequence's blocks every slot of which precedes the window of the next query (at
