@@ -10,7 +10,9 @@ max_running 16, max_batch_tokens 2048 and prefix caching off, for each configura
 
 - `16-bit eager`: the model's dtype in the blocks, every step eager;
 - `16-bit compiled`: all-decode steps compiled (`LLM(compile_decode=True)`);
-- `int8 eager`, `int4 eager`: full-layer blocks as int8 / int4 codes (quantised blocks decode eagerly).
+- `int8 eager`, `int4 eager`: full-layer blocks as int8 / int4 codes, every step eager;
+- `int8 compiled`, `int4 compiled`, `fp8 compiled`: those codes with all-decode steps compiled (the
+  block kernel reads the codes in place).
 
 Every engine is built once (compile and warm-up batch untimed); then each round runs every
 configuration once, in an order that alternates between rounds. Figure: generated tok/s = 16 · 128 /
@@ -34,7 +36,10 @@ CONFIGS = {
     "16-bit eager": {"kv_format": "dense", "compile_decode": False},
     "16-bit compiled": {"kv_format": "dense", "compile_decode": True},
     "int8 eager": {"kv_format": "int8", "compile_decode": False},
+    "int8 compiled": {"kv_format": "int8", "compile_decode": True},
     "int4 eager": {"kv_format": "int4", "compile_decode": False},
+    "int4 compiled": {"kv_format": "int4", "compile_decode": True},
+    "fp8 compiled": {"kv_format": "fp8", "compile_decode": True},
 }
 
 

@@ -210,6 +210,7 @@ KV_DOORS = {
     "kv_manager.py": {"groups", "pools", "prefix"},
     "runner.py": {"store"},
     "paged_batch.py": {"store"},
+    "paged_decode.py": {"store"},
     "drafting.py": {"store"},
 }
 KV_INSIDES = {"store", "groups", "pools", "prefix"}

@@ -1,6 +1,6 @@
 """The engine with its all-decode steps compiled (LLM(compile_decode=True)): greedy outputs equal
 generate() on each request alone under random arrivals, preemption, prefix hits and a full-layer window; one
-graph serves every batch size and context length; quantised blocks stay eager."""
+graph serves every batch size and context length; quantised blocks compile too and equal the eager engine."""
 
 import copy
 import random
@@ -9,6 +9,8 @@ import pytest
 from torch._dynamo.utils import counters
 
 from gptoss_lite.engine import LLM, SamplingParams
+from gptoss_lite.kv.quant import CODECS
+from gptoss_lite.speculative import PromptLookup
 from tests.engine.conftest import assert_nothing_leaks, assert_same_as_generate, random_workload, recording, run
 from tests.engine.test_full_window import windowed
 
@@ -17,7 +19,7 @@ def _compiled_llm(model, **kwargs) -> LLM:
     """An engine over a copy of `model` (compiling re-packs the weights out-major; the shared model
     stays as the other tests expect it)."""
     llm = LLM(copy.deepcopy(model).prepare_for_inference(compile_decode=True), **kwargs)  # compile_decode: as prepared
-    assert (llm.compile_seconds is None) == ("kv_format" in kwargs)  # quantised blocks: nothing to compile
+    assert llm.compile_seconds is not None
     recording(llm)
     return llm
 
@@ -61,12 +63,31 @@ def test_full_window_equals_windowed_generate(models):
     assert_nothing_leaks(llm)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_quantised_blocks_stay_eager_and_equal(models, bits):
+@pytest.mark.parametrize("fmt", sorted(CODECS))
+def test_quantised_blocks_compile_and_equal_eager(models, fmt):
+    """On quantised full-layer blocks the all-decode steps run compiled (codes read in place, the last
+    block from its tail, each completed block quantised inside the step) and give the eager engine's
+    tokens: prompts that end inside a block and on its last slot, decodes across block boundaries,
+    preemption and prefix hits; on int8 also speculation (drafts verified in compiled steps)."""
     model = models("shipped")
-    prompts = [[random.Random(i).randrange(model.config.vocab_size) for _ in range(40 + 30 * i)] for i in range(4)]
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    want = [o.token_ids for o in LLM(model, kv_format=f"int{bits}").generate(prompts, params)]
-    llm = _compiled_llm(model, kv_format=f"int{bits}")
+    rng = random.Random(21)
+    prompts = [[rng.randrange(model.config.vocab_size) for _ in range(n)] for n in (40, 47, 64, 95, 130, 31)]
+    prompts[5] = prompts[4][:100] + prompts[5]  # a prefix hit
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    eager = LLM(model, kv_format=fmt, kv_blocks=30, max_batch_tokens=128)
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    llm = _compiled_llm(model, kv_format=fmt, kv_blocks=30, max_batch_tokens=128)
+    graphs = counters["stats"]["unique_graphs"]
     assert [o.token_ids for o in llm.generate(prompts, params)] == want
-    assert llm.runner.decoder is None and llm.runner.compiled_steps == 0
+    assert counters["stats"]["unique_graphs"] == graphs, "a step compiled a graph of its own"
+    assert llm.runner.compiled_steps > 20 and llm.stats().preemptions > 0 and llm.stats().prefix_hits > 0
+    assert_nothing_leaks(llm)
+    if fmt != "int8":
+        return
+    spec = _compiled_llm(model, kv_format=fmt, speculate=PromptLookup(k=3), max_batch_tokens=128)
+    repeats = [p[:20] * 3 for p in prompts[:3]]  # lookup drafts that the model partly accepts
+    plain = LLM(model, kv_format=fmt, max_batch_tokens=128)  # eager, no drafts
+    want = [o.token_ids for o in plain.generate(repeats, params)]
+    assert [o.token_ids for o in spec.generate(repeats, params)] == want
+    assert spec.runner.compiled_verifications > 0
+    assert_nothing_leaks(spec)

@@ -21,6 +21,9 @@ then their full-precision tail; prefill segments read a segmented `KVRead` over 
 Under a full-layer window N (`full_window`) full layers attend like sliding layers with a window of N
 keys (the read's `horizon`; their blocks are released the same way, see
 docs/engine.md#full-layer-window).
+
+A step whose every row samples also has a fixed-shape form for the compiled step, `static()`: a
+`PagedDecode` (engine/paged_decode.py).
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gptoss_lite.kv.base import DecodeChunk, DecodeRows, KVRead, KVSegment, RaggedRead, StaticRead, TensorSegment
+from gptoss_lite.engine.paged_decode import PagedDecode, QuantizedStep
+from gptoss_lite.kv.base import DecodeChunk, DecodeRows, KVRead, KVSegment, RaggedRead, TensorSegment
 from gptoss_lite.kv.paged_cache import PagedKVStore
 from gptoss_lite.kv.paged_quant import QuantizedPagedStore
 from gptoss_lite.kvspec import LayerKind
@@ -155,7 +159,8 @@ class PagedBatch:
 
     def static(self) -> PagedDecode | None:
         """The fixed-shape form of a step whose every row samples (decode rows and verified drafts) for
-        the compiled step (`PagedDecode`); None for a step with prompt chunks or quantised blocks.
+        the compiled step (`PagedDecode`); None for a step with prompt chunks, or, on quantised
+        blocks, with a segment longer than a block.
 
         Each request is a group of T rows over its one block table, T the longest segment of the step
         (1 when no request verifies a draft): a draft of k tokens is k + 1 rows at consecutive
@@ -163,9 +168,14 @@ class PagedBatch:
         repeated writes store the same values, and their logits are dropped). Every row's K/V is
         written before any row reads (`write_read`), and keys after a row's own position have
         negative distances (hidden), so each row sees exactly the tokens before it, as in the eager
-        step's causal chunk. The groups are padded to at least 2 by repeating the first."""
-        if not self.all_sampled or self.quant is not None:
+        step's causal chunk. The groups are padded to at least 2 by repeating the first.
+
+        On quantised blocks the full layers write into their tails and read complete blocks as codes
+        and the last one from its tail (`_QuantReads.static`)."""
+        if not self.all_sampled:
             return None
+        if self.quant is not None and max(seg.length for seg in self.segments) > self.store.block_size:
+            return None  # a group would complete two blocks in one step
         dev = self.store.device
         groups = list(self.segments)
         if len(groups) < 2:  # one group would get a graph of its own: repeat it
@@ -176,16 +186,22 @@ class PagedBatch:
         order_t = torch.tensor(order, dtype=torch.long, device=dev)
         offsets = torch.arange(T)[None, :].clamp(max=torch.tensor([seg.length - 1 for seg in groups])[:, None])
         tables, slots, distances = {}, {}, {}
+        quant = None
         for kind in self.store.kinds:
-            table, distance = _decode_table(groups, kind, self.store.block_size, offsets)  # one table, padded
-            if table.shape[1] == 1:  # a width of 1 would get a graph of its own: add a hidden column
-                table = torch.cat([table, torch.zeros_like(table)], dim=1)
-                distance = torch.cat([distance, torch.full_like(distance, -1)], dim=2)
+            if self.quant is not None and kind == LayerKind.FULL:  # codes and tails
+                table, distance, slots[kind], quant = self.quant.static(groups, offsets, order_t)
+            else:
+                table, distance = _decode_table(groups, kind, self.store.block_size, offsets)  # one table, padded
+                slots[kind] = self.write_slots[kind][order_t]
+                if table.shape[1] == 1:  # a width of 1 would get a graph of its own: add a hidden column
+                    table = torch.cat([table, torch.zeros_like(table)], dim=1)
+                    distance = torch.cat([distance, torch.full_like(distance, -1)], dim=2)
             tables[kind], distances[kind] = table.to(dev), distance.to(dev)
-            slots[kind] = self.write_slots[kind][order_t]
         horizon = {kind: self.full_window if kind == LayerKind.FULL else None for kind in tables}
         real_t = torch.tensor(real, dtype=torch.long, device=dev)
-        return PagedDecode(self.store, self._positions[order_t], tables, slots, distances, horizon, order_t, real_t)
+        return PagedDecode(
+            self.store, self._positions[order_t], tables, slots, distances, horizon, order_t, real_t, quant
+        )
 
 
 # Decode rows are gathered in at most this many buckets of similar length, each padded to its own
@@ -226,85 +242,6 @@ def _decode_table(
     return table, (query_pos + offsets)[:, :, None] - key_pos[:, None, :]
 
 
-class PagedDecode:
-    """`StaticKV` (gptoss_lite.kv.base) over the paged store for one step of sampled rows, in R groups
-    of T rows (a request and its draft): per layer kind the groups' block tables (R, nb), each row's
-    write slot (R·T,) (flat block · bs + slot) and each key's distance to each row's query (R, T,
-    nb · bs). `order` (R·T,) is the flat-batch row each row runs, `real` the row of each flat-batch row
-    (the logits to keep). The group, table and row dimensions are marked dynamic, so one compiled graph
-    serves every batch size from 2 and every context length (and one more every draft length)."""
-
-    def __init__(
-        self,
-        store: PagedKVStore,
-        positions: torch.Tensor,
-        tables: dict[str, torch.Tensor],
-        slots: dict[str, torch.Tensor],
-        distances: dict[str, torch.Tensor],
-        horizon: dict[str, int | None],
-        order: torch.Tensor,
-        real: torch.Tensor,
-    ) -> None:
-        self.k, self.v = store.k, store.v
-        self.kinds = [store.kind(layer) for layer in range(len(store.k))]
-        self._positions, self._horizon = positions, horizon
-        self.tables, self.slots, self.distances = tables, slots, distances
-        self.order, self.real = order, real
-        for t in (positions, *tables.values(), *slots.values(), *distances.values()):
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-        for t in tables.values():
-            torch._dynamo.maybe_mark_dynamic(t, 1)
-        for t in distances.values():
-            if t.shape[1] > 1:  # a size of 1 is specialised anyway: plain decode has a graph of its own
-                torch._dynamo.maybe_mark_dynamic(t, 1)
-            torch._dynamo.maybe_mark_dynamic(t, 2)
-
-    @classmethod
-    def warm_up(cls, store: PagedKVStore, groups: int, per_group: int) -> PagedDecode:
-        """A dummy state of `groups` groups of `per_group` rows at position 0 of block 0 of each pool,
-        for compiling the decode step before the first request: the caller makes sure no request
-        holds a block yet (this writes block 0)."""
-        bs, device = store.block_size, store.device
-        kinds = store.kinds
-        # distinct sizes (groups, rows per group, a table width per kind): sizes equal at trace time
-        # would be taken for one symbol, and a later step where they differ would compile again
-        widths = {kind: 3 + i for i, kind in enumerate(kinds)}
-        rows = groups * per_group
-        zeros = torch.zeros(rows, dtype=torch.long, device=device)
-        return cls(
-            store,
-            zeros.clone(),
-            {kind: torch.zeros(groups, w, dtype=torch.long, device=device) for kind, w in widths.items()},
-            {kind: zeros.clone() for kind in kinds},
-            # only slot 0 (position 0) is visible
-            {
-                kind: -torch.arange(w * bs, device=device).expand(groups, per_group, -1).contiguous()
-                for kind, w in widths.items()
-            },
-            {kind: None for kind in kinds},
-            torch.zeros(rows, dtype=torch.long, device=device),
-            torch.arange(rows, device=device),
-        )
-
-    @property
-    def positions(self) -> torch.Tensor:
-        return self._positions
-
-    def write_read(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> StaticRead:
-        """k, v (R·T, K, D) into each row's slot; the read is the layer's block storage (K, blocks, bs,
-        D) and the groups' block tables (R, nb), which attention reads in place."""
-        kind = self.kinds[layer]
-        kb, vb = self.k[layer], self.v[layer]  # (K, blocks, bs, D)
-        K, D = kb.shape[0], kb.shape[3]
-        slots = self.slots[kind]
-        kb.view(K, -1, D).index_copy_(1, slots, k.transpose(0, 1))
-        vb.view(K, -1, D).index_copy_(1, slots, v.transpose(0, 1))
-        return StaticRead(kb, vb, self.distances[kind], self.tables[kind])
-
-    def horizon(self, layer: int) -> int | None:
-        return self._horizon[self.kinds[layer]]
-
-
 class _QuantReads:
     """The full layers of one step on a `QuantizedPagedStore`: the write plan, and per decode row /
     prefill segment its complete blocks and its tail (see the module docstring)."""
@@ -313,26 +250,29 @@ class _QuantReads:
         self, store: QuantizedPagedStore, decode: list[Segment], prefill: list[Segment], write_slots: list[int]
     ) -> None:
         self.store = store
-        dev = store.device
-        bs = store.block_size
-        K, D = store.config.n_kv_heads, store.config.head_dim
         self.plan = store.plan_writes(write_slots)
-
-        def split(s: Segment) -> tuple[tuple[int, ...], int, int]:
-            """(complete blocks, tokens in the tail, tail index) of the segment after this step."""
-            blocks, first = s.tables[LayerKind.FULL]
-            assert first == 0, "full layers release nothing"
-            n = s.start_pos + s.length
-            complete, fill = divmod(n, bs)
-            tail = store.tail_of[blocks[complete]] if fill else 0
-            return blocks[:complete], fill, tail
-
-        # decode rows: complete blocks in chunks of columns, each with each key's distance to its query
-        # (padding columns lie past the row's blocks, so their distance is negative: hidden)
-        self.decode_chunks: list[tuple[torch.Tensor, torch.Tensor, dict]] = []
+        self.decode, self.prefill = decode, prefill
         self.num_decode = len(decode)
+        self._reads_built = False  # the eager step's tables, built by its first full layer (`_build_reads`)
+
+    def _split(self, s: Segment) -> tuple[tuple[int, ...], int, int]:
+        """(complete blocks, tokens in the tail, tail index) of the segment after this step."""
+        blocks, first = s.tables[LayerKind.FULL]
+        assert first == 0, "full layers release nothing"
+        complete, fill = divmod(s.start_pos + s.length, self.store.block_size)
+        tail = self.store.tail_of[blocks[complete]] if fill else 0
+        return blocks[:complete], fill, tail
+
+    def _build_reads(self) -> None:
+        """The eager step's reads: decode rows' complete blocks in chunks of columns, each with each
+        key's distance to its query (padding columns lie past the row's blocks, so their distance is
+        negative: hidden), and their tails; each prefill segment's blocks and tail."""
+        store, decode = self.store, self.decode
+        dev, bs = store.device, store.block_size
+        K, D = store.config.n_kv_heads, store.config.head_dim
+        self.decode_chunks: list[tuple[torch.Tensor, torch.Tensor, dict]] = []
         if decode:
-            parts = [split(s) for s in decode]
+            parts = [self._split(s) for s in decode]
             Bd = len(decode)
             width = max(len(p[0]) for p in parts)
             table = torch.zeros(Bd, max(width, 1), dtype=torch.long)
@@ -353,15 +293,58 @@ class _QuantReads:
             self.tail_memo: dict = {}
             self.decode_tails = torch.tensor([p[2] for p in parts], dtype=torch.long, device=dev)
         self.prefill_parts = []
-        for s in prefill:
-            blocks, fill, tail = split(s)
+        for s in self.prefill:
+            blocks, fill, tail = self._split(s)
             self.prefill_parts.append((s, torch.tensor(blocks, dtype=torch.long, device=dev), fill, tail))
+        self._reads_built = True
+
+    def static(
+        self, groups: list[Segment], offsets: torch.Tensor, order: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, QuantizedStep]:
+        """The full layers of `PagedBatch.static`'s groups (each at most a block long): (the tables of
+        their complete blocks after this step (R, nb ≥ 2, padded with hidden columns), each slot's
+        distance to each row (R, T, (nb + 1) · bs): the blocks' slots, then the tail's, every row's
+        tail write slot (R·T,), and the step's `QuantizedStep`). Each group quantises the tail of
+        the first block it writes into that block's codes: the block it completes, if any (then its
+        tokens read as codes from this step on, as in the eager step), else a block still being
+        filled, whose codes nothing reads until it completes and is quantised again."""
+        store, bs = self.store, self.store.block_size
+        done = dict(zip(self.plan.blocks.tolist(), self.plan.tails.tolist()))  # completed: block -> tail
+        width = max(2, max((seg.start_pos + seg.length) // bs for seg in groups))
+        table = torch.zeros(len(groups), width, dtype=torch.long)  # padding reads block 0, hidden
+        firsts, completes, read_tails, counts, fills = [], [], [], [], []
+        for row, seg in enumerate(groups):
+            blocks = seg.tables[LayerKind.FULL][0]
+            complete, fill = divmod(seg.start_pos + seg.length, bs)
+            table[row, :complete] = torch.tensor(blocks[:complete], dtype=torch.long)
+            first = blocks[seg.start_pos // bs]
+            firsts.append((first, done[first] if first in done else store.tail_of[first]))
+            completes.append(first in done)
+            read_tails.append(store.tail_of[blocks[complete]] if fill else 0)
+            counts.append(complete * bs)
+            fills.append(fill)
+        query = torch.tensor([seg.start_pos for seg in groups], dtype=torch.long)[:, None] + offsets  # (R, T)
+        key, slot = torch.arange(width * bs)[None, :], torch.arange(bs)[None, :]
+        counts_t, fills_t = torch.tensor(counts)[:, None], torch.tensor(fills)[:, None]
+        key_pos = torch.cat((key.expand(len(groups), -1), counts_t + slot), dim=1)  # (R, S): blocks, then tail
+        written = torch.cat((key < counts_t, slot < fills_t), dim=1)
+        distance = torch.where(written[:, None, :], query[:, :, None] - key_pos[:, None, :], -1)  # (R, T, S)
+        dev = store.device
+        step = QuantizedStep(
+            first_blocks=torch.tensor([f[0] for f in firsts], dtype=torch.long, device=dev),
+            first_tails=torch.tensor([f[1] for f in firsts], dtype=torch.long, device=dev),
+            completes=torch.tensor(completes, dtype=torch.bool, device=dev),
+            read_tails=torch.tensor(read_tails, dtype=torch.long, device=dev),
+        )
+        return table, distance, self.plan.tail_slots[order], step
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor, decode_rows: torch.Tensor | None, horizon: int | None
     ) -> RaggedRead:
         if horizon is not None:
             raise ValueError("quantised paged blocks hold every full-layer key (no full-layer window)")
+        if not self._reads_built:
+            self._build_reads()
         store = self.store
         store.write_planned(layer, self.plan, k, v)
         K, _, D = k.shape

@@ -17,7 +17,8 @@ from collections.abc import Callable
 
 import torch
 
-from gptoss_lite.engine.paged_batch import PagedBatch, PagedDecode, Segment
+from gptoss_lite.engine.paged_batch import PagedBatch, Segment
+from gptoss_lite.engine.paged_decode import PagedDecode
 from gptoss_lite.engine.request import Request, TokenLogprobs
 from gptoss_lite.engine.scheduler import ScheduledBatch
 from gptoss_lite.kv.paged_cache import PagedKVStore
@@ -73,9 +74,8 @@ class ModelRunner:
         self.store = store
         # With a decoder, a step whose every row samples (decode rows and verified drafts) runs as the
         # model's compiled decode step over the block tables, one row per token (`PagedBatch.static`);
-        # prompt chunks stay on the eager forward, and so does every step over quantised blocks, which
-        # have no fixed-shape form yet (docs/engine.md#kv-format).
-        self.decoder = None if isinstance(store, QuantizedPagedStore) else decoder
+        # prompt chunks stay on the eager forward (docs/engine.md#kv-format for quantised blocks).
+        self.decoder = decoder
         self.compiled_steps = 0
         self.compiled_verifications = 0  # of those, steps that verified a draft
         self.device = next(model.parameters()).device

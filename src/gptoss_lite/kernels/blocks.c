@@ -4,7 +4,13 @@
  * bf16, contiguous. A group r reads the nb blocks table[r, :], so its slot j is block
  * table[r, j / bs], slot j % bs, for j < S = nb * bs. Each group has M query rows per head.
  *
- * gl_block_attention is masked_decode (gptoss_lite/model/attention/decode.py) over such a read: the
+ * gl_block_attention_quant reads quantised blocks instead (kv/paged_quant.py): per block, K and V codes
+ * (int8, int4 packed two to a byte, or float8 e4m3), float16 scales and zero points (keys one per
+ * channel per block, values one per token per group of channels), each slot dequantised as
+ * value(code) * scale + zero and rounded to the model's dtype, as the store's own dequantise does; then
+ * one full-precision tail block per group (the block still being filled).
+ *
+ * Both are masked_decode (gptoss_lite/model/attention/decode.py) over such a read: the
  * same products, mask, sink, softmax and rounding points, with fp32 sums (a bf16 value widens
  * exactly) in another order, and an exp good to about 2 ulp. The engine's compiled decode step calls
  * it where it would otherwise gather a copy of every group's blocks. Built on first use by
@@ -19,6 +25,8 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define GL_AVX2 1
+#elif defined(__F16C__)
+#include <immintrin.h>
 #endif
 
 static inline float widen_bf16(uint16_t h) {
@@ -91,34 +99,167 @@ static inline __m256 exp_nonpositive(__m256 x) {
 }
 #endif
 
-/* Attention of each group's M query rows over its blocks, masked by distance, with a sink: the whole
- * of masked_decode (gptoss_lite/model/attention/decode.py) for a block read, in one pass per row.
+/* Where a group's slots live, and how one is read as D fp32 values. */
+typedef struct {
+    int64_t N, bs, nb; /* blocks in the storage, slots a block, blocks a group reads */
+    const int64_t *table; /* (R, nb) */
+    /* plain blocks (fmt < 0): (K, N, bs, D) fp32 or bf16 */
+    const void *keys, *values;
+    int bf16;
+    /* quantised blocks (fmt 0 int8, 1 int4, 2 fp8): codes (K, N, bs, Dc) uint8, key scales and zeros
+     * (K, N, 1, D) and value scales and zeros (K, N, bs, D / vg) float16; then tail tails[r] of the
+     * full-precision tails (K, NT, bs, D) */
+    int fmt;
+    const uint8_t *kq, *vq;
+    const uint16_t *ks, *kz, *vs, *vz;
+    int64_t vg, Dc;
+    const void *tk, *tv;
+    int tail_bf16;
+    int64_t NT;
+    const int64_t *tails;
+    int round_kv; /* dequantised values rounded to bf16 (a bf16 model's store) */
+} Source;
+
+static inline float widen_half(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu, bits;
+    if (e == 0x1F) {
+        bits = sign | 0x7F800000u | (m << 13);
+    } else if (e != 0) {
+        bits = sign | ((e + 112) << 23) | (m << 13);
+    } else if (m == 0) {
+        bits = sign;
+    } else { /* subnormal: normalise */
+        e = 113;
+        while (!(m & 0x400u)) {
+            m <<= 1;
+            e--;
+        }
+        bits = sign | (e << 23) | ((m & 0x3FFu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+static float fp8_value[256]; /* float8 e4m3fn byte -> value (NaN for 0x7F and 0xFF) */
+
+__attribute__((constructor)) static void fill_fp8_table(void) {
+    for (int c = 0; c < 256; c++) {
+        int e = (c >> 3) & 15, m = c & 7;
+        float v = e == 0 ? ldexpf((float)m / 8.0f, -6) : ldexpf(1.0f + (float)m / 8.0f, e - 7);
+        if (e == 15 && m == 7) v = NAN;
+        fp8_value[c] = (c & 0x80) ? -v : v;
+    }
+}
+
+/* codes [d0, d1) of a row of stored codes as the values they stand for before scale and zero, into
+ * out[d0, d1); one loop per format, so that each vectorises */
+static inline void code_values(int fmt, const uint8_t *row, int64_t d0, int64_t d1, float *out) {
+    if (fmt == 0) {
+        for (int64_t d = d0; d < d1; d++) out[d] = (float)row[d];
+    } else if (fmt == 1) { /* d0, d1 even: channel 2i in the low nibble of byte i, 2i + 1 in the high one */
+        for (int64_t i = d0 / 2; i < d1 / 2; i++) {
+            out[2 * i] = (float)(row[i] & 15);
+            out[2 * i + 1] = (float)(row[i] >> 4);
+        }
+    } else {
+        for (int64_t d = d0; d < d1; d++) out[d] = fp8_value[row[d]];
+    }
+}
+
+/* out[d] = out[d] * scale[d] + zero[d] in two fp32 roundings, as the store's dequantise, then rounded
+ * to bf16 when round_kv */
+static inline void scale_shift(float *out, const float *scale, const float *zero, int64_t n, int round_kv) {
+    for (int64_t d = 0; d < n; d++) {
+        float x = out[d] * scale[d];
+        out[d] = x + zero[d];
+    }
+    if (round_kv)
+        for (int64_t d = 0; d < n; d++) out[d] = round_bf16(out[d]);
+}
+
+/* the same with one scale and zero for all n values (a value group) */
+static inline void scale_shift1(float *out, float scale, float zero, int64_t n, int round_kv) {
+    for (int64_t d = 0; d < n; d++) {
+        float x = out[d] * scale;
+        out[d] = x + zero;
+    }
+    if (round_kv)
+        for (int64_t d = 0; d < n; d++) out[d] = round_bf16(out[d]);
+}
+
+/* kp[j], vp[j] for the S slots of group r, head k: pointers into the storage (fp32 blocks) or into
+ * kbuf / vbuf (S * D each), where a slot is widened or dequantised */
+static void load_slots(const Source *src, int64_t r, int64_t k, int64_t D, const float **kp, const float **vp,
+                       float *kbuf, float *vbuf, float *kscale) { /* kscale: 2 * D floats of scratch */
+    const int64_t bs = src->bs, nb = src->nb, N = src->N;
+    if (src->fmt < 0) {
+        for (int64_t j = 0; j < nb * bs; j++) {
+            int64_t slot = (k * N + src->table[r * nb + j / bs]) * bs + j % bs;
+            kp[j] = slot_f32(src->keys, src->bf16, slot, D, src->bf16 ? kbuf + j * D : NULL);
+            vp[j] = slot_f32(src->values, src->bf16, slot, D, src->bf16 ? vbuf + j * D : NULL);
+        }
+        return;
+    }
+    const int64_t Dc = src->Dc, ng = D / src->vg;
+    float *kzero = kscale + D;
+    for (int64_t c = 0; c < nb; c++) {
+        const int64_t b = src->table[r * nb + c];
+        const uint16_t *ks = src->ks + (k * N + b) * D, *kz = src->kz + (k * N + b) * D;
+        for (int64_t d = 0; d < D; d++) {
+            kscale[d] = widen_half(ks[d]);
+            kzero[d] = widen_half(kz[d]);
+        }
+        for (int64_t i = 0; i < bs; i++) {
+            const int64_t j = c * bs + i, slot = (k * N + b) * bs + i;
+            const uint8_t *kc = src->kq + slot * Dc, *vc = src->vq + slot * Dc;
+            const uint16_t *vs = src->vs + slot * ng, *vz = src->vz + slot * ng;
+            float *kd = kbuf + j * D, *vd = vbuf + j * D;
+            code_values(src->fmt, kc, 0, D, kd);
+            scale_shift(kd, kscale, kzero, D, src->round_kv);
+            code_values(src->fmt, vc, 0, D, vd);
+            for (int64_t g = 0; g < ng; g++) /* one scale and zero per group of vg channels */
+                scale_shift1(vd + g * src->vg, widen_half(vs[g]), widen_half(vz[g]), src->vg, src->round_kv);
+            kp[j] = kd;
+            vp[j] = vd;
+        }
+    }
+    const int64_t t = src->tails[r];
+    for (int64_t i = 0; i < bs; i++) {
+        const int64_t j = nb * bs + i, slot = (k * src->NT + t) * bs + i;
+        kp[j] = slot_f32(src->tk, src->tail_bf16, slot, D, kbuf + j * D);
+        vp[j] = slot_f32(src->tv, src->tail_bf16, slot, D, vbuf + j * D);
+    }
+}
+
+/* Attention of each group's M query rows over its S slots (where `src` says they live), masked by
+ * distance, with a sink: the whole of masked_decode for a block read, in one pass per row.
  *
  *   rows (R, K, M, D) fp32, rotated queries; row m of a group is draft row t = m / G, head g = m % G
- *   keys, values: block storage (K, N, bs, D), fp32 or bf16; table (R, nb) int64
- *   distance (Rd, T, nb * bs) int64, Rd = 1 or R: query position minus slot position; a slot is seen
+ *   distance (Rd, T, S) int64, Rd = 1 or R: query position minus slot position; a slot is seen
  *       when 0 <= distance (< window, if window >= 0)
  *   sinks (K, G) fp32 sink logits; scale the score factor (D^-0.5)
  *   round16: round where eager bf16 matmuls round (the raw scores, the weights, the weighted sum)
  *   out (R, K, M, D) fp32 (holding bf16 values when round16)
- * Returns 0, or -1 when a block id lies outside [0, N) (nothing is read then). */
-int gl_block_attention(const float *rows, int64_t R, int64_t K, int64_t M, int64_t D, const void *keys,
-                       const void *values, int bf16, int64_t N, int64_t bs, const int64_t *table, int64_t nb,
-                       const int64_t *distance, int64_t Rd, int64_t T, int64_t window, const float *sinks,
-                       int64_t G, float scale, int round16, float *out) {
-    for (int64_t i = 0; i < R * nb; i++)
-        if (table[i] < 0 || table[i] >= N) return -1;
-    if (D > MAX_D || M % G != 0 || M / G != T) return -1;
-    const int64_t S = nb * bs;
+ * Returns 0, or -2 when a thread found no memory for its buffers. */
+static int attend(const Source *src, const float *rows, int64_t R, int64_t K, int64_t M, int64_t D, int64_t S,
+                  const int64_t *distance, int64_t Rd, int64_t T, int64_t window, const float *sinks, int64_t G,
+                  float scale, int round16, float *out) {
+    const int buffered = src->fmt >= 0 || src->bf16;
     int failed = 0;
 #pragma omp parallel
     {
         float *sc = (float *)malloc((size_t)(M * S) * sizeof(float));
         const float **kp = (const float **)malloc((size_t)(S > 0 ? S : 1) * sizeof(float *));
-        float *kbuf = bf16 ? (float *)malloc((size_t)(S * D) * sizeof(float)) : NULL;
-        float *vbuf = bf16 ? (float *)malloc((size_t)(S * D) * sizeof(float)) : NULL;
+        float *kbuf = buffered ? (float *)malloc((size_t)(S * D) * sizeof(float)) : NULL;
+        float *vbuf = buffered ? (float *)malloc((size_t)(S * D) * sizeof(float)) : NULL;
+        float *kscale = (float *)malloc((size_t)(2 * D) * sizeof(float)); /* a block's key scales, zeros */
         const float **vp = (const float **)malloc((size_t)(S > 0 ? S : 1) * sizeof(float *));
-        const int ok = sc && kp && vp && (!bf16 || (kbuf && vbuf));
+        const int ok = sc && kp && vp && kscale && (!buffered || (kbuf && vbuf));
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -128,12 +269,8 @@ int gl_block_attention(const float *rows, int64_t R, int64_t K, int64_t M, int64
             for (int64_t r = 0; r < R; r++) {
                 for (int64_t k = 0; k < K; k++) {
                     if (!ok) continue;
-                    /* the group's slots, widened once when bf16 */
-                    for (int64_t j = 0; j < S; j++) {
-                        int64_t slot = (k * N + table[r * nb + j / bs]) * bs + j % bs;
-                        kp[j] = slot_f32(keys, bf16, slot, D, bf16 ? kbuf + j * D : NULL);
-                        vp[j] = slot_f32(values, bf16, slot, D, bf16 ? vbuf + j * D : NULL);
-                    }
+                    /* the group's slots, widened or dequantised once */
+                    load_slots(src, r, k, D, kp, vp, kbuf, vbuf, kscale);
                     const float *q = rows + (r * K + k) * M * D;
                     const int64_t *dist0 = distance + (Rd == 1 ? 0 : r) * T * S;
                     for (int64_t m = 0; m < M; m++) {
@@ -236,6 +373,46 @@ int gl_block_attention(const float *rows, int64_t R, int64_t K, int64_t M, int64
         free(vp);
         free(kbuf);
         free(vbuf);
+        free(kscale);
     }
     return failed ? -2 : 0;
+}
+
+/* masked_decode over plain blocks: keys, values (K, N, bs, D) fp32 or bf16, table (R, nb) int64, S =
+ * nb * bs slots (the rest as `attend`). Returns 0, -1 when a block id lies outside [0, N) or the head
+ * size is too wide (nothing is read then), -2 when out of memory. */
+int gl_block_attention(const float *rows, int64_t R, int64_t K, int64_t M, int64_t D, const void *keys,
+                       const void *values, int bf16, int64_t N, int64_t bs, const int64_t *table, int64_t nb,
+                       const int64_t *distance, int64_t Rd, int64_t T, int64_t window, const float *sinks,
+                       int64_t G, float scale, int round16, float *out) {
+    for (int64_t i = 0; i < R * nb; i++)
+        if (table[i] < 0 || table[i] >= N) return -1;
+    if (D > MAX_D || M % G != 0 || M / G != T) return -1;
+    Source src = {0};
+    src.N = N, src.bs = bs, src.nb = nb, src.table = table, src.keys = keys, src.values = values, src.bf16 = bf16;
+    src.fmt = -1;
+    return attend(&src, rows, R, K, M, D, nb * bs, distance, Rd, T, window, sinks, G, scale, round16, out);
+}
+
+/* masked_decode over quantised blocks (fmt 0 int8, 1 int4, 2 fp8; see Source) then one tail per
+ * group: S = (nb + 1) * bs slots, slot nb * bs + i being slot i of tail tails[r]. Returns as
+ * gl_block_attention, -1 also for a tail index outside [0, NT). */
+int gl_block_attention_quant(const float *rows, int64_t R, int64_t K, int64_t M, int64_t D, int fmt,
+                             const uint8_t *kq, const uint16_t *ks, const uint16_t *kz, const uint8_t *vq,
+                             const uint16_t *vs, const uint16_t *vz, int64_t vg, int round_kv, int64_t N,
+                             int64_t bs, const int64_t *table, int64_t nb, const void *tk, const void *tv,
+                             int tail_bf16, int64_t NT, const int64_t *tails, const int64_t *distance, int64_t Rd,
+                             int64_t T, int64_t window, const float *sinks, int64_t G, float scale, int round16,
+                             float *out) {
+    for (int64_t i = 0; i < R * nb; i++)
+        if (table[i] < 0 || table[i] >= N) return -1;
+    for (int64_t i = 0; i < R; i++)
+        if (tails[i] < 0 || tails[i] >= NT) return -1;
+    if (D > MAX_D || M % G != 0 || M / G != T || fmt < 0 || fmt > 2 || vg <= 0 || D % vg) return -1;
+    Source src = {0};
+    src.N = N, src.bs = bs, src.nb = nb, src.table = table, src.fmt = fmt;
+    src.kq = kq, src.ks = ks, src.kz = kz, src.vq = vq, src.vs = vs, src.vz = vz, src.vg = vg;
+    src.Dc = fmt == 1 ? D / 2 : D;
+    src.tk = tk, src.tv = tv, src.tail_bf16 = tail_bf16, src.NT = NT, src.tails = tails, src.round_kv = round_kv;
+    return attend(&src, rows, R, K, M, D, (nb + 1) * bs, distance, Rd, T, window, sinks, G, scale, round16, out);
 }

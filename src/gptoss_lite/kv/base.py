@@ -304,15 +304,33 @@ class RaggedBatch(Protocol):
         ...
 
 
+class QuantizedBlocks(NamedTuple):
+    """Quantised block storage of one layer, read in place (`StaticRead.quantized`): the layer's
+    `codes` (key codes, key scales, key zeros, value codes, value scales, value zeros) of a
+    `QuantizedPagedStore`, their `format` name and `value_group`, and `tails` (R,): the
+    full-precision tail each group reads after its complete blocks; `dequantize(read, dtype)`, the keys
+    and values (R, K, S, D) a read stands for, dequantised as the store does (the reference of the
+    kernel that reads the codes in place, and the read where it is not built)."""
+
+    codes: tuple[torch.Tensor, ...]
+    format: str
+    value_group: int
+    tails: torch.Tensor
+    dequantize: Callable[[StaticRead, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
+
+
 class StaticRead(NamedTuple):
     """What one layer of a static decode step reads (see "Static decode"): `keys` and `values` are
     (R, K, S, D), or with a `table` (R, nb) the layer's block storage (K, blocks, bs, D) that the
-    groups' blocks index; `distance` (R or 1, T, S) is each slot's distance to each row's query."""
+    groups' blocks index; `distance` (R or 1, T, S) is each slot's distance to each row's query.
+    With `quantized`, the table's blocks are codes and `keys` / `values` the full-precision tails
+    (K, tails, bs, D): group r reads its nb blocks, then tail `quantized.tails[r]` (S = (nb + 1) · bs)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     distance: torch.Tensor
     table: torch.Tensor | None = None
+    quantized: QuantizedBlocks | None = None
 
 
 @runtime_checkable

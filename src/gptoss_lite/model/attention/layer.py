@@ -151,7 +151,8 @@ class Attention(nn.Module):
         (`prepare_for_inference(compile_decode=True)`); the new K/V go into `kv`'s fixed-shape
         storage; attention is `masked_decode` over all of it, widened to fp32 and rounded where eager
         16-bit matmuls round, or, over block storage, the kernel that reads the blocks in place
-        (`kernels.blocks.attention`, the same arithmetic)."""
+        (`kernels.blocks.attention`, the same arithmetic; `quantized_attention` over quantised blocks,
+        which it dequantises as the store does)."""
         B = h.shape[0]
         H, K, D = self.n_heads, self.n_kv_heads, self.head_dim
         dt = h.dtype
@@ -175,16 +176,28 @@ class Attention(nn.Module):
         T = B // R  # rows per group of shared keys (1: plain decode)
         # the T rows of a group and their G query heads are one (T·G)-row query block per KV head
         rows = q.float().view(R, T, K, G, D).transpose(1, 2).reshape(R, K, T * G, D)
-        if table is not None and block_kernels.applies(read.keys, read.values, dt):  # the blocks, in place
+        quant = read.quantized
+        if quant is not None:
+            in_place = block_kernels.applies_quantized(read.keys, quant.format, dt)
+        else:
+            in_place = table is not None and block_kernels.applies(read.keys, read.values, dt)
+        if in_place:  # the blocks (their codes, and the tails) where they lie
             sinks = self.sink_logits().float().view(K, G)
-            w = -1 if window is None else window
-            att = block_kernels.attention(rows, read.keys, read.values, table, distance, w, sinks, dt != torch.float32)
-        else:  # dense storage, or a copy of the groups' blocks, widened for the fp32 products
-            keys, values = (
-                (read.keys, read.values)
-                if table is None
-                else (gathered(read.keys, table), gathered(read.values, table))
-            )
+            w, round16 = -1 if window is None else window, dt != torch.float32
+            if quant is None:
+                att = block_kernels.attention(rows, read.keys, read.values, table, distance, w, sinks, round16)
+            else:
+                att = block_kernels.quantized_attention(
+                    rows, list(quant.codes), quant.format, quant.value_group, read.keys, read.values, table,
+                    quant.tails, distance, w, sinks, round16,
+                )  # fmt: skip
+        else:  # dense storage, or a copy of the groups' blocks (dequantised), widened for the fp32 products
+            if quant is not None:
+                keys, values = quant.dequantize(read, read.keys.dtype)
+            elif table is None:
+                keys, values = read.keys, read.values
+            else:
+                keys, values = gathered(read.keys, table), gathered(read.values, table)
             sink = self.sink_logits().float().view(1, K, 1, G, 1)
             if T == 1:  # one query row per KV head and row: the bias broadcasts over the G heads
                 bias, sink = distance_bias(distance, window)[:, None], sink[:, :, 0]  # (R or 1, 1, 1, S)
