@@ -63,7 +63,11 @@ def test_full_window_equals_windowed_generate(models):
     assert_nothing_leaks(llm)
 
 
-@pytest.mark.parametrize("fmt", sorted(CODECS))
+@pytest.mark.parametrize(
+    "fmt",
+    # int8 in the default run (the compile costs about a minute a format); the others with -m slow
+    [f if f == "int8" else pytest.param(f, marks=pytest.mark.slow) for f in sorted(CODECS)],
+)
 def test_quantised_blocks_compile_and_equal_eager(models, fmt):
     """On quantised full-layer blocks the all-decode steps run compiled (codes read in place, the last
     block from its tail, each completed block quantised inside the step) and give the eager engine's
