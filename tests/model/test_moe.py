@@ -22,14 +22,20 @@ def _naive_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     return out.view_as(x)
 
 
-@pytest.mark.parametrize("preset", ["lite-tiny", "gpt-oss-tiny"])
-def test_grouped_moe_matches_token_loop(preset):
-    """Grouped-by-expert dispatch equals a per-token loop (both activations, with/without biases)."""
-    torch.manual_seed(0)
+def _random_moe(preset: str, seed: int) -> MoE:
+    """An MoE layer of the preset with weights large enough to make routing and rounding matter."""
+    torch.manual_seed(seed)
     moe = MoE(resolve_config(preset))
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0, 0.3)
+    return moe
+
+
+@pytest.mark.parametrize("preset", ["lite-tiny", "gpt-oss-tiny"])
+def test_grouped_moe_matches_token_loop(preset):
+    """Grouped-by-expert dispatch equals a per-token loop (both activations, with/without biases)."""
+    moe = _random_moe(preset, seed=0)
     x = torch.randn(2, 9, 64)
     y, aux = moe(x)
     assert y.shape == (2, 9, 64)
@@ -93,11 +99,7 @@ def test_few_token_path_matches_grouped_dispatch(preset, N):
     """At inference, 2..FEW_TOKENS tokens take the all-experts batched path; it equals the grouped one."""
     from gptoss_lite.model.moe import FEW_TOKENS
 
-    torch.manual_seed(1)
-    moe = MoE(resolve_config(preset))
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.normal_(0, 0.3)
+    moe = _random_moe(preset, seed=1)
     x = torch.randn(1, N, 64)
     grouped, _ = moe(x)  # need_aux: the grouped path
     moe.experts.pack_for_decode()
@@ -115,11 +117,7 @@ def test_few_token_path_matches_grouped_dispatch(preset, N):
 def test_one_token_forward_is_the_decode_step(preset, packed, monkeypatch):
     """An eager forward of one token runs `MoE.decode_step` (the compiled step's function) and equals
     the per-token reference, on the parameters and on the packed weights (fp32 and bf16)."""
-    torch.manual_seed(1)
-    moe = MoE(resolve_config(preset))
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.normal_(0, 0.3)
+    moe = _random_moe(preset, seed=1)
     x = torch.randn(1, 1, 64)
     want = _naive_moe(moe, x)
     if packed:
