@@ -45,7 +45,8 @@ class PagedDecode:
         self.tables, self.slots, self.distances = tables, slots, distances
         self.order, self.real = order, real
         self.quantized = quantized
-        self.store = store if quantized is not None else None  # the codes' owner: it quantises the tails
+        # the codes' owner, which quantises the tails (None: 16-bit blocks)
+        self.store = store if quantized is not None and isinstance(store, QuantizedPagedStore) else None
         extra = () if quantized is None else quantized.tensors()
         for t in (positions, *tables.values(), *slots.values(), *distances.values(), *extra):
             torch._dynamo.maybe_mark_dynamic(t, 0)
@@ -99,21 +100,17 @@ class PagedDecode:
         """k, v (R·T, K, D) into each row's slot; the read is the layer's block storage (K, blocks, bs,
         D) and the groups' block tables (R, nb), which attention reads in place."""
         kind = self.kinds[layer]
-        quantized = self.quantized if kind == LayerKind.FULL else None
-        store = self.store
-        if quantized is not None and isinstance(store, QuantizedPagedStore):  # into the tails, then codes
-            kb, vb = store.tk[layer], store.tv[layer]  # (K, tails, bs, D)
-        else:
-            kb, vb = self.k[layer], self.v[layer]  # (K, blocks, bs, D)
-        K, D = kb.shape[0], kb.shape[3]
-        slots = self.slots[kind]
-        kb.view(K, -1, D).index_copy_(1, slots, k.transpose(0, 1))
-        vb.view(K, -1, D).index_copy_(1, slots, v.transpose(0, 1))
-        if quantized is None or not isinstance(store, QuantizedPagedStore):
-            return StaticRead(kb, vb, self.distances[kind], self.tables[kind])
-        store.quantize_tails(layer, quantized.first_blocks, quantized.first_tails, quantized.completes)
-        codes = store.read_in_place(layer, quantized.read_tails)
-        return StaticRead(kb, vb, self.distances[kind], self.tables[kind], codes)
+        slots, distance, table = self.slots[kind], self.distances[kind], self.tables[kind]
+        store, step = self.store, self.quantized
+        if store is None or step is None or kind != LayerKind.FULL:
+            _write(self.k[layer], self.v[layer], slots, k, v)
+            return StaticRead(self.k[layer], self.v[layer], distance, table)
+        # quantised full layer: into the tails, then the blocks the step completes into their codes
+        _write(store.tk[layer], store.tv[layer], slots, k, v)
+        store.quantize_tails(layer, step.first_blocks, step.first_tails, step.completes)
+        return StaticRead(
+            store.tk[layer], store.tv[layer], distance, table, store.read_in_place(layer, step.read_tails)
+        )
 
     def horizon(self, layer: int) -> int | None:
         return self._horizon[self.kinds[layer]]
@@ -133,3 +130,10 @@ class QuantizedStep:
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.first_blocks, self.first_tails, self.completes, self.read_tails)
+
+
+def _write(kb: torch.Tensor, vb: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """k, v (R·T, K, D) into flat slots (R·T,) of block storage kb, vb (K, blocks, bs, D)."""
+    K, D = kb.shape[0], kb.shape[3]
+    kb.view(K, -1, D).index_copy_(1, slots, k.transpose(0, 1))
+    vb.view(K, -1, D).index_copy_(1, slots, v.transpose(0, 1))
