@@ -6,8 +6,8 @@ One random prompt of `--prompt` tokens (`numpy.random.default_rng(1)`), greedy, 
 runs the prompt with 1 new token and with 1 + `--new` new tokens; the decode rate is `--new` divided by
 the difference of the two wall times, so the prefill (the same work in both runs) cancels. `generate()`
 runs the model's compiled decode step over its `MixedKVCache` (one row); the engine (`LLM`,
-`compile_decode=True`, prefix caching off) runs it over block tables, where one request is padded to
-two rows, plus its scheduler and sampler each step. Paths alternate within a round and the order
+`compile_decode=True`, prefix caching off) runs it over block tables (a lone request on a one-row
+graph of its own), plus its scheduler and sampler each step. Paths alternate within a round and the order
 alternates between rounds; the table gives medians and the ratio generate / engine.
 """
 

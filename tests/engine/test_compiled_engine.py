@@ -11,7 +11,14 @@ from torch._dynamo.utils import counters
 from gptoss_lite.engine import LLM, SamplingParams
 from gptoss_lite.kv.quant import CODECS
 from gptoss_lite.speculative import PromptLookup
-from tests.engine.conftest import assert_nothing_leaks, assert_same_as_generate, random_workload, recording, run
+from tests.engine.conftest import (
+    Workload,
+    assert_nothing_leaks,
+    assert_same_as_generate,
+    random_workload,
+    recording,
+    run,
+)
 from tests.engine.test_full_window import windowed
 
 
@@ -36,6 +43,27 @@ def test_random_arrivals_match_generate(models, name):
     assert counters["stats"]["unique_graphs"] == graphs, "a step compiled a graph of its own"
     assert_same_as_generate(model, llm, work, done, exact=name == "shipped")
     assert_nothing_leaks(llm)
+
+
+def test_lone_request_runs_its_own_graph(models):
+    """One request decoding alone runs unpadded, on the one-row graph the warm-up compiled (its
+    projections are fused reductions, not the several-row product), and equals generate()."""
+    model = models("shipped")
+    rng = random.Random(3)
+    work = Workload(
+        [[rng.randrange(model.config.vocab_size) for _ in range(70)]],
+        [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)],
+        [0],
+    )
+    llm = _compiled_llm(model, enable_prefix_caching=False)
+    rows = []
+    step = llm.runner.decoder.step
+    llm.runner.decoder.step = lambda static, ids: rows.append(len(ids)) or step(static, ids)
+    graphs = counters["stats"]["unique_graphs"]
+    done = run(llm, work)
+    assert counters["stats"]["unique_graphs"] == graphs, "the lone request compiled a graph of its own"
+    assert len(rows) == 39 and set(rows) == {1}, rows
+    assert_same_as_generate(model, llm, work, done, exact=True)
 
 
 def test_preemption_and_prefix_hits_keep_outputs(models):

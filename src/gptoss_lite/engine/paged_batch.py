@@ -168,7 +168,10 @@ class PagedBatch:
         repeated writes store the same values, and their logits are dropped). Every row's K/V is
         written before any row reads (`write_read`), and keys after a row's own position have
         negative distances (hidden), so each row sees exactly the tokens before it, as in the eager
-        step's causal chunk. The groups are padded to at least 2 by repeating the first.
+        step's causal chunk. Groups from 2 on share one graph; a lone request of one row (one request
+        decoding) runs a graph of its own, in which every projection is one fused reduction over its
+        weight (`decode_linear`); a lone request verifying a draft is padded to two groups by
+        repeating it.
 
         On quantised blocks the full layers write into their tails and read complete blocks as codes
         and the last one from its tail (`_QuantReads.static`)."""
@@ -178,9 +181,9 @@ class PagedBatch:
             return None  # a group would complete two blocks in one step
         dev = self.store.device
         groups = list(self.segments)
-        if len(groups) < 2:  # one group would get a graph of its own: repeat it
-            groups.append(groups[0])
         T = max(seg.length for seg in groups)
+        if len(groups) < 2 and T > 1:  # one group of several rows would get a graph of its own: repeat it
+            groups.append(groups[0])
         order = [seg.offset + min(t, seg.length - 1) for seg in groups for t in range(T)]  # flat row per row
         real = [g * T + t for g, seg in enumerate(self.segments) for t in range(seg.length)]  # row per flat row
         order_t = torch.tensor(order, dtype=torch.long, device=dev)

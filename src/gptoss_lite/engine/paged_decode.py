@@ -25,7 +25,8 @@ class PagedDecode:
     write slot (R·T,) (flat block · bs + slot) and each key's distance to each row's query (R, T,
     nb · bs). `order` (R·T,) is the flat-batch row each row runs, `real` the row of each flat-batch row
     (the logits to keep). The group, table and row dimensions are marked dynamic, so one compiled graph
-    serves every batch size from 2 and every context length (and one more every draft length)."""
+    serves every batch size from 2 and every context length (one more serves a lone row, and one more
+    every draft length)."""
 
     def __init__(
         self,

@@ -118,14 +118,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self, drafts: bool = False) -> float:
-        """Compile the decode step (or load it from inductor's disk cache) on a dummy step of two
-        one-row groups at position 0 of block 0 of each pool, and with `drafts` also on groups of
-        several rows (the graph that verifies drafts); the wall time in seconds. It writes block 0:
-        the engine calls it before admitting any request."""
+        """Compile the decode step (or load it from inductor's disk cache) on dummy steps at position
+        0 of block 0 of each pool: one row (a lone request), two one-row groups (the graph of every
+        batch from 2), and with `drafts` groups of several rows (the graph that verifies drafts); the
+        wall time in seconds. It writes block 0: the engine calls it before admitting any request."""
         assert self.decoder is not None, "warm_up() compiles the decoder"
         t0 = time.perf_counter()
-        for per_group in (1, self.WARM_UP_GROUP_ROWS) if drafts else (1,):
-            static = PagedDecode.warm_up(self.store, 2, per_group)
+        shapes = [(1, 1), (2, 1)] + ([(2, self.WARM_UP_GROUP_ROWS)] if drafts else [])
+        for groups, per_group in shapes:
+            static = PagedDecode.warm_up(self.store, groups, per_group)
             ids = torch.zeros(static.positions.shape[0], dtype=torch.long, device=self.device)
             torch._dynamo.maybe_mark_dynamic(ids, 0)
             self.decoder.step(static, ids)
