@@ -159,6 +159,30 @@ def test_flash_path_matches_reference(T, S, window, with_sinks, monkeypatch):
     assert calls, "the flash kernel was not used"
 
 
+@pytest.mark.parametrize("window", [None, 16])
+def test_training_gets_the_reference_gradients(window, monkeypatch):
+    """A forward that autograd records gives the reference's gradients for q, k, v and the sinks. The
+    fused kernel's log-sum-exp carries no gradient, so such a forward never calls it (it gave q and k
+    gradients off by up to half their size)."""
+    calls, flash = [], blocks_module._FLASH
+    monkeypatch.setattr(blocks_module, "_FLASH", lambda *a, **kw: calls.append(1) or flash(*a, **kw))
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 4, 64, 8, generator=gen)
+    k, v = torch.randn(1, 2, 64, 8, generator=gen), torch.randn(1, 2, 64, 8, generator=gen)
+    sinks = torch.randn(4, generator=gen)
+    grads = []
+    for fn in (attention_fast, attention_reference):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        (fn(*leaves[:3], leaves[3], 0, window) * torch.linspace(-1, 1, 8)).sum().backward()
+        grads.append([t.grad for t in leaves])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert not calls
+    with torch.no_grad():  # the same call without autograd takes the fused kernel
+        attention_fast(q, k, v, sinks, 0, window)
+    assert calls
+
+
 def test_flash_path_in_bf16_is_as_close_as_the_blocked_kernel():
     q, k, v, sinks = (t.bfloat16() for t in _qkv(B=1, T=200, S=260))
     ref = attention_reference(q.float(), k.float(), v.float(), sinks.float(), 60, 64)

@@ -105,6 +105,9 @@ class FlashMerge:
         out_b, lse_b = _FLASH(rows, k, v, 0.0, False, attn_mask=additive, scale=rows.shape[-1] ** -0.5)
         if mask is not None:
             lse_b = lse_b.masked_fill(mask[1], float("-inf"))
+        self._merge(out_b, lse_b)
+
+    def _merge(self, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
         new = torch.logaddexp(self.lse, lse_b)
         self.acc = self.acc * torch.exp(self.lse - new)[..., None] + out_b.float() * torch.exp(lse_b - new)[..., None]
         self.lse = new
@@ -140,6 +143,7 @@ def attend(
         and not forced
         and flash_applies(q, *(dense or ()))
         and (T >= FLASH_MIN_QUERIES or dense is None)
+        and not _records_gradients(q, sinks, *(dense or ()))
     )
     if q_block is None:
         if dense is None:
@@ -160,6 +164,13 @@ def attend(
         outs.append(out.view(B, K, G, Tb, D))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=3)  # (B, K, G, T, D)
     return out.view(B, H, T, D).to(q.dtype)
+
+
+def _records_gradients(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records this call. The fused kernel's log-sum-exp, which merges blocks and the
+    sink, carries no gradient in its backward, so a training forward takes the online softmax, whose
+    every op does (the fused path gave q and k gradients off by up to half their size)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _query_block(
