@@ -151,12 +151,14 @@ def test_flash_path_matches_reference(T, S, window, with_sinks, monkeypatch):
     dense attention in fp32."""
     calls = []
     flash = blocks_module._FLASH
-    monkeypatch.setattr(blocks_module, "_FLASH", lambda *a, **kw: calls.append(1) or flash(*a, **kw))
+    monkeypatch.setattr(blocks_module, "_FLASH", lambda *a, **kw: calls.append(a[4]) or flash(*a, **kw))
     q, k, v, sinks = _qkv(B=1, T=T, S=S)
     sinks = sinks if with_sinks else None
     ref = attention_reference(q, k, v, sinks, S - T, window)
     torch.testing.assert_close(attention_fast(q, k, v, sinks, S - T, window), ref, atol=1e-5, rtol=1e-5)
     assert calls, "the flash kernel was not used"
+    # without a window, each query block's diagonal block runs in the kernel's causal mode, unmasked
+    assert (True in calls) == (window is None)
 
 
 @pytest.mark.parametrize("window", [None, 16])

@@ -107,6 +107,19 @@ class FlashMerge:
             lse_b = lse_b.masked_fill(mask[1], float("-inf"))
         self._merge(out_b, lse_b)
 
+    def absorb_causal(self, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, G: int) -> None:
+        """One fused call in the kernel's causal mode: query t of each head sees keys 0 … t of the block
+        (the block starts at the first query's own key). The G stacked heads of rows (B, K, G·T, D)
+        become heads of their own, each over its group's keys (repeated G times for this one block),
+        since the causal mode lines query t up with key t of one head."""
+        B, K, R, D = rows.shape
+        S = k.shape[2]
+        q = rows.view(B, K * G, R // G, D)
+        kh = k[:, :, None].expand(B, K, G, S, D).reshape(B, K * G, S, D)
+        vh = v[:, :, None].expand(B, K, G, S, D).reshape(B, K * G, S, D)
+        out_b, lse_b = _FLASH(q, kh, vh, 0.0, True, scale=D**-0.5)
+        self._merge(out_b.reshape(B, K, R, D), lse_b.reshape(B, K, R))
+
     def _merge(self, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
         new = torch.logaddexp(self.lse, lse_b)
         self.acc = self.acc * torch.exp(self.lse - new)[..., None] + out_b.float() * torch.exp(lse_b - new)[..., None]
@@ -196,7 +209,14 @@ def _query_block(
         k_block = max(floor, SCORE_BLOCK_ELEMENTS // max(1, per_block))
         if dense is None and flash:
             k_block = min(k_block, FLASH_BLOCK_KEYS)
-    if dense is not None:
+    # Without a window, the fused kernel's own causal mode serves the block that starts at the first
+    # query: it skips the keys above the diagonal where an additive mask makes it compute them all
+    diagonal = flash and dense is not None and window is None and lo < hi and first_q < hi
+    if diagonal:
+        spans = ([(lo, first_q)] if first_q > lo else []) + [
+            (ks, min(hi, ks + k_block)) for ks in range(first_q, hi, k_block)
+        ]
+    elif dense is not None:
         spans = key_blocks(lo, hi, k_block, first_q, last_q, window, band_block=None if flash else k_block)
     else:
         spans = [(ks, ke) for ks, ke in read.spans(k_block) if ke > lo and ks <= last_q]
@@ -210,6 +230,9 @@ def _query_block(
     if flash:
         merge = FlashMerge(start, (B, K, R), D, rows.device)
         for ks, ke in spans:
+            if diagonal and ks == first_q:
+                merge.absorb_causal(rows, *keys(ks, ke), G)
+                continue
             mask = None
             if not fully_visible(ks, ke, first_q, last_q, window):
                 mask = flash_block_mask(Tb, ke - ks, first_q - ks, window, G, rows.dtype, rows.device)
