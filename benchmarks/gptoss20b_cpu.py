@@ -21,10 +21,12 @@ directory, with `--outtype bf16`: its gpt-oss converter keeps the MXFP4 experts 
 the rest in bf16, the same bytes we load. The one change to its behaviour: an unknown BPE
 pre-tokenizer hash (ours is synthetic) is read as "gpt-2", the split the tokenizer was built with.
 
-`run` measures both engines in one sitting, 2 threads, rounds alternating the order. The engines run
-one at a time, each in a worker process of its own (`ours_worker.py --mode static`: `generate()`,
-MXFP4 experts packed; `llama_worker.py`: llama-cpp-python over the GGUF), because two 20b models do
-not fit in 24 GB together. Per round and engine: load (process start to ready, page cache as the
+`run` measures the engines (`--engines`) in one sitting, 2 threads, rounds alternating the order. The
+engines run one at a time, each in a worker process of its own, because two 20b models do not fit in
+24 GB together: `ours` (`ours_worker.py --mode static`: `generate()`, MXFP4 experts packed),
+`ours-compiled` (the same with the compiled decode step), `ours-engine` (the batched engine, its
+compiled step, one request at a time) and `llama.cpp` (`llama_worker.py`: llama-cpp-python over the
+GGUF). Per round and engine: load (process start to ready, page cache as the
 other engine left it), one untimed warm-up with a prompt as long as the shortest cell (so that every
 expert's pages are in memory), then for each prompt length L of `--lengths` (prompt
 `numpy.random.default_rng(L).integers(1, 200000, L)`) a 1-token request (TTFT) and a `--new-tokens`
@@ -236,14 +238,27 @@ def _peak_rss_gib(pid: int) -> float:
     return float("nan")
 
 
+# Our engines: `generate()` with the eager or the compiled decode step, and the batched engine (`LLM`)
+# with its compiled step, one request at a time.
+OURS = {
+    "ours": ["--mode", "static"],
+    "ours-compiled": ["--mode", "static", "--compile"],
+    "ours-engine": ["--mode", "engine", "--compile"],
+}
+
+
 def _worker(engine: str, args: argparse.Namespace, max_len: int, log: Path):
     sys.path.insert(0, str(HERE))
     from serve_vs_vllm import Worker
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if engine == "ours":
-        cmd = [sys.executable, str(HERE / "ours_worker.py"), str(args.dir), "--mode", "static"]
-        cmd += ["--dtype", "bfloat16", "--threads", str(args.threads)]
+    if engine in OURS:
+        cmd = [sys.executable, str(HERE / "ours_worker.py"), str(args.dir), *OURS[engine]]
+        cmd += ["--dtype", "bfloat16", "--threads", str(args.threads), "--max-model-len", str(max_len)]
+        # one request at a time, in a KV pool of about two requests (24 layers x 8 heads x 64 x 2 x
+        # 2 bytes: 48 KiB a token)
+        cmd += ["--max-batch-tokens", str(min(512, max_len))]
+        cmd += ["--kv-cache-mib", str(max(64, max_len * 48 // 1024 * 2))]
     else:
         env.pop("PYTHONPATH", None)
         cmd = [args.llama_python, str(HERE / "llama_worker.py"), str(gguf_path(args.dir)), "--dtype", "bfloat16"]
@@ -252,7 +267,7 @@ def _worker(engine: str, args: argparse.Namespace, max_len: int, log: Path):
 
 
 def run(args: argparse.Namespace) -> dict:
-    engines = ["ours", "llama.cpp"] if args.llama_python else ["ours"]
+    engines = [e for e in args.engines if e != "llama.cpp" or args.llama_python]
     max_len = max(args.lengths) + args.new_tokens + 8
     logs = Path(tempfile.mkdtemp(prefix="gptoss20b-"))
     samples: list[dict] = []
@@ -266,9 +281,10 @@ def run(args: argparse.Namespace) -> dict:
                 info = worker.expect("READY")
                 load_s = time.perf_counter() - t0
                 # warm-up, untimed: a prompt as long as the shortest cell, so that every expert's
-                # pages are in memory (both engines map their files) before anything is timed
+                # pages are in memory (both engines map their files) before anything is timed, and
+                # enough new tokens that a compiled decode step is compiled (or loaded from the cache)
                 warm = min(args.lengths)
-                worker.run([[int(t) for t in np.random.default_rng(warm + 1).integers(1, 200000, warm)]], 2)
+                worker.run([[int(t) for t in np.random.default_rng(warm + 1).integers(1, 200000, warm)]], 3)
                 row = {"round": r, "engine": engine, "info": info, "load_s": load_s, "cells": {}}
                 for L in args.lengths:
                     prompt = [int(t) for t in np.random.default_rng(L).integers(1, 200000, L)]
@@ -305,20 +321,23 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def table(result: dict) -> str:
-    engines = sorted({s["engine"] for s in result["samples"]}, key=lambda e: e != "ours")
+    seen = {s["engine"] for s in result["samples"]}
+    engines = [e for e in [*OURS, "llama.cpp"] if e in seen]
+    ours = [e for e in engines if e in OURS]
+    vs = "llama.cpp" in seen
 
     def med(engine: str, key: str, L: int | None = None) -> float:
         rows = [s for s in result["samples"] if s["engine"] == engine]
         return statistics.median(s[key] if L is None else s["cells"][L][key] for s in rows)
 
     lines = [
-        "| figure | " + " | ".join(engines) + (" | ours / llama.cpp |" if len(engines) > 1 else " |"),
-        "|---|" + "---:|" * (len(engines) + (len(engines) > 1)),
+        "| figure | " + " | ".join(engines) + " |" + "".join(f" {e} / llama.cpp |" for e in ours if vs),
+        "|---|" + "---:|" * (len(engines) + len(ours) * vs),
     ]
 
     def add(label: str, values: list[float], fmt: str) -> None:
-        ratio = f" {values[0] / values[1]:.2f}× |" if len(values) > 1 else ""
-        lines.append(f"| {label} | " + " | ".join(format(v, fmt) for v in values) + " |" + ratio)
+        ratios = "".join(f" {v / values[-1]:.2f}× |" for v in values[: len(ours)]) if vs else ""
+        lines.append(f"| {label} | " + " | ".join(format(v, fmt) for v in values) + " |" + ratios)
 
     add("load s", [med(e, "load_s") for e in engines], ".0f")
     add("peak RSS GiB", [med(e, "peak_rss_gib") for e in engines], ".1f")
@@ -341,6 +360,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hf-python", help="gguf: Python with torch + transformers for the converter")
     parser.add_argument("--converter", type=Path, help="gguf: llama.cpp's convert_hf_to_gguf.py")
     parser.add_argument("--llama-python", help="run: Python of a venv with llama-cpp-python (else ours alone)")
+    parser.add_argument(
+        "--engines",
+        nargs="+",
+        default=["ours", "ours-engine", "llama.cpp"],
+        choices=[*OURS, "llama.cpp"],
+        help="run: which engines (default: ours ours-engine llama.cpp)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 4096, 8192])

@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--max-running", type=int, default=16, help="engine: requests decoded together (default 16)")
     ap.add_argument("--max-batch-tokens", type=int, default=2048, help="engine: tokens per step (default 2048)")
     ap.add_argument("--max-model-len", type=int, default=384, help="engine: prompt + new tokens (default 384)")
+    ap.add_argument("--kv-cache-mib", type=int, default=None, help="engine: KV pool size (default: the engine's)")
     args = ap.parse_args()
     channel = protocol_stream()
 
@@ -56,6 +57,7 @@ def main() -> None:
             max_model_len=args.max_model_len,
             enable_prefix_caching=False,
             compile_decode=args.compile,
+            **({} if args.kv_cache_mib is None else {"kv_cache_bytes": args.kv_cache_mib << 20}),
         )
         info.update(
             engine=f"gptoss-lite {gptoss_lite.__version__} engine" + (", compiled decode" if args.compile else ""),
@@ -69,11 +71,15 @@ def main() -> None:
         def run(prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]], dict]:
             params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
             before = llm.stats()
+            start = time.monotonic()  # the clock of the requests' metrics
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params)
             wall = time.perf_counter() - t0
             after = llm.stats()
             extra = {"preemptions": after.preemptions - before.preemptions, "prefix_hits": after.prefix_hits}
+            # when each request's first token was out, from the start of the call (a decode rate measured
+            # inside one request)
+            extra["first_token_s"] = [o.metrics.ttft + (o.metrics.arrival_time - start) for o in outs]
             return wall, [list(o.token_ids) for o in outs], extra
 
     else:
