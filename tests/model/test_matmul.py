@@ -76,3 +76,29 @@ def test_bf16_model_logits_match_either_way(no_native, monkeypatch):
     plain = run()
     for a, b in zip(up, plain):
         torch.testing.assert_close(a.float(), b.float(), atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("out_rows, fused", [(384, True), (4096, False)])
+def test_one_compiled_bf16_row_is_fused_below_the_size_limit(out_rows, fused):
+    """In a traced graph, one bf16 row by a weight of at most FUSED_ROW_BYTES is the fused reduction;
+    by a larger one it is the bf16 GEMV op where that kernel is built (it reads large weights faster).
+    Both give the fp32 sums of F.linear."""
+    from gptoss_lite.kernels import bf16 as bf16_kernel
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(out_rows, 256, generator=g).bfloat16()
+    x = torch.randn(1, 256, generator=g).bfloat16()
+    assert (w.numel() * 2 <= matmul.FUSED_ROW_BYTES) == fused
+    graphs = []
+
+    def recorder(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        got = torch.compile(lambda x: matmul.decode_linear(x, w), fullgraph=True, backend=recorder)(x)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, F.linear(x.float(), w.float()), atol=1e-3, rtol=1e-4)
+    uses_op = "gptoss_lite.bf16_gemv" in graphs[0]
+    assert uses_op == (not fused and bf16_kernel.available())

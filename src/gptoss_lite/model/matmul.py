@@ -76,6 +76,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> tor
     return y if b is None else y + b.float()
 
 
+# One bf16 row by a weight of at most this many bytes is the fused reduction in the compiled step, not
+# the bf16 GEMV op: there the op's dispatch costs more than its faster read (Zen 4, compiled, one row:
+# 384 x 256 took 46 µs fused against 64 µs through the op; 12,288 x 256 took 283 µs against 201 µs, and
+# 20b-sized weights of 24-30 MB 10-20% longer fused). A condition on a shape splits no graph.
+FUSED_ROW_BYTES = 1 << 20
+
+
 def decode_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """The one-token projection of the compiled step, x (B, in) · w (out, in)ᵀ (+ b) in fp32: one row
     is a `gemv` reduction (bandwidth-bound: the weight read once, in its own dtype); several rows (the
@@ -84,9 +91,13 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = Non
     where it is built (MKL's sgemm runs this shape, a few rows by a wide weight, at a third of the
     cores' rate), else F.linear. On CPUs with AVX-512 BF16, several bf16 rows go to
     `kernels.bf16.gemv_fp32` instead: the same fp32 sums, the weight read at the memory's rate, once
-    per four rows. One row stays the reduction in every dtype (one row has a graph of its own, and
-    17 custom-op calls of a bf16 token of the 20M model took 632 µs against 449 µs fused; Zen 4)."""
-    if x.shape[0] == 1 and torch.compiler.is_compiling():
+    per four rows, and so does one bf16 row by a weight of more than FUSED_ROW_BYTES; one row by a
+    smaller weight is the reduction in every dtype (see FUSED_ROW_BYTES)."""
+    if (
+        x.shape[0] == 1
+        and torch.compiler.is_compiling()
+        and (w.numel() * w.element_size() <= FUSED_ROW_BYTES or not bf16_kernel.traceable(x, w))
+    ):
         return gemv(x, w, b)
     if bf16_kernel.traceable(x, w):
         return bf16_kernel.gemv_fp32(x, w, b)
