@@ -112,6 +112,7 @@ class FlashMerge:
         (the block starts at the first query's own key). The G stacked heads of rows (B, K, G·T, D)
         become heads of their own, each over its group's keys (repeated G times for this one block),
         since the causal mode lines query t up with key t of one head."""
+        assert _FLASH is not None, "flash_applies() was checked"
         B, K, R, D = rows.shape
         S = k.shape[2]
         q = rows.view(B, K * G, R // G, D)
