@@ -169,8 +169,8 @@ class PagedBatch:
         written before any row reads (`write_read`), and keys after a row's own position have
         negative distances (hidden), so each row sees exactly the tokens before it, as in the eager
         step's causal chunk. Groups from 2 on share one graph; a lone request of one row (one request
-        decoding) runs a graph of its own, in which every projection is one fused reduction over its
-        weight (`decode_linear`); a lone request verifying a draft is padded to two groups by
+        decoding) runs a graph of its own, with `decode_linear`'s one-row products (fused reductions,
+        not a several-row product per weight); a lone request verifying a draft is padded to two groups by
         repeating it.
 
         On quantised blocks the full layers write into their tails and read complete blocks as codes

@@ -93,16 +93,11 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = Non
     `kernels.bf16.gemv_fp32` instead: the same fp32 sums, the weight read at the memory's rate, once
     per four rows, and so does one bf16 row by a weight of more than FUSED_ROW_BYTES; one row by a
     smaller weight is the reduction in every dtype (see FUSED_ROW_BYTES)."""
-    if (
-        x.shape[0] == 1
-        and torch.compiler.is_compiling()
-        and (w.numel() * w.element_size() <= FUSED_ROW_BYTES or not bf16_kernel.traceable(x, w))
-    ):
-        return gemv(x, w, b)
-    if bf16_kernel.traceable(x, w):
+    one_traced_row = x.shape[0] == 1 and torch.compiler.is_compiling()
+    if bf16_kernel.traceable(x, w) and not (one_traced_row and w.numel() * w.element_size() <= FUSED_ROW_BYTES):
         return bf16_kernel.gemv_fp32(x, w, b)
     if x.shape[0] == 1:  # eagerly the reduction is slow (see `gemv`): `linear`, then the same widening
-        return linear(x, w, b).float()
+        return gemv(x, w, b) if one_traced_row else linear(x, w, b).float()
     if rows_kernel.traceable(x, w):
         return rows_kernel.rows_mm(x, w, b)
     return F.linear(x.float(), w.float(), None if b is None else b.float())

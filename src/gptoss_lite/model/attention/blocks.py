@@ -28,6 +28,7 @@ from gptoss_lite.model.attention.plan import (
     FLASH_BLOCK_KEYS,
     SCORE_BLOCK_ELEMENTS,
     block_mask,
+    causal_blocks,
     flash_block_mask,
     fully_visible,
     key_blocks,
@@ -214,9 +215,7 @@ def _query_block(
     # query: it skips the keys above the diagonal where an additive mask makes it compute them all
     diagonal = flash and dense is not None and window is None and lo < hi and first_q < hi
     if diagonal:
-        spans = ([(lo, first_q)] if first_q > lo else []) + [
-            (ks, min(hi, ks + k_block)) for ks in range(first_q, hi, k_block)
-        ]
+        spans = causal_blocks(lo, hi, k_block, first_q)
     elif dense is not None:
         spans = key_blocks(lo, hi, k_block, first_q, last_q, window, band_block=None if flash else k_block)
     else:

@@ -68,6 +68,14 @@ def key_blocks(
     return _tile(lo, band_lo, k_block) + _tile(band_lo, band_hi, inner) + _tile(band_hi, hi, k_block)
 
 
+def causal_blocks(lo: int, hi: int, k_block: int, first_q: int) -> list[tuple[int, int]]:
+    """Key blocks [ks, ke) tiling [lo, hi) for a query block without a window whose diagonal the fused
+    kernel's causal mode serves: the keys before the first query as one unmasked block (every query
+    sees them), then blocks of at most k_block keys from the first query's own key on, the first of
+    which lines query t up with key t."""
+    return ([(lo, first_q)] if first_q > lo else []) + _tile(first_q, hi, k_block)
+
+
 def _tile(start: int, end: int, size: int) -> list[tuple[int, int]]:
     return [(ks, min(end, ks + size)) for ks in range(start, end, size)]
 
