@@ -30,11 +30,12 @@ def test_reference_table():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 11])
-def test_matvec_matches_reference(rows):
-    blocks, scales = codes(5, 72, 160)
+@pytest.mark.parametrize("k", [64, 160, 192])  # blocks per row: one pair; pairs and a last block; three pairs
+def test_matvec_matches_reference(rows, k):
+    blocks, scales = codes(5, 72, k)
     w = mxfp4.reference_rows(blocks, scales)  # (E, R, K)
     g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 160, generator=g)
+    x = torch.randn(rows, k, generator=g)
     experts = torch.randint(0, 5, (rows,), generator=g)
     bias = torch.randn(5, 72, generator=g)
     want = torch.einsum("mrk,mk->mr", w[experts].double(), x.double()) + bias[experts].double()

@@ -142,8 +142,37 @@ static inline __m512i decode_block_bf16(const uint8_t *b, __m512i table) {
     return _mm512_permutexvar_epi16(idx, table);
 }
 
-/* row_dots for bf16 inputs: a block's 32 products are one bf16 dot-product instruction into a
- * zeroed fp32 vector (bf16 times bf16 is exact in fp32), then times the block's 2^(scale - 127). */
+/* x rows for row_dots_bf16: in each pair of blocks (64 elements, the first block even), the 32 even
+ * elements, then the 32 odd ones; a last unpaired block as it is. A code byte holds elements 2i and
+ * 2i + 1, so its low nibbles widen to the even elements of the pair and its high nibbles to the odd
+ * ones: permuting x once per call spares re-ordering every weight block. */
+static void split_pairs(const uint16_t *x, int64_t G, uint16_t *out) {
+    __m512i even, odd;
+    uint16_t ie[32], io[32];
+    for (int j = 0; j < 32; j++) ie[j] = (uint16_t)(2 * j), io[j] = (uint16_t)(2 * j + 1);
+    even = _mm512_loadu_si512((const void *)ie);
+    odd = _mm512_loadu_si512((const void *)io);
+    int64_t g = 0;
+    for (; g + 1 < G; g += 2) {
+        __m512i a = _mm512_loadu_si512((const void *)(x + 32 * g)), b = _mm512_loadu_si512((const void *)(x + 32 * g + 32));
+        _mm512_storeu_si512((void *)(out + 32 * g), _mm512_permutex2var_epi16(a, even, b));
+        _mm512_storeu_si512((void *)(out + 32 * g + 32), _mm512_permutex2var_epi16(a, odd, b));
+    }
+    if (g < G) memcpy(out + 32 * g, x + 32 * g, 32 * sizeof(uint16_t));
+}
+
+/* Codes are prefetched this many bytes ahead of the block being decoded (past the row's end too: the next
+ * row of the tile). The decode loop leaves the hardware prefetcher too few loads in flight on its own:
+ * one thread read 13.4 GB/s of codes from memory without it, 14.6 with it (Zen 4, 2 KB; 3 KB: 13.5). */
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 2048
+#endif
+
+/* row_dots for bf16 inputs laid out by split_pairs. A pair of blocks is 32 code bytes: widened to
+ * words, the low nibbles index the E2M1 table directly (vpermw reads 5 bits and the table repeats)
+ * and the high nibbles after one shift; two bf16 dot-product instructions (bf16 times bf16 is exact
+ * in fp32) leave lanes 0-7 holding block g's partial sums and lanes 8-15 block g + 1's, which are
+ * scaled by their blocks' 2^(scale - 127) into fp32 sums. A last unpaired block is decoded alone. */
 static void row_dots_bf16(const uint8_t *blocks, const uint8_t *scales, int64_t G, const uint16_t *const *xs, int n,
                           float *dots) {
     const __m512i table = _mm512_loadu_si512((const void *)E2M1_BF16);
@@ -151,16 +180,41 @@ static void row_dots_bf16(const uint8_t *blocks, const uint8_t *scales, int64_t 
     __m512 acc[MAX_ROWS], acc2 = zero;
     for (int j = 0; j < n; j++) acc[j] = zero;
     int64_t g = 0;
-    if (n == 1) { /* two blocks at a time: two independent sums */
-        for (; g + 1 < G; g += 2) {
-            __m512i w0 = decode_block_bf16(blocks + 16 * g, table), w1 = decode_block_bf16(blocks + 16 * g + 16, table);
-            __m512 p0 = _mm512_dpbf16_ps(zero, (__m512bh)w0, (__m512bh)_mm512_loadu_si512(xs[0] + 32 * g));
-            __m512 p1 = _mm512_dpbf16_ps(zero, (__m512bh)w1, (__m512bh)_mm512_loadu_si512(xs[0] + 32 * g + 32));
-            acc[0] = _mm512_fmadd_ps(p0, _mm512_set1_ps(2.0f * HALF_POW2[scales[g]]), acc[0]);
-            acc2 = _mm512_fmadd_ps(p1, _mm512_set1_ps(2.0f * HALF_POW2[scales[g + 1]]), acc2);
+#define PAIR_WEIGHTS(g, lo, hi, factor)                                                                    \
+    __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blocks + 16 * (g))));            \
+    __m512i lo = _mm512_permutexvar_epi16(q, table);                                                       \
+    __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(q, 4), table);                                 \
+    __m512 factor = _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(2.0f * HALF_POW2[scales[g]]), \
+                                         _mm512_set1_ps(2.0f * HALF_POW2[scales[(g) + 1]]))
+    if (n == 1) { /* two pairs at a time: two independent sums */
+        const uint16_t *x = xs[0];
+        for (; g + 3 < G; g += 4) {
+            _mm_prefetch((const char *)(blocks + 16 * g + PREFETCH_AHEAD), _MM_HINT_T0);
+            {
+                PAIR_WEIGHTS(g, lo, hi, f);
+                __m512 p = _mm512_dpbf16_ps(zero, (__m512bh)lo, (__m512bh)_mm512_loadu_si512(x + 32 * g));
+                p = _mm512_dpbf16_ps(p, (__m512bh)hi, (__m512bh)_mm512_loadu_si512(x + 32 * g + 32));
+                acc[0] = _mm512_fmadd_ps(p, f, acc[0]);
+            }
+            {
+                PAIR_WEIGHTS(g + 2, lo, hi, f);
+                __m512 p = _mm512_dpbf16_ps(zero, (__m512bh)lo, (__m512bh)_mm512_loadu_si512(x + 32 * g + 64));
+                p = _mm512_dpbf16_ps(p, (__m512bh)hi, (__m512bh)_mm512_loadu_si512(x + 32 * g + 96));
+                acc2 = _mm512_fmadd_ps(p, f, acc2);
+            }
         }
     }
-    for (; g < G; g++) {
+    for (; g + 1 < G; g += 2) {
+        if (!(g & 3)) _mm_prefetch((const char *)(blocks + 16 * g + PREFETCH_AHEAD), _MM_HINT_T0);
+        PAIR_WEIGHTS(g, lo, hi, f);
+        for (int j = 0; j < n; j++) {
+            __m512 p = _mm512_dpbf16_ps(zero, (__m512bh)lo, (__m512bh)_mm512_loadu_si512(xs[j] + 32 * g));
+            p = _mm512_dpbf16_ps(p, (__m512bh)hi, (__m512bh)_mm512_loadu_si512(xs[j] + 32 * g + 32));
+            acc[j] = _mm512_fmadd_ps(p, f, acc[j]);
+        }
+    }
+#undef PAIR_WEIGHTS
+    if (g < G) { /* the unpaired last block: x as it is */
         __m512i w = decode_block_bf16(blocks + 16 * g, table);
         __m512 s = _mm512_set1_ps(2.0f * HALF_POW2[scales[g]]);
         for (int j = 0; j < n; j++) {
@@ -196,6 +250,13 @@ void gl_mxfp4_matvec(const void *x, int x_bf16, const uint8_t *blocks, const uin
     gstart[ngroups] = M;
     const int64_t TILE = 16;
     const int64_t ntiles = (R + TILE - 1) / TILE;
+    uint16_t *split = NULL; /* bf16 rows in row_dots_bf16's order */
+#ifdef GL_AVX512BF16
+    if (x_bf16) {
+        split = malloc(sizeof(uint16_t) * (M * K + 1));
+        for (int64_t m = 0; m < M; m++) split_pairs((const uint16_t *)x + m * K, G, split + m * K);
+    }
+#endif
 #pragma omp parallel for schedule(dynamic, 4)
     for (int64_t u = 0; u < ngroups * ntiles; u++) {
         int64_t grp = u / ntiles, r0 = (u % ntiles) * TILE, r1 = r0 + TILE < R ? r0 + TILE : R;
@@ -207,7 +268,7 @@ void gl_mxfp4_matvec(const void *x, int x_bf16, const uint8_t *blocks, const uin
         float dots[MAX_ROWS];
         for (int j = 0; j < n; j++) {
             xs[j] = (const float *)x + rows[j] * K;
-            xh[j] = (const uint16_t *)x + rows[j] * K;
+            xh[j] = split ? split + rows[j] * K : NULL;
         }
         for (int64_t r = r0; r < r1; r++) {
             int64_t wr = e * R + r;
@@ -221,6 +282,7 @@ void gl_mxfp4_matvec(const void *x, int x_bf16, const uint8_t *blocks, const uin
             for (int j = 0; j < n; j++) out[rows[j] * R + r] = dots[j] + b;
         }
     }
+    free(split);
     free(order);
 }
 
