@@ -66,6 +66,23 @@ def test_lone_request_runs_its_own_graph(models):
     assert_same_as_generate(model, llm, work, done, exact=True)
 
 
+def test_another_pool_size_compiles_nothing(models):
+    """The pools' block counts are dynamic in the compiled step: an engine over the same model with
+    other pool sizes (another KV budget) runs on the graphs the first one compiled and gives its tokens."""
+    model = copy.deepcopy(models("shipped")).prepare_for_inference(compile_decode=True)
+    rng = random.Random(8)
+    prompts = [[rng.randrange(model.config.vocab_size) for _ in range(n)] for n in (30, 75, 140)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    first = LLM(model, kv_blocks=300, max_batch_tokens=128)
+    want = [o.token_ids for o in first.generate(prompts, params)]
+    graphs = counters["stats"]["unique_graphs"]
+    second = LLM(model, kv_blocks=41, max_batch_tokens=128)
+    assert second.runner.store.k[0].shape[1] != first.runner.store.k[0].shape[1]
+    assert [o.token_ids for o in second.generate(prompts, params)] == want
+    assert counters["stats"]["unique_graphs"] == graphs, "another pool size compiled a graph of its own"
+    assert second.runner.compiled_steps > 20
+
+
 def test_preemption_and_prefix_hits_keep_outputs(models):
     model = models("shipped")
     rng = random.Random(11)

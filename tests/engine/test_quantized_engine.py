@@ -16,7 +16,7 @@ def _alone(model, fmt, work):
     """Each request on a fresh engine of its own (the batch-free reference)."""
     outs = []
     for prompt, params in zip(work.prompts, work.params):
-        llm = LLM(model, kv_format=fmt, kv_blocks=400, max_batch_tokens=128)
+        llm = LLM(model, kv_format=fmt, kv_blocks=400, max_batch_tokens=128, compile_decode=False)
         outs.append(llm.generate([prompt], params)[0].token_ids)
     return outs
 
@@ -34,7 +34,9 @@ def test_batched_preempted_and_prefix_hits_equal_alone(models, fmt):
     shared = [rng.randrange(model.config.vocab_size) for _ in range(100)]
     work.prompts[:3] = [shared + [rng.randrange(model.config.vocab_size)] * (i + 1) for i in range(2)] + [list(shared)]
     # a pool that fits only a few requests at a time: later ones are preempted and recomputed
-    llm = LLM(model, kv_format=fmt, kv_blocks=48, max_batch_tokens=128, max_running=10)
+    # eager both ways, whatever an earlier test on this worker prepared the shared model for: the compiled
+    # steps on quantised blocks are test_compiled_engine's (int8 by default; the rest with -m slow)
+    llm = LLM(model, kv_format=fmt, kv_blocks=48, max_batch_tokens=128, max_running=10, compile_decode=False)
     done = run(llm, work)
     assert llm.stats().preemptions > 0, "the pool was meant to force preemption"
     assert llm.kv.hit_tokens > 0, "the shared prefix was meant to hit"

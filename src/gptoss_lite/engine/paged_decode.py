@@ -53,6 +53,11 @@ class PagedDecode:
             torch._dynamo.maybe_mark_dynamic(t, 0)
         for t in tables.values():
             torch._dynamo.maybe_mark_dynamic(t, 1)
+        # the pools' block counts too: one compiled graph (and one entry of inductor's disk cache) serves
+        # every pool size, so an engine given another KV budget compiles nothing new
+        for t in store.pool_tensors():
+            if t.shape[1] > 1:
+                torch._dynamo.maybe_mark_dynamic(t, 1)
         for t in distances.values():
             if t.shape[1] > 1:  # a size of 1 is specialised anyway: plain decode has a graph of its own
                 torch._dynamo.maybe_mark_dynamic(t, 1)

@@ -101,6 +101,10 @@ class PagedKVStore:
             self.k.append(torch.zeros(shape, dtype=dtype, device=self.device))
             self.v.append(torch.zeros(shape, dtype=dtype, device=self.device))
 
+    def pool_tensors(self) -> list[torch.Tensor]:
+        """Every tensor whose dimension 1 is a pool's blocks: what a compiled step reads and writes."""
+        return self.k + self.v
+
     @property
     def kinds(self) -> tuple[str, ...]:
         """The layer kinds with a group (full first)."""

@@ -264,6 +264,12 @@ class QuantizedPagedStore(PagedKVStore):
         """Per-layer codes, scales and zeros: kq, ks, kz, vq, vs, vz."""
         return (self.kq, self.ks, self.kz, self.vq, self.vs, self.vz)
 
+    def pool_tensors(self) -> list[torch.Tensor]:
+        """The dense pools, the codes, scales and zeros of the full layers and their tails (dimension 1
+        the tails' count)."""
+        codes = [t for store in self._code_stores() for t in store.values()]
+        return super().pool_tensors() + codes + list(self.tk.values()) + list(self.tv.values())
+
     def gather(self, seq_id: Hashable, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's resident K and V, each (K, n, D); full layers dequantised (the reference read)."""
         if self.kind(layer) != LayerKind.FULL:
