@@ -35,7 +35,12 @@ def masked_decode(
     for the matmul, which is faster on CPUs without 16-bit instructions, and rounds as eager does)."""
     out_dtype = rows.dtype if round_to is None else round_to
     D = rows.shape[-1]
-    s = torch.matmul(rows, keys.transpose(-1, -2))  # (X, Y, G, S)
+    if keys.dtype == torch.float32:
+        s = torch.matmul(rows, keys.transpose(-1, -2))  # (X, Y, G, S)
+    else:
+        # 16-bit keys as the left operand, untransposed: CPU bf16 matmul copies a transposed key slice
+        # of a cache buffer first (gpt-oss-20b, 567 keys: 170 -> 77 us a layer; 4,096: 1,323 -> 349)
+        s = torch.matmul(keys, rows.transpose(-1, -2)).transpose(-1, -2)  # (X, Y, G, S), a view
     if round_to is not None and round_to != s.dtype:
         s = s.to(round_to)
     s = (s if s.dtype == torch.float32 else s.float()) * D**-0.5  # skip no-op casts: each is a dispatch
