@@ -30,7 +30,7 @@ def test_reference_table():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 11])
-@pytest.mark.parametrize("k", [64, 160, 192])  # blocks per row: one pair; pairs and a last block; three pairs
+@pytest.mark.parametrize("k", [64, 160, 192, 288])  # blocks per row: 2, 5, 6, 9 (quads of blocks and the rest)
 def test_matvec_matches_reference(rows, k):
     blocks, scales = codes(5, 72, k)
     w = mxfp4.reference_rows(blocks, scales)  # (E, R, K)
@@ -45,6 +45,19 @@ def test_matvec_matches_reference(rows, k):
     nobias = mxfp4.matvec(x.bfloat16(), blocks, scales, experts, None)
     want_nb = torch.einsum("mrk,mk->mr", w[experts].double(), x.bfloat16().double())
     assert ((nobias.double() - want_nb).abs() / want_nb.abs().max()).max().item() < 1e-6
+
+
+@pytest.mark.parametrize("k", [64, 160])  # the block with scale 0 decoded alone, or in a quad of blocks
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matvec_smallest_scale_is_exact(k, dtype):
+    # scale 0 is 2^-127, the one factor that is subnormal in fp32: a kernel that builds factors from the
+    # scale's bits must not make it 0
+    blocks = torch.zeros(1, 1, k // 32, 16, dtype=torch.uint8)
+    blocks[0, 0, 0, 0] = 0x02  # element 0 is code 2 (1.0), the rest 0
+    scales = torch.full((1, 1, k // 32), 127, dtype=torch.uint8)
+    scales[0, 0, 0] = 0
+    got = mxfp4.matvec(torch.ones(1, k, dtype=dtype), blocks, scales, torch.zeros(1, dtype=torch.int64), None)
+    assert got.item() == 2.0**-127
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
