@@ -1,0 +1,98 @@
+"""Where one decode step of a model's time goes: torch.profiler over `generate()`'s steps, by op.
+
+    python benchmarks/decode_profile.py ~/.cache/gptoss-lite/gpt-oss-20b-random --compiled
+    python benchmarks/decode_profile.py gptoss-lite-502m --dtype float32 --context 2048
+
+Loads the model (a directory or a preset) in `--dtype`, with the compiled decode step when `--compiled`,
+prefills a seeded random `--context`-token prompt through `stream_generate`, then times `--steps`
+greedy decode steps without the profiler (median and fastest, ms) and profiles `--profiled` more. The
+table is the ops with the most self time per step. With `--bytes` (the bytes one step reads, e.g.
+`gptoss20b_cpu.py`'s `decode_bytes`), the two weight kernels' rows also give GB/s: `bf16_gemv` over
+the dense bf16 weights and `mxfp4_matvec` over the routed experts' codes, from the model's own shapes.
+Threads: `--threads` (default 2). The first decode step includes compiling (or loading the compiled
+step from inductor's cache) and is not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from gptoss_lite.checkpoint import load_model
+from gptoss_lite.generation import stream_generate
+from gptoss_lite.model.moe import MXFP4Experts
+
+
+def weight_bytes(model) -> dict[str, int]:
+    """Bytes a one-token step reads through each weight kernel: the dense bf16/fp32 matrices of every
+    layer's attention and router plus the output head, and top_k routed experts' MXFP4 codes per layer."""
+    dense = model.head_weight().numel() * model.head_weight().element_size()
+    experts = 0
+    for block in model.blocks:
+        for p in (*block.attn.parameters(), block.moe.router.weight):
+            if p.dim() == 2:
+                dense += p.numel() * p.element_size()
+        ex = block.moe.experts
+        if isinstance(ex, MXFP4Experts):
+            codes = (ex.gate_up_blocks, ex.gate_up_scales, ex.down_blocks, ex.down_scales)
+            per_expert = sum(t[0].numel() for t in codes)
+            experts += block.moe.top_k * per_expert
+    return {"bf16_gemv": dense, "mxfp4_matvec": experts}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="a model directory or a preset name")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--compiled", action="store_true", help="the compiled decode step")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--profiled", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--top", type=int, default=8)
+    args = ap.parse_args()
+    if min(args.context, args.steps, args.profiled, args.threads, args.top) < 1:
+        ap.error("--context, --steps, --profiled, --threads and --top must be at least 1")
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    model = load_model(args.model, dtype=getattr(torch, args.dtype))
+    if args.compiled:
+        model.prepare_for_inference(compile_decode=True)
+    print(f"loaded {args.model} ({args.dtype}) in {time.perf_counter() - t0:.1f} s", flush=True)
+    vocab = model.config.vocab_size
+    ids = torch.randint(1, vocab, (1, args.context), generator=torch.Generator().manual_seed(args.context))
+    steps = stream_generate(model, ids, 2 + args.steps + args.profiled, temperature=0)
+    t0 = time.perf_counter()
+    next(steps)
+    print(f"prefill of {args.context} tokens: {time.perf_counter() - t0:.1f} s", flush=True)
+    t0 = time.perf_counter()
+    next(steps)
+    print(f"first decode step (compiles or loads the step when --compiled): {time.perf_counter() - t0:.1f} s")
+    walls = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        next(steps)
+        walls.append(time.perf_counter() - t0)
+    step_ms = 1e3 * statistics.median(walls)
+    print(f"decode step: median {step_ms:.1f} ms, fastest {1e3 * min(walls):.1f} ms over {args.steps} steps")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.profiled):
+            next(steps)
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[: args.top]
+    total = sum(e.self_cpu_time_total for e in prof.key_averages()) / args.profiled / 1e3
+    nbytes = weight_bytes(model)
+    print(f"profiled {args.profiled} steps, {total:.1f} ms of self time a step:")
+    print(f"  {'op':<60} {'ms/step':>8} {'calls/step':>10} {'GB/s':>6}")
+    for e in rows:
+        ms = e.self_cpu_time_total / args.profiled / 1e3
+        kernel = e.key.split("::")[-1]
+        rate = f"{nbytes[kernel] / ms / 1e6:6.1f}" if nbytes.get(kernel) else ""
+        print(f"  {e.key[:60]:<60} {ms:8.1f} {e.count / args.profiled:10.0f} {rate:>6}")
+
+
+if __name__ == "__main__":
+    main()
