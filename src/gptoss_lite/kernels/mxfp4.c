@@ -26,11 +26,12 @@
 
 static const int8_t TWICE_E2M1[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 static float HALF_POW2[256]; /* 0.5 * 2^(e - 127): exact in fp32, subnormal only for e < 2 */
+static float POW2[256];      /* 2^(e - 127), the bf16 path's factor, read straight into a broadcast */
 static int READY = 0;
 
 static void init_tables(void) {
     if (READY) return;
-    for (int e = 0; e < 256; e++) HALF_POW2[e] = ldexpf(0.5f, e - 127);
+    for (int e = 0; e < 256; e++) HALF_POW2[e] = ldexpf(0.5f, e - 127), POW2[e] = ldexpf(1.0f, e - 127);
     READY = 1;
 }
 
@@ -184,8 +185,8 @@ static void row_dots_bf16(const uint8_t *blocks, const uint8_t *scales, int64_t 
     __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blocks + 16 * (g))));            \
     __m512i lo = _mm512_permutexvar_epi16(q, table);                                                       \
     __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(q, 4), table);                                 \
-    __m512 factor = _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(2.0f * HALF_POW2[scales[g]]), \
-                                         _mm512_set1_ps(2.0f * HALF_POW2[scales[(g) + 1]]))
+    __m512 factor = _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(POW2[scales[g]]), \
+                                         _mm512_set1_ps(POW2[scales[(g) + 1]]))
     if (n == 1) { /* two pairs at a time: two independent sums */
         const uint16_t *x = xs[0];
         for (; g + 3 < G; g += 4) {
@@ -216,7 +217,7 @@ static void row_dots_bf16(const uint8_t *blocks, const uint8_t *scales, int64_t 
 #undef PAIR_WEIGHTS
     if (g < G) { /* the unpaired last block: x as it is */
         __m512i w = decode_block_bf16(blocks + 16 * g, table);
-        __m512 s = _mm512_set1_ps(2.0f * HALF_POW2[scales[g]]);
+        __m512 s = _mm512_set1_ps(POW2[scales[g]]);
         for (int j = 0; j < n; j++) {
             __m512 p = _mm512_dpbf16_ps(zero, (__m512bh)w, (__m512bh)_mm512_loadu_si512(xs[j] + 32 * g));
             acc[j] = _mm512_fmadd_ps(p, s, acc[j]);
