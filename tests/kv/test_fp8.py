@@ -61,14 +61,15 @@ def test_generate_takes_fp8_on_the_command_line(capsys):
 
 
 def test_the_engine_on_fp8_blocks_equals_itself_compiled():
-    """The engine with fp8 blocks gives the same tokens with compile_decode on (its quantised steps run
-    eagerly) as without."""
+    """The engine with fp8 blocks gives the same tokens with compile_decode on (its all-decode steps then
+    run compiled over the fp8 blocks; test_compiled_engine checks that in depth, with -m slow) as without."""
     from gptoss_lite.engine import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     prompts = [[1, 2, 3, 4, 5] * 7, [9, 8, 7] * 5]
-    outs = [
-        [r.token_ids for r in LLM("lite-tiny", kv_format="fp8", compile_decode=c).generate(prompts, params)]
-        for c in (False, True)
-    ]
+    outs = []
+    for compile_decode in (False, True):
+        llm = LLM("lite-tiny", kv_format="fp8", compile_decode=compile_decode)
+        outs.append([r.token_ids for r in llm.generate(prompts, params)])
     assert outs[0] == outs[1] and all(len(t) == 6 for t in outs[0])
+    assert llm.runner.compiled_steps > 0, "the compiled engine ran no compiled step"
