@@ -25,10 +25,11 @@ pre-tokenizer hash (ours is synthetic) is read as "gpt-2", the split the tokeniz
 engines run one at a time, each in a worker process of its own, because two 20b models do not fit in
 24 GB together: `ours` (`ours_worker.py --mode static`: `generate()`, MXFP4 experts packed),
 `ours-compiled` (the same with the compiled decode step), `ours-engine` (the batched engine, its
-compiled step, one request at a time) and `llama.cpp` (`llama_worker.py`: llama-cpp-python over the
-GGUF). Per round and engine: load (process start to ready, page cache as the
-other engine left it), one untimed warm-up with a prompt as long as the shortest cell (so that every
-expert's pages are in memory), then for each prompt length L of `--lengths` (prompt
+compiled step, one request at a time), `ours-compiled-int8` and `ours-engine-int8` (those two with the
+opt-in int8-activation experts, `--mxfp4-activations int8`: results change by that rounding) and
+`llama.cpp` (`llama_worker.py`: llama-cpp-python over the GGUF). Per round and engine: load (process
+start to ready, page cache as the other engine left it), one untimed warm-up with a prompt as long as
+the shortest cell (so that every expert's pages are in memory), then for each prompt length L of `--lengths` (prompt
 `numpy.random.default_rng(L).integers(1, 200000, L)`) a 1-token request (TTFT) and a `--new-tokens`
 request: prefill tok/s = L / TTFT, decode tok/s at context L = (new - 1) / (its end - its first
 token), both times taken inside that one request (two requests' prefills differ by more than a
@@ -244,6 +245,9 @@ OURS = {
     "ours": ["--mode", "static"],
     "ours-compiled": ["--mode", "static", "--compile"],
     "ours-engine": ["--mode", "engine", "--compile"],
+    # the opt-in int8-activation experts (results change by that rounding: docs/mxfp4.md)
+    "ours-compiled-int8": ["--mode", "static", "--compile", "--mxfp4-activations", "int8"],
+    "ours-engine-int8": ["--mode", "engine", "--compile", "--mxfp4-activations", "int8"],
 }
 
 

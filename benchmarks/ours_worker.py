@@ -36,6 +36,9 @@ def main() -> None:
     ap.add_argument("--max-batch-tokens", type=int, default=2048, help="engine: tokens per step (default 2048)")
     ap.add_argument("--max-model-len", type=int, default=384, help="engine: prompt + new tokens (default 384)")
     ap.add_argument("--kv-cache-mib", type=int, default=None, help="engine: KV pool size (default: the engine's)")
+    ap.add_argument(
+        "--mxfp4-activations", default="exact", choices=["exact", "int8"], help="packed MXFP4 experts' decode rows"
+    )
     args = ap.parse_args()
     channel = protocol_stream()
 
@@ -46,6 +49,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     info = {"dtype": args.dtype, "threads": torch.get_num_threads(), "torch": torch.__version__}
+    info["mxfp4_activations"] = args.mxfp4_activations
     if args.mode == "engine":
         from gptoss_lite.engine import LLM, SamplingParams
 
@@ -57,6 +61,7 @@ def main() -> None:
             max_model_len=args.max_model_len,
             enable_prefix_caching=False,
             compile_decode=args.compile,
+            mxfp4_activations=args.mxfp4_activations,
             **({} if args.kv_cache_mib is None else {"kv_cache_bytes": args.kv_cache_mib << 20}),
         )
         info.update(
@@ -86,7 +91,7 @@ def main() -> None:
         from gptoss_lite.checkpoint import load_model
         from gptoss_lite.generation import stream_generate
 
-        model = load_model(args.model, dtype=dtype)
+        model = load_model(args.model, dtype=dtype, mxfp4_activations=args.mxfp4_activations)
         info["engine"] = f"gptoss-lite {gptoss_lite.__version__} static batch (generation.generate)"
         if args.compile:  # compiled on the driver's untimed warm-up request
             model.prepare_for_inference(compile_decode=True)

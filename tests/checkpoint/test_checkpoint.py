@@ -539,6 +539,24 @@ def test_mxfp4_checkpoint_loads_packed_and_round_trips(tmp_path):
         assert torch.equal(t, load_file(str(tmp_path / WEIGHTS_NAME))[name]), name
 
 
+def test_mxfp4_int8_activations_at_load_and_on_the_command_line(tmp_path, capsys):
+    from gptoss_lite.cli import main
+
+    _mxfp4_dir(tmp_path)
+    assert load_model(tmp_path).mxfp4_activations == "exact"
+    assert load_model(tmp_path, mxfp4_activations="int8").mxfp4_activations == "int8"
+    with pytest.raises(ValueError, match="needs packed experts; mxfp4='dequantize' has none"):
+        load_model(tmp_path, mxfp4="dequantize", mxfp4_activations="int8")
+    with pytest.raises(ValueError, match=r"mxfp4_activations='q8': must be one of \('exact', 'int8'\)"):
+        load_model(tmp_path, mxfp4_activations="q8")
+    args = ["generate", "x", "--model", str(tmp_path), "--max-new-tokens", "4", "--temperature", "0"]
+    assert main([*args, "--mxfp4-activations", "int8"]) == 0
+    capsys.readouterr()
+    assert main(["generate", "x", "--mxfp4-activations", "int8"]) == 2  # the shipped model has no MXFP4 experts
+    err = capsys.readouterr().err
+    assert "apply to packed MXFP4 experts" in err and "Traceback" not in err
+
+
 def test_mxfp4_bf16_dense_weights_stay_bf16(tmp_path):
     _mxfp4_dir(tmp_path, torch.bfloat16)
     model = load_model(tmp_path)

@@ -166,6 +166,92 @@ def test_other_cpus_builds_agree(tmp_path, arch):
     dense = torch.empty(72, 160, dtype=torch.bfloat16)
     lib.gl_mxfp4_dequant(blocks[1].data_ptr(), scales[1].data_ptr(), 72, 5, dense.data_ptr(), 1)
     assert torch.equal(dense, w[1].bfloat16())
+    # the int8-activation path of that build (AVX2: vpmaddubsw; plain C: scalar), fp32 and bf16 inputs
+    lib.gl_mxfp4_matvec_q8.argtypes = lib.gl_mxfp4_matvec.argtypes
+    for xx in (x, x.bfloat16()):
+        got = torch.empty(7, 72)
+        args = (blocks.data_ptr(), scales.data_ptr(), experts.data_ptr(), bias.data_ptr(), 7, 5, 72, 5, got.data_ptr())
+        lib.gl_mxfp4_matvec_q8(xx.data_ptr(), int(xx.dtype == torch.bfloat16), *args)
+        want = int8_reference(xx, w, experts) + bias[experts].double()
+        assert ((got.double() - want).abs() / want.abs().max()).max().item() < 1e-6
+
+
+def int8_reference(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """What `matvec_int8` computes, in float64: x rounded by `quantize_activations`, times the exact weights."""
+    M, K = x.shape
+    q, d = mxfp4.quantize_activations(x)
+    xd = (q.double().view(M, K // 32, 32) * d.double()[..., None]).view(M, K)
+    return torch.einsum("mrk,mk->mr", w[experts].double(), xd)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_rounding_of_the_kernel_is_the_reference(dtype):
+    if not mxfp4.native_available():
+        pytest.skip("the kernels are off")
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(6, 320, generator=g) * torch.logspace(-3, 3, 6)[:, None]).to(dtype)
+    x[2, 32:64] = 0  # an all-zero block: step 0, codes 0
+    x[3, :32] = torch.linspace(-1, 1, 32)  # exact ties after scaling round to even
+    q, d = mxfp4.quantize_activations(x)
+    nq, nd = mxfp4.native_quantize_activations(x)
+    assert torch.equal(q, nq) and torch.equal(d, nd)
+    assert q.abs().max() == 127 and torch.equal(q[2, 32:64], torch.zeros(32, dtype=torch.int8)) and d[2, 1] == 0
+    err = (q.float().view(6, 10, 32) * d[..., None] - x.float().view(6, 10, 32)).abs()
+    assert (err <= d[..., None] / 2 * (1 + 1e-6)).all()  # each input moves by at most half a step
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+@pytest.mark.parametrize("k", [32, 160, 512, 544, 2880])  # blocks per row: 1, 5, 16, 17, 90 (whole sets and the rest)
+def test_matvec_int8_matches_its_reference(rows, k):
+    blocks, scales = codes(4, 40, k, seed=k)
+    w = mxfp4.reference_rows(blocks, scales)
+    g = torch.Generator().manual_seed(rows + k)
+    x = torch.randn(rows, k, generator=g)
+    experts = torch.randint(0, 4, (rows,), generator=g)
+    bias = torch.randn(4, 40, generator=g)
+    for xx in (x, x.bfloat16()):
+        want = int8_reference(xx, w, experts) + bias[experts].double()
+        got = mxfp4.matvec_int8(xx, blocks, scales, experts, bias)
+        assert got.dtype == torch.float32 and got.shape == (rows, 40)
+        assert ((got.double() - want).abs() / want.abs().max()).max().item() < 1e-6
+        # and its distance from the exact products is the inputs' rounding: at most half a step per input
+        exact = torch.einsum("mrk,mk->mr", w[experts].double(), xx.double()) + bias[experts].double()
+        _, d = mxfp4.quantize_activations(xx)
+        bound = torch.einsum("mrg,mg->mr", w[experts].abs().double().view(rows, 40, -1, 32).sum(-1), d.double() / 2)
+        assert ((got.double() - exact).abs() <= bound * 1.0001 + 1e-6).all()
+        assert (got.double() - exact).abs().max() > 0  # it is not the exact path
+
+
+def test_matvec_int8_smallest_scale():
+    blocks = torch.zeros(1, 1, 17, 16, dtype=torch.uint8)
+    blocks[0, 0, 16, 0] = 0x02  # the 17th block (the second set's first) holds one code 2 (1.0) at scale 0
+    scales = torch.full((1, 1, 17), 127, dtype=torch.uint8)
+    scales[0, 0, 16] = 0
+    x = torch.ones(1, 17 * 32)
+    got = mxfp4.matvec_int8(x, blocks, scales, torch.zeros(1, dtype=torch.int64), None)
+    assert got.item() == 2.0**-127  # 1.0 * 2^-127, x = 1 exactly (127 codes of step 1/127)
+
+
+def test_int8_fallback_without_kernels_agrees():
+    script = (
+        "import torch; from gptoss_lite.kernels import mxfp4 as m; "
+        "assert not m.native_available(); "
+        "g = torch.Generator().manual_seed(0); "
+        "b = torch.randint(0, 256, (3, 16, 5, 16), dtype=torch.uint8, generator=g); "
+        "s = torch.randint(120, 130, (3, 16, 5), dtype=torch.uint8, generator=g); "
+        "x = torch.randn(4, 160, generator=g); e = torch.tensor([2, 0, 2, 1]); "
+        "q, d = m.quantize_activations(x); xd = (q.double().view(4, 5, 32) * d.double()[..., None]).view(4, 160); "
+        "ref = torch.einsum('mrk,mk->mr', m.reference_rows(b, s).double()[e], xd); "
+        "assert (m.matvec_int8(x, b, s, e, None).double() - ref).abs().max() < 1e-4; "
+        "assert (m.matvec(x, b, s, e, None).double() - ref).abs().max() > 1e-4"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "GPTOSS_LITE_NO_KERNELS": "1"},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
 
 
 def test_matvec_refuses_what_would_read_out_of_bounds():

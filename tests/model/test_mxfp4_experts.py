@@ -105,3 +105,68 @@ def test_speculative_decoding_on_packed_experts_keeps_greedy_tokens():
     ids = torch.randint(0, 264, (1, 24), generator=torch.Generator().manual_seed(4)).repeat(1, 3)  # repeats to look up
     plain = generate(packed, ids, 24, temperature=0)
     assert torch.equal(generate(packed, ids, 24, temperature=0, speculate=PromptLookup(k=4, min_ngram=1)), plain)
+
+
+def test_int8_activations_are_opt_in_near_exact_and_compiled_alike(monkeypatch):
+    """`set_mxfp4_activations("int8")`: decode logits move by the inputs' rounding only (not 0, small), and
+    the compiled step calls the same int8 kernel (the same greedy tokens as eager int8)."""
+    packed, _ = pair(torch.float32)
+    assert packed.mxfp4_activations == "exact"
+    int8 = copy.deepcopy(packed).prepare_for_inference().set_mxfp4_activations("int8")
+    assert int8.mxfp4_activations == "int8" and packed.mxfp4_activations == "exact"
+    ids = torch.randint(0, 264, (2, 6), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():  # 6 tokens: every expert reads its codes (the decode kernels)
+        a, b = packed(ids).logits, int8(ids).logits
+    assert 0 < (a - b).abs().max().item() <= 0.05 * a.abs().max().item()
+    compiled = copy.deepcopy(int8).prepare_for_inference(compile_decode=True)
+    assert compiled.mxfp4_activations == "int8"
+    prompt = torch.randint(0, 264, (2, 20), generator=torch.Generator().manual_seed(2))
+    from gptoss_lite.kernels import mxfp4
+
+    calls, kernel = {True: 0, False: 0}, mxfp4._matvec
+
+    def counted(*args, int8):
+        calls[int8] += 1
+        return kernel(*args, int8=int8)
+
+    monkeypatch.setattr(mxfp4, "_matvec", counted)
+    want = generate(int8, prompt, max_new_tokens=12, temperature=0)
+    calls[True] = 0
+    assert torch.equal(generate(compiled, prompt, max_new_tokens=12, temperature=0), want)
+    assert calls[True] >= 11 * 2 * packed.config.n_layers and calls[False] == 0  # the compiled steps' too
+
+
+def test_engine_takes_int8_activations_from_its_config():
+    import random
+
+    from gptoss_lite.engine import LLM
+    from tests.engine.conftest import assert_same_as_generate, random_workload, run
+
+    packed, _ = pair(torch.float32)
+    work = random_workload(random.Random(4), packed.config.vocab_size, 6, 80, 10, 6)
+    llm = LLM(
+        copy.deepcopy(packed).prepare_for_inference(),
+        kv_blocks=300,
+        max_batch_tokens=64,
+        max_running=6,
+        mxfp4_activations="int8",
+    )
+    assert llm.model.mxfp4_activations == "int8"
+    done = run(llm, work)
+    assert_same_as_generate(
+        copy.deepcopy(packed).prepare_for_inference().set_mxfp4_activations("int8"), llm, work, done, exact=False
+    )
+
+
+def test_bad_mxfp4_activations_are_refused():
+    from gptoss_lite.engine.config import EngineConfig
+
+    packed, dense = pair(torch.float32)
+    with pytest.raises(ValueError, match=r"mxfp4 activations 'fp8': must be one of \('exact', 'int8'\)"):
+        packed.set_mxfp4_activations("fp8")
+    assert packed.mxfp4_activations == "exact"
+    with pytest.raises(ValueError, match="apply to packed MXFP4 experts, and this model has none"):
+        dense.set_mxfp4_activations("int8")
+    dense.set_mxfp4_activations("exact")  # always allowed
+    with pytest.raises(ValueError, match="mxfp4_activations='int4'"):
+        EngineConfig(mxfp4_activations="int4")

@@ -131,6 +131,7 @@ def model_from_state_dict(
 
 
 MXFP4_MODES = ("auto", "packed", "dequantize")
+MXFP4_ACTIVATIONS = ("exact", "int8")  # MXFP4Experts.ACTIVATIONS
 
 
 def load_model(
@@ -140,6 +141,7 @@ def load_model(
     seed: int = 0,
     mxfp4: str = "auto",
     rope_factor: float | None = None,
+    mxfp4_activations: str = "exact",
 ) -> GPTOSS:
     """Load a GPTOSS from a directory or a preset name, prepared for inference (eval mode, on
     `device`, in `dtype`, decode-packed weights: `GPTOSS.prepare_for_inference`).
@@ -152,11 +154,16 @@ def load_model(
     - a preset or test-fixture name (`fixtures.resolve_config`) -> RANDOM weights seeded by `seed`
       (announced with a warning).
     `rope_factor` overrides the checkpoint's YaRN factor (`ModelConfig.with_rope_factor`): the same
-    weights at a longer (or shorter) rotary context. Loading is strict (see check_state_dict) and never
-    unpickles.
+    weights at a longer (or shorter) rotary context. `mxfp4_activations="int8"` opts the packed experts
+    into int8-rounded activations (`GPTOSS.set_mxfp4_activations`; changes results). Loading is strict
+    (see check_state_dict) and never unpickles.
     """
     if mxfp4 not in MXFP4_MODES:
         raise ValueError(f"mxfp4={mxfp4!r}: must be one of {MXFP4_MODES}")
+    if mxfp4_activations not in MXFP4_ACTIVATIONS:
+        raise ValueError(f"mxfp4_activations={mxfp4_activations!r}: must be one of {MXFP4_ACTIVATIONS}")
+    if mxfp4_activations != "exact" and mxfp4 == "dequantize":
+        raise ValueError(f"mxfp4_activations={mxfp4_activations!r} needs packed experts; mxfp4='dequantize' has none")
     if mxfp4 == "auto":
         mxfp4 = "packed" if device is None or torch.device(device).type == "cpu" else "dequantize"
     cfg, layout = read_model_config(source)
@@ -168,10 +175,12 @@ def load_model(
         )
         model = GPTOSS(cfg)
         model.reset_parameters(seed)
-        return model.prepare_for_inference(device, dtype)
-    directory = Path(source)
-    state = load_hf_state_dict(directory, cfg, mxfp4) if layout == "hf" else read_tensors(directory)
-    return model_from_state_dict(cfg, state, str(directory), device, dtype)
+        model.prepare_for_inference(device, dtype)
+    else:
+        directory = Path(source)
+        state = load_hf_state_dict(directory, cfg, mxfp4) if layout == "hf" else read_tensors(directory)
+        model = model_from_state_dict(cfg, state, str(directory), device, dtype)
+    return model.set_mxfp4_activations(mxfp4_activations) if mxfp4_activations != "exact" else model
 
 
 def read_model_config(source: str | Path) -> tuple[ModelConfig, str]:

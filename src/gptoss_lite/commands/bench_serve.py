@@ -87,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         max_running=args.max_running,
         dtype=torch_dtype(args.dtype),
         rope_factor=args.rope_factor,
+        mxfp4_activations=args.mxfp4_activations,
         device=resolve_device(args.device),
         enable_prefix_caching=not args.no_prefix_caching,
         **kv_kwargs,

@@ -29,6 +29,14 @@ def add_model_arg(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
     parser.add_argument(
+        "--mxfp4-activations",
+        choices=("exact", "int8"),
+        default="exact",
+        help="how packed MXFP4 experts (gpt-oss on a CPU) multiply decode rows: exact (default) or int8, "
+        "each block of 32 inputs rounded to int8 first as llama.cpp does (faster products; results "
+        "change by that rounding)",
+    )
+    parser.add_argument(
         "--rope-factor",
         type=float,
         default=None,
@@ -205,7 +213,13 @@ def load_model_and_tokenizer(args: argparse.Namespace):
             f"reads only ids 0..{tokenizer.vocab_size - 1}; put the model's tokenizer.json in its "
             "directory or use a byte-vocabulary model (vocab_size 264, e.g. lite-tiny)"
         )
-    model = load_model(source, device=device, dtype=torch_dtype(args.dtype), rope_factor=rope_factor)
+    model = load_model(
+        source,
+        device=device,
+        dtype=torch_dtype(args.dtype),
+        rope_factor=rope_factor,
+        mxfp4_activations=getattr(args, "mxfp4_activations", "exact"),
+    )
     if getattr(args, "compile", False):
         model.prepare_for_inference(compile_decode=True)
     return model, tokenizer, source

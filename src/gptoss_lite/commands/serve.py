@@ -459,6 +459,7 @@ def run(args: argparse.Namespace) -> int:
         max_running=args.max_running,
         dtype=torch_dtype(args.dtype),
         rope_factor=args.rope_factor,
+        mxfp4_activations=args.mxfp4_activations,
         device=device,
         enable_prefix_caching=not args.no_prefix_caching,
         max_model_len=args.max_model_len,

@@ -37,7 +37,8 @@ class EngineConfig:
     decodes as the model was prepared. `rope_factor` overrides a loaded checkpoint's YaRN factor
     (`ModelConfig.with_rope_factor`; not for a model passed in, which is used as built). `tenants`
     gives each tenant's share of the engine and its quotas (engine/fairness.py; None: equal shares,
-    no quotas).
+    no quotas). `mxfp4_activations` "int8" opts packed MXFP4 experts into int8-rounded activations
+    (`GPTOSS.set_mxfp4_activations`; changes results; None: "exact", or as a model passed in was set).
     """
 
     kv_blocks: int | None = None
@@ -58,6 +59,7 @@ class EngineConfig:
     decode_reserve: int = 0
     rope_factor: float | None = None
     tenants: TenantPolicy | None = None
+    mxfp4_activations: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_batch_tokens", "max_running"):
@@ -68,6 +70,8 @@ class EngineConfig:
         check_int("decode_reserve", self.decode_reserve, 0)
         if not isinstance(self.enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching={self.enable_prefix_caching!r}: expected a bool")
+        if self.mxfp4_activations not in (None, "exact", "int8"):
+            raise ValueError(f"mxfp4_activations={self.mxfp4_activations!r}: must be None, 'exact' or 'int8'")
         object.__setattr__(self, "kv_format", kv_format(self.kv_format))
         if self.full_window is not None:
             check_int("full_window", self.full_window, 1)

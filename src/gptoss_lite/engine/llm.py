@@ -112,12 +112,20 @@ class LLM:
                 model.prepare_for_inference(cfg.device, cfg.dtype)
             elif not model.inference_ready:
                 raise ValueError("model is not prepared for inference; call model.prepare_for_inference() first")
+            if cfg.mxfp4_activations is not None:
+                model.set_mxfp4_activations(cfg.mxfp4_activations)
             self.model_name = "model"
         else:
             source = str(model)
             model_dir = Path(source) if Path(source).is_dir() else None
             self.model_name = model_dir.name if model_dir is not None else source
-            model = load_model(source, device=cfg.device, dtype=cfg.dtype, rope_factor=cfg.rope_factor)
+            model = load_model(
+                source,
+                device=cfg.device,
+                dtype=cfg.dtype,
+                rope_factor=cfg.rope_factor,
+                mxfp4_activations=cfg.mxfp4_activations or "exact",
+            )
             self.chat_template = sources.read_chat_template(model_dir)
         if cfg.compile_decode and model.compiled_decoder is None:
             model.prepare_for_inference(compile_decode=True)  # out-major weights + the compiled step

@@ -23,6 +23,9 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define GL_AVX512BF16 1
 #endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512F__)
+#define GL_AVX512VNNI 1
+#endif
 
 static const int8_t TWICE_E2M1[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 static float HALF_POW2[256]; /* 0.5 * 2^(e - 127): exact in fp32, subnormal only for e < 2 */
@@ -53,6 +56,13 @@ int gl_has_bf16_dot(void) {
 }
 
 #define MAX_ROWS 4 /* input rows that share one decoded weight block */
+
+/* Codes are prefetched this many bytes ahead of the block being decoded (past the row's end too: the next
+ * row of the tile). The decode loop leaves the hardware prefetcher too few loads in flight on its own:
+ * one thread read 13.4 GB/s of codes from memory without it, 14.6 with it (Zen 4, 2 KB; 3 KB: 13.5). */
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 2048
+#endif
 
 #ifdef GL_AVX2
 /* The 32 weights of one block, times the block's factor, as four vectors of 8. */
@@ -162,12 +172,6 @@ static void split_pairs(const uint16_t *x, int64_t G, uint16_t *out) {
     if (g < G) memcpy(out + 32 * g, x + 32 * g, 32 * sizeof(uint16_t));
 }
 
-/* Codes are prefetched this many bytes ahead of the block being decoded (past the row's end too: the next
- * row of the tile). The decode loop leaves the hardware prefetcher too few loads in flight on its own:
- * one thread read 13.4 GB/s of codes from memory without it, 14.6 with it (Zen 4, 2 KB; 3 KB: 13.5). */
-#ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 2048
-#endif
 
 /* row_dots for bf16 inputs laid out by split_pairs. A pair of blocks is 32 code bytes: widened to
  * words, the low nibbles index the E2M1 table directly (vpermw reads 5 bits and the table repeats)
@@ -228,12 +232,239 @@ static void row_dots_bf16(const uint8_t *blocks, const uint8_t *scales, int64_t 
 }
 #endif
 
+/* ---- the opt-in int8-activation path (docs/mxfp4.md, "int8 activations") ------------------------------
+ *
+ * Each block of 32 inputs x is quantised to int8 codes q with one fp32 step d = max|x| / 127 (q = x * (127 /
+ * max|x|) rounded to nearest even), as llama.cpp does with its Q8 activations: this CHANGES results, by
+ * the rounding of x, and is never the default. The products are then integers: a weight code's twice-E2M1
+ * value w (-12..12, as u = w + 12 in 0..24 so that it is the unsigned operand) times q, summed exactly in
+ * int32, less 12 * sum(q) for the offset; each block's sum times its 0.5 * 2^(scale - 127) * d in fp32.
+ *
+ * The inputs are laid out once per call in groups of Q8_W blocks, each group Q8_W * 16 even elements then
+ * Q8_W * 16 odd ones, so that the low nibbles of a group's codes meet the even elements lane by lane (a
+ * 16-byte lane per block). Per set of Q8_SET blocks come the offsets -12 * sum(q) and the steps 0.5 * d
+ * (int32 and fp32), one per block, in the order the kernel's sums come out (`q8_slot`). */
+#if defined(GL_AVX512VNNI)
+#define Q8_W 4
+#define Q8_SET 16
+#elif defined(GL_AVX2)
+#define Q8_W 2
+#define Q8_SET 2
+#else
+#define Q8_W 4
+#define Q8_SET 4
+#endif
+
+/* twice the E2M1 values plus 12 (0..24: an unsigned byte), four times over (a 16-byte table per lane, or
+ * one 64-byte table that vpermb indexes with 6 bits) */
+static const uint8_t U_E2M1[64] = {
+    12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+    12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+};
+
+/* Where block b of a set lands in the kernel's vector of sums: the AVX-512 kernel's sums of groups k = b / 4
+ * come out with block 4k + i at dword 4i + k (see row_dots_q8). */
+static inline int q8_slot(int b) {
+#if defined(GL_AVX512VNNI)
+    return 4 * (b % 4) + b / 4;
+#else
+    return b;
+#endif
+}
+
+/* One block of 32 inputs to int8 codes q and the step d (0 and all-zero codes for an all-zero block). */
+static void quantize_block_q8(const float *x, int8_t q[32], float *d) {
+    float amax = 0.0f;
+    for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[i]));
+    float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int i = 0; i < 32; i++) q[i] = (int8_t)rintf(x[i] * inv); /* |x * inv| <= 127 rounded: in range */
+    *d = amax / 127.0f;
+}
+
+static void block_floats(const void *x, int x_bf16, int64_t at, float out[32]) {
+    if (!x_bf16) {
+        memcpy(out, (const float *)x + at, 32 * sizeof(float));
+        return;
+    }
+    const uint16_t *h = (const uint16_t *)x + at;
+    for (int i = 0; i < 32; i++) {
+        uint32_t bits = (uint32_t)h[i] << 16;
+        memcpy(out + i, &bits, 4);
+    }
+}
+
+/* x (M, 32 G) fp32 or bf16 -> q (M, 32 G) int8 and d (M, G) fp32, in element order: what the kernel
+ * multiplies with, for tests against the PyTorch reference of the same rounding. */
+void gl_q8_quantize(const void *x, int x_bf16, int64_t M, int64_t G, int8_t *q, float *d) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {
+            float f[32];
+            block_floats(x, x_bf16, (m * G + g) * 32, f);
+            quantize_block_q8(f, q + (m * G + g) * 32, d + m * G + g);
+        }
+}
+
+typedef struct {
+    const int8_t *q;     /* (sets * Q8_SET / Q8_W, 2, Q8_W * 16): a group's even elements, then its odd ones */
+    const int32_t *init; /* (sets, Q8_SET) */
+    const float *step;   /* (sets, Q8_SET) */
+} Q8Row;
+
+static inline int64_t q8_sets(int64_t G) { return (G + Q8_SET - 1) / Q8_SET; }
+
+/* One input row laid out for the kernels; the last set is padded with zeros (q = 0, offset 0, step 0). */
+static void layout_q8(const void *x, int x_bf16, int64_t m, int64_t G, int8_t *q, int32_t *init, float *step) {
+    int64_t sets = q8_sets(G);
+    memset(q, 0, (size_t)sets * Q8_SET * 32);
+    memset(init, 0, sizeof(int32_t) * sets * Q8_SET);
+    memset(step, 0, sizeof(float) * sets * Q8_SET);
+    for (int64_t g = 0; g < G; g++) {
+        float f[32], d;
+        int8_t b[32];
+        block_floats(x, x_bf16, (m * G + g) * 32, f);
+        quantize_block_q8(f, b, &d);
+        int64_t grp = g / Q8_W, lane = g % Q8_W;
+        int8_t *even = q + grp * Q8_W * 32 + lane * 16, *odd = even + Q8_W * 16;
+        int32_t sum = 0;
+        for (int i = 0; i < 16; i++) even[i] = b[2 * i], odd[i] = b[2 * i + 1], sum += b[2 * i] + b[2 * i + 1];
+        int64_t at = (g / Q8_SET) * Q8_SET + q8_slot((int)(g % Q8_SET));
+        init[at] = -12 * sum;
+        step[at] = 0.5f * d;
+    }
+}
+
+#if defined(GL_AVX512VNNI)
+/* The unsigned weights of a group's low nibbles (lo) and high nibbles (hi): vpermb reads 6 bits of each
+ * byte and the table repeats every 16, so no mask is needed; without VBMI, a mask and vpshufb. */
+static inline void q8_weights(__m512i c, __m512i table, __m512i *lo, __m512i *hi) {
+#if defined(__AVX512VBMI__)
+    *lo = _mm512_permutexvar_epi8(c, table);
+    *hi = _mm512_permutexvar_epi8(_mm512_srli_epi16(c, 4), table);
+#else
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    *lo = _mm512_shuffle_epi8(table, _mm512_and_si512(c, low4));
+    *hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(c, 4), low4));
+#endif
+}
+
+/* The sum of the four dwords of each 16-byte lane of a, b, c, d: lane i of the result holds a's, b's, c's
+ * and d's lane-i sums in dwords 4i, 4i + 1, 4i + 2, 4i + 3. */
+static inline __m512i lane_sums(__m512i a, __m512i b, __m512i c, __m512i d) {
+    __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+}
+
+/* row_dots for int8 inputs, a set of 16 blocks (256 code bytes) a step. In each group of four blocks (64
+ * bytes) the low and high nibbles become unsigned weights (q8_weights) and two vpdpbusd sum their products
+ * with the even and odd inputs into lane i's dwords (block i of the group). The four groups' lanes are
+ * summed into one vector (block 4k + i of the set at dword 4i + k), the offsets added, and the 16 blocks
+ * scaled at once by the steps, then by 2^(scale - 127) (scale << 23 is that float for scale >= 1; scale
+ * 0, 2^-127, is the subnormal 0x00400000). */
+static void row_dots_q8(const uint8_t *blocks, const uint8_t *scales, int64_t G, const Q8Row *xs, int n, float *dots) {
+    const __m512i table = _mm512_loadu_si512((const void *)U_E2M1), tiny = _mm512_set1_epi32(0x00400000);
+    /* the set's 16 scale bytes in the sums' order: byte 4i + k <- byte 4k + i */
+    const __m128i order = _mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const int64_t sets = q8_sets(G);
+    __m512 acc[MAX_ROWS];
+    for (int j = 0; j < n; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < sets; t++) {
+        const int64_t g0 = 16 * t;
+        __m512i lo[4], hi[4];
+        __m128i sc;
+        if (g0 + 16 <= G) {
+            for (int k = 0; k < 4; k++) q8_weights(_mm512_loadu_si512((const void *)(blocks + 16 * (g0 + 4 * k))), table, &lo[k], &hi[k]);
+            sc = _mm_loadu_si128((const __m128i *)(scales + g0));
+        } else { /* the last 1-15 blocks: masked loads read nothing past the row */
+            int64_t rem = G - g0;
+            for (int k = 0; k < 4; k++) {
+                int64_t have = rem - 4 * k < 0 ? 0 : (rem - 4 * k > 4 ? 4 : rem - 4 * k);
+                __mmask64 mask = have == 4 ? ~0ULL : (1ULL << (16 * have)) - 1;
+                q8_weights(_mm512_maskz_loadu_epi8(mask, blocks + 16 * (g0 + 4 * k)), table, &lo[k], &hi[k]);
+            }
+            sc = _mm_maskz_loadu_epi8((__mmask16)((1u << rem) - 1), scales + g0);
+        }
+        _mm_prefetch((const char *)(blocks + 16 * g0 + PREFETCH_AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blocks + 16 * g0 + PREFETCH_AHEAD + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blocks + 16 * g0 + PREFETCH_AHEAD + 128), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blocks + 16 * g0 + PREFETCH_AHEAD + 192), _MM_HINT_T0);
+        __m512i e = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(sc, order));
+        __m512 factor = _mm512_castsi512_ps(_mm512_max_epi32(_mm512_slli_epi32(e, 23), tiny));
+        for (int j = 0; j < n; j++) {
+            const int8_t *xq = xs[j].q + 512 * t;
+            __m512i s[4];
+            for (int k = 0; k < 4; k++) {
+                s[k] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[k], _mm512_loadu_si512((const void *)(xq + 128 * k)));
+                s[k] = _mm512_dpbusd_epi32(s[k], hi[k], _mm512_loadu_si512((const void *)(xq + 128 * k + 64)));
+            }
+            __m512i sum = _mm512_add_epi32(lane_sums(s[0], s[1], s[2], s[3]), _mm512_loadu_si512((const void *)(xs[j].init + 16 * t)));
+            /* the step first, so that a subnormal factor (scale 0) multiplies a sum of ordinary size */
+            __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_loadu_ps(xs[j].step + 16 * t));
+            acc[j] = _mm512_fmadd_ps(v, factor, acc[j]);
+        }
+    }
+    for (int j = 0; j < n; j++) dots[j] = _mm512_reduce_add_ps(acc[j]);
+}
+#elif defined(GL_AVX2)
+/* row_dots for int8 inputs on AVX2, two blocks (32 code bytes) a step: byte shuffles give the unsigned
+ * weights, vpmaddubsw their products with the inputs in int16 pairs (at most 2 * 24 * 127, no
+ * saturation), vpmaddwd sums those into lane i's dwords (block i). */
+static void row_dots_q8(const uint8_t *blocks, const uint8_t *scales, int64_t G, const Q8Row *xs, int n, float *dots) {
+    const __m256i table = _mm256_loadu_si256((const __m256i *)U_E2M1), low4 = _mm256_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int64_t groups = (G + 1) / 2;
+    __m256 acc[MAX_ROWS];
+    for (int j = 0; j < n; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < groups; t++) {
+        const int64_t g = 2 * t;
+        __m256i c;
+        __m256 factor;
+        if (g + 2 <= G) {
+            c = _mm256_loadu_si256((const __m256i *)(blocks + 16 * g));
+            factor = _mm256_setr_m128(_mm_set1_ps(POW2[scales[g]]), _mm_set1_ps(POW2[scales[g + 1]]));
+        } else { /* one last block: the second lane reads nothing */
+            c = _mm256_maskload_epi32((const int *)(blocks + 16 * g), _mm256_setr_epi32(-1, -1, -1, -1, 0, 0, 0, 0));
+            factor = _mm256_setr_m128(_mm_set1_ps(POW2[scales[g]]), _mm_setzero_ps());
+        }
+        __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(c, low4));
+        __m256i hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(c, 4), low4));
+        for (int j = 0; j < n; j++) {
+            __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(xs[j].q + 64 * t))),
+                                             _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xs[j].q + 64 * t + 32))));
+            __m256i init = _mm256_setr_m128i(_mm_cvtsi32_si128(xs[j].init[2 * t]), _mm_cvtsi32_si128(xs[j].init[2 * t + 1]));
+            __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(pairs, ones), init);
+            __m256 step = _mm256_setr_m128(_mm_set1_ps(xs[j].step[2 * t]), _mm_set1_ps(xs[j].step[2 * t + 1]));
+            acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sum), step), factor, acc[j]);
+        }
+    }
+    for (int j = 0; j < n; j++) dots[j] = hsum(acc[j]);
+}
+#else
+static void row_dots_q8(const uint8_t *blocks, const uint8_t *scales, int64_t G, const Q8Row *xs, int n, float *dots) {
+    for (int j = 0; j < n; j++) dots[j] = 0.0f;
+    for (int64_t g = 0; g < G; g++) {
+        int64_t t = g / Q8_W, lane = g % Q8_W;
+        for (int j = 0; j < n; j++) {
+            const int8_t *even = xs[j].q + t * Q8_W * 32 + lane * 16, *odd = even + Q8_W * 16;
+            int32_t sum = xs[j].init[g];
+            for (int i = 0; i < 16; i++) {
+                uint8_t byte = blocks[16 * g + i];
+                sum += U_E2M1[byte & 15] * even[i] + U_E2M1[byte >> 4] * odd[i];
+            }
+            dots[j] += ((float)sum * xs[j].step[g]) * POW2[scales[g]];
+        }
+    }
+}
+#endif
+
 /* out[m, r] = sum_k W[experts[m], r, k] * x[m, k] (+ bias[experts[m], r]), for m < M.
- * x (M, K) fp32, or bf16 bits when x_bf16 (only where gl_has_bf16_dot()); blocks (E, R, G, 16); scales (E, R, G); experts (M,) int64 in [0, E) (the caller
- * checks); bias (E, R) fp32 or NULL; out (M, R) fp32. Rows that use the same expert share each
- * decoded weight block, MAX_ROWS at a time. Work is split over (group of rows, tile of R). */
-void gl_mxfp4_matvec(const void *x, int x_bf16, const uint8_t *blocks, const uint8_t *scales, const int64_t *experts,
-                     const float *bias, int64_t M, int64_t E, int64_t R, int64_t G, float *out) {
+ * x (M, K) fp32, or bf16 bits when x_bf16; blocks (E, R, G, 16); scales (E, R, G); experts (M,) int64 in
+ * [0, E) (the caller checks); bias (E, R) fp32 or NULL; out (M, R) fp32. Rows that use the same expert
+ * share each decoded weight block, MAX_ROWS at a time. Work is split over (group of rows, tile of R).
+ * int8: x quantised per block of 32 (the opt-in path above), else the exact products (bf16 inputs take
+ * the bf16 dot products only where gl_has_bf16_dot()). */
+static void matvec(const void *x, int x_bf16, int int8, const uint8_t *blocks, const uint8_t *scales,
+                   const int64_t *experts, const float *bias, int64_t M, int64_t E, int64_t R, int64_t G, float *out) {
     init_tables();
     const int64_t K = 32 * G;
     /* rows grouped by expert, MAX_ROWS per group: a counting sort keeps them in order */
@@ -252,8 +483,20 @@ void gl_mxfp4_matvec(const void *x, int x_bf16, const uint8_t *blocks, const uin
     const int64_t TILE = 16;
     const int64_t ntiles = (R + TILE - 1) / TILE;
     uint16_t *split = NULL; /* bf16 rows in row_dots_bf16's order */
+    /* int8 rows in row_dots_q8's layout: per row, `slots` blocks (G padded to whole sets) */
+    const int64_t slots = q8_sets(G) * Q8_SET;
+    int8_t *q8 = NULL;
+    int32_t *q8_init = NULL;
+    float *q8_step = NULL;
+    if (int8) {
+        q8 = malloc((size_t)M * slots * 32 + 64);
+        q8_init = malloc(sizeof(int32_t) * (M * slots + 1));
+        q8_step = malloc(sizeof(float) * (M * slots + 1));
+        for (int64_t m = 0; m < M; m++)
+            layout_q8(x, x_bf16, m, G, q8 + m * slots * 32, q8_init + m * slots, q8_step + m * slots);
+    }
 #ifdef GL_AVX512BF16
-    if (x_bf16) {
+    else if (x_bf16) {
         split = malloc(sizeof(uint16_t) * (M * K + 1));
         for (int64_t m = 0; m < M; m++) split_pairs((const uint16_t *)x + m * K, G, split + m * K);
     }
@@ -266,25 +509,49 @@ void gl_mxfp4_matvec(const void *x, int x_bf16, const uint8_t *blocks, const uin
         int64_t e = experts[rows[0]];
         const float *xs[MAX_ROWS];
         const uint16_t *xh[MAX_ROWS];
+        Q8Row xq[MAX_ROWS];
         float dots[MAX_ROWS];
         for (int j = 0; j < n; j++) {
             xs[j] = (const float *)x + rows[j] * K;
             xh[j] = split ? split + rows[j] * K : NULL;
+            if (int8) {
+                xq[j].q = q8 + rows[j] * slots * 32;
+                xq[j].init = q8_init + rows[j] * slots;
+                xq[j].step = q8_step + rows[j] * slots;
+            }
         }
         for (int64_t r = r0; r < r1; r++) {
             int64_t wr = e * R + r;
+            if (int8)
+                row_dots_q8(blocks + wr * G * 16, scales + wr * G, G, xq, n, dots);
 #ifdef GL_AVX512BF16
-            if (x_bf16)
+            else if (x_bf16)
                 row_dots_bf16(blocks + wr * G * 16, scales + wr * G, G, xh, n, dots);
-            else
 #endif
+            else
                 row_dots(blocks + wr * G * 16, scales + wr * G, G, xs, n, dots);
             float b = bias ? bias[wr] : 0.0f;
             for (int j = 0; j < n; j++) out[rows[j] * R + r] = dots[j] + b;
         }
     }
+    free(q8);
+    free(q8_init);
+    free(q8_step);
     free(split);
     free(order);
+}
+
+/* The exact products (x_bf16 only where gl_has_bf16_dot()). */
+void gl_mxfp4_matvec(const void *x, int x_bf16, const uint8_t *blocks, const uint8_t *scales, const int64_t *experts,
+                     const float *bias, int64_t M, int64_t E, int64_t R, int64_t G, float *out) {
+    matvec(x, x_bf16, 0, blocks, scales, experts, bias, M, E, R, G, out);
+}
+
+/* The opt-in int8-activation products; x fp32 or bf16 (x_bf16) on every build. */
+void gl_mxfp4_matvec_q8(const void *x, int x_bf16, const uint8_t *blocks, const uint8_t *scales,
+                        const int64_t *experts, const float *bias, int64_t M, int64_t E, int64_t R, int64_t G,
+                        float *out) {
+    matvec(x, x_bf16, 1, blocks, scales, experts, bias, M, E, R, G, out);
 }
 
 /* W (R, K) of one matrix as fp32 (out_bf16 == 0) or as bf16 bits (out_bf16 != 0); both exact. */

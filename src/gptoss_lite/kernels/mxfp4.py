@@ -97,6 +97,10 @@ def _library() -> ctypes.CDLL | None:
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.gl_mxfp4_matvec.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr]
         lib.gl_mxfp4_matvec.restype = None
+        lib.gl_mxfp4_matvec_q8.argtypes = lib.gl_mxfp4_matvec.argtypes
+        lib.gl_mxfp4_matvec_q8.restype = None
+        lib.gl_q8_quantize.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, ptr]
+        lib.gl_q8_quantize.restype = None
         lib.gl_mxfp4_dequant.argtypes = [ptr, ptr, i64, i64, ptr, ctypes.c_int]
         lib.gl_mxfp4_dequant.restype = None
         lib.bf16_dot = bool(lib.gl_has_bf16_dot())
@@ -113,13 +117,22 @@ def _on_cpu(*tensors: torch.Tensor) -> bool:
     return all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
 
 
-@torch.library.custom_op("gptoss_lite::mxfp4_matvec", mutates_args=())
-def matvec(
-    x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """out[m] = W[experts[m]] · x[m] (+ bias[experts[m]]) in fp32: x (M, K) any float dtype, blocks
-    (E, R, K/32, 16) and scales (E, R, K/32) uint8, experts (M,) int64 in [0, E), bias (E, R) or None
-    -> (M, R) float32. Rows that share an expert share each decoded block of its codes."""
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, 32·G) -> (q (M, 32·G) int8, d (M, G) float32): each block of 32 inputs as int8 codes times
+    one step d = max|x| / 127, q = x · (127 / max|x|) rounded to nearest even (all zeros for an
+    all-zero block). The rounding of the opt-in int8-activation path (`matvec_int8`), in fp32 as the C
+    kernel does it: the reference that path is tested against."""
+    M, K = x.shape
+    if K % BLOCK:
+        raise ValueError(f"quantize_activations: x {list(x.shape)} must have a multiple of {BLOCK} columns")
+    xb = x.float().reshape(M, K // BLOCK, BLOCK)
+    amax = xb.abs().amax(dim=-1)  # (M, G)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv[..., None]).to(torch.int8).reshape(M, K)
+    return q, amax / 127.0
+
+
+def _check_matvec_args(x, blocks, scales, experts, bias) -> None:
     M, K = x.shape
     E, R, G = scales.shape
     # The C code trusts its indices and sizes: a bad one would read outside the tensors.
@@ -132,14 +145,23 @@ def matvec(
         raise ValueError(f"mxfp4 matvec: expert ids must be in [0, {E}); got {experts.min()}..{experts.max()}")
     if bias is not None and tuple(bias.shape) != (E, R):
         raise ValueError(f"mxfp4 matvec: bias {list(bias.shape)} must be (E, R) = {[E, R]}")
+
+
+def _matvec(x, blocks, scales, experts, bias, int8: bool) -> torch.Tensor:
+    """`matvec` (int8=False) and `matvec_int8`: the C kernel where it runs, else PyTorch."""
+    _check_matvec_args(x, blocks, scales, experts, bias)
+    M, K = x.shape
+    E, R, G = scales.shape
     bf = None if bias is None else bias.float().contiguous()
     lib = _library()
     if lib is not None and _on_cpu(blocks, scales, experts) and experts.dtype == torch.int64:
-        # bf16 inputs go to the bf16 dot products where the CPU has them: the same exact products
-        x_bf16 = x.dtype == torch.bfloat16 and lib.bf16_dot
+        # bf16 inputs go to the bf16 dot products where the CPU has them: the same exact products; the
+        # int8 path reads bf16 inputs on every build
+        x_bf16 = x.dtype == torch.bfloat16 and (int8 or lib.bf16_dot)
         xc = x.contiguous() if x_bf16 else x.float().contiguous()
         out = torch.empty(M, R, dtype=torch.float32)
-        lib.gl_mxfp4_matvec(
+        kernel = lib.gl_mxfp4_matvec_q8 if int8 else lib.gl_mxfp4_matvec
+        kernel(
             xc.data_ptr(),
             int(x_bf16),
             blocks.data_ptr(),
@@ -153,7 +175,11 @@ def matvec(
             out.data_ptr(),
         )
         return out
-    xf = x.float()
+    if int8:  # the same rounding, then the products in fp32
+        q, d = quantize_activations(x)
+        xf = (q.float().view(M, G, BLOCK) * d[..., None]).view(M, K)
+    else:
+        xf = x.float()
     out = xf.new_empty(M, R)
     for e in experts.unique().tolist():  # the fallback: one expert's rows dequantised at a time
         rows = (experts == e).nonzero().view(-1)
@@ -162,9 +188,47 @@ def matvec(
     return out
 
 
+@torch.library.custom_op("gptoss_lite::mxfp4_matvec", mutates_args=())
+def matvec(
+    x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """out[m] = W[experts[m]] · x[m] (+ bias[experts[m]]) in fp32: x (M, K) any float dtype, blocks
+    (E, R, K/32, 16) and scales (E, R, K/32) uint8, experts (M,) int64 in [0, E), bias (E, R) or None
+    -> (M, R) float32. Rows that share an expert share each decoded block of its codes."""
+    return _matvec(x, blocks, scales, experts, bias, int8=False)
+
+
 @matvec.register_fake
 def _(x, blocks, scales, experts, bias):
     return x.new_empty(x.shape[0], scales.shape[1], dtype=torch.float32)
+
+
+@torch.library.custom_op("gptoss_lite::mxfp4_matvec_int8", mutates_args=())
+def matvec_int8(
+    x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`matvec` with x rounded to int8 per block of 32 first (`quantize_activations`), as llama.cpp's
+    Q8 activations are: integer products, fewer instructions per weight, and results that differ from
+    the exact `matvec` by that rounding. Opt-in (`GPTOSS.set_mxfp4_activations("int8")`)."""
+    return _matvec(x, blocks, scales, experts, bias, int8=True)
+
+
+@matvec_int8.register_fake
+def _(x, blocks, scales, experts, bias):
+    return x.new_empty(x.shape[0], scales.shape[1], dtype=torch.float32)
+
+
+def native_quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_activations` by the C kernel's own code (for tests: the two must agree bit for bit)."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the mxfp4 kernels are not built here")
+    M, K = x.shape
+    x_bf16 = x.dtype == torch.bfloat16
+    xc = x.contiguous() if x_bf16 else x.float().contiguous()
+    q, d = torch.empty(M, K, dtype=torch.int8), torch.empty(M, K // BLOCK, dtype=torch.float32)
+    lib.gl_q8_quantize(xc.data_ptr(), int(x_bf16), M, K // BLOCK, q.data_ptr(), d.data_ptr())
+    return q, d
 
 
 def dequantize_rows(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptoss_lite.config import ModelConfig
-from gptoss_lite.kernels.mxfp4 import BLOCK, dequantize_rows, matvec, quantize_mxfp4, reference_rows
+from gptoss_lite.kernels.mxfp4 import BLOCK, dequantize_rows, matvec, matvec_int8, quantize_mxfp4, reference_rows
 from gptoss_lite.model.decode_pack import input_major_for, pack_pair, pack_rows, still_packed, store_for_decode
 from gptoss_lite.model.matmul import Linear, decode_linear, linear, rounded, select_linear
 
@@ -159,7 +159,13 @@ class MXFP4Experts(nn.Module):
     one expert at a time into a scratch copy for one matmul (prefill). Products are fp32 and every
     value the eager `Experts` holds in the model's dtype is rounded to it, so this equals
     `dequantized()` to accumulation order. Inference only.
+
+    `activations` is "exact" (the default, above) or "int8" (opt-in, `GPTOSS.set_mxfp4_activations`):
+    the rows that read the codes are rounded to int8 per block of 32 first (`kernels.mxfp4.matvec_int8`,
+    as llama.cpp does), which changes results by that rounding; the prefill path is exact either way.
     """
+
+    ACTIVATIONS = ("exact", "int8")
 
     def __init__(self, n: int, d_model: int, hidden: int, activation: str, limit: float, bias: bool):
         super().__init__()
@@ -168,6 +174,7 @@ class MXFP4Experts(nn.Module):
                 f"MXFP4 experts need d_model and expert_hidden divisible by {BLOCK}; got {d_model}, {hidden}"
             )
         self.activation, self.limit, self.hidden = activation, limit, hidden
+        self.activations = "exact"
         codes = dict(dtype=torch.uint8)
         self.register_buffer("gate_up_blocks", torch.zeros(n, 2 * hidden, d_model // BLOCK, BLOCK // 2, **codes))
         self.register_buffer("gate_up_scales", torch.zeros(n, 2 * hidden, d_model // BLOCK, **codes))
@@ -217,12 +224,14 @@ class MXFP4Experts(nn.Module):
 
     def _gate_up(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Row m of x (M, C) through expert experts[m]'s gate/up matrix, bias added: (M, 2I) fp32, interleaved."""
-        out = matvec(x, self.gate_up_blocks, self.gate_up_scales, experts, None)
+        op = matvec_int8 if self.activations == "int8" else matvec
+        out = op(x, self.gate_up_blocks, self.gate_up_scales, experts, None)
         return out if self.gate_up_bias is None else out + self.gate_up_bias[experts].float()
 
     def _down(self, act: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Row m of act (M, I) through expert experts[m]'s down matrix, bias added: (M, C) fp32."""
-        out = matvec(act, self.down_blocks, self.down_scales, experts, None)
+        op = matvec_int8 if self.activations == "int8" else matvec
+        out = op(act, self.down_blocks, self.down_scales, experts, None)
         return out if self.down_bias is None else out + self.down_bias[experts].float()
 
     def _run(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:

@@ -133,6 +133,30 @@ class GPTOSS(nn.Module):
             block.moe.use_mxfp4()
         return self
 
+    def set_mxfp4_activations(self, mode: str) -> GPTOSS:
+        """How the packed MXFP4 experts multiply the rows that read their codes (decode, a few tokens):
+        "exact" (the default: every product exact, fp32 sums) or "int8" (opt-in: each block of 32
+        inputs rounded to int8 first, as llama.cpp's Q8 activations are; integer products, faster where
+        the expert kernel is bound by instructions, results that differ by that rounding). Set it before
+        the decode step is compiled. Returns self."""
+        if mode not in MXFP4Experts.ACTIVATIONS:
+            raise ValueError(f"mxfp4 activations {mode!r}: must be one of {MXFP4Experts.ACTIVATIONS}")
+        packed = [b.moe.experts for b in self.blocks if isinstance(b.moe.experts, MXFP4Experts)]
+        if mode != "exact" and not packed:
+            raise ValueError(
+                f"mxfp4 activations {mode!r} apply to packed MXFP4 experts, and this model has none "
+                "(a gpt-oss checkpoint loaded on a CPU with mxfp4='packed' or 'auto' has them)"
+            )
+        for experts in packed:
+            experts.activations = mode
+        return self
+
+    @property
+    def mxfp4_activations(self) -> str:
+        """ "exact" or "int8": what `set_mxfp4_activations` chose ("exact" for a model without MXFP4 experts)."""
+        modes = {b.moe.experts.activations for b in self.blocks if isinstance(b.moe.experts, MXFP4Experts)}
+        return modes.pop() if len(modes) == 1 else "exact" if not modes else "mixed"
+
     @property
     def mxfp4_experts(self) -> bool:
         return any(isinstance(block.moe.experts, MXFP4Experts) for block in self.blocks)
