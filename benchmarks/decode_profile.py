@@ -6,9 +6,10 @@
 Loads the model (a directory or a preset) in `--dtype`, with the compiled decode step when `--compiled`,
 prefills a seeded random `--context`-token prompt through `stream_generate`, then times `--steps`
 greedy decode steps without the profiler (median and fastest, ms) and profiles `--profiled` more. The
-table is the ops with the most self time per step. With `--bytes` (the bytes one step reads, e.g.
-`gptoss20b_cpu.py`'s `decode_bytes`), the two weight kernels' rows also give GB/s: `bf16_gemv` over
-the dense bf16 weights and `mxfp4_matvec` over the routed experts' codes, from the model's own shapes.
+table is the ops with the most self time per step. The weight kernels' rows also give GB/s (the bytes
+one step reads through them, from the model's own shapes, over their time): `bf16_gemv` over
+the dense bf16 weights and `mxfp4_matvec` (or `mxfp4_matvec_int8`, with `--mxfp4-activations int8`)
+over the routed experts' codes.
 Threads: `--threads` (default 2). The first decode step includes compiling (or loading the compiled
 step from inductor's cache) and is not timed.
 """
@@ -41,7 +42,7 @@ def weight_bytes(model) -> dict[str, int]:
             codes = (ex.gate_up_blocks, ex.gate_up_scales, ex.down_blocks, ex.down_scales)
             per_expert = sum(t[0].numel() for t in codes)
             experts += block.moe.top_k * per_expert
-    return {"bf16_gemv": dense, "mxfp4_matvec": experts}
+    return {"bf16_gemv": dense, "mxfp4_matvec": experts, "mxfp4_matvec_int8": experts}
 
 
 def main() -> None:
@@ -54,12 +55,13 @@ def main() -> None:
     ap.add_argument("--profiled", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--mxfp4-activations", default="exact", choices=["exact", "int8"], help="packed experts' path")
     args = ap.parse_args()
     if min(args.context, args.steps, args.profiled, args.threads, args.top) < 1:
         ap.error("--context, --steps, --profiled, --threads and --top must be at least 1")
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    model = load_model(args.model, dtype=getattr(torch, args.dtype))
+    model = load_model(args.model, dtype=getattr(torch, args.dtype), mxfp4_activations=args.mxfp4_activations)
     if args.compiled:
         model.prepare_for_inference(compile_decode=True)
     print(f"loaded {args.model} ({args.dtype}) in {time.perf_counter() - t0:.1f} s", flush=True)

@@ -270,6 +270,19 @@ def _worker(engine: str, args: argparse.Namespace, max_len: int, log: Path):
     return Worker(engine, cmd, env, log)
 
 
+def machine() -> dict:
+    """What ran the sitting, for the results file: `lscpu`, the commit, when it finished (UTC)."""
+
+    def out(cmd: list[str]) -> str:
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, cwd=HERE, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return {"lscpu": out(["lscpu"]), "commit": out(["git", "rev-parse", "HEAD"]), "finished_utc": stamp}
+
+
 def run(args: argparse.Namespace) -> dict:
     engines = [e for e in args.engines if e != "llama.cpp" or args.llama_python]
     max_len = max(args.lengths) + args.new_tokens + 8
@@ -314,6 +327,7 @@ def run(args: argparse.Namespace) -> dict:
             print(f"round {r} {engine}: load {load_s:.0f} s, peak RSS {row['peak_rss_gib']:.1f} GiB", file=sys.stderr)
             samples.append(row)
     return {
+        "machine": machine(),
         "bandwidth_gb_s": bandwidth,
         "threads": args.threads,
         "lengths": args.lengths,
