@@ -27,6 +27,7 @@ from gptoss_lite.checkpoint.state_dict import check_state_dict
 from gptoss_lite.config import CONFIG_FORMAT_VERSION, PRESETS, ModelConfig
 from gptoss_lite.fixtures import FIXTURES, resolve_config, valid_names
 from gptoss_lite.model import GPTOSS, RotaryEmbedding
+from gptoss_lite.model.moe import MXFP4Experts
 
 # Where the trained demo model lives once it has been trained and copied in (package data).
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo"
@@ -131,7 +132,7 @@ def model_from_state_dict(
 
 
 MXFP4_MODES = ("auto", "packed", "dequantize")
-MXFP4_ACTIVATIONS = ("exact", "int8")  # MXFP4Experts.ACTIVATIONS
+MXFP4_ACTIVATIONS = MXFP4Experts.ACTIVATIONS
 
 
 def load_model(

@@ -15,6 +15,7 @@ import torch
 from gptoss_lite.engine.tenants import TenantPolicy
 from gptoss_lite.kv.block_pool import DEFAULT_BLOCK_SIZE
 from gptoss_lite.kvspec import DENSE, KVFormat, kv_format
+from gptoss_lite.model.moe import MXFP4Experts
 from gptoss_lite.speculative import DraftModel, PromptLookup
 from gptoss_lite.validation import check_int
 
@@ -70,8 +71,10 @@ class EngineConfig:
         check_int("decode_reserve", self.decode_reserve, 0)
         if not isinstance(self.enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching={self.enable_prefix_caching!r}: expected a bool")
-        if self.mxfp4_activations not in (None, "exact", "int8"):
-            raise ValueError(f"mxfp4_activations={self.mxfp4_activations!r}: must be None, 'exact' or 'int8'")
+        if self.mxfp4_activations is not None and self.mxfp4_activations not in MXFP4Experts.ACTIVATIONS:
+            raise ValueError(
+                f"mxfp4_activations={self.mxfp4_activations!r}: must be None or one of {MXFP4Experts.ACTIVATIONS}"
+            )
         object.__setattr__(self, "kv_format", kv_format(self.kv_format))
         if self.full_window is not None:
             check_int("full_window", self.full_window, 1)

@@ -488,10 +488,10 @@ static void matvec(const void *x, int x_bf16, int int8, const uint8_t *blocks, c
     int8_t *q8 = NULL;
     int32_t *q8_init = NULL;
     float *q8_step = NULL;
-    if (int8) {
-        q8 = malloc((size_t)M * slots * 32 + 64);
-        q8_init = malloc(sizeof(int32_t) * (M * slots + 1));
-        q8_step = malloc(sizeof(float) * (M * slots + 1));
+    if (int8) { /* one allocation: steps and offsets (4 bytes each), then the codes */
+        q8_step = malloc((size_t)M * slots * (2 * sizeof(float) + 32) + 64);
+        q8_init = (int32_t *)(q8_step + M * slots);
+        q8 = (int8_t *)(q8_init + M * slots);
         for (int64_t m = 0; m < M; m++)
             layout_q8(x, x_bf16, m, G, q8 + m * slots * 32, q8_init + m * slots, q8_step + m * slots);
     }
@@ -534,8 +534,6 @@ static void matvec(const void *x, int x_bf16, int int8, const uint8_t *blocks, c
             for (int j = 0; j < n; j++) out[rows[j] * R + r] = dots[j] + b;
         }
     }
-    free(q8);
-    free(q8_init);
     free(q8_step);
     free(split);
     free(order);

@@ -222,16 +222,18 @@ class MXFP4Experts(nn.Module):
     def is_packed(self) -> bool:
         return True
 
+    def _kernel(self):
+        """The matvec op of `activations`: exact products, or int8-rounded inputs."""
+        return matvec_int8 if self.activations == "int8" else matvec
+
     def _gate_up(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Row m of x (M, C) through expert experts[m]'s gate/up matrix, bias added: (M, 2I) fp32, interleaved."""
-        op = matvec_int8 if self.activations == "int8" else matvec
-        out = op(x, self.gate_up_blocks, self.gate_up_scales, experts, None)
+        out = self._kernel()(x, self.gate_up_blocks, self.gate_up_scales, experts, None)
         return out if self.gate_up_bias is None else out + self.gate_up_bias[experts].float()
 
     def _down(self, act: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Row m of act (M, I) through expert experts[m]'s down matrix, bias added: (M, C) fp32."""
-        op = matvec_int8 if self.activations == "int8" else matvec
-        out = op(act, self.down_blocks, self.down_scales, experts, None)
+        out = self._kernel()(act, self.down_blocks, self.down_scales, experts, None)
         return out if self.down_bias is None else out + self.down_bias[experts].float()
 
     def _run(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
