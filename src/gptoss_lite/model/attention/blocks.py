@@ -13,7 +13,10 @@ Two accumulators, both starting from the sink state, so the sink costs nothing e
 - `FlashMerge`: PyTorch's fused CPU flash kernel per block, each call returning its log-sum-exp, merged
   exactly by log-sum-exp; the sink is a first "block" of lse = sink logit and value 0.
 
-One query that sees every key of a dense read goes to the decode kernel (`decode.masked_decode`).
+One query that sees every key of a dense read goes to the decode kernel (`decode.masked_decode`);
+many queries over a dense read, on CPUs with AVX-512, to the prefill kernel (`kernels.prefill`: all
+of a KV head's query heads per key tile, masked work only on the tiles at the edges), which replaces
+the block loop there.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections.abc import Iterable
 
 import torch
 
+from gptoss_lite.kernels import prefill as prefill_kernel
 from gptoss_lite.kv.base import KVRead
 from gptoss_lite.model.attention.decode import masked_decode
 from gptoss_lite.model.attention.plan import (
@@ -153,6 +157,14 @@ def attend(
     if dense is not None and T == 1 and q_offset == S - 1 and (window is None or S <= window) and not forced:
         sink = None if sinks is None else sinks.view(1, K, G, 1)
         return masked_decode(q.view(B, K, G, D), dense[0], dense[1], None, sink).view(B, H, 1, D)
+    if (
+        dense is not None
+        and read.mass is None
+        and not forced
+        and prefill_kernel.applies(q, *dense)
+        and not _records_gradients(q, sinks, *dense)
+    ):
+        return prefill_kernel.attention(q, dense[0], dense[1], sinks, q_offset, window)
     flash = (
         read.mass is None
         and not forced

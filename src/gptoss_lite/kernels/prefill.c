@@ -1,0 +1,226 @@
+/* Prefill attention for gptoss-lite: many queries over dense keys, with sinks, a causal rule, an
+ * optional sliding window and grouped KV heads (docs/model.md#attention-with-sinks).
+ *
+ * out[b, t, h, :] = sum_j p_j v[b, h / G, j, :], where p is the softmax over the keys query t sees
+ * (key j <= q_offset + t and, with a window W, q_offset + t - j < W) and, when sinks are given, one
+ * more logit per head that takes probability but carries no value. Scores are q . k * scale in fp32;
+ * inputs are fp32 or bf16 (widened exactly), sums fp32, out fp32 (B, T, H, D).
+ *
+ * Why a kernel of its own: at the head sizes of this model family (D = 32 or 64) PyTorch's fused CPU
+ * kernel multiplies blocks with a 32-deep inner product through a general GEMM, and with grouped heads
+ * its causal mode needs the keys repeated per head. Here one task is one KV head and 16 queries of
+ * all of its G query heads: each 64-key tile is loaded once (transposed for the scores) and used by
+ * all G * 16 rows, the scores of 8 (D = 32) or 4 (D = 64) rows at a time stay in registers, and
+ * tiles that no query of a row group sees are skipped, so causal and windowed rows do no masked work
+ * beyond the tiles on their edges. The softmax is online per row (running max, sum and values), the
+ * sink being the starting state (max = sink logit, sum = 1).
+ *
+ * Built only for CPUs with AVX-512 (gl_has_prefill_attention says whether); elsewhere the caller
+ * keeps PyTorch's kernel.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define GL_AVX512 1
+#endif
+
+#define KT 64 /* keys per tile */
+#define QT 16 /* queries per task, per head */
+#define MAX_G 8
+#define MAX_D 64
+
+int gl_has_prefill_attention(void) {
+#ifdef GL_AVX512
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#ifdef GL_AVX512
+/* e^x for x <= 0 (arguments below -87 give ~0; the caller zeroes hidden lanes itself): x = n ln 2 + r,
+ * |r| <= ln 2 / 2, e^r by its Taylor polynomial to r^6 (relative error ~1e-7), times 2^n. */
+static inline __m512 exp_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* One row of D values, fp32 or bf16, into fp32 (times `scale`). */
+static inline void load_row(const void *base, int bf16, int64_t at, int D, float scale, float *dst) {
+    if (bf16) {
+        const uint16_t *src = (const uint16_t *)base + at;
+        for (int d = 0; d < D; d++) {
+            uint32_t bits = (uint32_t)src[d] << 16;
+            float f;
+            memcpy(&f, &bits, 4);
+            dst[d] = f * scale;
+        }
+    } else {
+        const float *src = (const float *)base + at;
+        for (int d = 0; d < D; d++) dst[d] = src[d] * scale;
+    }
+}
+
+/* Lanes of keys kb .. kb+15 that a query at key index qp sees, within the tile's n_end keys. */
+static inline __mmask16 lanes(int64_t qp, int64_t kb, int64_t window, int64_t end) {
+    int64_t hi = qp + 1 < end ? qp + 1 : end; /* keys < hi */
+    int64_t c_hi = hi - kb, c_lo = window > 0 ? qp - window + 1 - kb : 0;
+    c_hi = c_hi < 0 ? 0 : (c_hi > 16 ? 16 : c_hi);
+    c_lo = c_lo < 0 ? 0 : (c_lo > 16 ? 16 : c_lo);
+    uint32_t m = ((1u << c_hi) - 1u) & ~((1u << c_lo) - 1u);
+    return (__mmask16)m;
+}
+
+/* The rows r0 .. r0+RG-1 of a task (consecutive queries of one head) against one tile: scores in
+ * registers, the online-softmax update, and the values. Q (rows, D) pre-scaled, Kt (D, KT) the tile's
+ * keys transposed, V (KT, D), n keys in the tile from key index ks; qp0 the key index of row r0's
+ * query; `full` when every row sees every key of the tile. */
+static inline __attribute__((always_inline)) void rows_tile(
+    const float *Q, const float *Kt, const float *V, float *acc, float *m, float *l, int r0, int RG, int D,
+    int n, int64_t ks, int64_t qp0, int64_t window, int full) {
+    __m512 s[8][KT / 16];
+    for (int jv = 0; jv < KT / 16; jv++) {
+        for (int r = 0; r < RG; r++) s[r][jv] = _mm512_setzero_ps();
+        for (int d = 0; d < D; d++) {
+            __m512 kv = _mm512_load_ps(Kt + d * KT + 16 * jv);
+            for (int r = 0; r < RG; r++)
+                s[r][jv] = _mm512_fmadd_ps(_mm512_set1_ps(Q[(r0 + r) * D + d]), kv, s[r][jv]);
+        }
+    }
+    float p[8][KT] __attribute__((aligned(64)));
+    float corr[8];
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (int r = 0; r < RG; r++) {
+        __mmask16 mk[KT / 16];
+        __m512 mx = ninf;
+        for (int jv = 0; jv < KT / 16; jv++) {
+            mk[jv] = full ? (__mmask16)0xFFFF : lanes(qp0 + r, ks + 16 * jv, window, ks + n);
+            mx = _mm512_mask_max_ps(mx, mk[jv], mx, s[r][jv]);
+        }
+        float tile_max = _mm512_reduce_max_ps(mx);
+        float m_old = m[r0 + r];
+        float m_new = tile_max > m_old ? tile_max : m_old;
+        __m512 mv = _mm512_set1_ps(m_new), sum = _mm512_setzero_ps();
+        for (int jv = 0; jv < KT / 16; jv++) {
+            __m512 e = _mm512_maskz_mov_ps(mk[jv], exp_ps(_mm512_sub_ps(s[r][jv], mv)));
+            sum = _mm512_add_ps(sum, e);
+            _mm512_store_ps(p[r] + 16 * jv, e);
+        }
+        corr[r] = expf(m_old - m_new);
+        l[r0 + r] = l[r0 + r] * corr[r] + _mm512_reduce_add_ps(sum);
+        m[r0 + r] = m_new;
+    }
+    __m512 o[8][MAX_D / 16];
+    for (int r = 0; r < RG; r++) {
+        __m512 c = _mm512_set1_ps(corr[r]);
+        for (int dv = 0; dv < D / 16; dv++) o[r][dv] = _mm512_mul_ps(_mm512_load_ps(acc + (r0 + r) * D + 16 * dv), c);
+    }
+    for (int j = 0; j < n; j++) {
+        for (int dv = 0; dv < D / 16; dv++) {
+            __m512 vv = _mm512_load_ps(V + j * D + 16 * dv);
+            for (int r = 0; r < RG; r++) o[r][dv] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][j]), vv, o[r][dv]);
+        }
+    }
+    for (int r = 0; r < RG; r++)
+        for (int dv = 0; dv < D / 16; dv++) _mm512_store_ps(acc + (r0 + r) * D + 16 * dv, o[r][dv]);
+}
+
+/* Row groups of one head against one tile; skips a group no row of which sees a key of the tile. */
+static inline __attribute__((always_inline)) void head_tile(
+    const float *Q, const float *Kt, const float *V, float *acc, float *m, float *l, int g, int nt, int D,
+    int n, int64_t ks, int64_t first_q, int64_t window) {
+    const int RG = D == 32 ? 8 : 4;
+    for (int tt = 0; tt < nt; tt += RG) {
+        int64_t qa = first_q + tt, qb = qa + RG - 1;
+        if (ks > qb || (window > 0 && qa - (ks + n - 1) >= window)) continue;
+        int full = n == KT && ks + n - 1 <= qa && (window <= 0 || qb - ks < window);
+        if (D == 32)
+            rows_tile(Q, Kt, V, acc, m, l, g * QT + tt, 8, 32, n, ks, qa, window, full);
+        else
+            rows_tile(Q, Kt, V, acc, m, l, g * QT + tt, 4, 64, n, ks, qa, window, full);
+    }
+}
+#endif
+
+void gl_prefill_attention(const void *q, const void *k, const void *v, int bf16, int64_t B, int64_t K,
+                          int64_t G, int64_t T, int64_t S, int64_t D, int64_t qsb, int64_t qsh, int64_t qst,
+                          int64_t ksb, int64_t ksh, int64_t kss, int64_t vsb, int64_t vsh, int64_t vss,
+                          int64_t q_offset, int64_t window, const float *sinks, float scale, float *out) {
+#ifdef GL_AVX512
+    const int64_t nq = (T + QT - 1) / QT, tasks = B * K * nq, H = K * G;
+    const int64_t rows = G * QT;
+    const size_t floats = (size_t)(2 * rows * D + 2 * KT * D + 2 * rows);
+#pragma omp parallel
+    {
+        float *buf = (float *)aligned_alloc(64, ((floats * sizeof(float) + 63) / 64) * 64);
+        float *Q = buf, *acc = Q + rows * D, *Kt = acc + rows * D, *V = Kt + KT * D, *m = V + KT * D, *l = m + rows;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            /* the last query blocks first: they see the most keys */
+            int64_t qi = nq - 1 - task % nq, kh = (task / nq) % K, b = task / (nq * K);
+            int64_t t0 = qi * QT, nt = T - t0 < QT ? T - t0 : QT;
+            int64_t first_q = q_offset + t0, last_q = first_q + nt - 1;
+            for (int64_t g = 0; g < G; g++) {
+                int64_t h = kh * G + g;
+                for (int64_t tt = 0; tt < QT; tt++) {
+                    float *row = Q + (g * QT + tt) * D;
+                    if (tt < nt)
+                        load_row(q, bf16, b * qsb + h * qsh + (t0 + tt) * qst, (int)D, scale, row);
+                    else
+                        memset(row, 0, (size_t)D * sizeof(float));
+                    m[g * QT + tt] = sinks ? sinks[h] : -1e30f;
+                    l[g * QT + tt] = sinks ? 1.0f : 0.0f;
+                }
+            }
+            memset(acc, 0, (size_t)(rows * D) * sizeof(float));
+            int64_t lo = window > 0 && first_q - window + 1 > 0 ? first_q - window + 1 : 0;
+            int64_t hi = last_q + 1 < S ? last_q + 1 : S;
+            for (int64_t ks = lo; ks < hi; ks += KT) {
+                int n = (int)(hi - ks < KT ? hi - ks : KT);
+                for (int j = 0; j < KT; j++) {
+                    float kr[MAX_D];
+                    if (j < n) {
+                        load_row(k, bf16, b * ksb + kh * ksh + (ks + j) * kss, (int)D, 1.0f, kr);
+                        load_row(v, bf16, b * vsb + kh * vsh + (ks + j) * vss, (int)D, 1.0f, V + j * D);
+                    } else {
+                        memset(kr, 0, sizeof(kr));
+                        memset(V + j * D, 0, (size_t)D * sizeof(float));
+                    }
+                    for (int d = 0; d < D; d++) Kt[d * KT + j] = kr[d];
+                }
+                for (int64_t g = 0; g < G; g++)
+                    head_tile(Q, Kt, V, acc, m, l, (int)g, (int)nt, (int)D, n, ks, first_q, window);
+            }
+            for (int64_t g = 0; g < G; g++) {
+                int64_t h = kh * G + g;
+                for (int64_t tt = 0; tt < nt; tt++) {
+                    int64_t r = g * QT + tt;
+                    float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+                    float *dst = out + ((b * T + t0 + tt) * H + h) * D;
+                    for (int64_t d = 0; d < D; d++) dst[d] = acc[r * D + d] * inv;
+                }
+            }
+        }
+        free(buf);
+    }
+#else
+    (void)q, (void)k, (void)v, (void)bf16, (void)B, (void)K, (void)G, (void)T, (void)S, (void)D;
+    (void)qsb, (void)qsh, (void)qst, (void)ksb, (void)ksh, (void)kss, (void)vsb, (void)vsh, (void)vss;
+    (void)q_offset, (void)window, (void)sinks, (void)scale, (void)out;
+#endif
+}

@@ -1,0 +1,168 @@
+"""The prefill attention kernel (`kernels/prefill.c`, `gptoss_lite::prefill_attention`) against the
+dense oracle `attention_reference`, its place in `blocks.attend`, the paths that must not take it, and
+the machines without it (an AVX2 build reports itself unusable; GPTOSS_LITE_NO_KERNELS=1 falls back)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gptoss_lite.kernels import prefill
+from gptoss_lite.kv.base import KVRead
+from gptoss_lite.model.attention import attention_fast, attention_reference
+from gptoss_lite.model.attention import blocks as blocks_module
+
+
+def _has_avx512() -> bool:
+    try:
+        return " avx512f" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+needs_kernel = pytest.mark.skipif(not prefill.available(), reason="the prefill kernel needs AVX-512 and a C compiler")
+
+
+def _inputs(B, K, G, T, S, D, dtype, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(B, K * G, T, D, generator=g) * scale).to(dtype)
+    k = (torch.randn(B, K, S, D, generator=g) * scale).to(dtype)
+    v = torch.randn(B, K, S, D, generator=g).to(dtype)
+    sinks = torch.randn(K * G, generator=g) * 2
+    return q, k, v, sinks
+
+
+def _check(got, q, k, v, sinks, q_offset, window, tol=2e-6):
+    """got equals the oracle on the same (widened) inputs: within `tol` in fp32 (the order of the fp32
+    sums differs), within one bf16 rounding of the oracle's fp32 result in bf16."""
+    want = attention_reference(q.float(), k.float(), v.float(), sinks, q_offset, window)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    if q.dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    else:
+        assert ((got.float() - want).abs() <= 2**-8 * want.abs() + 1e-6).all()
+
+
+def test_kernel_is_built_here():
+    # gcc is on every machine the tests run on; on an AVX-512 CPU a silent fallback would hide a break.
+    if platform.machine() != "x86_64" or not _has_avx512():
+        pytest.skip("the kernel is built for x86-64 CPUs with AVX-512")
+    if os.environ.get("GPTOSS_LITE_NO_KERNELS") == "1":
+        pytest.skip("GPTOSS_LITE_NO_KERNELS=1: the kernels are off on purpose (the suite's fallback run)")
+    assert prefill.available()
+
+
+@needs_kernel
+@pytest.mark.parametrize("D", [32, 64])
+@pytest.mark.parametrize("G", [1, 4, 8])
+@pytest.mark.parametrize(
+    "T,past",
+    [(16, 0), (17, 0), (100, 0), (300, 0), (31, 45), (64, 700)],  # a prompt, then a chunk after a cached past
+)
+@pytest.mark.parametrize("window", [None, 1, 8, 100, 128])
+def test_equals_the_reference(D, G, T, past, window):
+    q, k, v, sinks = _inputs(2 if G == 1 else 1, 2, G, T, T + past, D, torch.float32, seed=T * G + D)
+    for s in (sinks, None):
+        _check(prefill.attention(q, k, v, s, past, window), q, k, v, s, past, window)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 128])
+def test_bf16_long_prompt_equals_the_reference(window):
+    # 2,100 queries: many 16-query tasks and 64-key tiles, ragged at both ends
+    q, k, v, sinks = _inputs(1, 2, 4, 2100, 2100, 32, torch.bfloat16, seed=3)
+    _check(prefill.attention(q, k, v, sinks, 0, window), q, k, v, sinks, 0, window)
+
+
+@needs_kernel
+def test_large_scores_do_not_overflow():
+    # scores of a few hundred: the running max keeps every exponent <= 0 (a score's own fp32 rounding,
+    # ~1e-7 of its size, is what both sides may differ by)
+    q, k, v, sinks = _inputs(1, 1, 4, 80, 80, 32, torch.float32, seed=5, scale=6.0)
+    out = prefill.attention(q, k, v, sinks, 0, None)
+    assert out.isfinite().all()
+    _check(out, q, k, v, sinks, 0, None, tol=1e-4)
+    _check(prefill.attention(q, k, v, None, 0, 8), q, k, v, None, 0, 8, tol=1e-4)
+
+
+@needs_kernel
+def test_strided_keys_and_queries():
+    # keys that are a slice of a larger store (the cache's buffer), queries a transposed view
+    q, k, v, sinks = _inputs(1, 2, 4, 40, 90, 32, torch.float32, seed=7)
+    store_k, store_v = torch.zeros(1, 2, 200, 32), torch.zeros(1, 2, 200, 32)
+    store_k[:, :, 10:100], store_v[:, :, 10:100] = k, v
+    kv = store_k[:, :, 10:100], store_v[:, :, 10:100]
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # (B, H, T, D) with tokens outermost
+    _check(prefill.attention(qt, *kv, sinks, 50, None), q, k, v, sinks, 50, None)
+
+
+@needs_kernel
+def test_attend_takes_the_kernel_for_dense_prompts(monkeypatch):
+    calls = []
+    real = prefill.attention
+    monkeypatch.setattr(prefill, "attention", lambda *a: calls.append(a[0].shape) or real(*a))
+    q, k, v, sinks = _inputs(1, 2, 4, 64, 64, 32, torch.float32, seed=1)
+    with torch.inference_mode():
+        out = attention_fast(q, k, v, sinks, 0, 16)
+    assert calls == [q.shape]
+    _check(out, q, k, v, sinks, 0, 16)
+
+
+@needs_kernel
+def test_paths_that_keep_other_kernels(monkeypatch):
+    calls = []
+    monkeypatch.setattr(prefill, "attention", lambda *a: calls.append(1))
+    q, k, v, sinks = _inputs(1, 2, 4, 64, 64, 32, torch.float32, seed=2)
+    attention_fast(q[..., :16], k[..., :16], v[..., :16], sinks, 0, None)  # a head size it does not serve
+    attention_fast(q[:, :, :8], k, v, sinks, 56, None)  # fewer than MIN_QUERIES queries
+    attention_fast(q, k, v, sinks, 0, None, q_block=16)  # forced blocks: the online softmax under test
+    q9, k9, v9, s9 = _inputs(1, 1, 9, 32, 32, 32, torch.float32, seed=3)  # 9 heads per KV head
+    attention_fast(q9, k9, v9, s9, 0, None)
+    leaf = q.clone().requires_grad_()  # a recorded forward: gradients through the oracle's ops
+    attention_fast(leaf, k, v, sinks, 0, None).sum().backward()
+    read = KVRead.dense(k, v, 0)  # H2O's attention mass needs the probabilities
+    read.mass = torch.zeros(1, 2, 64)
+    blocks_module.attend(q, read, sinks, 0, None)
+    assert not calls and read.mass.sum() > 0 and leaf.grad is not None
+
+
+@pytest.mark.parametrize("arch", ["x86-64", "haswell"])
+def test_builds_without_avx512_report_themselves_unusable(tmp_path, arch):
+    """Built for a CPU without AVX-512 (plain x86-64, an AVX2-only CPU) the library compiles and says
+    it has no kernel, so those machines keep PyTorch's path."""
+    from gptoss_lite.kernels.build import _HERE
+
+    if platform.machine() != "x86_64" or shutil.which("gcc") is None:
+        pytest.skip("needs gcc on x86-64")
+    lib_path = tmp_path / f"prefill-{arch}.so"
+    cmd = ["gcc", "-O3", f"-march={arch}", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+    subprocess.run([*cmd, str(_HERE / "prefill.c"), "-o", str(lib_path), "-lm"], check=True)
+    assert ctypes.CDLL(str(lib_path)).gl_has_prefill_attention() == 0
+
+
+def test_fallback_without_kernels_agrees():
+    script = (
+        "import torch; from gptoss_lite.kernels import prefill; "
+        "from gptoss_lite.model.attention import attention_fast, attention_reference; "
+        "assert not prefill.available(); g = torch.Generator().manual_seed(0); "
+        "q, k, v = torch.randn(1, 8, 40, 32, generator=g), torch.randn(1, 2, 40, 32, generator=g), "
+        "torch.randn(1, 2, 40, 32, generator=g); s = torch.randn(8, generator=g); "
+        "assert not prefill.applies(q, k, v); "
+        "torch.testing.assert_close(attention_fast(q, k, v, s, 0, 8), attention_reference(q, k, v, s, 0, 8), "
+        "atol=1e-5, rtol=1e-5)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "GPTOSS_LITE_NO_KERNELS": "1"},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
