@@ -8,9 +8,9 @@
  *
  * Why a kernel of its own: at the head sizes of this model family (D = 32 or 64) PyTorch's fused CPU
  * kernel multiplies blocks with a 32-deep inner product through a general GEMM, and with grouped heads
- * its causal mode needs the keys repeated per head. Here one task is one KV head and 16 queries of
+ * its causal mode needs the keys repeated per head. Here one task is one KV head and 32 queries of
  * all of its G query heads: each 64-key tile is loaded once (transposed for the scores) and used by
- * all G * 16 rows, the scores of 8 (D = 32) or 4 (D = 64) rows at a time stay in registers, and
+ * all G * 32 rows, the scores of 8 (D = 32) or 4 (D = 64) rows at a time stay in registers, and
  * tiles that no query of a row group sees are skipped, so causal and windowed rows do no masked work
  * beyond the tiles on their edges. The softmax is online per row (running max, sum and values), the
  * sink being the starting state (max = sink logit, sum = 1).
@@ -29,7 +29,7 @@
 #endif
 
 #define KT 64 /* keys per tile */
-#define QT 16 /* queries per task, per head */
+#define QT 32 /* queries per task, per head */
 #define MAX_G 8
 #define MAX_D 64
 

@@ -11,7 +11,7 @@ import torch
 from gptoss_lite.kernels.build import load
 
 HEAD_DIMS = (32, 64)
-MAX_GROUP = 8  # query heads per KV head (the task's rows: 16 queries of each)
+MAX_GROUP = 8  # query heads per KV head (the task's rows: 32 queries of each)
 MIN_QUERIES = 16  # fewer queries are decode-like steps, which other paths serve
 
 
