@@ -33,6 +33,12 @@ SHAPES = [  # (T, K, G, D, window, dtype)
 ]
 
 
+def _timed(inputs: tuple, **kw) -> float:
+    t = time.perf_counter()
+    attention_fast(*inputs, **kw)
+    return time.perf_counter() - t
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
@@ -47,19 +53,14 @@ def main(argv: list[str] | None = None) -> int:
         k, v = torch.randn(1, K, T, D).to(dtype), torch.randn(1, K, T, D).to(dtype)
         sinks = torch.randn(K * G)
         times: dict[str, list[float]] = {"kernel": [], "flash": [], "blocked": []}
-
-        def timed(name: str, **kw) -> None:
-            t = time.perf_counter()
-            attention_fast(q, k, v, sinks, 0, window, **kw)
-            times[name].append(time.perf_counter() - t)
-
+        inputs = (q, k, v, sinks, 0, window)
         with torch.inference_mode():
             for _ in range(args.rounds):
                 if kernel:
-                    timed("kernel")
+                    times["kernel"].append(_timed(inputs))
                 with mock.patch.object(prefill, "applies", lambda *a: False):
-                    timed("flash")
-                timed("blocked", q_block=max(1, 2048 // G))  # forced block sizes: the online softmax
+                    times["flash"].append(_timed(inputs))
+                times["blocked"].append(_timed(inputs, q_block=max(1, 2048 // G)))  # forced: the online softmax
         med = {name: 1000 * statistics.median(ts) for name, ts in times.items() if ts}
         shape = f"T={T} H={K * G} K={K} D={D} window={window} {str(dtype).removeprefix('torch.')}"
         parts = [f"flash {med['flash']:.1f} ms", f"blocked {med['blocked']:.1f} ms"]

@@ -9,7 +9,6 @@ import os
 import platform
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -178,7 +177,7 @@ def test_other_cpus_builds_agree(tmp_path, arch, isa):
             _check(out, x, w, bias)
 
 
-def test_fallback_without_kernels_agrees():
+def test_fallback_without_kernels_agrees(without_kernels):
     script = (
         "import torch, torch.nn.functional as F; from gptoss_lite.kernels import rows; "
         "from gptoss_lite.model.matmul import decode_linear; "
@@ -187,10 +186,4 @@ def test_fallback_without_kernels_agrees():
         "assert torch.equal(decode_linear(x, w, b), F.linear(x, w, b)); "
         "assert torch.equal(rows.rows_mm(x, w, b), F.linear(x, w, b))"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        env={**os.environ, "GPTOSS_LITE_NO_KERNELS": "1"},
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stderr
+    without_kernels(script)
