@@ -2,6 +2,8 @@
 
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -97,3 +99,21 @@ def _offline():
     tried = _network_attempts[start:]
     if tried:
         pytest.fail(f"the test tried to reach the network (refused): {', '.join(tried[:5])}")
+
+
+@pytest.fixture
+def without_kernels():
+    """A function that runs a Python script in a fresh interpreter with GPTOSS_LITE_NO_KERNELS=1 (the
+    suite's fallback run, a machine without a compiler) and fails the test with the script's stderr if
+    it fails."""
+
+    def run(script: str) -> None:
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            env={**os.environ, "GPTOSS_LITE_NO_KERNELS": "1"},
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 0, done.stderr
+
+    return run
