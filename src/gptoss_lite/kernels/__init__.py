@@ -7,4 +7,6 @@ decode step's products; where they are not built, the step keeps F.linear. `bloc
 compiled step's attention over the engine's block tables, read in place (where it is not built, the
 layer gathers the blocks and calls `masked_decode`). `prefill` (AVX-512 CPUs) is the attention of a
 prompt over dense keys; where it is not built, `blocks.attend` keeps PyTorch's fused flash kernel.
+`moe` (AVX-512 CPUs) runs the routed experts of a batched decode step grouped by expert; where it is
+not built, the step keeps its gathered reduction. `vec.h` holds what the C sources share.
 """

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -54,6 +55,23 @@ def _say(message: str) -> None:
     print(f"gptoss-lite: {message}", file=sys.stderr)
 
 
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def source_text(path: Path, seen: set[Path] | None = None) -> str:
+    """A source's text followed by that of every local header it includes (`#include "x.h"`, from its own
+    folder, recursively, each once): what a build depends on, so an edited header builds anew too."""
+    seen = set() if seen is None else seen
+    seen.add(path)
+    text = path.read_text()
+    parts = [text]
+    for header in _LOCAL_INCLUDE.findall(text):
+        child = path.parent / header
+        if child not in seen and child.is_file():
+            parts.append(source_text(child, seen))
+    return "\0".join(parts)
+
+
 @cache
 def load(name: str) -> ctypes.CDLL | None:
     """The shared library built from `kernels/NAME.c`, or None (with a notice) where it cannot be built."""
@@ -66,7 +84,7 @@ def load(name: str) -> ctypes.CDLL | None:
     source = _HERE / f"{name}.c"
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
-        b"\0".join(x.encode() for x in (source.read_text(), version, " ".join(FLAGS), _cpu_flags()))
+        b"\0".join(x.encode() for x in (source_text(source), version, " ".join(FLAGS), _cpu_flags()))
     ).hexdigest()[:16]
     target = cache_dir() / key / f"lib{name}.so"
     if not target.is_file():

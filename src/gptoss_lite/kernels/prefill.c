@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+#include "vec.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define GL_AVX512 1
@@ -42,24 +43,6 @@ int gl_has_prefill_attention(void) {
 }
 
 #ifdef GL_AVX512
-/* e^x for x <= 0 (arguments below -87 give ~0; the caller zeroes hidden lanes itself): x = n ln 2 + r,
- * |r| <= ln 2 / 2, e^r by its Taylor polynomial to r^6 (relative error ~1e-7), times 2^n. */
-static inline __m512 exp_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* One row of D values, fp32 or bf16, into fp32 (times `scale`). */
 static inline void load_row(const void *base, int bf16, int64_t at, int D, float scale, float *dst) {
     if (bf16) {
@@ -117,7 +100,7 @@ static inline __attribute__((always_inline)) void rows_tile(
         float m_new = tile_max > m_old ? tile_max : m_old;
         __m512 mv = _mm512_set1_ps(m_new), sum = _mm512_setzero_ps();
         for (int jv = 0; jv < KT / 16; jv++) {
-            __m512 e = _mm512_maskz_mov_ps(mk[jv], exp_ps(_mm512_sub_ps(s[r][jv], mv)));
+            __m512 e = _mm512_maskz_mov_ps(mk[jv], exp512(_mm512_sub_ps(s[r][jv], mv)));
             sum = _mm512_add_ps(sum, e);
             _mm512_store_ps(p[r] + 16 * jv, e);
         }

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptoss_lite.config import ModelConfig
+from gptoss_lite.kernels import moe as moe_kernel
 from gptoss_lite.kernels.mxfp4 import BLOCK, dequantize_rows, matvec, matvec_int8, quantize_mxfp4, reference_rows
 from gptoss_lite.model.decode_pack import input_major_for, pack_pair, pack_rows, still_packed, store_for_decode
 from gptoss_lite.model.matmul import Linear, decode_linear, linear, rounded, select_linear
@@ -141,6 +142,19 @@ class Experts(nn.Module):
         act = self._activate(*gate_up.chunk(2, dim=-1)).to(dt)  # (B, A, I)
         return rounded(select_linear(act, [(self.down_proj, self.down_bias)], top_idx), dt)  # (B, A, C)
 
+    def weighted_sum(self, h: torch.Tensor, top_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Σ_a weights[b, a] · expert(top_idx[b, a], h[b]) -> (B, C) fp32 (`decode_step`'s outputs, each
+        rounded to the dtype, summed in fp32): by the grouped kernel, which reads each expert once for
+        all its rows, where it serves (two rows or more, `kernels.moe.serves`), else the reduction."""
+        packed = None if torch.is_grad_enabled() else self._packed_gate_up()
+        gate_up = None if packed is None or packed[2] else packed[0]
+        if moe_kernel.serves(h, gate_up, self.down_proj):
+            return moe_kernel.experts(
+                h, top_idx, weights, gate_up, packed[1], self.down_proj, self.down_bias,
+                self.activation == "swiglu", float(self.limit),
+            )  # fmt: skip
+        return (self.decode_step(h, top_idx) * weights[..., None]).sum(dim=1)
+
 
 MATVEC_ROWS = 16  # MXFP4Experts: up to this many rows per expert read the codes; more dequantise a copy
 
@@ -255,6 +269,11 @@ class MXFP4Experts(nn.Module):
         down_w = dequantize_rows(self.down_blocks[e], self.down_scales[e], wdt).to(x.dtype)  # (C, I)
         return linear(act, down_w, None if self.down_bias is None else self.down_bias[e])
 
+    def weighted_sum(self, h: torch.Tensor, top_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Σ_a weights[b, a] · expert(top_idx[b, a], h[b]) -> (B, C) fp32, from `decode_step`'s outputs (the
+        MXFP4 kernel reads each row's blocks itself; there is no grouped path for codes)."""
+        return (self.decode_step(h, top_idx) * weights[..., None]).sum(dim=1)
+
     def mix_few_tokens(self, x: torch.Tensor, top_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Σ_j weights[n, j] · expert(top_idx[n, j], x[n]) for a few tokens x (N, C): every (token,
         expert) pair in one pass over the codes."""
@@ -346,7 +365,7 @@ class MoE(nn.Module):
         logits = decode_linear(h, self.router.weight, self.router.bias).to(dt)  # (B, E)
         top_logits, top_idx = logits.topk(self.top_k, dim=-1)  # (B, A)
         weights = torch.softmax(top_logits.float(), dim=-1).to(dt).float()  # (B, A)
-        y = (self.experts.decode_step(h, top_idx) * weights[..., None]).sum(dim=1)  # (B, C)
+        y = self.experts.weighted_sum(h, top_idx, weights)  # (B, C)
         if self.shared is not None:
             y = y + self.shared.decode_step(h, None).sum(dim=1)  # every shared expert, weight 1
         return rounded(y, dt)

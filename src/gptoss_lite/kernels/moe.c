@@ -1,0 +1,219 @@
+/* The routed experts of a batched decode step, grouped by expert (docs/model.md#moe-and-the-training-forward).
+ *
+ * For B rows x (B, C), each row's A experts idx (B, A) and their routing weights wts (B, A):
+ *
+ *   out[b] = sum_a wts[b, a] * expert(idx[b, a], x[b])
+ *   expert(e, v) = round(down_e . round(act(round(gate_up_e . v + bias))) + bias)
+ *
+ * gate_up (E, 2I, C) holds each expert's gate rows then its up rows (`Experts.pack_for_decode`'s
+ * out-major buffer), down (E, C, I); biases (E, 2I) and (E, C) or none; x, weights and biases all fp32
+ * or all bf16. act is SwiGLU or gpt-oss's clamped variant, in fp32. `round` rounds to bf16 for a bf16
+ * model (nothing for fp32): the rounding points of `MoE.decode_step`, whose gathered reduction this
+ * replaces in the compiled step. Products are fp32 sums (bf16 products are exact in fp32), in another
+ * order than PyTorch's; the weighted sum over a is in order, in fp32.
+ *
+ * Why: the reduction reads each selected expert's weights once per row, so 16 rows with 2 experts
+ * each read the 8 experts 4 times over. Here the rows are sorted by expert and each expert's weights
+ * are read once, by register tiles of 4 weight rows by 4 input rows (vec.h). One task is a block of
+ * an expert's output rows; threads take tasks in turn (experts hold unequal numbers of rows).
+ *
+ * Built where vec.h has AVX-512 tiles (gl_moe_isa: 2 fp32 and bf16 with AVX-512 BF16, 1 fp32 only,
+ * 0 none); elsewhere the caller keeps the reduction.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#include "vec.h"
+
+#define TASK_ROWS 32     /* output rows of one task: a multiple of 4 */
+#define PREFETCH_TILES 2 /* how far ahead of its tiles a task's first pass fetches the weight */
+
+int gl_moe_isa(void) {
+#if defined(GL_AVX512) && defined(GL_BF16_TILES)
+    return 2;
+#elif defined(GL_AVX512)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(GL_AVX512)
+static inline float widen(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* x rounded to the nearest bf16 (ties to even; no NaN comes here) */
+static inline uint16_t to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* rows [p0, p1) x columns [c0, c1) of a (P, R) fp32 matrix rounded to bf16 in place */
+static void round_block(float *m, int64_t R, int64_t p0, int64_t p1, int64_t c0, int64_t c1) {
+    for (int64_t p = p0; p < p1; p++) {
+        float *row = m + p * R;
+        int64_t c = c0;
+        for (; c + 16 <= c1; c += 16) _mm512_storeu_ps(row + c, round16(_mm512_loadu_ps(row + c)));
+        for (; c < c1; c++) row[c] = widen(to_bf16(row[c]));
+    }
+}
+
+/* out (P, R) rows [p0, p0 + n) = in rows [p0, p0 + n) (ld = K) . W (R, K) rows [r0, r1)^T + bias */
+static void product(const void *in, const void *w, const float *bias, int bf16, int64_t K, int64_t R, int64_t p0,
+                    int64_t n, int64_t r0, int64_t r1, float *out) {
+    (void)bf16; /* read only where the build has bf16 tiles */
+    const int64_t es = bf16 ? 2 : 4, tile_bytes = 4 * K * es;
+    const char *end = (const char *)w + R * K * es;
+    for (int64_t m0 = 0; m0 < n; m0 += 4) {
+        const int nm = (int)(n - m0 < 4 ? n - m0 : 4);
+        for (int64_t r = r0; r < r1; r += 4) {
+            const int nr = (int)(r1 - r < 4 ? r1 - r : 4);
+            if (m0 == 0) { /* the first pass reads the weight from memory: fetch PREFETCH_TILES tiles ahead */
+                const char *ahead = (const char *)w + (r + 4 * PREFETCH_TILES) * K * es;
+                for (int64_t off = 0; off < tile_bytes && ahead + off < end; off += 64) __builtin_prefetch(ahead + off);
+            }
+            float *o = out + (p0 + m0) * R + r;
+            const float *b = bias ? bias + r : NULL;
+#if defined(GL_BF16_TILES)
+            if (bf16) {
+                BF16_TILES[nr - 1][nm - 1]((const uint16_t *)in + (p0 + m0) * K, (const uint16_t *)w + r * K, b, K, K,
+                                           R, o);
+                continue;
+            }
+#endif
+            TILES[nr - 1][nm - 1]((const float *)in + (p0 + m0) * K, (const float *)w + r * K, b, K, K, R, o, 0);
+        }
+    }
+}
+
+/* act over the (gate, up) halves of one row of gate_up sums, into dst (bf16 bits or fp32) */
+static void activate_row(const float *gu, int64_t I, int swiglu, float limit, int bf16, void *dst) {
+    const __m512 one = _mm512_set1_ps(1.0f), lim = _mm512_set1_ps(limit), nlim = _mm512_set1_ps(-limit);
+    const __m512 alpha = _mm512_set1_ps(1.702f);
+    for (int64_t i = 0; i < I; i += 16) {
+        const __mmask16 lanes = I - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (I - i)) - 1u);
+        __m512 g = _mm512_maskz_loadu_ps(lanes, gu + i), u = _mm512_maskz_loadu_ps(lanes, gu + I + i), a;
+        if (swiglu) { /* silu(g) * u = g * (1 / (1 + e^-g)) * u */
+            __m512 s = _mm512_mul_ps(g, _mm512_div_ps(one, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+            a = _mm512_mul_ps(s, u);
+        } else { /* (clamp(u) + 1) * (g' * sigmoid(1.702 g')), g' = min(g, limit) */
+            g = _mm512_min_ps(g, lim);
+            u = _mm512_max_ps(_mm512_min_ps(u, lim), nlim);
+            __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp512(_mm512_mul_ps(_mm512_set1_ps(-1.0f),
+                                                                                     _mm512_mul_ps(g, alpha)))));
+            a = _mm512_mul_ps(_mm512_add_ps(u, one), _mm512_mul_ps(g, sig));
+        }
+        if (bf16) {
+            __m512i bits = _mm512_castps_si512(round16(a));
+            _mm256_mask_storeu_epi16((uint16_t *)dst + i, lanes, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+        } else {
+            _mm512_mask_storeu_ps((float *)dst + i, lanes, a);
+        }
+    }
+}
+
+static float *widened(const void *bias, int bf16, int64_t n) {
+    if (!bias) return NULL;
+    float *f = (float *)malloc((size_t)n * sizeof(float));
+    if (f)
+        for (int64_t i = 0; i < n; i++) f[i] = bf16 ? widen(((const uint16_t *)bias)[i]) : ((const float *)bias)[i];
+    return f;
+}
+#endif
+
+/* See the top of the file. Returns 0, -1 for an expert id outside [0, E) or a build without the path
+ * (nothing is written then), -2 when out of memory. */
+int gl_moe_experts(const void *x, int bf16, const int64_t *idx, const float *wts, int64_t B, int64_t A,
+                   const void *gate_up, const void *gate_up_bias, const void *down, const void *down_bias, int64_t E,
+                   int64_t C, int64_t I, int swiglu, float limit, float *out) {
+#if defined(GL_AVX512)
+#if !defined(GL_BF16_TILES)
+    if (bf16) return -1;
+#endif
+    const int64_t P = B * A, es = bf16 ? 2 : 4;
+    for (int64_t p = 0; p < P; p++)
+        if (idx[p] < 0 || idx[p] >= E) return -1;
+    if (P == 0) return 0;
+    int64_t *start = (int64_t *)calloc((size_t)E + 1, sizeof(int64_t));
+    int64_t *at = (int64_t *)malloc((size_t)P * sizeof(int64_t)); /* (b, a) -> its place in expert order */
+    int64_t *task_e = (int64_t *)malloc((size_t)(E * ((2 * I + C) / TASK_ROWS + 2)) * sizeof(int64_t));
+    int64_t *task_r = (int64_t *)malloc((size_t)(E * ((2 * I + C) / TASK_ROWS + 2)) * sizeof(int64_t));
+    char *xs = (char *)malloc((size_t)(P * C * es));
+    float *gu = (float *)malloc((size_t)(P * 2 * I) * sizeof(float));
+    char *act = (char *)malloc((size_t)(P * I * es));
+    float *od = (float *)malloc((size_t)(P * C) * sizeof(float));
+    float *bgu = widened(gate_up_bias, bf16, E * 2 * I), *bd = widened(down_bias, bf16, E * C);
+    int code = 0;
+    if (!start || !at || !task_e || !task_r || !xs || !gu || !act || !od || (gate_up_bias && !bgu) ||
+        (down_bias && !bd)) {
+        code = -2;
+        goto done;
+    }
+    /* the (row, slot) pairs in expert order, stable; each pair's input row copied to its place */
+    for (int64_t p = 0; p < P; p++) start[idx[p] + 1]++;
+    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+    {
+        int64_t *fill = (int64_t *)malloc((size_t)E * sizeof(int64_t));
+        if (!fill) {
+            code = -2;
+            goto done;
+        }
+        memcpy(fill, start, (size_t)E * sizeof(int64_t));
+        for (int64_t p = 0; p < P; p++) {
+            at[p] = fill[idx[p]]++;
+            memcpy(xs + at[p] * C * es, (const char *)x + (p / A) * C * es, (size_t)(C * es));
+        }
+        free(fill);
+    }
+    /* tasks: blocks of TASK_ROWS output rows of each expert that has rows (gate_up's, then down's) */
+    int64_t n1 = 0, n2 = 0;
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t r = 0; r < 2 * I && start[e + 1] > start[e]; r += TASK_ROWS) task_e[n1] = e, task_r[n1++] = r;
+    for (int64_t e = 0; e < E; e++)
+        for (int64_t r = 0; r < C && start[e + 1] > start[e]; r += TASK_ROWS)
+            task_e[n1 + n2] = e, task_r[n1 + n2++] = r;
+#pragma omp parallel
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < n1; t++) {
+            const int64_t e = task_e[t], r0 = task_r[t], r1 = r0 + TASK_ROWS < 2 * I ? r0 + TASK_ROWS : 2 * I;
+            const int64_t p0 = start[e], n = start[e + 1] - p0;
+            product(xs, (const char *)gate_up + e * 2 * I * C * es, bgu ? bgu + e * 2 * I : NULL, bf16, C, 2 * I, p0,
+                    n, r0, r1, gu);
+            if (bf16) round_block(gu, 2 * I, p0, p0 + n, r0, r1);
+        }
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < P; p++) activate_row(gu + p * 2 * I, I, swiglu, limit, bf16, act + p * I * es);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = n1; t < n1 + n2; t++) {
+            const int64_t e = task_e[t], r0 = task_r[t], r1 = r0 + TASK_ROWS < C ? r0 + TASK_ROWS : C;
+            const int64_t p0 = start[e], n = start[e + 1] - p0;
+            product(act, (const char *)down + e * C * I * es, bd ? bd + e * C : NULL, bf16, I, C, p0, n, r0, r1, od);
+            if (bf16) round_block(od, C, p0, p0 + n, r0, r1);
+        }
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) {
+            float *o = out + b * C;
+            for (int64_t c = 0; c < C; c++) o[c] = 0.0f;
+            for (int64_t a = 0; a < A; a++) {
+                const float w = wts[b * A + a], *v = od + at[b * A + a] * C;
+                for (int64_t c = 0; c < C; c++) o[c] += v[c] * w;
+            }
+        }
+    }
+done:
+    free(start), free(at), free(task_e), free(task_r), free(xs), free(gu), free(act), free(od), free(bgu), free(bd);
+    return code;
+#else
+    (void)x, (void)bf16, (void)idx, (void)wts, (void)B, (void)A, (void)gate_up, (void)gate_up_bias, (void)down;
+    (void)down_bias, (void)E, (void)C, (void)I, (void)swiglu, (void)limit, (void)out;
+    return -1;
+#endif
+}

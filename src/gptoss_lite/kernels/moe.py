@@ -1,0 +1,115 @@
+"""The routed experts of a batched decode step, grouped by expert (`moe.c`, built on first use by
+`kernels.build`): each expert's weights read once for all the rows that chose it, where the compiled
+step's gathered reduction reads them once per row. `MoE.decode_step` calls it for two rows or more
+where it serves (`serves`); elsewhere (one row, MXFP4 experts, no AVX-512, no compiler,
+`GPTOSS_LITE_NO_KERNELS=1`) the reduction stays, and the tests hold the kernel to it."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from gptoss_lite.kernels.build import load
+
+ISA_NAMES = ("none", "AVX-512 (fp32)", "AVX-512 BF16 (fp32 and bf16)")  # gl_moe_isa()
+
+
+def _library() -> ctypes.CDLL | None:
+    lib = load("moe")
+    if lib is not None and not getattr(lib, "_typed", False):
+        ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        lib.gl_moe_experts.argtypes = [ptr, i32, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i32,
+                                       ctypes.c_float, ptr]  # fmt: skip
+        lib.gl_moe_experts.restype = ctypes.c_int
+        lib.isa = lib.gl_moe_isa()
+        lib._typed = True
+    return lib
+
+
+@torch.compiler.assume_constant_result  # a trace takes the answer as a constant (it builds or loads a file)
+def dtypes() -> tuple[str, ...]:
+    """The model dtypes the kernel serves on this machine ("float32", "bfloat16"), none where not built."""
+    lib = _library()
+    isa = 0 if lib is None else lib.isa
+    return ("float32", "bfloat16")[:isa]
+
+
+def serves(h: torch.Tensor, gate_up: torch.Tensor | None, down: torch.Tensor) -> bool:
+    """Whether `experts` computes the routed experts of rows h (B, C) here: two rows or more (one row
+    reads each of its experts once anyway, in the step's own fused loop), CPU tensors of one dtype the
+    build serves, the packed out-major gate_up buffer (E, 2I, C) (None: not packed) and down (E, C, I),
+    both contiguous, no autograd. Asked inside the compiled step too."""
+    return (
+        gate_up is not None
+        and h.dim() == 2
+        and h.shape[0] >= 2
+        and h.device.type == "cpu"
+        and str(h.dtype).removeprefix("torch.") in dtypes()
+        and gate_up.dtype == down.dtype == h.dtype
+        and gate_up.dim() == 3
+        and gate_up.is_contiguous()
+        and down.is_contiguous()
+        and tuple(down.shape) == (gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2)
+        and not (torch.is_grad_enabled() and (h.requires_grad or gate_up.requires_grad or down.requires_grad))
+    )
+
+
+@torch.library.custom_op("gptoss_lite::moe_experts", mutates_args=())
+def experts(
+    h: torch.Tensor,
+    idx: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    gate_up_bias: torch.Tensor | None,
+    down: torch.Tensor,
+    down_bias: torch.Tensor | None,
+    swiglu: bool,
+    limit: float,
+) -> torch.Tensor:
+    """Σ_a weights[b, a] · expert(idx[b, a], h[b]) -> (B, C) fp32, each expert's output rounded to h's
+    dtype as `Experts.decode_step` rounds it: h (B, C), idx (B, A) int64, weights (B, A) fp32 (holding
+    values of h's dtype), gate_up (E, 2I, C) gate rows then up rows, down (E, C, I), biases (E, 2I) and
+    (E, C) or None, all in h's dtype; swiglu, else gpt-oss's clamped activation with this limit."""
+    B, C = h.shape
+    E, two_i, _ = gate_up.shape
+    A = idx.shape[1] if idx.dim() == 2 else 0
+    biases_ok = (gate_up_bias is None or tuple(gate_up_bias.shape) == (E, two_i)) and (
+        down_bias is None or tuple(down_bias.shape) == (E, C)
+    )
+    # The C code trusts its sizes: a wrong one would read outside the tensors.
+    if (
+        idx.dim() != 2
+        or idx.shape[0] != B
+        or tuple(weights.shape) != (B, A)
+        or gate_up.shape[2] != C
+        or two_i % 2
+        or tuple(down.shape) != (E, C, two_i // 2)
+        or not biases_ok
+        or any(t.dtype != h.dtype for t in (gate_up, down, gate_up_bias, down_bias) if t is not None)
+        or str(h.dtype).removeprefix("torch.") not in dtypes()
+    ):
+        raise ValueError(
+            f"moe_experts: h {list(h.shape)} {h.dtype}, idx {list(idx.shape)}, weights {list(weights.shape)}, "
+            f"gate_up {list(gate_up.shape)}, down {list(down.shape)}: not one expert layout this build serves"
+        )
+    x, ix, w = h.contiguous(), idx.to(torch.int64).contiguous(), weights.float().contiguous()
+    gu, dn = gate_up.contiguous(), down.contiguous()
+    gb = None if gate_up_bias is None else gate_up_bias.contiguous()
+    db = None if down_bias is None else down_bias.contiguous()
+    out = torch.empty(B, C, dtype=torch.float32)
+    code = _library().gl_moe_experts(
+        x.data_ptr(), int(h.dtype == torch.bfloat16), ix.data_ptr(), w.data_ptr(), B, A, gu.data_ptr(),
+        None if gb is None else gb.data_ptr(), dn.data_ptr(), None if db is None else db.data_ptr(), E, C,
+        two_i // 2, int(swiglu), limit, out.data_ptr(),
+    )  # fmt: skip
+    if code == -1:
+        raise ValueError(f"moe_experts: an expert id lies outside [0, {E})")
+    if code != 0:
+        raise MemoryError("moe_experts: no memory for the grouped rows")
+    return out
+
+
+@experts.register_fake
+def _(h, idx, weights, gate_up, gate_up_bias, down, down_bias, swiglu, limit):
+    return h.new_empty(h.shape, dtype=torch.float32)

@@ -1,0 +1,230 @@
+"""The grouped-expert kernel (`kernels/moe.c`, `gptoss_lite::moe_experts`) against the reduction it
+replaces (`Experts.decode_step`, weighted and summed), its place in `MoE.decode_step` and the compiled
+step, the inputs it refuses, and the machines without it (builds without AVX-512 report no path;
+GPTOSS_LITE_NO_KERNELS=1 keeps the reduction)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_model
+from gptoss_lite.kernels import moe as moe_kernel
+from gptoss_lite.model.moe import Experts
+
+needs_kernel = pytest.mark.skipif(not moe_kernel.dtypes(), reason="the grouped-expert kernel needs AVX-512")
+needs_bf16 = pytest.mark.skipif("bfloat16" not in moe_kernel.dtypes(), reason="bf16 tiles need AVX-512 BF16")
+
+
+def _flags() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def _experts(E, C, I, activation, bias, dtype, seed, scale=0.5):
+    torch.manual_seed(seed)
+    ex = Experts(E, C, I, activation, 7.0, bias)
+    with torch.no_grad():
+        for p in ex.parameters():
+            p.normal_(0, scale)
+    ex = ex.to(dtype)
+    ex.pack_for_decode(input_major=False)  # the compiled step's layout
+    return ex
+
+
+def _routing(B, A, E, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(E, generator=g)[:A] for _ in range(B)])
+    weights = torch.softmax(torch.randn(B, A, generator=g), dim=-1).to(dtype).float()
+    return idx, weights
+
+
+def _reduction(ex, h, idx, weights):
+    """What the kernel replaces: each row's experts by `decode_step` (one product per (row, expert)),
+    weighted and summed in fp32, and the size of the terms, Σ_a |w| |out|."""
+    outs = ex.decode_step(h, idx)  # (B, A, C)
+    return (outs * weights[..., None]).sum(dim=1), (outs.abs() * weights.abs()[..., None]).sum(dim=1)
+
+
+def _close_fp32(got, want):
+    """Equal up to the order of fp32 sums: within 1e-6 of the largest output (an error in a product,
+    an expert or a weight moves outputs by far more)."""
+    assert ((got - want).abs() <= 1e-6 * want.abs().max() + 1e-6).all(), (got - want).abs().max()
+
+
+def test_kernel_is_built_here():
+    if platform.machine() != "x86_64" or " avx512f" not in _flags():
+        pytest.skip("the kernel is built for x86-64 CPUs with AVX-512")
+    if os.environ.get("GPTOSS_LITE_NO_KERNELS") == "1":
+        pytest.skip("GPTOSS_LITE_NO_KERNELS=1: the kernels are off on purpose (the suite's fallback run)")
+    want = ("float32", "bfloat16") if " avx512_bf16" in _flags() else ("float32",)
+    assert moe_kernel.dtypes() == want
+
+
+# (E, C, I, B, A): the 20M model's layer at 16 rows; widths off every vector size; experts with no
+# rows (2 rows of 8 experts); a row count above 4 per expert; one expert a row; 64 rows
+SHAPES = [(8, 256, 256, 16, 2), (5, 40, 24, 3, 3), (8, 33, 17, 2, 2), (3, 64, 96, 21, 2), (4, 48, 32, 6, 1),
+          (8, 128, 64, 64, 4)]  # fmt: skip
+
+
+@needs_kernel
+@pytest.mark.parametrize("activation", ["swiglu", "gptoss"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fp32_equals_the_reduction(shape, activation, bias):
+    E, C, I, B, A = shape
+    ex = _experts(E, C, I, activation, bias, torch.float32, seed=B + C)
+    h = torch.randn(B, C, generator=torch.Generator().manual_seed(1))
+    idx, weights = _routing(B, A, E, torch.float32, seed=2)
+    with torch.no_grad():
+        got = moe_kernel.experts(h, idx, weights, ex._gate_up[0], ex._gate_up[1], ex.down_proj, ex.down_bias,
+                                 activation == "swiglu", 7.0)  # fmt: skip
+        want, _ = _reduction(ex, h, idx, weights)
+    assert got.dtype == torch.float32 and got.shape == (B, C)
+    # fp32 sums in another order, and exp within a few ulp, through two products
+    _close_fp32(got, want)
+
+
+@needs_bf16
+@pytest.mark.parametrize("activation", ["swiglu", "gptoss"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_bf16_rounds_where_the_reduction_rounds(shape, activation):
+    """Each expert's gate_up sums, activation and output are rounded to bf16 as the reduction rounds
+    them; the order of the fp32 sums differs, which flips a rounding now and then. So: within 2^-7 of
+    the terms everywhere (two bf16 roundings that went the other way), and exactly equal in most places."""
+    E, C, I, B, A = shape
+    ex = _experts(E, C, I, activation, True, torch.bfloat16, seed=B + C)
+    h = torch.randn(B, C, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    idx, weights = _routing(B, A, E, torch.bfloat16, seed=2)
+    with torch.no_grad():
+        got = ex.weighted_sum(h, idx, weights)  # B >= 2: the kernel
+        want, size = _reduction(ex, h, idx, weights)
+    assert ((got - want).abs() <= 2**-7 * size + 1e-6).all(), (got - want).abs().max()
+    assert (got == want).float().mean() >= 0.5
+
+
+@needs_kernel
+def test_weighted_sum_takes_the_kernel_for_two_rows_or_more(monkeypatch):
+    calls = []
+    real = moe_kernel.experts
+    monkeypatch.setattr(moe_kernel, "experts", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    ex = _experts(4, 32, 16, "gptoss", True, torch.float32, seed=0)
+    with torch.no_grad():
+        for B in (1, 2, 5):
+            idx, weights = _routing(B, 2, 4, torch.float32, seed=B)
+            ex.weighted_sum(torch.randn(B, 32), idx, weights)
+        ex.pack_for_decode(input_major=True)  # the eager layout: not the kernel's
+        ex.weighted_sum(torch.randn(3, 32), *_routing(3, 2, 4, torch.float32, seed=3))
+    assert calls == [2, 5]
+    with torch.enable_grad():  # training keeps the differentiable reduction
+        assert not moe_kernel.serves(torch.randn(3, 32, requires_grad=True), ex._gate_up[0], ex.down_proj)
+
+
+@needs_kernel
+def test_bad_inputs_are_refused():
+    ex = _experts(4, 32, 16, "swiglu", True, torch.float32, seed=0)
+    gu, gb, dn, db = ex._gate_up[0], ex._gate_up[1], ex.down_proj, ex.down_bias
+    h = torch.randn(3, 32)
+    idx, weights = _routing(3, 2, 4, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="outside"):
+        moe_kernel.experts(h, idx + 4, weights, gu, gb, dn, db, True, 7.0)
+    with pytest.raises(ValueError, match="moe_experts"):
+        moe_kernel.experts(h, idx, weights[:, :1], gu, gb, dn, db, True, 7.0)
+    with pytest.raises(ValueError, match="moe_experts"):
+        moe_kernel.experts(h.double(), idx, weights, gu, gb, dn, db, True, 7.0)
+    with pytest.raises(ValueError, match="moe_experts"):
+        moe_kernel.experts(h, idx, weights, gu, gb[:, :8], dn, db, True, 7.0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("preset", ["lite-tiny", "gpt-oss-tiny"])  # shared expert and swiglu; biases, clamped
+def test_compiled_batched_step_calls_the_kernel_and_matches_eager(preset):
+    from gptoss_lite.kv.mixed import MixedKVCache
+
+    eager = make_model(preset)
+    compiled = make_model(preset).prepare_for_inference(compile_decode=True)
+    prompt = torch.randint(0, eager.config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        cache, side = MixedKVCache(eager.config, batch_size=3), MixedKVCache(compiled.config, batch_size=3, capacity=20)
+        logits = eager.prefill(prompt, cache, 2048)
+        compiled.prefill(prompt, side, 2048)
+        for i in range(4):
+            token = logits[:, -1].argmax(-1)
+            logits = eager(token[:, None], cache=cache, start_pos=11 + i, last_only=True).logits
+            fast = compiled.compiled_decoder.step(side.static_decode(), token)
+            side.advance(1)
+            torch.testing.assert_close(fast, logits[:, -1], atol=1e-4, rtol=0)
+        assert any("moe_experts" in g for g in _traced_graphs(compiled, side))
+
+
+def _traced_graphs(model, cache):
+    """The FX graphs dynamo captures for the model's step over `cache` (through a recording backend,
+    which compiles nothing)."""
+    graphs = []
+
+    def record(gm, _inputs):
+        graphs.append(gm.code)
+        return gm.forward
+
+    step = torch.compile(model.decode_step, backend=record, fullgraph=True, dynamic=False)
+    step(torch.zeros(cache.batch_size, dtype=torch.long), cache.static_decode())
+    torch._dynamo.reset()
+    return graphs
+
+
+@pytest.mark.parametrize("arch, isa", [("x86-64", 0), ("haswell", 0), ("skylake-avx512", 1)])
+def test_other_cpus_builds(tmp_path, arch, isa):
+    """Built for a CPU without AVX-512 the library compiles, reports no path, and refuses a call
+    (nothing written); built for AVX-512 without BF16 it serves fp32 only, and agrees with the
+    reduction where this CPU can run it."""
+    from gptoss_lite.kernels.build import _HERE
+
+    if platform.machine() != "x86_64" or shutil.which("gcc") is None:
+        pytest.skip("needs gcc on x86-64")
+    lib_path = tmp_path / f"moe-{arch}.so"
+    cmd = ["gcc", "-O3", f"-march={arch}", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+    subprocess.run([*cmd, str(_HERE / "moe.c"), "-o", str(lib_path), "-lm"], check=True)
+    lib = ctypes.CDLL(str(lib_path))
+    assert lib.gl_moe_isa() == isa
+    if isa and " avx512f" not in _flags():
+        return
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.gl_moe_experts.argtypes = [ptr, i32, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i32,
+                                   ctypes.c_float, ptr]  # fmt: skip
+    ex = _experts(4, 40, 24, "gptoss", True, torch.float32, seed=0)
+    h = torch.randn(5, 40, generator=torch.Generator().manual_seed(0))
+    idx, weights = _routing(5, 2, 4, torch.float32, seed=0)
+    out = torch.full((5, 40), 7.0)
+    args = (idx.data_ptr(), weights.data_ptr(), 5, 2, ex._gate_up[0].data_ptr(), ex._gate_up[1].data_ptr(),
+            ex.down_proj.data_ptr(), ex.down_bias.data_ptr(), 4, 40, 24, 0, 7.0, out.data_ptr())  # fmt: skip
+    code = lib.gl_moe_experts(h.data_ptr(), 0, *args)
+    if isa == 0:
+        assert code == -1 and (out == 7.0).all()
+        return
+    assert code == 0
+    with torch.no_grad():
+        want, _ = _reduction(ex, h, idx, weights)
+    _close_fp32(out, want)
+    assert lib.gl_moe_experts(h.bfloat16().data_ptr(), 1, *args) == -1  # no bf16 tiles in this build
+
+
+def test_fallback_without_kernels_agrees(without_kernels):
+    script = (
+        "import torch; from gptoss_lite.kernels import moe; from gptoss_lite.model.moe import Experts; "
+        "assert moe.dtypes() == (); ex = Experts(4, 32, 16, 'gptoss', 7.0, True); "
+        "ex.pack_for_decode(input_major=False); h = torch.randn(3, 32); "
+        "idx = torch.tensor([[0, 1], [2, 3], [1, 2]]); w = torch.rand(3, 2); "
+        "assert not moe.serves(h, ex._gate_up[0], ex.down_proj); "
+        "torch.no_grad().__enter__(); "
+        "assert torch.equal(ex.weighted_sum(h, idx, w), (ex.decode_step(h, idx) * w[..., None]).sum(1))"
+    )
+    without_kernels(script)
