@@ -45,6 +45,8 @@ SHAPES = [  # R, K, T, G, D, N, bs, nb, per-row distances, window
     (3, 1, 2, 3, 13, 20, 4, 5, False, -1),  # odd head size, one distance row for every group
     (4, 8, 1, 8, 64, 40, 16, 6, True, 128),  # gpt-oss heads
     (2, 2, 9, 8, 64, 40, 16, 6, True, -1),  # a draft of 8 on gpt-oss heads
+    (3, 2, 1, 3, 32, 30, 5, 3, True, 7),  # 3 query rows a group (a short row group), 15 slots (a tail of keys)
+    (2, 1, 3, 2, 64, 12, 7, 2, False, 5),  # 6 rows: a full row group and a short one; 14 slots
 ]
 
 

@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+#include "vec.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define GL_AVX2 1
@@ -55,7 +56,7 @@ static inline const float *slot_f32(const void *base, int bf16, int64_t index, i
 
 #ifdef GL_AVX2
 /* the eight sums of the lanes of a[0..7], in order */
-static inline __m256 sum8(const __m256 a[8]) {
+static inline __m256 hsum8(const __m256 a[8]) {
     __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
     __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
     __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
@@ -288,7 +289,7 @@ static int attend(const Source *src, const float *rows, int64_t R, int64_t K, in
                                     for (int i = 0; i < 8; i++)
                                         acc[i] = _mm256_fmadd_ps(x, _mm256_loadu_ps(kp[j + i] + d), acc[i]);
                                 }
-                                _mm256_storeu_ps(s + j, sum8(acc));
+                                _mm256_storeu_ps(s + j, hsum8(acc));
                             }
                         }
 #endif
@@ -378,6 +379,177 @@ static int attend(const Source *src, const float *rows, int64_t R, int64_t K, in
     return failed ? -2 : 0;
 }
 
+#if defined(GL_AVX512)
+/* `attend` over plain blocks with AVX-512, for D a multiple of 16 up to 16 * MAX_DV: the query rows of a
+ * group four at a time, so each slot's key and value are loaded once for four rows. Scores of 4 rows by
+ * 4 keys are 16 vector sums folded into one vector (vec.h's sum16); the softmax runs 16 slots a vector;
+ * the weighted sum keeps 4 rows of D values in registers. Same products, mask, sink, rounding points
+ * and fp32 sums as `attend` (in another order). DV = D / 16 is a constant in each instance. */
+#define MAX_DV 4
+#define QR 4
+
+/* slot j's D values as DV vectors of fp32 */
+#define LOAD_SLOT(dst, base, index)                                                                  \
+    for (int c = 0; c < DV; c++)                                                                     \
+        dst[c] = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(                                       \
+                            _mm512_cvtepu16_epi32(_mm256_loadu_si256(                                \
+                                (const __m256i *)((const uint16_t *)(base) + (index) * D + 16 * c))), \
+                            16))                                                                     \
+                      : _mm512_loadu_ps((const float *)(base) + (index) * D + 16 * c)
+
+INLINE void attend_rows512(const Source *src, int64_t r, int64_t k, const float *q, int nq, int64_t m0, int DV,
+                           int64_t S, const int64_t *slot, const int64_t *dist0, int64_t G, int64_t window,
+                           const float *sinks, float scale, int round, float *sc, float *out) {
+    const int64_t D = 16 * DV;
+    const int bf16 = src->bf16;
+    (void)r;
+    __m512 qv[QR][MAX_DV];
+    for (int i = 0; i < QR; i++)
+        for (int c = 0; c < DV; c++) qv[i][c] = i < nq ? _mm512_loadu_ps(q + i * D + 16 * c) : _mm512_setzero_ps();
+    /* raw scores, 4 keys at a time */
+    int64_t j = 0;
+    for (; j + 4 <= S; j += 4) {
+        __m512 kv[4][MAX_DV];
+        for (int i = 0; i < 4; i++) LOAD_SLOT(kv[i], src->keys, slot[j + i]);
+        __m512 a[QR][4];
+        for (int x = 0; x < QR; x++)
+            for (int i = 0; i < 4; i++) {
+                __m512 acc = _mm512_mul_ps(qv[x][0], kv[i][0]);
+                for (int c = 1; c < DV; c++) acc = _mm512_fmadd_ps(qv[x][c], kv[i][c], acc);
+                a[x][i] = acc;
+            }
+        const __m512 sums = sum16(a[0][0], a[0][1], a[0][2], a[0][3], a[1][0], a[1][1], a[1][2], a[1][3], a[2][0],
+                                  a[2][1], a[2][2], a[2][3], a[3][0], a[3][1], a[3][2], a[3][3]);
+        _mm_storeu_ps(sc + j, _mm512_castps512_ps128(sums));
+        if (nq > 1) _mm_storeu_ps(sc + S + j, _mm512_extractf32x4_ps(sums, 1));
+        if (nq > 2) _mm_storeu_ps(sc + 2 * S + j, _mm512_extractf32x4_ps(sums, 2));
+        if (nq > 3) _mm_storeu_ps(sc + 3 * S + j, _mm512_extractf32x4_ps(sums, 3));
+    }
+    for (; j < S; j++) {
+        __m512 kv[MAX_DV];
+        LOAD_SLOT(kv, src->keys, slot[j]);
+        for (int x = 0; x < nq; x++) {
+            __m512 acc = _mm512_mul_ps(qv[x][0], kv[0]);
+            for (int c = 1; c < DV; c++) acc = _mm512_fmadd_ps(qv[x][c], kv[c], acc);
+            sc[x * S + j] = _mm512_reduce_add_ps(acc);
+        }
+    }
+    /* per row: mask, scale, max with the sink, exp, sum; the weights rounded when `round` */
+    float denom[QR];
+    const __m512i zero = _mm512_setzero_si512(), win = _mm512_set1_epi64(window);
+    for (int x = 0; x < nq; x++) {
+        const int64_t m = m0 + x;
+        const int64_t *dist = dist0 + (m / G) * S;
+        float *s = sc + x * S;
+        const float sink = sinks[k * G + m % G];
+        __m512 mxv = _mm512_set1_ps(sink);
+        for (j = 0; j < S; j += 16) {
+            const int64_t n = S - j < 16 ? S - j : 16;
+            const __mmask16 lanes = n == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
+            const __m512i d0 = _mm512_maskz_loadu_epi64((__mmask8)lanes, dist + j);
+            const __m512i d1 = _mm512_maskz_loadu_epi64((__mmask8)(lanes >> 8), dist + j + 8);
+            __mmask8 v0 = _mm512_cmp_epi64_mask(d0, zero, _MM_CMPINT_NLT), v1 = _mm512_cmp_epi64_mask(d1, zero, _MM_CMPINT_NLT);
+            if (window >= 0) {
+                v0 &= _mm512_cmp_epi64_mask(d0, win, _MM_CMPINT_LT);
+                v1 &= _mm512_cmp_epi64_mask(d1, win, _MM_CMPINT_LT);
+            }
+            const __mmask16 seen = lanes & (__mmask16)(v0 | ((unsigned)v1 << 8));
+            __m512 v = _mm512_maskz_loadu_ps(lanes, s + j);
+            if (round) v = round16(v);
+            v = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), seen, _mm512_mul_ps(v, _mm512_set1_ps(scale)));
+            _mm512_mask_storeu_ps(s + j, lanes, v);
+            mxv = _mm512_max_ps(mxv, v);
+        }
+        const float mx = _mm512_reduce_max_ps(mxv);
+        __m512 sum = _mm512_setzero_ps();
+        for (j = 0; j < S; j += 16) {
+            const int64_t n = S - j < 16 ? S - j : 16;
+            const __mmask16 lanes = n == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u);
+            const __m512 v = _mm512_maskz_loadu_ps(lanes, s + j);
+            const __mmask16 seen = _mm512_mask_cmp_ps_mask(lanes, v, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+            const __m512 e = _mm512_maskz_mov_ps(seen, exp512(_mm512_sub_ps(v, _mm512_set1_ps(mx))));
+            sum = _mm512_add_ps(sum, e);
+            _mm512_mask_storeu_ps(s + j, lanes, round ? round16(e) : e);
+        }
+        denom[x] = _mm512_reduce_add_ps(sum) + expf(sink - mx);
+    }
+    /* the weighted sum of the values, 4 rows at once */
+    __m512 acc[QR][MAX_DV];
+    for (int x = 0; x < QR; x++)
+        for (int c = 0; c < DV; c++) acc[x][c] = _mm512_setzero_ps();
+    for (j = 0; j < S; j++) {
+        float w[QR] = {0.0f, 0.0f, 0.0f, 0.0f};
+        int any = 0;
+        for (int x = 0; x < nq; x++) any |= (w[x] = sc[x * S + j]) != 0.0f;
+        if (!any) continue;
+        __m512 vv[MAX_DV];
+        LOAD_SLOT(vv, src->values, slot[j]);
+        for (int x = 0; x < QR; x++) {
+            const __m512 wx = _mm512_set1_ps(w[x]);
+            for (int c = 0; c < DV; c++) acc[x][c] = _mm512_fmadd_ps(wx, vv[c], acc[x][c]);
+        }
+    }
+    for (int x = 0; x < nq; x++) {
+        const __m512 dn = _mm512_set1_ps(denom[x]);
+        for (int c = 0; c < DV; c++) {
+            __m512 o = round ? round16(_mm512_div_ps(round16(acc[x][c]), dn)) : _mm512_div_ps(acc[x][c], dn);
+            _mm512_storeu_ps(out + (m0 + x) * D + 16 * c, o);
+        }
+    }
+}
+
+static void attend_rows512_d32(const Source *src, int64_t r, int64_t k, const float *q, int nq, int64_t m0,
+                               int64_t S, const int64_t *slot, const int64_t *dist0, int64_t G, int64_t window,
+                               const float *sinks, float scale, int round, float *sc, float *out) {
+    attend_rows512(src, r, k, q, nq, m0, 2, S, slot, dist0, G, window, sinks, scale, round, sc, out);
+}
+static void attend_rows512_d64(const Source *src, int64_t r, int64_t k, const float *q, int nq, int64_t m0,
+                               int64_t S, const int64_t *slot, const int64_t *dist0, int64_t G, int64_t window,
+                               const float *sinks, float scale, int round, float *sc, float *out) {
+    attend_rows512(src, r, k, q, nq, m0, 4, S, slot, dist0, G, window, sinks, scale, round, sc, out);
+}
+
+/* `attend` over plain blocks for D = 32 or 64 (see attend_rows512) */
+static int attend_plain512(const Source *src, const float *rows, int64_t R, int64_t K, int64_t M, int64_t D,
+                           int64_t S, const int64_t *distance, int64_t Rd, int64_t T, int64_t window,
+                           const float *sinks, int64_t G, float scale, int round, float *out) {
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *sc = (float *)malloc((size_t)(QR * (S > 0 ? S : 1)) * sizeof(float));
+        int64_t *slot = (int64_t *)malloc((size_t)(S > 0 ? S : 1) * sizeof(int64_t));
+        const int ok = sc && slot;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t r = 0; r < R; r++) {
+            for (int64_t k = 0; k < K; k++) {
+                if (!ok) continue;
+                for (int64_t c = 0, j = 0; c < src->nb; c++) {
+                    const int64_t base = (k * src->N + src->table[r * src->nb + c]) * src->bs;
+                    for (int64_t i = 0; i < src->bs; i++) slot[j++] = base + i;
+                }
+                const int64_t *dist0 = distance + (Rd == 1 ? 0 : r) * T * S;
+                for (int64_t m0 = 0; m0 < M; m0 += QR) {
+                    const int nq = (int)(M - m0 < QR ? M - m0 : QR);
+                    const float *q = rows + ((r * K + k) * M + m0) * D;
+                    float *o = out + (r * K + k) * M * D;
+                    if (D == 32)
+                        attend_rows512_d32(src, r, k, q, nq, m0, S, slot, dist0, G, window, sinks, scale, round, sc, o);
+                    else
+                        attend_rows512_d64(src, r, k, q, nq, m0, S, slot, dist0, G, window, sinks, scale, round, sc, o);
+                }
+            }
+        }
+        free(sc);
+        free(slot);
+    }
+    return failed ? -2 : 0;
+}
+#endif
+
 /* masked_decode over plain blocks: keys, values (K, N, bs, D) fp32 or bf16, table (R, nb) int64, S =
  * nb * bs slots (the rest as `attend`). Returns 0, -1 when a block id lies outside [0, N) or the head
  * size is too wide (nothing is read then), -2 when out of memory. */
@@ -391,6 +563,10 @@ int gl_block_attention(const float *rows, int64_t R, int64_t K, int64_t M, int64
     Source src = {0};
     src.N = N, src.bs = bs, src.nb = nb, src.table = table, src.keys = keys, src.values = values, src.bf16 = bf16;
     src.fmt = -1;
+#if defined(GL_AVX512)
+    if (D == 32 || D == 64)
+        return attend_plain512(&src, rows, R, K, M, D, nb * bs, distance, Rd, T, window, sinks, G, scale, round16, out);
+#endif
     return attend(&src, rows, R, K, M, D, nb * bs, distance, Rd, T, window, sinks, G, scale, round16, out);
 }
 
