@@ -186,3 +186,29 @@ def test_shipped_model_bf16_compiled_greedy_equals_eager_up_to_the_answer():
         assert answer[-1] == tokenizer.eos_id and key in tokenizer.decode(answer), (length, answer)
         got = generate(compiled, ids, max_new_tokens=32, temperature=0, stop_tokens=[tokenizer.eos_id])
         assert torch.equal(got, expected), length
+
+
+def test_each_decoder_keeps_its_own_graph_without_guards_on_the_model():
+    # The decoder drops dynamo's guards on the model (`guards_off_the_model`), so two models whose
+    # weights have the same shapes but whose settings differ (a clamp limit baked into the graph) must
+    # not share a compiled entry: each keeps a code object of its own. Steps alternate between them.
+    eager = {limit: make_model("gpt-oss-tiny", swiglu_limit=limit) for limit in (7.0, 0.5)}
+    compiled = {limit: make_model("gpt-oss-tiny", swiglu_limit=limit) for limit in (7.0, 0.5)}
+    for model in compiled.values():
+        model.prepare_for_inference(compile_decode=True)
+    prompt = torch.randint(0, 264, (1, 9), generator=torch.Generator().manual_seed(8))
+    pairs = {limit: _decode_pair(eager[limit], compiled[limit], prompt, 3, compile_graph=True) for limit in eager}
+    for limit, steps in pairs.items():
+        for ref, fast in steps:
+            torch.testing.assert_close(fast, ref, atol=1e-4, rtol=0)
+    assert (pairs[7.0][0][1] - pairs[0.5][0][1]).abs().max() > 1e-3  # the setting matters
+
+
+def test_guard_filter_keeps_the_inputs_guards_and_drops_the_models():
+    from types import SimpleNamespace
+
+    from gptoss_lite.model.compiled_decode import guards_off_the_model
+
+    names = ["self._modules['blocks']", "self", "dict(self._modules)", "kv.keys[0]", "tokens", "G['torch']", "selfish"]
+    keep = guards_off_the_model([SimpleNamespace(name=n) for n in names])
+    assert keep == [False, False, False, True, True, True, True]

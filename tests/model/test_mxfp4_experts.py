@@ -170,3 +170,29 @@ def test_bad_mxfp4_activations_are_refused():
     dense.set_mxfp4_activations("exact")  # always allowed
     with pytest.raises(ValueError, match="mxfp4_activations='int4'"):
         EngineConfig(mxfp4_activations="int4")
+
+
+def test_compiled_step_follows_a_later_activation_mode(monkeypatch):
+    # The compiled step has no guards on the model: a mode set after its first call must get a graph of
+    # its own (calling the int8 kernel, the eager int8 model's greedy tokens), and switching back must
+    # reuse the first graph (the exact kernel again).
+    from gptoss_lite.kernels import mxfp4
+
+    packed, _ = pair(torch.float32)
+    compiled = copy.deepcopy(packed).prepare_for_inference(compile_decode=True)
+    int8 = copy.deepcopy(packed).prepare_for_inference().set_mxfp4_activations("int8")
+    ids = torch.randint(0, 264, (1, 20), generator=torch.Generator().manual_seed(6))
+    calls, kernel = {True: 0, False: 0}, mxfp4._matvec
+
+    def counted(*args, int8):
+        calls[int8] += 1
+        return kernel(*args, int8=int8)
+
+    monkeypatch.setattr(mxfp4, "_matvec", counted)
+    for mode, reference in (("exact", packed), ("int8", int8), ("exact", packed)):
+        compiled.set_mxfp4_activations(mode)
+        want = generate(reference, ids, max_new_tokens=10, temperature=0)
+        calls.update({True: 0, False: 0})
+        assert torch.equal(generate(compiled, ids, max_new_tokens=10, temperature=0), want), mode
+        assert calls[mode == "int8"] > 0 and calls[mode != "int8"] == 0, (mode, calls)
+    assert set(compiled.compiled_decoder._by_mode) == {"exact", "int8"}

@@ -22,7 +22,9 @@ another CPU sharing the folder) computed wrong values, in AVX-512-wide steps ove
 from __future__ import annotations
 
 import os
+import re
 import time
+import types
 
 import torch
 from torch import Tensor
@@ -30,6 +32,18 @@ from torch import Tensor
 from gptoss_lite.kv.base import StaticKV
 
 RECOMPILE_LIMIT = 256  # compiled entries of the decode step per process (see CompiledDecoder)
+
+_ON_THE_MODEL = re.compile(r"^(\w+\()*self\b")  # a guard source rooted at decode_step's `self`
+
+
+def guards_off_the_model(entries: list) -> list[bool]:
+    """Dynamo's `guard_filter_fn` for a decoder's own step: keep every guard on the step's inputs
+    (`tokens`, `kv`) and on module globals, drop those on the model (`self`): its ~700 guards (each
+    parameter's shape and strides, every module's settings) cost ~150 µs a call, a tenth of the 20M
+    model's one-row step. The model they would check is always the decoder's own (`CompiledDecoder`
+    compiles a code object of its own per model and per MXFP4 activation mode), and `generate()`
+    refuses a model whose parameters changed (`CompiledDecoder.current`)."""
+    return [not _ON_THE_MODEL.match(entry.name) for entry in entries]
 
 
 def use_inductor_cache_per_isa() -> str:
@@ -53,7 +67,13 @@ def use_inductor_cache_per_isa() -> str:
 class CompiledDecoder:
     """`GPTOSS.decode_step` of `model`, compiled. Built by
     `GPTOSS.prepare_for_inference(compile_decode=True)`; it reads the model's weights in place (nothing
-    is copied), and `current()` tells whether they are still the ones it was built over."""
+    is copied), and `current()` tells whether they are still the ones it was built over.
+
+    Dynamo keeps its compiled entries on a code object, under guards that tell which entry a call may
+    run. Each decoder compiles its own copy of `decode_step`'s code, one per MXFP4 activation mode
+    (the one setting of a prepared model that changes the graph), so its entries only ever see its own
+    model and the guards on the model can go (`guards_off_the_model`); those on the K/V storage and
+    the tokens stay, and pick the entry for a batch size or a cache's form."""
 
     def __init__(self, model) -> None:
         if model.head_weight().stride(-1) != 1:
@@ -62,16 +82,28 @@ class CompiledDecoder:
                 "model with prepare_for_inference(compile_decode=True)"
             )
         self._captured = self._weights_key(model)
-        # Dynamo keeps one entry per model instance (and per static-state type) under the one code object
-        # of GPTOSS.decode_step; a process that builds many models (tests, an evaluation over
-        # checkpoints) would pass its default limit of 8 and fail.
+        # A decoder's code object keeps an entry per form of its K/V storage (a cache's static form, the
+        # engine's block tables) and per batch size generate() is called with; dynamo's default limit
+        # of 8 entries would fail a long-lived process.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         use_inductor_cache_per_isa()
-        # cpp_wrapper: the ~40 kernel calls of a step are made from generated C++, not Python (bf16
-        # step of the 20M model 3.13 -> 2.66 ms, medians of 6 alternating runs in one process).
-        self._compiled = torch.compile(model.decode_step, dynamic=False, fullgraph=True, options={"cpp_wrapper": True})
+        self._model = model
+        self._by_mode: dict[str, object] = {}  # MXFP4 activation mode -> the compiled step
         self.compile_seconds: float | None = None  # wall time of the first compiled call
         self.calls = 0
+
+    def _compiled(self, tokens: Tensor, kv: StaticKV) -> Tensor:
+        mode = self._model.mxfp4_activations
+        fn = self._by_mode.get(mode)
+        if fn is None:
+            f = type(self._model).decode_step
+            own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+            # cpp_wrapper: the ~40 kernel calls of a step are made from generated C++, not Python (bf16
+            # step of the 20M model 3.13 -> 2.66 ms, medians of 6 alternating runs in one process).
+            options = {"cpp_wrapper": True, "guard_filter_fn": guards_off_the_model}
+            fn = torch.compile(types.MethodType(own, self._model), dynamic=False, fullgraph=True, options=options)
+            self._by_mode[mode] = fn
+        return fn(tokens, kv)
 
     @staticmethod
     def _weights_key(model) -> tuple:
