@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from gptoss_lite.engine.paged_decode import PagedDecode, QuantizedStep
@@ -179,26 +180,27 @@ class PagedBatch:
             return None
         if self.quant is not None and max(seg.length for seg in self.segments) > self.store.block_size:
             return None  # a group would complete two blocks in one step
+        # Built with numpy and handed over without a copy (torch.from_numpy): one step of a lone request
+        # took ~225 µs to build from ~50 small torch ops, beside a 1.2 ms compiled step (20M model).
         dev = self.store.device
         groups = list(self.segments)
-        T = max(seg.length for seg in groups)
+        lengths = np.array([seg.length for seg in groups], dtype=np.int64)
+        T = int(lengths.max())
         if len(groups) < 2 and T > 1:  # one group of several rows would get a graph of its own: repeat it
             groups.append(groups[0])
-        order = [seg.offset + min(t, seg.length - 1) for seg in groups for t in range(T)]  # flat row per row
+            lengths = np.concatenate([lengths, lengths])
+        offsets = np.minimum(np.arange(T, dtype=np.int64)[None, :], (lengths - 1)[:, None])  # (R, T)
+        firsts = np.array([seg.offset for seg in groups], dtype=np.int64)
+        order_t = torch.from_numpy((firsts[:, None] + offsets).reshape(-1)).to(dev)  # flat row per row
         real = [g * T + t for g, seg in enumerate(self.segments) for t in range(seg.length)]  # row per flat row
-        order_t = torch.tensor(order, dtype=torch.long, device=dev)
-        offsets = torch.arange(T)[None, :].clamp(max=torch.tensor([seg.length - 1 for seg in groups])[:, None])
         tables, slots, distances = {}, {}, {}
         quant = None
         for kind in self.store.kinds:
             if self.quant is not None and kind == LayerKind.FULL:  # codes and tails
-                table, distance, slots[kind], quant = self.quant.static(groups, offsets, order_t)
+                table, distance, slots[kind], quant = self.quant.static(groups, torch.from_numpy(offsets), order_t)
             else:
-                table, distance = _decode_table(groups, kind, self.store.block_size, offsets)  # one table, padded
+                table, distance = _decode_table(groups, kind, self.store.block_size, offsets, pad_to=2)
                 slots[kind] = self.write_slots[kind][order_t]
-                if table.shape[1] == 1:  # a width of 1 would get a graph of its own: add a hidden column
-                    table = torch.cat([table, torch.zeros_like(table)], dim=1)
-                    distance = torch.cat([distance, torch.full_like(distance, -1)], dim=2)
             tables[kind], distances[kind] = table.to(dev), distance.to(dev)
         horizon = {kind: self.full_window if kind == LayerKind.FULL else None for kind in tables}
         real_t = torch.tensor(real, dtype=torch.long, device=dev)
@@ -226,23 +228,30 @@ def _buckets(widths: list[int]) -> list[list[int]]:
 
 
 def _decode_table(
-    segments: list[Segment], kind: str, bs: int, offsets: torch.Tensor | None = None
+    segments: list[Segment], kind: str, bs: int, offsets: np.ndarray | None = None, pad_to: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The block table (B, nb) of the segments, padded with block 0 to the longest row, and each key's
-    distance to each query: key j of row b sits at position first_b + j. Without `offsets`, one query
-    per segment at its start_pos: distances (B, nb·bs); with offsets (B, T), T queries per segment at
-    start_pos + offsets[b, t]: distances (B, T, nb·bs)."""
-    width = max(len(seg.tables[kind][0]) for seg in segments)
-    table = torch.zeros(len(segments), width, dtype=torch.long)  # padding reads block 0, masked
-    for row, seg in enumerate(segments):
-        blocks = seg.tables[kind][0]
-        table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-    firsts = torch.tensor([seg.tables[kind][1] for seg in segments], dtype=torch.long)
-    key_pos = firsts[:, None] + torch.arange(width * bs)[None, :]  # (B, S)
-    query_pos = torch.tensor([seg.start_pos for seg in segments], dtype=torch.long)[:, None]
+    """The block table (B, nb) of the segments, padded with block 0 to the longest row (and to at
+    least `pad_to` blocks, the padding hidden), and each key's distance to each query: key j of row b
+    sits at position first_b + j. Without `offsets`, one query per segment at its start_pos: distances
+    (B, nb·bs); with offsets (B, T), T queries per segment at start_pos + offsets[b, t]: distances
+    (B, T, nb·bs). Padding columns past a row's blocks hold block 0; where a row's distance there is
+    not already negative (the compiled step's extra columns) it is made -1."""
+    lists = [seg.tables[kind][0] for seg in segments]
+    used = max(len(blocks) for blocks in lists)
+    width = max(used, pad_to)
+    table = np.zeros((len(segments), width), dtype=np.int64)  # padding reads block 0, masked
+    for row, blocks in enumerate(lists):
+        table[row, : len(blocks)] = blocks
+    firsts = np.array([seg.tables[kind][1] for seg in segments], dtype=np.int64)
+    key_pos = firsts[:, None] + np.arange(width * bs, dtype=np.int64)[None, :]  # (B, S)
+    query_pos = np.array([seg.start_pos for seg in segments], dtype=np.int64)[:, None]
     if offsets is None:
-        return table, query_pos - key_pos
-    return table, (query_pos + offsets)[:, :, None] - key_pos[:, None, :]
+        distance = query_pos - key_pos
+    else:
+        distance = (query_pos + offsets)[:, :, None] - key_pos[:, None, :]
+    if width > used:  # columns added to reach pad_to: hidden
+        distance[..., used * bs :] = -1
+    return torch.from_numpy(table), torch.from_numpy(distance)
 
 
 class _QuantReads:

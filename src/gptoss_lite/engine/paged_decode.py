@@ -54,10 +54,14 @@ class PagedDecode:
         for t in tables.values():
             torch._dynamo.maybe_mark_dynamic(t, 1)
         # the pools' block counts too: one compiled graph (and one entry of inductor's disk cache) serves
-        # every pool size, so an engine given another KV budget compiles nothing new
-        for t in store.pool_tensors():
-            if t.shape[1] > 1:
-                torch._dynamo.maybe_mark_dynamic(t, 1)
+        # every pool size, so an engine given another KV budget compiles nothing new. The pools live as
+        # long as the store: marked once (a mark is a Python call, ~1 µs, and there are two per layer)
+        pools = store.pool_tensors()
+        if getattr(store, "_marked_pools", None) != [id(t) for t in pools]:
+            for t in pools:
+                if t.shape[1] > 1:
+                    torch._dynamo.maybe_mark_dynamic(t, 1)
+            store._marked_pools = [id(t) for t in pools]
         for t in distances.values():
             if t.shape[1] > 1:  # a size of 1 is specialised anyway: plain decode has a graph of its own
                 torch._dynamo.maybe_mark_dynamic(t, 1)
