@@ -7,7 +7,7 @@ from conftest import make_model
 from gptoss_lite.generation import generate, generate_reference, stream_generate
 from gptoss_lite.kv.mixed import MixedKVCache
 from gptoss_lite.model import GPTOSS
-from gptoss_lite.sampling import SamplingParams, probabilities, sample
+from gptoss_lite.sampling import SamplingParams, greedy, probabilities, sample
 
 
 @pytest.mark.parametrize("preset", ["lite-tiny", "gpt-oss-tiny"])
@@ -95,6 +95,18 @@ def test_greedy_consumes_no_randomness():
     before = torch.get_rng_state()
     sample(logits, SamplingParams(temperature=0))
     assert torch.equal(before, torch.get_rng_state())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_is_argmax_with_the_first_of_equal_logits(dtype):
+    # 16-bit logits are widened before the argmax (a faster CPU path): the index must be argmax's own,
+    # the first of tied maxima included (bf16 makes ties common).
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(16, 4099, generator=gen) * 3).to(dtype)
+    logits[3, 10] = logits[3, 2000] = logits[3, 4000] = logits[3].max() + 1  # a three-way tie
+    assert torch.equal(greedy(logits), logits.argmax(dim=-1))
+    assert int(greedy(logits)[3]) == 10
+    assert torch.equal(greedy(logits[0]), logits[0].argmax(dim=-1))  # one row, no batch dimension
 
 
 def test_top_p_keeps_smallest_prefix():

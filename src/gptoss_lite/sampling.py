@@ -122,10 +122,19 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """logits (..., V) -> the index of each row's largest logit (the first of equals). 16-bit logits are
+    widened first (exact, so the same index): torch's CPU argmax over bf16 took 355 µs for 16 rows of
+    12,288 logits against 98 µs for fp32, a conversion included (Zen 4)."""
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return logits.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
     """logits (B, V) -> token ids (B,): the argmax when greedy, else one draw from `probabilities`."""
     if params.greedy:
-        return logits.argmax(dim=-1)
+        return greedy(logits)
     probs = _tempered(logits, params.temperature)
     if params.top_p < 1.0:
         sorted_p, sorted_idx = _nucleus(probs, params.top_p)
@@ -140,7 +149,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     Greedy parameters give the one-hot vector of the argmax. Speculative sampling needs the whole vector.
     """
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+        return torch.nn.functional.one_hot(greedy(logits), logits.shape[-1]).float()
     probs = _tempered(logits, params.temperature)
     if params.top_p < 1.0:
         sorted_p, sorted_idx = _nucleus(probs, params.top_p)

@@ -34,7 +34,7 @@ import torch
 
 from gptoss_lite.kv.mixed import MixedKVCache
 from gptoss_lite.model.transformer import GPTOSS
-from gptoss_lite.sampling import SamplingParams, probabilities
+from gptoss_lite.sampling import SamplingParams, greedy, probabilities
 from gptoss_lite.validation import check_int
 
 
@@ -191,7 +191,7 @@ class _ModelDrafter:
         drafts, dists = [], []
         for i in range(k):
             if sampling.greedy:
-                token = logits.argmax(dim=-1)
+                token = greedy(logits)
             else:
                 q = probabilities(logits, sampling)  # (B, V)
                 token = torch.multinomial(q, 1, generator=generator).squeeze(-1)

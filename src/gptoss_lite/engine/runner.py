@@ -26,7 +26,7 @@ from gptoss_lite.kv.paged_quant import QuantizedPagedStore
 from gptoss_lite.kvspec import KVFormat
 from gptoss_lite.model.compiled_decode import CompiledDecoder
 from gptoss_lite.model.transformer import GPTOSS
-from gptoss_lite.sampling import log_probs, sample
+from gptoss_lite.sampling import greedy, log_probs, sample
 from gptoss_lite.speculative import verify
 
 logger = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ class ModelRunner:
         logprobs: list[TokenLogprobs | None] = [None] * len(samplers)
         if plain:
             rows = logits if len(plain) == len(samplers) == len(logits) else logits[[firsts[i] for i in plain]]
-            for i, token in zip(plain, rows.argmax(dim=-1).tolist()):
+            for i, token in zip(plain, greedy(rows).tolist()):
                 tokens[i] = token
         plain_set = set(plain)
         for i, request in enumerate(samplers):
@@ -194,7 +194,7 @@ class ModelRunner:
                     row = request.adjusted_logits(row)
                 if i not in plain_set:
                     if request.sampling.greedy:
-                        tokens[i] = int(row.argmax(dim=-1)[0])
+                        tokens[i] = int(greedy(row)[0])
                     else:
                         tokens[i] = int(sample(row, request.sampling, request.generator)[0])
                 if request.sampling.logprobs is not None:

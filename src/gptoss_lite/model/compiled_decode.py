@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from gptoss_lite.kv.base import StaticKV
+from gptoss_lite.model.moe import MXFP4Experts
 
 RECOMPILE_LIMIT = 256  # compiled entries of the decode step per process (see CompiledDecoder)
 
@@ -88,12 +89,14 @@ class CompiledDecoder:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         use_inductor_cache_per_isa()
         self._model = model
-        self._by_mode: dict[str, object] = {}  # MXFP4 activation mode -> the compiled step
+        # the packed experts whose activation mode picks the graph (read each call: a plain attribute each)
+        self._mxfp4 = [m for m in model.modules() if isinstance(m, MXFP4Experts)]
+        self._by_mode: dict[tuple[str, ...], object] = {}  # the experts' activation modes -> the compiled step
         self.compile_seconds: float | None = None  # wall time of the first compiled call
         self.calls = 0
 
     def _compiled(self, tokens: Tensor, kv: StaticKV) -> Tensor:
-        mode = self._model.mxfp4_activations
+        mode = tuple(experts.activations for experts in self._mxfp4)
         fn = self._by_mode.get(mode)
         if fn is None:
             f = type(self._model).decode_step
