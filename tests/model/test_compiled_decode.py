@@ -198,7 +198,7 @@ def test_each_decoder_keeps_its_own_graph_without_guards_on_the_model():
         model.prepare_for_inference(compile_decode=True)
     prompt = torch.randint(0, 264, (1, 9), generator=torch.Generator().manual_seed(8))
     pairs = {limit: _decode_pair(eager[limit], compiled[limit], prompt, 3, compile_graph=True) for limit in eager}
-    for limit, steps in pairs.items():
+    for steps in pairs.values():
         for ref, fast in steps:
             torch.testing.assert_close(fast, ref, atol=1e-4, rtol=0)
     assert (pairs[7.0][0][1] - pairs[0.5][0][1]).abs().max() > 1e-3  # the setting matters

@@ -16,6 +16,7 @@ import ctypes
 
 import torch
 
+from gptoss_lite.kernels import cpp_ops
 from gptoss_lite.kernels.build import load
 
 MAX_HEAD_DIM = 1024  # blocks.c's MAX_D
@@ -36,6 +37,7 @@ def _library() -> ctypes.CDLL | None:
         ]  # fmt: skip
         lib.gl_block_attention_quant.restype = ctypes.c_int
         lib._typed = True
+        cpp_ops.bind("block_attention", lib.gl_block_attention)  # the op's calls stay out of Python from here on
     return lib
 
 

@@ -8,6 +8,10 @@ succeed, and a crash leaves no half-written library. Compiling takes about a sec
 
 No compiler or a failed build gives None and one line on stderr; `GPTOSS_LITE_NO_KERNELS=1` gives
 None silently (it was asked for). The callers then use their PyTorch fallbacks.
+
+`load_torch_ops` builds a C++ source against torch's own headers (`ops.cpp`: the kernels' torch ops
+implemented in C++, so a compiled step calls them without entering Python), keyed also by torch's
+version; `GPTOSS_LITE_NO_CPP_OPS=1` leaves the ops' Python implementations in place.
 """
 
 from __future__ import annotations
@@ -72,6 +76,30 @@ def source_text(path: Path, seen: set[Path] | None = None) -> str:
     return "\0".join(parts)
 
 
+def _built(name: str, source: Path, compiler: str, flags: list[str], key_parts: tuple[str, ...]) -> Path | None:
+    """`source` built by `compiler` with `flags` into lib{name}.so under a folder keyed by the sources, the
+    compiler's version, the flags, this CPU and `key_parts`; None (with a notice) where the build fails."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(
+        b"\0".join(x.encode() for x in (source_text(source), version, " ".join(flags), _cpu_flags(), *key_parts))
+    ).hexdigest()[:16]
+    target = cache_dir() / key / f"lib{name}.so"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        args = [compiler, *flags[:-1], str(source), "-o", tmp, *flags[-1].split()]  # libraries after the source
+        done = subprocess.run(args, capture_output=True, text=True)
+        if done.returncode != 0:
+            os.unlink(tmp)
+            errors = [line for line in (done.stderr or done.stdout).splitlines() if "error" in line]
+            reason = errors[0] if errors else compiler
+            _say(f"building the {name} kernels failed ({reason}); using the PyTorch fallback")
+            return None
+        os.replace(tmp, target)
+    return target
+
+
 @cache
 def load(name: str) -> ctypes.CDLL | None:
     """The shared library built from `kernels/NAME.c`, or None (with a notice) where it cannot be built."""
@@ -81,24 +109,40 @@ def load(name: str) -> ctypes.CDLL | None:
     if cc is None:
         _say(f"no C compiler (cc, gcc or clang) found; the {name} kernels use the slower PyTorch fallback")
         return None
-    source = _HERE / f"{name}.c"
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(
-        b"\0".join(x.encode() for x in (source_text(source), version, " ".join(FLAGS), _cpu_flags()))
-    ).hexdigest()[:16]
-    target = cache_dir() / key / f"lib{name}.so"
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        done = subprocess.run([cc, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True)
-        if done.returncode != 0:
-            os.unlink(tmp)
-            detail = (done.stderr or done.stdout).strip().splitlines()
-            _say(f"building the {name} kernels failed ({detail[-1] if detail else cc}); using the PyTorch fallback")
-            return None
-        os.replace(tmp, target)
+    target = _built(name, _HERE / f"{name}.c", cc, [*FLAGS, "-lm"], ())
+    if target is None:
+        return None
     # torch is imported first, so libgomp.so.1 resolves to the OpenMP runtime torch already loaded.
     import torch  # noqa: F401
 
+    return ctypes.CDLL(str(target))
+
+
+@cache
+def load_torch_ops(name: str) -> ctypes.CDLL | None:
+    """`kernels/NAME.cpp`, C++ against this torch's headers and libraries (torch ops implemented in C++),
+    built and loaded into torch's dispatcher; None (with a notice) where there is no C++ compiler or the
+    build fails, and silently under `GPTOSS_LITE_NO_KERNELS=1` or `GPTOSS_LITE_NO_CPP_OPS=1`. Building
+    takes 5-10 s (torch's headers), once per source, torch version and machine."""
+    if "1" in (os.environ.get("GPTOSS_LITE_NO_KERNELS"), os.environ.get("GPTOSS_LITE_NO_CPP_OPS")):
+        return None
+    cxx = next((c for c in (os.environ.get("CXX"), "c++", "g++", "clang++") if c and shutil.which(c)), None)
+    if cxx is None:
+        _say(f"no C++ compiler (c++, g++ or clang++) found; the {name} ops are called through Python")
+        return None
+    import torch
+
+    # torch's own headers and libraries (the paths torch.utils.cpp_extension names; importing that module
+    # needs setuptools, which a fresh virtual environment may not have)
+    root = Path(torch.__file__).resolve().parent
+    flags = [
+        "-O2", "-fPIC", "-shared", "-std=c++17", "-w",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+        f"-L{root / 'lib'} -Wl,-rpath,{root / 'lib'} -lc10 -ltorch_cpu",
+    ]  # fmt: skip
+    target = _built(name, _HERE / f"{name}.cpp", cxx, flags, (torch.__version__,))
+    if target is None:
+        return None
+    torch.ops.load_library(str(target))
     return ctypes.CDLL(str(target))

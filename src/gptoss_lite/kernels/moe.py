@@ -10,6 +10,7 @@ import ctypes
 
 import torch
 
+from gptoss_lite.kernels import cpp_ops
 from gptoss_lite.kernels.build import load
 
 ISA_NAMES = ("none", "AVX-512 (fp32)", "AVX-512 BF16 (fp32 and bf16)")  # gl_moe_isa()
@@ -24,6 +25,7 @@ def _library() -> ctypes.CDLL | None:
         lib.gl_moe_experts.restype = ctypes.c_int
         lib.isa = lib.gl_moe_isa()
         lib._typed = True
+        cpp_ops.bind("moe_experts", lib.gl_moe_experts, lib.isa)  # the op's calls stay out of Python from here on
     return lib
 
 

@@ -11,6 +11,7 @@ import ctypes
 
 import torch
 
+from gptoss_lite.kernels import cpp_ops
 from gptoss_lite.kernels.build import load
 
 ISA_NAMES = ("plain C", "AVX2", "AVX-512")  # gl_rows_isa(): the path this build takes (plain C is slow)
@@ -28,6 +29,7 @@ def _library() -> ctypes.CDLL | None:
         lib.gl_rows_mm.restype = None
         lib.isa = ISA_NAMES[lib.gl_rows_isa()]
         lib._typed = True
+        cpp_ops.bind("rows_mm", lib.gl_rows_mm)  # the op's calls stay out of Python from here on
     return lib
 
 
