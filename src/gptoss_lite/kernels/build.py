@@ -76,7 +76,9 @@ def source_text(path: Path, seen: set[Path] | None = None) -> str:
     return "\0".join(parts)
 
 
-def _built(name: str, source: Path, compiler: str, flags: list[str], key_parts: tuple[str, ...]) -> Path | None:
+def _built(
+    name: str, source: Path, compiler: str, flags: list[str], key_parts: tuple[str, ...], fallback: str
+) -> Path | None:
     """`source` built by `compiler` with `flags` into lib{name}.so under a folder keyed by the sources, the
     compiler's version, the flags, this CPU and `key_parts`; None (with a notice) where the build fails."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
@@ -94,7 +96,7 @@ def _built(name: str, source: Path, compiler: str, flags: list[str], key_parts: 
             os.unlink(tmp)
             errors = [line for line in (done.stderr or done.stdout).splitlines() if "error" in line]
             reason = errors[0] if errors else compiler
-            _say(f"building the {name} kernels failed ({reason}); using the PyTorch fallback")
+            _say(f"building the {name} kernels failed ({reason}); {fallback}")
             return None
         os.replace(tmp, target)
     return target
@@ -109,7 +111,7 @@ def load(name: str) -> ctypes.CDLL | None:
     if cc is None:
         _say(f"no C compiler (cc, gcc or clang) found; the {name} kernels use the slower PyTorch fallback")
         return None
-    target = _built(name, _HERE / f"{name}.c", cc, [*FLAGS, "-lm"], ())
+    target = _built(name, _HERE / f"{name}.c", cc, [*FLAGS, "-lm"], (), "using the PyTorch fallback")
     if target is None:
         return None
     # torch is imported first, so libgomp.so.1 resolves to the OpenMP runtime torch already loaded.
@@ -141,7 +143,7 @@ def load_torch_ops(name: str) -> ctypes.CDLL | None:
         f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
         f"-L{root / 'lib'} -Wl,-rpath,{root / 'lib'} -lc10 -ltorch_cpu",
     ]  # fmt: skip
-    target = _built(name, _HERE / f"{name}.cpp", cxx, flags, (torch.__version__,))
+    target = _built(name, _HERE / f"{name}.cpp", cxx, flags, (torch.__version__,), "calling the ops through Python")
     if target is None:
         return None
     torch.ops.load_library(str(target))
