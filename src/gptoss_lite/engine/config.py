@@ -20,7 +20,13 @@ from gptoss_lite.speculative import DraftModel, PromptLookup
 from gptoss_lite.validation import check_int
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # both pools together, when kv_blocks is not given
+# Tokens a step: `serve` and `bench-serve` default to 512, so that a prompt chunk delays the requests
+# decoding beside it by little. The library's `LLM` (offline batches, where the batch's wall time is
+# what counts) takes OFFLINE_MAX_BATCH_TOKENS where its pools hold such a step, else 512
+# (`EngineConfig.max_batch_tokens` None): the batch-16 cell 1.10x (fp32) and 1.15x (bf16) faster
+# at 2,048 than at 512 (benchmarks/engine_step_budget.py, docs/engine.md#how-a-step-works).
 DEFAULT_MAX_BATCH_TOKENS = 512
+OFFLINE_MAX_BATCH_TOKENS = 2048
 DEFAULT_MAX_RUNNING = 64
 
 
@@ -45,7 +51,7 @@ class EngineConfig:
     kv_blocks: int | None = None
     sliding_blocks: int | None = None
     block_size: int = DEFAULT_BLOCK_SIZE
-    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
+    max_batch_tokens: int | None = None
     max_running: int = DEFAULT_MAX_RUNNING
     dtype: torch.dtype | None = None
     device: str | torch.device | None = None
@@ -63,9 +69,9 @@ class EngineConfig:
     mxfp4_activations: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_batch_tokens", "max_running"):
+        for name in ("block_size", "max_running"):
             check_int(name, getattr(self, name), 1)
-        for name in ("kv_blocks", "sliding_blocks", "max_model_len", "kv_cache_bytes"):
+        for name in ("kv_blocks", "sliding_blocks", "max_model_len", "kv_cache_bytes", "max_batch_tokens"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
         check_int("decode_reserve", self.decode_reserve, 0)
@@ -98,6 +104,12 @@ class EngineConfig:
         return DEFAULT_KV_CACHE_BYTES if self.kv_cache_bytes is None else self.kv_cache_bytes
 
     @property
+    def step_tokens(self) -> int:
+        """`max_batch_tokens`, or where it is None (the library's default) the larger offline budget;
+        `LLM` settles None to a number before it builds anything else (see DEFAULT_MAX_BATCH_TOKENS)."""
+        return OFFLINE_MAX_BATCH_TOKENS if self.max_batch_tokens is None else self.max_batch_tokens
+
+    @property
     def tail_blocks(self) -> int:
         """Full-precision tails of quantised blocks: every running request's partial block + one step."""
-        return 2 * self.max_running + -(-self.max_batch_tokens // self.block_size) + 2
+        return 2 * self.max_running + -(-self.step_tokens // self.block_size) + 2

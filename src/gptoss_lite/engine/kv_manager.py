@@ -257,7 +257,7 @@ def pool_blocks(specs: Sequence[LayerKVSpec], cfg: EngineConfig, max_model_len: 
     window plus one step). The sliding pool: as large while the prefix cache is on (a cached prompt
     pins its sliding-layer blocks too); without it, what the running requests hold at once,
     ceil(W / bs) + 1 blocks each in decode plus the window and one chunk for a prefill."""
-    bs, running, step = cfg.block_size, cfg.max_running, cfg.max_batch_tokens
+    bs, running, step = cfg.block_size, cfg.max_running, cfg.step_tokens
     full = cfg.kv_blocks
     if full is None:
         by_memory = cfg.kv_bytes // sum(spec.block_bytes(bs) for spec in specs)

@@ -27,7 +27,7 @@ import torch
 
 from gptoss_lite.checkpoint import load_model
 from gptoss_lite.engine import sources
-from gptoss_lite.engine.config import EngineConfig
+from gptoss_lite.engine.config import DEFAULT_MAX_BATCH_TOKENS, EngineConfig
 from gptoss_lite.engine.detokenize import TextStream
 from gptoss_lite.engine.drafting import PagedDrafter
 from gptoss_lite.engine.kv_manager import KVManager, pool_blocks
@@ -61,7 +61,6 @@ class LLM:
         """model: a prepared GPTOSS, a checkpoint directory or a preset name. knobs: EngineConfig
         fields, over `config` when both are given."""
         cfg = EngineConfig(**knobs) if config is None else dataclasses.replace(config, **knobs)
-        self.engine_config = cfg
         model, model_dir, source = self._load(model, cfg)
         self.model, self.config = model, model.config
         self.tokenizer = tokenizer if tokenizer is not None else sources.own_tokenizer(model_dir, self.config)
@@ -69,7 +68,8 @@ class LLM:
         self.max_model_len = check_int("max_model_len", cfg.max_model_len or limit, 1, limit)
         self.enable_prefix_caching, self.kv_format = cfg.enable_prefix_caching, cfg.kv_format
         self.full_window = cfg.full_window
-        store, self.kv = self._make_kv(cfg, model, source, model_dir)
+        cfg, store, self.kv = self._kv_and_budget(cfg, model, source, model_dir)
+        self.engine_config = cfg  # with its step budget settled
         if cfg.full_window is None:  # a request's whole length must fit in the (first) pool
             pool_tokens = self.kv.usage().blocks_total[self.kv.kinds[0]] * cfg.block_size
             self.max_model_len = min(self.max_model_len, pool_tokens)
@@ -138,6 +138,22 @@ class LLM:
         if draft is not None and not draft.inference_ready:
             raise ValueError("speculate: the draft model is not prepared; call draft.prepare_for_inference() first")
         return model, model_dir, source
+
+    def _kv_and_budget(
+        self, cfg: EngineConfig, model: GPTOSS, source: str | None, model_dir: Path | None
+    ) -> tuple[EngineConfig, PagedKVStore, KVManager]:
+        """The pools (`_make_kv`) and the config with its step budget a number: as given, or for the
+        library's default (None) the offline budget where the pools hold such a step, else 512 (the
+        pools built again for it)."""
+        store, kv = self._make_kv(cfg, model, source, model_dir)
+        if cfg.max_batch_tokens is not None:
+            return cfg, store, kv
+        try:
+            kv.check_step_fits(cfg.step_tokens)
+            return dataclasses.replace(cfg, max_batch_tokens=cfg.step_tokens), store, kv
+        except ValueError:
+            cfg = dataclasses.replace(cfg, max_batch_tokens=DEFAULT_MAX_BATCH_TOKENS)
+            return (cfg, *self._make_kv(cfg, model, source, model_dir))
 
     def _make_kv(
         self, cfg: EngineConfig, model: GPTOSS, source: str | None, model_dir: Path | None
