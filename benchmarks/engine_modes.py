@@ -1,4 +1,4 @@
-"""The engine's step modes against each other, in one process: eager, compiled, compiled with split mixed steps.
+"""The compiled engine against the eager engine, in one process, on bench-serve's chat-like workload and the batch cell.
 
     python benchmarks/engine_modes.py MODEL_DIR --dtype float32 --rounds 3 --workloads chat batch16
 
@@ -6,9 +6,10 @@ One model (prepared with the compiled decode step), one engine per mode over it 
 off), taking turns on each workload, the order reversed every other round:
 
 - `eager`: no compiled step (`compile_decode=False`), every step the eager forward;
-- `compiled`: decode-only steps compiled, a step with a prompt chunk eager as a whole (`split_mixed` off);
-- `split`: as `compiled`, and a step with prompt chunks runs its decode rows through the compiled step
-  and only the chunks eagerly (`ModelRunner.parts`).
+- `compiled`: decode-only steps compiled, a step with a prompt chunk eager as a whole.
+
+(Commit 73552d1 had a third mode, `split`: a step with prompt chunks ran its decode rows through the
+compiled step and only the chunks eagerly; it measured 0.96-1.03x `compiled` and was removed.)
 
 Workloads: `chat` is `gptoss-lite bench-serve`'s chat-like workload (64 requests at once, prompts 16-512
 tokens, 32-256 new tokens, seed 0, step budget 512, as bench-serve runs it); `batch16` is the peers
@@ -28,7 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-MODES = ("eager", "compiled", "split")
+MODES = ("eager", "compiled")
 
 
 def _workload(name: str, vocab: int):
@@ -76,9 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         budget = {"max_batch_tokens": 512} if wl == "chat" else {}
         engines = {}
         for mode in args.modes:
-            llm = LLM(model, enable_prefix_caching=False, compile_decode=mode != "eager", **budget)
-            llm.runner.split_mixed = mode == "split"
-            engines[mode] = llm
+            engines[mode] = LLM(model, enable_prefix_caching=False, compile_decode=mode == "compiled", **budget)
         work = _workload(wl, model.config.vocab_size)
         generated = sum(w.params.max_tokens for w in work)
         tokens, samples = {}, {m: [] for m in engines}

@@ -78,8 +78,6 @@ class ModelRunner:
         self.decoder = decoder
         self.compiled_steps = 0
         self.compiled_verifications = 0  # of those, steps that verified a draft
-        # a step with prompt chunks runs its decode rows compiled (`parts`); off: benchmarks/engine_modes.py
-        self.split_mixed = False
         self.device = next(model.parameters()).device
         # Test-only fault injection: called with each request just before its token is sampled; what
         # it raises fails that request alone (tests/engine/test_isolation.py).
@@ -140,32 +138,10 @@ class ModelRunner:
         they belong to, in order)."""
         for kind, src, dst, n in step.copies:
             self.store.apply_copies(kind, [(src, dst, n)])
-        logits, samplers = [], []
-        for part in self.parts(step):
-            input_ids, batch, part_samplers = self.build_batch(part)
-            part_logits, compiled = self.run(input_ids, batch)
-            self.compiled_verifications += compiled and input_ids.shape[0] > len(part_samplers)
-            logits.append(part_logits)
-            samplers += part_samplers
-        return (logits[0] if len(logits) == 1 else torch.cat(logits)), samplers
-
-    def parts(self, step: ScheduledBatch) -> list[ScheduledBatch]:
-        """The forwards a step runs as: itself, or with `split_mixed` and a decoder, a step that has
-        both prompt chunks and requests sampling every row they feed (decode rows, verified drafts) as
-        two: those requests through the compiled step, then the prompt chunks on the eager forward.
-        The two touch different slots (a request's rows write its own blocks, and a shared block is
-        never written), so the order is free."""
-        if self.decoder is None or not self.split_mixed:
-            return [step]
-        sampled, chunks = [], []
-        for entry in step.scheduled:
-            request, n = entry[0], entry[1]
-            fed = n == 1 + len(request.draft)
-            every_row = fed and request.num_computed + n == request.num_tokens + len(request.draft)
-            (sampled if every_row else chunks).append(entry)
-        if not sampled or not chunks:
-            return [step]
-        return [ScheduledBatch(sampled), ScheduledBatch(chunks)]
+        input_ids, batch, samplers = self.build_batch(step)
+        logits, compiled = self.run(input_ids, batch)
+        self.compiled_verifications += compiled and input_ids.shape[0] > len(samplers)
+        return logits, samplers
 
     def run(self, input_ids: torch.Tensor, batch: PagedBatch) -> tuple[torch.Tensor, bool]:
         """One forward of a built batch: (the logits of its `logits_index` rows, whether it ran as the
