@@ -32,18 +32,18 @@ from pathlib import Path
 MODES = ("eager", "compiled")
 
 
-def _workload(name: str, vocab: int):
+def _workload(name: str, llm):
     from gptoss_lite.engine import SamplingParams
-    from gptoss_lite.engine.bench import WorkItem, random_prompts
+    from gptoss_lite.engine.bench import WorkItem
 
-    if name == "chat":
-        import random
+    vocab = llm.config.vocab_size
+    if name == "chat":  # bench-serve's own items for its chat-like command line
+        from gptoss_lite.commands.bench_serve import _items
 
-        prompts = random_prompts(64, (16, 512), vocab, 0)
-        rng = random.Random(2)
-        lengths = [rng.randint(32, 256) for _ in prompts]
-        items = zip(prompts, lengths)
-        return [WorkItem(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)) for p, n in items]
+        chat = argparse.Namespace(
+            requests=64, prompt_len=(16, 512), max_tokens=(32, 256), seed=0, shared_prefix=0, rate=float("inf")
+        )
+        return _items(llm, chat)
     import numpy as np
 
     rng = np.random.default_rng(1)
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         engines = {}
         for mode in args.modes:
             engines[mode] = LLM(model, enable_prefix_caching=False, compile_decode=mode == "compiled", **budget)
-        work = _workload(wl, model.config.vocab_size)
+        work = _workload(wl, next(iter(engines.values())))
         generated = sum(w.params.max_tokens for w in work)
         tokens, samples = {}, {m: [] for m in engines}
         for mode, llm in engines.items():  # warm-up, and the tokens each mode gives
