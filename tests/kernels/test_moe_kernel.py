@@ -17,7 +17,7 @@ import torch
 
 from conftest import make_model
 from gptoss_lite.kernels import moe as moe_kernel
-from gptoss_lite.model.moe import Experts
+from gptoss_lite.model.moe import Experts, activate_halves_reference, combine_reference
 
 needs_kernel = pytest.mark.skipif(not moe_kernel.dtypes(), reason="the grouped-expert kernel needs AVX-512")
 needs_bf16 = pytest.mark.skipif("bfloat16" not in moe_kernel.dtypes(), reason="bf16 tiles need AVX-512 BF16")
@@ -209,6 +209,13 @@ def test_other_cpus_builds(tmp_path, arch, isa):
     code = lib.gl_moe_experts(h.data_ptr(), 0, *args)
     if isa == 0:
         assert code == -1 and (out == 7.0).all()
+        lib.gl_moe_activate.argtypes = [ptr, i32, i64, i64, i32, ctypes.c_float, ptr]
+        lib.gl_moe_combine.argtypes = [ptr, i32, ptr, ptr, i64, i64, i64, i64, ptr]
+        assert lib.gl_moe_activate(h.data_ptr(), 0, 5, 20, 0, 7.0, out.data_ptr()) == -1
+        assert (
+            lib.gl_moe_combine(h.data_ptr(), 0, idx.data_ptr(), weights.data_ptr(), 5, 2, 40, 5, out.data_ptr()) == -1
+        )
+        assert (out == 7.0).all()  # the prefill passes have no path there either: nothing written
         return
     assert code == 0
     with torch.no_grad():
@@ -226,5 +233,90 @@ def test_fallback_without_kernels_agrees(without_kernels):
         "assert not moe.serves(h, ex._gate_up[0], ex.down_proj); "
         "torch.no_grad().__enter__(); "
         "assert torch.equal(ex.weighted_sum(h, idx, w), (ex.decode_step(h, idx) * w[..., None]).sum(1))"
+    )
+    without_kernels(script)
+
+
+# Prefill's passes: `activate` and `combine` (around PyTorch's GEMMs in `MoE.forward` over many tokens).
+
+needs_prefill_passes = pytest.mark.skipif(
+    moe_kernel._prefill_library(torch.zeros(1)) is None, reason="prefill's MoE passes need AVX-512"
+)
+
+
+@needs_prefill_passes
+@pytest.mark.parametrize("swiglu", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, I", [(0, 16), (1, 40), (37, 24), (300, 256)])
+def test_activate_equals_the_reference(n, I, dtype, swiglu):
+    # values past the clamp limit (7) on both sides, and large negative gates (sigmoid near 0)
+    gate_up = (torch.randn(n, 2 * I, generator=torch.Generator().manual_seed(n + I)) * 6).to(dtype)
+    got = moe_kernel.activate(gate_up, swiglu, 7.0)
+    want = activate_halves_reference(gate_up, "swiglu" if swiglu else "gptoss", 7.0)
+    assert got.shape == (n, I) and got.dtype == dtype
+    if dtype == torch.float32:  # the kernel's e^x and PyTorch's differ by ulps
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    else:  # both round the same fp32 value once: at most one bf16 step apart
+        exact = activate_fp32(gate_up.float(), swiglu)
+        assert ((got.float() - exact).abs() <= 2**-8 * exact.abs() + 1e-30).all()
+        assert ((want.float() - exact).abs() <= 2**-8 * exact.abs() + 1e-30).all()
+
+
+def activate_fp32(gate_up, swiglu):
+    from gptoss_lite.model.moe import activate
+
+    return activate(*gate_up.chunk(2, dim=-1), "swiglu" if swiglu else "gptoss", 7.0)
+
+
+@needs_prefill_passes
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N, A, C", [(1, 1, 16), (5, 2, 40), (300, 4, 256)])
+def test_combine_equals_the_reference(N, A, C, dtype):
+    g = torch.Generator().manual_seed(N * A + C)
+    rows = torch.randn(N * A + 3, C, generator=g).to(dtype)  # three rows no token takes
+    at = torch.randperm(N * A + 3, generator=g)[: N * A].view(N, A)
+    weights = torch.softmax(torch.randn(N, A, generator=g), dim=-1).to(dtype)
+    got = moe_kernel.combine(rows, at, weights)
+    # the same fp32 products, summed in the same order and rounded once: equal, bit for bit
+    assert got.dtype == dtype and torch.equal(got, combine_reference(rows, at, weights))
+
+
+@needs_prefill_passes
+def test_combine_refuses_a_place_outside_the_rows():
+    rows, weights = torch.randn(4, 16), torch.ones(2, 2)
+    with pytest.raises(IndexError, match="outside the 4 rows"):
+        moe_kernel.combine(rows, torch.tensor([[0, 1], [2, 4]]), weights)
+
+
+@pytest.mark.parametrize("preset", ["lite-tiny", "gpt-oss-tiny"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_moe_equals_the_training_forward(preset, dtype, monkeypatch):
+    """`MoE.forward` over many tokens at inference (packed weights: one gate|up GEMM per expert, the
+    kernel's passes where built) equals the training forward (two GEMMs per expert, PyTorch's passes,
+    index_add_), and so does the same inference path with PyTorch's passes."""
+    model = make_model(preset).to(dtype)
+    moe = model.blocks[0].moe
+    x = torch.randn(1, 200, model.config.d_model, generator=torch.Generator().manual_seed(1)).to(dtype)
+    want, _ = moe(x, need_aux=True)  # gradients on: the training forward
+    moe.experts.pack_for_decode()
+    with torch.no_grad():
+        assert moe.experts.is_packed()
+        fast, _ = moe(x, need_aux=False)
+        monkeypatch.setattr(moe_kernel, "_prefill_library", lambda *t: None)
+        torch_passes, _ = moe(x, need_aux=False)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.03, rtol=0.03)
+    torch.testing.assert_close(fast, want.detach(), **tol)
+    torch.testing.assert_close(torch_passes, want.detach(), **tol)
+    assert fast.dtype == dtype
+
+
+def test_prefill_passes_fall_back_without_kernels(without_kernels):
+    script = (
+        "import torch; from gptoss_lite.kernels import moe; from gptoss_lite.model import moe as m; "
+        "assert moe._prefill_library(torch.zeros(1)) is None; "
+        "gu = torch.randn(9, 32); rows = torch.randn(6, 8); at = torch.tensor([[0, 5], [3, 2]]); w = torch.rand(2, 2); "
+        "assert moe.activate(gu, False, 7.0) is None and moe.combine(rows, at, w) is None; "
+        "assert torch.equal(m.activate_halves(gu, 'gptoss', 7.0), m.activate_halves_reference(gu, 'gptoss', 7.0)); "
+        "assert torch.equal(m.combine(rows, at, w), m.combine_reference(rows, at, w))"
     )
     without_kernels(script)

@@ -217,3 +217,79 @@ done:
     return -1;
 #endif
 }
+
+/* Prefill's share (`MoE.forward` over many tokens, whose products are PyTorch's GEMMs): the two passes
+ * between and after them, each one pass over its rows.
+ *
+ * gl_moe_activate: act (n, I) = act(gate, up) of gate_up (n, 2I), each row its gate half then its up
+ * half (one GEMM's output over `Experts`' packed buffer), fp32 or bf16 in and out; act in fp32 and,
+ * for bf16, rounded once. Returns 0, or -1 in a build without the path (nothing written). */
+int gl_moe_activate(const void *gate_up, int bf16, int64_t n, int64_t I, int swiglu, float limit, void *out) {
+#if defined(GL_AVX512)
+    const int64_t es = bf16 ? 2 : 4;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *row = bf16 ? (float *)malloc((size_t)(2 * I) * sizeof(float)) : NULL;
+        if (bf16 && !row) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < n; p++) {
+            const float *gu = (const float *)gate_up + p * 2 * I;
+            if (bf16) {
+                if (!row) continue;
+                const uint16_t *src = (const uint16_t *)gate_up + p * 2 * I;
+                for (int64_t c = 0; c < 2 * I; c++) row[c] = widen(src[c]);
+                gu = row;
+            }
+            activate_row(gu, I, swiglu, limit, bf16, (char *)out + p * I * es);
+        }
+        free(row);
+    }
+    return failed ? -2 : 0;
+#else
+    (void)gate_up, (void)bf16, (void)n, (void)I, (void)swiglu, (void)limit, (void)out;
+    return -1;
+#endif
+}
+
+/* gl_moe_combine: y[t] = sum_a wts[t, a] * rows[at[t, a]] for N tokens of A experts each: rows (P, C),
+ * every expert's output in expert order, fp32 or bf16; at (N, A) each (token, slot)'s place in it;
+ * wts (N, A) fp32. Summed in fp32 in slot order, y (N, C) in the rows' dtype (rounded once). Returns 0,
+ * or -1 for a place outside [0, P) or a build without the path (nothing written then). */
+int gl_moe_combine(const void *rows, int bf16, const int64_t *at, const float *wts, int64_t N, int64_t A,
+                   int64_t C, int64_t P, void *y) {
+#if defined(GL_AVX512)
+    for (int64_t i = 0; i < N * A; i++)
+        if (at[i] < 0 || at[i] >= P) return -1;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < N; t++) {
+        for (int64_t c0 = 0; c0 < C; c0 += 16) {
+            const __mmask16 lanes = C - c0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (C - c0)) - 1u);
+            __m512 s = _mm512_setzero_ps();
+            for (int64_t a = 0; a < A; a++) {
+                const int64_t p = at[t * A + a];
+                __m512 v;
+                if (bf16)
+                    v = _mm512_castsi512_ps(_mm512_slli_epi32(
+                        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, (const uint16_t *)rows + p * C + c0)), 16));
+                else
+                    v = _mm512_maskz_loadu_ps(lanes, (const float *)rows + p * C + c0);
+                s = _mm512_add_ps(s, _mm512_mul_ps(v, _mm512_set1_ps(wts[t * A + a]))); /* as PyTorch: product, then sum */
+            }
+            if (bf16) {
+                __m512i bits = _mm512_castps_si512(round16(s));
+                _mm256_mask_storeu_epi16((uint16_t *)y + t * C + c0, lanes, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+            } else {
+                _mm512_mask_storeu_ps((float *)y + t * C + c0, lanes, s);
+            }
+        }
+    }
+    return 0;
+#else
+    (void)rows, (void)bf16, (void)at, (void)wts, (void)N, (void)A, (void)C, (void)P, (void)y;
+    return -1;
+#endif
+}

@@ -2,7 +2,12 @@
 `kernels.build`): each expert's weights read once for all the rows that chose it, where the compiled
 step's gathered reduction reads them once per row. `MoE.decode_step` calls it for two rows or more
 where it serves (`serves`); elsewhere (one row, MXFP4 experts, no AVX-512, no compiler,
-`GPTOSS_LITE_NO_KERNELS=1`) the reduction stays, and the tests hold the kernel to it."""
+`GPTOSS_LITE_NO_KERNELS=1`) the reduction stays, and the tests hold the kernel to it.
+
+Prefill's grouped experts (`MoE.forward` over many tokens) use two passes of the same library around
+PyTorch's GEMMs: `activate` (the gated activation of a packed gate|up product, one pass) and `combine`
+(each token's weighted sum of its experts' outputs, one pass). Each has a PyTorch version, the
+reference, which runs where the library does not."""
 
 from __future__ import annotations
 
@@ -23,6 +28,10 @@ def _library() -> ctypes.CDLL | None:
         lib.gl_moe_experts.argtypes = [ptr, i32, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i32,
                                        ctypes.c_float, ptr]  # fmt: skip
         lib.gl_moe_experts.restype = ctypes.c_int
+        lib.gl_moe_activate.argtypes = [ptr, i32, i64, i64, i32, ctypes.c_float, ptr]
+        lib.gl_moe_activate.restype = ctypes.c_int
+        lib.gl_moe_combine.argtypes = [ptr, i32, ptr, ptr, i64, i64, i64, i64, ptr]
+        lib.gl_moe_combine.restype = ctypes.c_int
         lib.isa = lib.gl_moe_isa()
         lib._typed = True
         cpp_ops.bind("moe_experts", lib.gl_moe_experts, lib.isa)  # the op's calls stay out of Python from here on
@@ -115,3 +124,50 @@ def experts(
 @experts.register_fake
 def _(h, idx, weights, gate_up, gate_up_bias, down, down_bias, swiglu, limit):
     return h.new_empty(h.shape, dtype=torch.float32)
+
+
+def _prefill_library(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """The library where its prefill passes serve these tensors: a build with AVX-512 (isa >= 1), CPU
+    tensors of fp32 or bf16, nothing recording gradients, not inside a trace."""
+    if torch.compiler.is_compiling() or any(
+        t.device.type != "cpu" or t.dtype not in (torch.float32, torch.bfloat16) or t.requires_grad for t in tensors
+    ):
+        return None
+    lib = _library()
+    return lib if lib is not None and lib.isa >= 1 else None
+
+
+def activate(gate_up: torch.Tensor, swiglu: bool, limit: float) -> torch.Tensor | None:
+    """The gated activation of gate_up (n, 2I), gate half then up half -> (n, I), in one pass: fp32
+    arithmetic, rounded once to bf16 (`model.moe.activate_halves`, the reference); None where the
+    library does not serve."""
+    lib = _prefill_library(gate_up)
+    if lib is None or gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        return None
+    x = gate_up.contiguous()
+    n, two_i = x.shape
+    out = x.new_empty(n, two_i // 2)
+    code = lib.gl_moe_activate(x.data_ptr(), int(x.dtype == torch.bfloat16), n, two_i // 2, int(swiglu), limit,
+                               out.data_ptr())  # fmt: skip
+    if code == -2:
+        raise MemoryError("moe activate: no memory for a row")
+    return out if code == 0 else None
+
+
+def combine(rows: torch.Tensor, at: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
+    """Σ_a weights[t, a] · rows[at[t, a]] -> (N, C) in rows' dtype, in one pass: rows (P, C), at (N, A),
+    weights (N, A); fp32 products summed in slot order, rounded once (`model.moe.combine_reference`,
+    the reference). None where the library does not serve; IndexError for a place outside the rows."""
+    lib = _prefill_library(rows, weights)
+    N, A = at.shape
+    if lib is None or rows.dim() != 2 or tuple(weights.shape) != (N, A):
+        return None
+    r, ix, w = rows.contiguous(), at.to(torch.int64).contiguous(), weights.float().contiguous()
+    out = r.new_empty(N, r.shape[1])
+    code = lib.gl_moe_combine(r.data_ptr(), int(r.dtype == torch.bfloat16), ix.data_ptr(), w.data_ptr(), N, A,
+                              r.shape[1], r.shape[0], out.data_ptr())  # fmt: skip
+    if code != 0:
+        if not ((ix >= 0) & (ix < r.shape[0])).all():
+            raise IndexError(f"moe combine: a place lies outside the {r.shape[0]} rows")
+        return None
+    return out

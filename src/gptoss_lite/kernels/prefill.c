@@ -69,24 +69,34 @@ static inline __mmask16 lanes(int64_t qp, int64_t kb, int64_t window, int64_t en
     return (__mmask16)m;
 }
 
+/* Every lane of the result holds the largest lane of x. */
+static inline __m512 all_max(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0x4E));
+    x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0xB1));
+    x = _mm512_max_ps(x, _mm512_permute_ps(x, 0x4E));
+    return _mm512_max_ps(x, _mm512_permute_ps(x, 0xB1));
+}
+
 /* The rows r0 .. r0+RG-1 of a task (consecutive queries of one head) against one tile: scores in
- * registers, the online-softmax update, and the values. Q (rows, D) pre-scaled, Kt (D, KT) the tile's
- * keys transposed, V (KT, D), n keys in the tile from key index ks; qp0 the key index of row r0's
- * query; `full` when every row sees every key of the tile. */
+ * registers, the online-softmax update, and the values. Q (rows, D) pre-scaled, Kt the tile's keys
+ * transposed (D rows, ldk apart), V (n, D), n keys in the tile from key index ks; qp0 the key index of
+ * row r0's query; `full` when every row sees every key of the tile. A row's running max m and sum l
+ * stay vectors (16 lanes each; the max's lanes equal, the sum's added up at the end), so the update
+ * needs no scalar exponential and no horizontal sum per tile. */
 static inline __attribute__((always_inline)) void rows_tile(
-    const float *Q, const float *Kt, const float *V, float *acc, float *m, float *l, int r0, int RG, int D,
-    int n, int64_t ks, int64_t qp0, int64_t window, int full) {
+    const float *Q, const float *Kt, int64_t ldk, const float *V, float *acc, float *m, float *l, int r0, int RG,
+    int D, int n, int64_t ks, int64_t qp0, int64_t window, int full) {
     __m512 s[8][KT / 16];
     for (int jv = 0; jv < KT / 16; jv++) {
         for (int r = 0; r < RG; r++) s[r][jv] = _mm512_setzero_ps();
         for (int d = 0; d < D; d++) {
-            __m512 kv = _mm512_load_ps(Kt + d * KT + 16 * jv);
+            __m512 kv = _mm512_load_ps(Kt + d * ldk + 16 * jv);
             for (int r = 0; r < RG; r++)
                 s[r][jv] = _mm512_fmadd_ps(_mm512_set1_ps(Q[(r0 + r) * D + d]), kv, s[r][jv]);
         }
     }
     float p[8][KT] __attribute__((aligned(64)));
-    float corr[8];
+    __m512 corr[8];
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     for (int r = 0; r < RG; r++) {
         __mmask16 mk[KT / 16];
@@ -95,24 +105,21 @@ static inline __attribute__((always_inline)) void rows_tile(
             mk[jv] = full ? (__mmask16)0xFFFF : lanes(qp0 + r, ks + 16 * jv, window, ks + n);
             mx = _mm512_mask_max_ps(mx, mk[jv], mx, s[r][jv]);
         }
-        float tile_max = _mm512_reduce_max_ps(mx);
-        float m_old = m[r0 + r];
-        float m_new = tile_max > m_old ? tile_max : m_old;
-        __m512 mv = _mm512_set1_ps(m_new), sum = _mm512_setzero_ps();
+        float *mr = m + (r0 + r) * 16, *lr = l + (r0 + r) * 16;
+        __m512 m_old = _mm512_load_ps(mr);
+        __m512 m_new = _mm512_max_ps(all_max(mx), m_old), sum = _mm512_setzero_ps();
         for (int jv = 0; jv < KT / 16; jv++) {
-            __m512 e = _mm512_maskz_mov_ps(mk[jv], exp512(_mm512_sub_ps(s[r][jv], mv)));
+            __m512 e = _mm512_maskz_mov_ps(mk[jv], exp512(_mm512_sub_ps(s[r][jv], m_new)));
             sum = _mm512_add_ps(sum, e);
             _mm512_store_ps(p[r] + 16 * jv, e);
         }
-        corr[r] = expf(m_old - m_new);
-        l[r0 + r] = l[r0 + r] * corr[r] + _mm512_reduce_add_ps(sum);
-        m[r0 + r] = m_new;
+        corr[r] = exp512(_mm512_sub_ps(m_old, m_new)); /* below e^-87 where m_old is the -1e30 start: l, acc are 0 */
+        _mm512_store_ps(lr, _mm512_fmadd_ps(_mm512_load_ps(lr), corr[r], sum));
+        _mm512_store_ps(mr, m_new);
     }
     __m512 o[8][MAX_D / 16];
-    for (int r = 0; r < RG; r++) {
-        __m512 c = _mm512_set1_ps(corr[r]);
-        for (int dv = 0; dv < D / 16; dv++) o[r][dv] = _mm512_mul_ps(_mm512_load_ps(acc + (r0 + r) * D + 16 * dv), c);
-    }
+    for (int r = 0; r < RG; r++)
+        for (int dv = 0; dv < D / 16; dv++) o[r][dv] = _mm512_mul_ps(_mm512_load_ps(acc + (r0 + r) * D + 16 * dv), corr[r]);
     for (int j = 0; j < n; j++) {
         for (int dv = 0; dv < D / 16; dv++) {
             __m512 vv = _mm512_load_ps(V + j * D + 16 * dv);
@@ -125,17 +132,17 @@ static inline __attribute__((always_inline)) void rows_tile(
 
 /* Row groups of one head against one tile; skips a group no row of which sees a key of the tile. */
 static inline __attribute__((always_inline)) void head_tile(
-    const float *Q, const float *Kt, const float *V, float *acc, float *m, float *l, int g, int nt, int D,
-    int n, int64_t ks, int64_t first_q, int64_t window) {
+    const float *Q, const float *Kt, int64_t ldk, const float *V, float *acc, float *m, float *l, int g, int nt,
+    int D, int n, int64_t ks, int64_t first_q, int64_t window) {
     const int RG = D == 32 ? 8 : 4;
     for (int tt = 0; tt < nt; tt += RG) {
         int64_t qa = first_q + tt, qb = qa + RG - 1;
         if (ks > qb || (window > 0 && qa - (ks + n - 1) >= window)) continue;
         int full = n == KT && ks + n - 1 <= qa && (window <= 0 || qb - ks < window);
         if (D == 32)
-            rows_tile(Q, Kt, V, acc, m, l, g * QT + tt, 8, 32, n, ks, qa, window, full);
+            rows_tile(Q, Kt, ldk, V, acc, m, l, g * QT + tt, 8, 32, n, ks, qa, window, full);
         else
-            rows_tile(Q, Kt, V, acc, m, l, g * QT + tt, 4, 64, n, ks, qa, window, full);
+            rows_tile(Q, Kt, ldk, V, acc, m, l, g * QT + tt, 4, 64, n, ks, qa, window, full);
     }
 }
 #endif
@@ -147,11 +154,11 @@ void gl_prefill_attention(const void *q, const void *k, const void *v, int bf16,
 #ifdef GL_AVX512
     const int64_t nq = (T + QT - 1) / QT, tasks = B * K * nq, H = K * G;
     const int64_t rows = G * QT;
-    const size_t floats = (size_t)(2 * rows * D + 2 * KT * D + 2 * rows);
+    const size_t floats = (size_t)(2 * rows * D + 2 * KT * D + 2 * rows * 16);
 #pragma omp parallel
     {
         float *buf = (float *)aligned_alloc(64, ((floats * sizeof(float) + 63) / 64) * 64);
-        float *Q = buf, *acc = Q + rows * D, *Kt = acc + rows * D, *V = Kt + KT * D, *m = V + KT * D, *l = m + rows;
+        float *Q = buf, *acc = Q + rows * D, *Kt = acc + rows * D, *V = Kt + KT * D, *m = V + KT * D, *l = m + rows * 16;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             /* the last query blocks first: they see the most keys */
@@ -166,8 +173,8 @@ void gl_prefill_attention(const void *q, const void *k, const void *v, int bf16,
                         load_row(q, bf16, b * qsb + h * qsh + (t0 + tt) * qst, (int)D, scale, row);
                     else
                         memset(row, 0, (size_t)D * sizeof(float));
-                    m[g * QT + tt] = sinks ? sinks[h] : -1e30f;
-                    l[g * QT + tt] = sinks ? 1.0f : 0.0f;
+                    _mm512_store_ps(m + (g * QT + tt) * 16, _mm512_set1_ps(sinks ? sinks[h] : -1e30f));
+                    _mm512_store_ps(l + (g * QT + tt) * 16, _mm512_maskz_mov_ps(1, _mm512_set1_ps(sinks ? 1.0f : 0.0f)));
                 }
             }
             memset(acc, 0, (size_t)(rows * D) * sizeof(float));
@@ -187,13 +194,14 @@ void gl_prefill_attention(const void *q, const void *k, const void *v, int bf16,
                     for (int d = 0; d < D; d++) Kt[d * KT + j] = kr[d];
                 }
                 for (int64_t g = 0; g < G; g++)
-                    head_tile(Q, Kt, V, acc, m, l, (int)g, (int)nt, (int)D, n, ks, first_q, window);
+                    head_tile(Q, Kt, KT, V, acc, m, l, (int)g, (int)nt, (int)D, n, ks, first_q, window);
             }
             for (int64_t g = 0; g < G; g++) {
                 int64_t h = kh * G + g;
                 for (int64_t tt = 0; tt < nt; tt++) {
                     int64_t r = g * QT + tt;
-                    float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+                    float sum = _mm512_reduce_add_ps(_mm512_load_ps(l + r * 16));
+                    float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
                     float *dst = out + ((b * T + t0 + tt) * H + h) * D;
                     for (int64_t d = 0; d < D; d++) dst[d] = acc[r * D + d] * inv;
                 }

@@ -60,6 +60,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return F.linear(x, w, b)
 
 
+def linear_into(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """`linear(x, w, b)` written into out (rows of a larger buffer: no separate result to concatenate);
+    the same product, by the same path."""
+    if upcasts(x) or bf16_kernel.applies(x, w) or out.dtype != x.dtype:
+        return out.copy_(linear(x, w, b))
+    return torch.mm(x, w.t(), out=out) if b is None else torch.addmm(b, x, w.t(), out=out)
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state-dict names) whose product is `linear`."""
 

@@ -11,7 +11,7 @@ from gptoss_lite.config import ModelConfig
 from gptoss_lite.kernels import moe as moe_kernel
 from gptoss_lite.kernels.mxfp4 import BLOCK, dequantize_rows, matvec, matvec_int8, quantize_mxfp4, reference_rows
 from gptoss_lite.model.decode_pack import input_major_for, pack_pair, pack_rows, still_packed, store_for_decode
-from gptoss_lite.model.matmul import Linear, decode_linear, linear, rounded, select_linear
+from gptoss_lite.model.matmul import Linear, decode_linear, linear, linear_into, rounded, select_linear
 
 
 def activate(gate: torch.Tensor, up: torch.Tensor, activation: str, limit: float) -> torch.Tensor:
@@ -21,6 +21,36 @@ def activate(gate: torch.Tensor, up: torch.Tensor, activation: str, limit: float
     gate = gate.clamp(max=limit)
     up = up.clamp(-limit, limit)
     return (up + 1) * (gate * torch.sigmoid(gate * 1.702))
+
+
+def activate_halves(gate_up: torch.Tensor, activation: str, limit: float) -> torch.Tensor:
+    """The activation of one gate|up product (n, 2I), gate half then up half -> (n, I), in fp32 and
+    rounded once to a 16-bit dtype: `kernels.moe.activate` in one pass where built, else PyTorch's ops."""
+    out = moe_kernel.activate(gate_up, activation == "swiglu", float(limit))
+    return out if out is not None else activate_halves_reference(gate_up, activation, limit)
+
+
+def activate_halves_reference(gate_up: torch.Tensor, activation: str, limit: float) -> torch.Tensor:
+    """`activate_halves` in PyTorch's ops, the reference."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return activate(gate, up, activation, limit).to(gate_up.dtype)
+
+
+def combine(rows: torch.Tensor, at: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Σ_a weights[t, a] · rows[at[t, a]] -> (N, C) in rows' dtype: rows (P, C) the experts' outputs,
+    at (N, A) int64 each (token, slot)'s row, weights (N, A); fp32 products summed in slot order and
+    rounded once. `kernels.moe.combine` in one pass where built, else `combine_reference`."""
+    out = moe_kernel.combine(rows, at, weights)
+    return out if out is not None else combine_reference(rows, at, weights)
+
+
+def combine_reference(rows: torch.Tensor, at: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`combine` in PyTorch's ops, the reference."""
+    picked = rows.index_select(0, at.reshape(-1)).view(*at.shape, rows.shape[1]).float()  # (N, A, C)
+    total = picked[:, 0] * weights[:, :1].float()
+    for a in range(1, at.shape[1]):
+        total = total + picked[:, a] * weights[:, a : a + 1].float()
+    return total.to(rows.dtype)
 
 
 class Experts(nn.Module):
@@ -110,12 +140,34 @@ class Experts(nn.Module):
         return (out[top_idx, tokens] * weights[..., None]).sum(dim=1)  # (N, A, C) -> (N, C)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Apply expert e to x (N, C) -> (N, C), down-projection bias included."""
+        """Apply expert e to x (N, C) -> (N, C), down-projection bias included; the activation in fp32,
+        rounded once to a 16-bit dtype (as `decode_step` and `kernels.moe.activate`)."""
         gate = linear(x, self.gate_proj[e], None if self.gate_bias is None else self.gate_bias[e])  # (N, I)
         up = linear(x, self.up_proj[e], None if self.up_bias is None else self.up_bias[e])  # (N, I)
-        return linear(
-            self._activate(gate, up), self.down_proj[e], None if self.down_bias is None else self.down_bias[e]
-        )
+        act = self._activate(gate, up) if x.dtype == torch.float32 else self._activate(gate.float(), up.float())
+        return linear(act.to(x.dtype), self.down_proj[e], None if self.down_bias is None else self.down_bias[e])
+
+    def grouped(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows xs (P, C) sorted by expert, counts[e] of them for expert e, each through its expert ->
+        (P, C) in xs's dtype: `expert` for each group. For inference on packed weights, one GEMM per
+        expert for gate and up together, the activation in one pass (`kernels.moe.activate`) and the
+        down-projection written in place, where `expert` makes two GEMMs, six elementwise passes and
+        a result to concatenate."""
+        packed = None if torch.is_grad_enabled() else self._packed_gate_up()
+        if packed is None:
+            return _grouped_by_expert(self, xs, counts)
+        buf, bias, input_major = packed  # (E, C, 2I) or (E, 2I, C); (E, 2I)
+        out = xs.new_empty(xs.shape[0], self.down_proj.shape[1])
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = xs[start : start + n]
+                gate_up = linear(rows, buf[e].t() if input_major else buf[e], None if bias is None else bias[e])
+                act = activate_halves(gate_up, self.activation, self.limit)  # (n, I)
+                db = None if self.down_bias is None else self.down_bias[e]
+                linear_into(act, self.down_proj[e], db, out[start : start + n])
+                start += n
+        return out
 
     def _gate_up_stacks(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """gate and up as out-major stacks (E, ·, C) whose outputs, side by side, are (gate, up): the
@@ -269,6 +321,10 @@ class MXFP4Experts(nn.Module):
         down_w = dequantize_rows(self.down_blocks[e], self.down_scales[e], wdt).to(x.dtype)  # (C, I)
         return linear(act, down_w, None if self.down_bias is None else self.down_bias[e])
 
+    def grouped(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """`Experts.grouped`: each group of rows through its expert (`expert`)."""
+        return _grouped_by_expert(self, xs, counts)
+
     def weighted_sum(self, h: torch.Tensor, top_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Σ_a weights[b, a] · expert(top_idx[b, a], h[b]) -> (B, C) fp32, from `decode_step`'s outputs (the
         MXFP4 kernel reads each row's blocks itself; there is no grouped path for codes)."""
@@ -293,6 +349,16 @@ class MXFP4Experts(nn.Module):
         gate_up = rounded(self._gate_up(rows, experts), dt)
         act = activate(gate_up[:, 0::2], gate_up[:, 1::2], self.activation, self.limit).to(dt)  # (B·A, I)
         return rounded(self._down(act, experts), dt).view(B, A, -1)
+
+
+def _grouped_by_expert(experts: Experts | MXFP4Experts, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Rows xs (P, C) sorted by expert, counts[e] of them for expert e, each through `experts.expert`."""
+    outs, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            outs.append(experts.expert(e, xs[start : start + n]))
+            start += n
+    return torch.cat(outs, dim=0) if outs else xs.new_empty(0, xs.shape[1])
 
 
 FEW_TOKENS = 16  # up to this many tokens (inference), `Experts.mix_few_tokens` replaces the grouping
@@ -338,15 +404,15 @@ class MoE(nn.Module):
         token_of = order // A  # token index of each sorted assignment
         counts = torch.bincount(assign_expert, minlength=E)  # (E,)
         sorted_x = flat.index_select(0, token_of)  # (N·A, C)
-        sorted_w = weights.reshape(-1).index_select(0, order)  # (N·A,)
-        outs = []
-        start = 0
-        for e, n in enumerate(counts.tolist()):
-            if n:
-                outs.append(self.experts.expert(e, sorted_x[start : start + n]))
-                start += n
-        expert_out = torch.cat(outs, dim=0) * sorted_w[:, None]  # (N·A, C)
-        y = self._add_shared(flat, torch.zeros_like(flat).index_add_(0, token_of, expert_out))  # (N, C)
+        expert_out = self.experts.grouped(sorted_x, counts.tolist())  # (N·A, C)
+        if torch.is_grad_enabled():
+            sorted_w = weights.reshape(-1).index_select(0, order)  # (N·A,)
+            routed = torch.zeros_like(flat).index_add_(0, token_of, expert_out * sorted_w[:, None])
+        else:  # each token's A outputs gathered and weighted in one pass, summed in fp32
+            at = torch.empty_like(order)
+            at[order] = torch.arange(order.numel(), device=order.device)  # (token, slot) -> its sorted place
+            routed = combine(expert_out, at.view(-1, A), weights)
+        y = self._add_shared(flat, routed)  # (N, C)
         if not need_aux:
             return y.view(B, T, C), None
 
