@@ -1,0 +1,100 @@
+"""Prefill's MoE paths against each other: a 2,048-token prompt through `generate()` (one new token),
+the model's MoE layers switched in one process.
+
+    python benchmarks/prefill_moe.py MODEL_DIR --dtype float32 --rounds 5
+
+Modes, taking turns in each round (the order alternating between rounds), each timed as the best of
+`--reps` prefills:
+
+- fused: the default, `Experts.grouped` (one gate|up GEMM per expert, the down-projection written in
+  place) with `kernels/moe.c`'s two passes (`activate_halves`, `combine`);
+- torch: the same structure with PyTorch's ops for the two passes (the references, and what a
+  machine without the kernel runs);
+- per-expert: each expert by `Experts.expert` (two GEMMs and PyTorch's activation), the outputs
+  concatenated, weighted and `index_add_`-ed, as the prefill ran before these passes.
+
+The table gives medians over rounds and the median of the per-round ratios against per-expert.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="model directory (HF gpt-oss or native layout)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--out", type=Path, default=None, help="write every sample as JSON")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from gptoss_lite.checkpoint import load_model
+    from gptoss_lite.generation import generate
+    from gptoss_lite.kernels import moe as moe_kernel
+    from gptoss_lite.model import moe
+
+    model = load_model(args.model, dtype=getattr(torch, args.dtype))
+    model.prepare_for_inference(compile_decode=True)
+    ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
+    library, grouped, combine = moe_kernel._prefill_library, moe.Experts.grouped, moe.combine
+
+    def index_add(rows, at, weights):  # the weighting and index_add_ the prefill ran before `combine`
+        token = torch.arange(at.shape[0]).repeat_interleave(at.shape[1])
+        order = torch.empty_like(token)
+        order[at.reshape(-1)] = torch.arange(at.numel())
+        w = weights.reshape(-1).index_select(0, order)
+        out = torch.zeros(at.shape[0], rows.shape[1], dtype=rows.dtype)
+        return out.index_add_(0, token.index_select(0, order), rows * w[:, None])
+
+    def use(mode: str) -> None:
+        moe_kernel._prefill_library = library if mode == "fused" else (lambda *t: None)
+        moe.Experts.grouped = grouped if mode != "per-expert" else moe._grouped_by_expert
+        moe.combine = combine if mode != "per-expert" else index_add
+
+    def rate() -> float:
+        best = float("inf")
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            generate(model, ids, 1, temperature=0)
+            best = min(best, time.perf_counter() - t0)
+        return args.tokens / best
+
+    modes = ["fused", "torch", "per-expert"]
+    tokens = {}
+    for mode in modes:  # warm-up, and the first token of each path
+        use(mode)
+        tokens[mode] = generate(model, ids, 1, temperature=0)[0, -1].item()
+    samples: dict[str, list[float]] = {m: [] for m in modes}
+    for r in range(args.rounds):
+        for mode in modes if r % 2 == 0 else modes[::-1]:
+            use(mode)
+            samples[mode].append(rate())
+        print(f"round {r + 1}: " + ", ".join(f"{m} {samples[m][-1]:,.0f}" for m in modes), file=sys.stderr)
+    use("fused")
+
+    print(f"{args.tokens}-token prefill, {args.dtype}, {args.threads} threads, {args.rounds} rounds (tok/s)")
+    print("| mode | tok/s | / per-expert | first token |")
+    print("|---|---:|---:|---:|")
+    for m in modes:
+        ratio = statistics.median(a / b for a, b in zip(samples[m], samples["per-expert"]))
+        print(f"| {m} | {statistics.median(samples[m]):,.0f} | {ratio:.3f}x | {tokens[m]} |")
+    if args.out:
+        args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "samples": samples,
+                                        "first_token": tokens}, indent=1))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
