@@ -69,6 +69,25 @@ static inline __mmask16 lanes(int64_t qp, int64_t kb, int64_t window, int64_t en
     return (__mmask16)m;
 }
 
+/* e^x for a score minus its row's running max: x <= 0 in every lane the row sees, so `exp512`'s clamps
+ * go (below -87 the result underflows to 0 through vscalefps; a lane the row does not see may
+ * overflow or be NaN, and is masked to 0 by the caller). */
+static inline __m512 exp_scores(__m512 x) {
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    /* e^r, |r| <= ln 2 / 2, by a degree-5 polynomial fitted for relative error (Lawson's iteration
+     * over Chebyshev nodes): max 2.2e-7 evaluated in fp32, where exp512's degree-6 Taylor gives 2.4e-7 */
+    __m512 p = _mm512_set1_ps(8.297654793e-03f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.191538198e-02f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.666757473e-01f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.999889485e-01f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.999996920e-01f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.000000072e+00f));
+    return _mm512_scalef_ps(p, n);
+}
+
 /* Every lane of the result holds the largest lane of x. */
 static inline __m512 all_max(__m512 x) {
     x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, 0x4E));
@@ -97,6 +116,7 @@ static inline __attribute__((always_inline)) void rows_tile(
     }
     float p[8][KT] __attribute__((aligned(64)));
     __m512 corr[8];
+    int grew[8];
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     for (int r = 0; r < RG; r++) {
         __mmask16 mk[KT / 16];
@@ -109,17 +129,27 @@ static inline __attribute__((always_inline)) void rows_tile(
         __m512 m_old = _mm512_load_ps(mr);
         __m512 m_new = _mm512_max_ps(all_max(mx), m_old), sum = _mm512_setzero_ps();
         for (int jv = 0; jv < KT / 16; jv++) {
-            __m512 e = _mm512_maskz_mov_ps(mk[jv], exp512(_mm512_sub_ps(s[r][jv], m_new)));
+            __m512 e = _mm512_maskz_mov_ps(mk[jv], exp_scores(_mm512_sub_ps(s[r][jv], m_new)));
             sum = _mm512_add_ps(sum, e);
             _mm512_store_ps(p[r] + 16 * jv, e);
         }
-        corr[r] = exp512(_mm512_sub_ps(m_old, m_new)); /* below e^-87 where m_old is the -1e30 start: l, acc are 0 */
-        _mm512_store_ps(lr, _mm512_fmadd_ps(_mm512_load_ps(lr), corr[r], sum));
-        _mm512_store_ps(mr, m_new);
+        /* the running max rarely grows after the first tiles: then nothing is rescaled (the lanes are
+         * equal, so one compare tells) */
+        grew[r] = _mm512_cmp_ps_mask(m_new, m_old, _CMP_GT_OQ) != 0;
+        if (grew[r]) {
+            corr[r] = exp512(_mm512_sub_ps(m_old, m_new)); /* below e^-87 from the -1e30 start: l, acc are 0 */
+            _mm512_store_ps(lr, _mm512_fmadd_ps(_mm512_load_ps(lr), corr[r], sum));
+            _mm512_store_ps(mr, m_new);
+        } else {
+            _mm512_store_ps(lr, _mm512_add_ps(_mm512_load_ps(lr), sum));
+        }
     }
     __m512 o[8][MAX_D / 16];
     for (int r = 0; r < RG; r++)
-        for (int dv = 0; dv < D / 16; dv++) o[r][dv] = _mm512_mul_ps(_mm512_load_ps(acc + (r0 + r) * D + 16 * dv), corr[r]);
+        for (int dv = 0; dv < D / 16; dv++) {
+            __m512 a = _mm512_load_ps(acc + (r0 + r) * D + 16 * dv);
+            o[r][dv] = grew[r] ? _mm512_mul_ps(a, corr[r]) : a;
+        }
     for (int j = 0; j < n; j++) {
         for (int dv = 0; dv < D / 16; dv++) {
             __m512 vv = _mm512_load_ps(V + j * D + 16 * dv);
