@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gptoss_lite.config import ModelConfig
+from gptoss_lite.kernels import norm as norm_kernel
 from gptoss_lite.kv.base import KVCache, RaggedBatch, StaticKV
 from gptoss_lite.model.attention import Attention
 from gptoss_lite.model.compiled_decode import CompiledDecoder
@@ -29,7 +30,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # F.rms_norm computes x * rsqrt(mean(x²) + eps) * weight; we feed it fp32 (bit-identical to the
-        # spelled-out formula in fp32, and one op instead of six on the decode path).
+        # spelled-out formula in fp32, and one op instead of six on the decode path). A prompt's rows
+        # take `kernels.norm`: the same arithmetic in one pass (PyTorch's CPU op makes six).
+        if norm_kernel.applies(x, self.weight):
+            return norm_kernel.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # no cast ops on the fp32 path
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)

@@ -1,19 +1,21 @@
-"""Prefill's MoE paths against each other: a 2,048-token prompt through `generate()` (one new token),
-the model's MoE layers switched in one process.
+"""A prompt's eager paths against what they replaced: a 2,048-token prompt through `generate()` (one
+new token), one part of the model switched at a time, in one process.
 
-    python benchmarks/prefill_moe.py MODEL_DIR --dtype float32 --rounds 5
+    python benchmarks/prefill_paths.py MODEL_DIR --dtype float32 --rounds 5
 
 Modes, taking turns in each round (the order alternating between rounds), each timed as the best of
 `--reps` prefills:
 
-- fused: the default, `Experts.grouped` (one gate|up GEMM per expert, the down-projection written in
-  place) with `kernels/moe.c`'s two passes (`activate_halves`, `combine`);
-- torch: the same structure with PyTorch's ops for the two passes (the references, and what a
-  machine without the kernel runs);
-- per-expert: each expert by `Experts.expert` (two GEMMs and PyTorch's activation), the outputs
-  concatenated, weighted and `index_add_`-ed, as the prefill ran before these passes.
+- default: `Experts.grouped` (one gate|up GEMM per expert, the down-projection written in place)
+  with `kernels/moe.c`'s two passes (`activate_halves`, `combine`), and `kernels/norm.c`'s RMSNorm;
+- moe-torch: the same MoE structure with PyTorch's ops for the two passes (the references, and
+  what a machine without the kernel runs);
+- moe-per-expert: each expert by `Experts.expert` (two GEMMs and PyTorch's activation), the outputs
+  concatenated, weighted and `index_add_`-ed, as the prefill ran before these passes;
+- norm-torch: RMSNorm by `F.rms_norm` (as before `kernels/norm.c`).
 
-The table gives medians over rounds and the median of the per-round ratios against per-expert.
+The table gives medians over rounds and the median of the per-round ratios default / mode (how much
+faster the default is).
 """
 
 from __future__ import annotations
@@ -43,12 +45,14 @@ def main(argv: list[str] | None = None) -> int:
     from gptoss_lite.checkpoint import load_model
     from gptoss_lite.generation import generate
     from gptoss_lite.kernels import moe as moe_kernel
+    from gptoss_lite.kernels import norm as norm_kernel
     from gptoss_lite.model import moe
 
     model = load_model(args.model, dtype=getattr(torch, args.dtype))
     model.prepare_for_inference(compile_decode=True)
     ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
     library, grouped, combine = moe_kernel._prefill_library, moe.Experts.grouped, moe.combine
+    norm_applies = norm_kernel.applies
 
     def index_add(rows, at, weights):  # the weighting and index_add_ the prefill ran before `combine`
         token = torch.arange(at.shape[0]).repeat_interleave(at.shape[1])
@@ -59,9 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         return out.index_add_(0, token.index_select(0, order), rows * w[:, None])
 
     def use(mode: str) -> None:
-        moe_kernel._prefill_library = library if mode == "fused" else (lambda *t: None)
-        moe.Experts.grouped = grouped if mode != "per-expert" else moe._grouped_by_expert
-        moe.combine = combine if mode != "per-expert" else index_add
+        moe_kernel._prefill_library = (lambda *t: None) if mode.startswith("moe-") else library
+        moe.Experts.grouped = moe._grouped_by_expert if mode == "moe-per-expert" else grouped
+        moe.combine = index_add if mode == "moe-per-expert" else combine
+        norm_kernel.applies = (lambda *a: False) if mode == "norm-torch" else norm_applies
 
     def rate() -> float:
         best = float("inf")
@@ -71,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             best = min(best, time.perf_counter() - t0)
         return args.tokens / best
 
-    modes = ["fused", "torch", "per-expert"]
+    modes = ["default", "moe-torch", "moe-per-expert", "norm-torch"]
     tokens = {}
     for mode in modes:  # warm-up, and the first token of each path
         use(mode)
@@ -82,13 +87,13 @@ def main(argv: list[str] | None = None) -> int:
             use(mode)
             samples[mode].append(rate())
         print(f"round {r + 1}: " + ", ".join(f"{m} {samples[m][-1]:,.0f}" for m in modes), file=sys.stderr)
-    use("fused")
+    use("default")
 
     print(f"{args.tokens}-token prefill, {args.dtype}, {args.threads} threads, {args.rounds} rounds (tok/s)")
-    print("| mode | tok/s | / per-expert | first token |")
+    print("| mode | tok/s | default / mode | first token |")
     print("|---|---:|---:|---:|")
     for m in modes:
-        ratio = statistics.median(a / b for a, b in zip(samples[m], samples["per-expert"]))
+        ratio = statistics.median(a / b for a, b in zip(samples["default"], samples[m]))
         print(f"| {m} | {statistics.median(samples[m]):,.0f} | {ratio:.3f}x | {tokens[m]} |")
     if args.out:
         args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "samples": samples,
