@@ -41,20 +41,6 @@ int gl_moe_isa(void) {
 }
 
 #if defined(GL_AVX512)
-static inline float widen(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* x rounded to the nearest bf16 (ties to even; no NaN comes here) */
-static inline uint16_t to_bf16(float x) {
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
-
 /* rows [p0, p1) x columns [c0, c1) of a (P, R) fp32 matrix rounded to bf16 in place */
 static void round_block(float *m, int64_t R, int64_t p0, int64_t p1, int64_t c0, int64_t c1) {
     for (int64_t p = p0; p < p1; p++) {

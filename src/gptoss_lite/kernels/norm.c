@@ -15,19 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <omp.h>
-
-static inline float widen(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t to_bf16(float x) {
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
+#include "vec.h"
 
 #define PART 16 /* partial sums, and the block the rows are read in */
 #define MAX_C 8192

@@ -8,11 +8,15 @@
  * [nm - 1] is the same with nr and nm constant. NR x NM is the largest tile of the path: AVX-512F/VL
  * (4 x 4 sums of 16 lanes), AVX2 + FMA (4 x 2 sums of 8 lanes), plain C. With AVX-512 BF16,
  * BF16_TILES is the same over bf16 rows and weights (32 pairs a dot-product instruction).
+ *
+ * Also, on every path: one bf16 value widened (`widen`) and one fp32 value rounded to bf16
+ * (`to_bf16`), for moe.c and norm.c.
  */
 #ifndef GL_VEC_H
 #define GL_VEC_H
 #include <stdint.h>
 #include <stddef.h>
+#include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define GL_AVX2 1
@@ -22,6 +26,21 @@
 #endif
 
 #define INLINE static inline __attribute__((always_inline))
+
+/* One bf16 value (its 16 bits) widened to fp32, exactly. */
+static inline float widen(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* x rounded to the nearest bf16 (ties to even; no NaN comes here), as its 16 bits */
+static inline uint16_t to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
 
 /* A tile: out[j * R + i] (+)= x[j] · w[i] (+ bias[i]) over n columns, for i < nr, j < nm; x and w rows
  * are ld floats apart. With `add` the sums go onto what out holds (a later chunk of K; bias is NULL).
