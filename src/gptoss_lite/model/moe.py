@@ -132,8 +132,8 @@ class Experts(nn.Module):
         gate_up = torch.matmul(x, buf if input_major else buf.transpose(1, 2))  # (E, N, 2I)
         if bias is not None:
             gate_up = gate_up + bias[:, None]
-        gate, up = gate_up.chunk(2, dim=-1)
-        out = torch.matmul(self._activate(gate, up), self.down_proj.transpose(1, 2))  # (E, N, C)
+        gate, up = gate_up.float().chunk(2, dim=-1)  # the activation in fp32, rounded once
+        out = torch.matmul(self._activate(gate, up).to(x.dtype), self.down_proj.transpose(1, 2))  # (E, N, C)
         if self.down_bias is not None:
             out = out + self.down_bias[:, None]
         tokens = torch.arange(x.shape[0], device=x.device)[:, None]  # (N, 1)
@@ -304,8 +304,8 @@ class MXFP4Experts(nn.Module):
 
     def _run(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Row m of x (M, C) through expert experts[m] -> (M, C) in x's dtype, on the codes."""
-        gate_up = self._gate_up(x, experts).to(x.dtype)
-        act = activate(gate_up[:, 0::2], gate_up[:, 1::2], self.activation, self.limit)  # (M, I)
+        gate_up = self._gate_up(x, experts).to(x.dtype).float()  # rounded as the eager product would be
+        act = activate(gate_up[:, 0::2], gate_up[:, 1::2], self.activation, self.limit).to(x.dtype)  # (M, I)
         return self._down(act, experts).to(x.dtype)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -315,9 +315,9 @@ class MXFP4Experts(nn.Module):
         wdt = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
         gate_up_w = dequantize_rows(self.gate_up_blocks[e], self.gate_up_scales[e], wdt).to(x.dtype)  # (2I, C)
         bias = None if self.gate_up_bias is None else self.gate_up_bias[e]
-        gate_up = linear(x, gate_up_w, bias)  # (N, 2I)
+        gate_up = linear(x, gate_up_w, bias).float()  # (N, 2I)
         del gate_up_w
-        act = activate(gate_up[:, 0::2], gate_up[:, 1::2], self.activation, self.limit)
+        act = activate(gate_up[:, 0::2], gate_up[:, 1::2], self.activation, self.limit).to(x.dtype)
         down_w = dequantize_rows(self.down_blocks[e], self.down_scales[e], wdt).to(x.dtype)  # (C, I)
         return linear(act, down_w, None if self.down_bias is None else self.down_bias[e])
 
