@@ -166,8 +166,6 @@ def combine(rows: torch.Tensor, at: torch.Tensor, weights: torch.Tensor) -> torc
     out = r.new_empty(N, r.shape[1])
     code = lib.gl_moe_combine(r.data_ptr(), int(r.dtype == torch.bfloat16), ix.data_ptr(), w.data_ptr(), N, A,
                               r.shape[1], r.shape[0], out.data_ptr())  # fmt: skip
-    if code != 0:
-        if not ((ix >= 0) & (ix < r.shape[0])).all():
-            raise IndexError(f"moe combine: a place lies outside the {r.shape[0]} rows")
-        return None
+    if code != 0:  # the library has the path (`_prefill_library`): -1 is a bad place
+        raise IndexError(f"moe combine: a place lies outside the {r.shape[0]} rows")
     return out

@@ -30,10 +30,10 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `rms_norm` serves x (..., C) with weight (C,): eager, CPU, fp32 or bf16 x, at least
     MIN_ROWS rows, C a multiple of PART up to MAX_WIDTH, nothing recording gradients, the library built."""
     C = x.shape[-1] if x.dim() else 0
-    return (
-        not torch.compiler.is_compiling()
-        and x.dim() >= 2
+    return (  # the row count first: it turns away a decode step's call at once
+        x.dim() >= 2
         and x.numel() >= MIN_ROWS * C
+        and not torch.compiler.is_compiling()
         and C % PART == 0
         and 0 < C <= MAX_WIDTH
         and x.dtype in (torch.float32, torch.bfloat16)

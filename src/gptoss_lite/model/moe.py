@@ -15,25 +15,27 @@ from gptoss_lite.model.matmul import Linear, decode_linear, linear, linear_into,
 
 
 def activate(gate: torch.Tensor, up: torch.Tensor, activation: str, limit: float) -> torch.Tensor:
-    """The expert MLP's gated activation: SwiGLU, or gpt-oss's clamped variant."""
+    """The expert MLP's gated activation: SwiGLU, or gpt-oss's clamped variant. Computed in fp32 and
+    rounded once to the inputs' dtype, in every path (the decode step, prefill, few tokens, MXFP4)."""
+    dt = gate.dtype
+    gate, up = gate.float(), up.float()
     if activation == "swiglu":
-        return F.silu(gate) * up
+        return (F.silu(gate) * up).to(dt)
     gate = gate.clamp(max=limit)
     up = up.clamp(-limit, limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * 1.702))
+    return ((up + 1) * (gate * torch.sigmoid(gate * 1.702))).to(dt)
 
 
 def activate_halves(gate_up: torch.Tensor, activation: str, limit: float) -> torch.Tensor:
-    """The activation of one gate|up product (n, 2I), gate half then up half -> (n, I), in fp32 and
-    rounded once to a 16-bit dtype: `kernels.moe.activate` in one pass where built, else PyTorch's ops."""
+    """`activate` of one gate|up product (n, 2I), gate half then up half -> (n, I): `kernels.moe.activate`
+    in one pass where built, else PyTorch's ops."""
     out = moe_kernel.activate(gate_up, activation == "swiglu", float(limit))
     return out if out is not None else activate_halves_reference(gate_up, activation, limit)
 
 
 def activate_halves_reference(gate_up: torch.Tensor, activation: str, limit: float) -> torch.Tensor:
     """`activate_halves` in PyTorch's ops, the reference."""
-    gate, up = gate_up.float().chunk(2, dim=-1)
-    return activate(gate, up, activation, limit).to(gate_up.dtype)
+    return activate(*gate_up.chunk(2, dim=-1), activation, limit)
 
 
 def combine(rows: torch.Tensor, at: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -132,20 +134,19 @@ class Experts(nn.Module):
         gate_up = torch.matmul(x, buf if input_major else buf.transpose(1, 2))  # (E, N, 2I)
         if bias is not None:
             gate_up = gate_up + bias[:, None]
-        gate, up = gate_up.float().chunk(2, dim=-1)  # the activation in fp32, rounded once
-        out = torch.matmul(self._activate(gate, up).to(x.dtype), self.down_proj.transpose(1, 2))  # (E, N, C)
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = torch.matmul(self._activate(gate, up), self.down_proj.transpose(1, 2))  # (E, N, C)
         if self.down_bias is not None:
             out = out + self.down_bias[:, None]
         tokens = torch.arange(x.shape[0], device=x.device)[:, None]  # (N, 1)
         return (out[top_idx, tokens] * weights[..., None]).sum(dim=1)  # (N, A, C) -> (N, C)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Apply expert e to x (N, C) -> (N, C), down-projection bias included; the activation in fp32,
-        rounded once to a 16-bit dtype (as `decode_step` and `kernels.moe.activate`)."""
+        """Apply expert e to x (N, C) -> (N, C), down-projection bias included."""
         gate = linear(x, self.gate_proj[e], None if self.gate_bias is None else self.gate_bias[e])  # (N, I)
         up = linear(x, self.up_proj[e], None if self.up_bias is None else self.up_bias[e])  # (N, I)
-        act = self._activate(gate, up) if x.dtype == torch.float32 else self._activate(gate.float(), up.float())
-        return linear(act.to(x.dtype), self.down_proj[e], None if self.down_bias is None else self.down_bias[e])
+        act = self._activate(gate, up)
+        return linear(act, self.down_proj[e], None if self.down_bias is None else self.down_bias[e])
 
     def grouped(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Rows xs (P, C) sorted by expert, counts[e] of them for expert e, each through its expert ->
@@ -304,8 +305,8 @@ class MXFP4Experts(nn.Module):
 
     def _run(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Row m of x (M, C) through expert experts[m] -> (M, C) in x's dtype, on the codes."""
-        gate_up = self._gate_up(x, experts).to(x.dtype).float()  # rounded as the eager product would be
-        act = activate(gate_up[:, 0::2], gate_up[:, 1::2], self.activation, self.limit).to(x.dtype)  # (M, I)
+        gate_up = self._gate_up(x, experts).to(x.dtype)
+        act = activate(gate_up[:, 0::2], gate_up[:, 1::2], self.activation, self.limit)  # (M, I)
         return self._down(act, experts).to(x.dtype)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -315,9 +316,9 @@ class MXFP4Experts(nn.Module):
         wdt = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
         gate_up_w = dequantize_rows(self.gate_up_blocks[e], self.gate_up_scales[e], wdt).to(x.dtype)  # (2I, C)
         bias = None if self.gate_up_bias is None else self.gate_up_bias[e]
-        gate_up = linear(x, gate_up_w, bias).float()  # (N, 2I)
+        gate_up = linear(x, gate_up_w, bias)  # (N, 2I)
         del gate_up_w
-        act = activate(gate_up[:, 0::2], gate_up[:, 1::2], self.activation, self.limit).to(x.dtype)
+        act = activate(gate_up[:, 0::2], gate_up[:, 1::2], self.activation, self.limit)
         down_w = dequantize_rows(self.down_blocks[e], self.down_scales[e], wdt).to(x.dtype)  # (C, I)
         return linear(act, down_w, None if self.down_bias is None else self.down_bias[e])
 
