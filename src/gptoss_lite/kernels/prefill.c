@@ -9,8 +9,10 @@
  * Why a kernel of its own: at the head sizes of this model family (D = 32 or 64) PyTorch's fused CPU
  * kernel multiplies blocks with a 32-deep inner product through a general GEMM, and with grouped heads
  * its causal mode needs the keys repeated per head. Here one task is one KV head and 32 queries of
- * all of its G query heads: each 64-key tile is loaded once (transposed for the scores) and used by
- * all G * 32 rows, the scores of 8 (D = 32) or 4 (D = 64) rows at a time stay in registers, and
+ * all of its G query heads. Each 64-key tile is widened to fp32 and transposed for the scores once
+ * and used by all G * 32 rows: without a window once per call, in tiles every task shares (a causal
+ * tile serves every later query block); with a window once per task, from the task's first key. The
+ * scores of 8 (D = 32) or 4 (D = 64) rows at a time stay in registers, and
  * tiles that no query of a row group sees are skipped, so causal and windowed rows do no masked work
  * beyond the tiles on their edges. The softmax is online per row (running max, sum and values), the
  * sink being the starting state (max = sink logit, sum = 1).
@@ -33,6 +35,7 @@
 #define QT 32 /* queries per task, per head */
 #define MAX_G 8
 #define MAX_D 64
+#define SHARED_MAX ((size_t)256 << 20) /* bytes of shared key tiles, at most */
 
 int gl_has_prefill_attention(void) {
 #ifdef GL_AVX512
@@ -175,6 +178,23 @@ static inline __attribute__((always_inline)) void head_tile(
             rows_tile(Q, Kt, ldk, V, acc, m, l, g * QT + tt, 4, 64, n, ks, qa, window, full);
     }
 }
+
+/* Keys ks .. ks+n-1 of KV head kh of batch b into a tile: Kt (D rows of KT, keys transposed) and V
+ * (KT rows of D), both fp32, zero past n. */
+static void fill_tile(const void *k, const void *v, int bf16, int64_t D, int64_t kat, int64_t kss, int64_t vat,
+                      int64_t vss, int64_t ks, int64_t n, float *Kt, float *V) {
+    for (int j = 0; j < KT; j++) {
+        float kr[MAX_D];
+        if (j < n) {
+            load_row(k, bf16, kat + (ks + j) * kss, (int)D, 1.0f, kr);
+            load_row(v, bf16, vat + (ks + j) * vss, (int)D, 1.0f, V + j * D);
+        } else {
+            memset(kr, 0, sizeof(kr));
+            memset(V + j * D, 0, (size_t)D * sizeof(float));
+        }
+        for (int d = 0; d < D; d++) Kt[d * KT + j] = kr[d];
+    }
+}
 #endif
 
 void gl_prefill_attention(const void *q, const void *k, const void *v, int bf16, int64_t B, int64_t K,
@@ -184,11 +204,35 @@ void gl_prefill_attention(const void *q, const void *k, const void *v, int bf16,
 #ifdef GL_AVX512
     const int64_t nq = (T + QT - 1) / QT, tasks = B * K * nq, H = K * G;
     const int64_t rows = G * QT;
-    const size_t floats = (size_t)(2 * rows * D + 2 * KT * D + 2 * rows * 16);
+    /* Without a window, the keys some query sees, in tiles aligned to KT: each tile's keys transposed
+     * and its values widened once per call, into one buffer every task reads (a causal tile is seen by
+     * every later query block, T / 64 of them on average at T queries). With a window a tile serves a
+     * few query blocks, and aligned tiles would cover more keys than a block's own (measured 0.93x at a
+     * 128-token window): each task fills its tiles from its first key. The shared tiles hold the
+     * call's keys in fp32 again, so past SHARED_MAX bytes (a long context's global layer) or when that
+     * allocation fails, every task fills its own. */
+    int shared = window <= 0;
+    const int64_t k_lo = window > 0 && q_offset - window + 1 > 0 ? q_offset - window + 1 : 0;
+    const int64_t k_hi = q_offset + T < S ? q_offset + T : S;
+    const int64_t t_lo = k_lo / KT;
+    const size_t tile_floats = (size_t)(2 * KT * D);
+    int64_t n_tiles = shared && k_hi > k_lo ? (k_hi + KT - 1) / KT - t_lo : 0;
+    size_t tile_bytes = ((size_t)(B * K * n_tiles) * tile_floats * sizeof(float) + 63) / 64 * 64;
+    float *tiles = NULL;
+    if (n_tiles > 0 && tile_bytes <= SHARED_MAX) tiles = (float *)aligned_alloc(64, tile_bytes);
+    if (!tiles) shared = 0, n_tiles = 0;
+    const size_t floats = (size_t)(2 * rows * D + 2 * rows * 16) + tile_floats;
 #pragma omp parallel
     {
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < B * K * n_tiles; i++) {
+            int64_t tile = i % n_tiles, kh = (i / n_tiles) % K, b = i / (n_tiles * K);
+            int64_t ks = (t_lo + tile) * KT, n = k_hi - ks < KT ? k_hi - ks : KT;
+            float *Kt = tiles + (size_t)i * tile_floats;
+            fill_tile(k, v, bf16, D, b * ksb + kh * ksh, kss, b * vsb + kh * vsh, vss, ks, n, Kt, Kt + KT * D);
+        }
         float *buf = (float *)aligned_alloc(64, ((floats * sizeof(float) + 63) / 64) * 64);
-        float *Q = buf, *acc = Q + rows * D, *Kt = acc + rows * D, *V = Kt + KT * D, *m = V + KT * D, *l = m + rows * 16;
+        float *Q = buf, *acc = Q + rows * D, *m = acc + rows * D, *l = m + rows * 16, *own = l + rows * 16;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             /* the last query blocks first: they see the most keys */
@@ -210,21 +254,15 @@ void gl_prefill_attention(const void *q, const void *k, const void *v, int bf16,
             memset(acc, 0, (size_t)(rows * D) * sizeof(float));
             int64_t lo = window > 0 && first_q - window + 1 > 0 ? first_q - window + 1 : 0;
             int64_t hi = last_q + 1 < S ? last_q + 1 : S;
-            for (int64_t ks = lo; ks < hi; ks += KT) {
+            for (int64_t ks = shared ? (lo / KT) * KT : lo; ks < hi; ks += KT) {
                 int n = (int)(hi - ks < KT ? hi - ks : KT);
-                for (int j = 0; j < KT; j++) {
-                    float kr[MAX_D];
-                    if (j < n) {
-                        load_row(k, bf16, b * ksb + kh * ksh + (ks + j) * kss, (int)D, 1.0f, kr);
-                        load_row(v, bf16, b * vsb + kh * vsh + (ks + j) * vss, (int)D, 1.0f, V + j * D);
-                    } else {
-                        memset(kr, 0, sizeof(kr));
-                        memset(V + j * D, 0, (size_t)D * sizeof(float));
-                    }
-                    for (int d = 0; d < D; d++) Kt[d * KT + j] = kr[d];
-                }
+                const float *Kt = own;
+                if (shared)
+                    Kt = tiles + (size_t)((b * K + kh) * n_tiles + ks / KT - t_lo) * tile_floats;
+                else
+                    fill_tile(k, v, bf16, D, b * ksb + kh * ksh, kss, b * vsb + kh * vsh, vss, ks, n, own, own + KT * D);
                 for (int64_t g = 0; g < G; g++)
-                    head_tile(Q, Kt, KT, V, acc, m, l, (int)g, (int)nt, (int)D, n, ks, first_q, window);
+                    head_tile(Q, Kt, KT, Kt + KT * D, acc, m, l, (int)g, (int)nt, (int)D, n, ks, first_q, window);
             }
             for (int64_t g = 0; g < G; g++) {
                 int64_t h = kh * G + g;
@@ -239,6 +277,7 @@ void gl_prefill_attention(const void *q, const void *k, const void *v, int bf16,
         }
         free(buf);
     }
+    free(tiles);
 #else
     (void)q, (void)k, (void)v, (void)bf16, (void)B, (void)K, (void)G, (void)T, (void)S, (void)D;
     (void)qsb, (void)qsh, (void)qst, (void)ksb, (void)ksh, (void)kss, (void)vsb, (void)vsh, (void)vss;
