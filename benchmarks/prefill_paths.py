@@ -12,7 +12,9 @@ Modes, taking turns in each round (the order alternating between rounds), each t
   what a machine without the kernel runs);
 - moe-per-expert: each expert by `Experts.expert` (two GEMMs and PyTorch's activation), the outputs
   concatenated, weighted and `index_add_`-ed, as the prefill ran before these passes;
-- norm-torch: RMSNorm by `F.rms_norm` (as before `kernels/norm.c`).
+- norm-torch: RMSNorm by `F.rms_norm` (as before `kernels/norm.c`);
+- no-prompt-packs: the prompt's products by PyTorch's `addmm` on the weights as stored, without the
+  oneDNN copies `GPTOSS.pack_for_prompts` makes (`model/matmul.py`, `PromptPack`).
 
 The table gives medians over rounds and the median of the per-round ratios default / mode (how much
 faster the default is).
@@ -62,7 +64,11 @@ def main(argv: list[str] | None = None) -> int:
         out = torch.zeros(at.shape[0], rows.shape[1], dtype=rows.dtype)
         return out.index_add_(0, token.index_select(0, order), rows * w[:, None])
 
+    packed = [model.pack_for_prompts(None) > 0]
+
     def use(mode: str) -> None:
+        if packed[0] != (mode != "no-prompt-packs"):
+            packed[0] = model.pack_for_prompts(None if mode != "no-prompt-packs" else 0) > 0
         moe_kernel._prefill_library = (lambda *t: None) if mode.startswith("moe-") else library
         moe.Experts.grouped = moe._grouped_by_expert if mode == "moe-per-expert" else grouped
         moe.combine = index_add if mode == "moe-per-expert" else combine
@@ -76,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             best = min(best, time.perf_counter() - t0)
         return args.tokens / best
 
-    modes = ["default", "moe-torch", "moe-per-expert", "norm-torch"]
+    modes = ["default", "moe-torch", "moe-per-expert", "norm-torch", "no-prompt-packs"]
     tokens = {}
     for mode in modes:  # warm-up, and the first token of each path
         use(mode)

@@ -102,3 +102,74 @@ def test_one_compiled_bf16_row_is_fused_below_the_size_limit(out_rows, fused):
     torch.testing.assert_close(got, F.linear(x.float(), w.float()), atol=1e-3, rtol=1e-4)
     uses_op = "gptoss_lite.bf16_gemv" in graphs[0]
     assert uses_op == (not fused and bf16_kernel.available())
+
+
+needs_packs = pytest.mark.skipif(
+    not matmul.packs_dtype(torch.float32), reason="prompt packs need oneDNN and an AVX-512 CPU"
+)
+
+
+@needs_packs
+def test_a_prompt_pack_gives_the_product_of_many_rows_and_only_those():
+    x, w, b = _inputs(matmul.PACKED_ROWS, torch.float32)
+    pack = matmul.PromptPack(w)
+    with torch.inference_mode():
+        assert pack.serves(x, w)
+        torch.testing.assert_close(matmul.linear(x, w, b, pack), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        out = torch.zeros(2 * x.shape[0], w.shape[0])
+        matmul.linear_into(x, w, b, out[1::2], pack)  # rows of a larger buffer
+        torch.testing.assert_close(out[1::2], F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        assert not out[0::2].any()
+        few = x[: matmul.PACKED_ROWS - 1]
+        assert not pack.serves(few, w)
+        assert torch.equal(matmul.linear(few, w, b, pack), F.linear(few, w, b))
+    assert not pack.serves(x, w)  # grad mode: a pack carries no gradient
+
+
+@needs_packs
+def test_a_prompt_pack_is_dropped_silently_once_its_weight_changes():
+    x, w, b = _inputs(matmul.PACKED_ROWS, torch.float32)
+    pack = matmul.PromptPack(w)
+    with torch.inference_mode():
+        w.mul_(2)  # in place: same storage, new version
+        assert not pack.serves(x, w)
+        assert torch.equal(matmul.linear(x, w, b, pack), F.linear(x, w, b))
+        other = w.clone()  # same values elsewhere
+        assert not pack.serves(x, other)
+        assert not pack.serves(x.double(), w.double())
+
+
+@needs_packs
+@pytest.mark.parametrize("name", ["lite-tiny", "gpt-oss-tiny"])
+def test_a_model_with_prompt_packs_prefills_as_without(name):
+    """`prepare_for_inference` packs within its budget; a budget the packs exceed (or 0) leaves none,
+    and the logits of a prompt are the same to fp32 rounding either way."""
+    from conftest import make_model
+
+    model = make_model(name)
+    ids = torch.randint(0, model.config.vocab_size, (1, 96), generator=torch.Generator().manual_seed(2))
+    packed = model.pack_for_prompts()
+    assert packed > 0
+    assert model.pack_for_prompts(packed - 1) == 0  # over the budget: none
+    with torch.inference_mode():
+        plain = model(ids).logits
+        assert model.pack_for_prompts(None) == packed
+        with_packs = model(ids).logits
+    torch.testing.assert_close(with_packs, plain, rtol=1e-4, atol=1e-4)
+    assert model.inference_ready
+
+
+@needs_packs
+def test_a_copied_model_runs_without_its_originals_packs():
+    import copy
+
+    from conftest import make_model
+
+    model = make_model("lite-tiny")
+    assert model.pack_for_prompts() > 0
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, model.config.vocab_size, (1, 80), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        for block in twin.blocks:
+            block.attn.o_proj.weight.mul_(0)  # the twin's own weights; the original's packs must not serve
+        assert not torch.allclose(twin(ids).logits, model(ids).logits)

@@ -6,7 +6,11 @@ in fp32, conversions included, took 20 ms (AMD EPYC, AVX2, one thread). A one-ro
 way round: the bf16 kernel reads half the bytes and is as fast as fp32 or faster. So `linear` computes
 16-bit inputs with at least `UPCAST_ROWS` rows in fp32 (inputs, weight and bias widened, the result
 rounded once back to the input's dtype: the rounding a native bf16 GEMM with fp32 accumulation does
-too) and leaves everything else to F.linear. Weights stay stored in 16 bits; nothing is cached.
+too) and leaves everything else to F.linear. Weights stay stored in 16 bits.
+
+A prompt's products (many rows) can also go to oneDNN with the weight re-laid once in its own blocked
+format (`PromptPack`, made by `GPTOSS.prepare_for_inference` within a memory budget): a copy of each
+such weight, held beside the one decode steps read, which saves the GEMM re-laying it on every call.
 """
 
 from __future__ import annotations
@@ -28,14 +32,24 @@ _NATIVE_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 @cache
+def _cpu_flags() -> str | None:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU has bf16 matrix instructions (Linux /proc/cpuinfo flags); True where it cannot
     tell, so that nothing changes on machines this rule was not measured on."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return True
-    return any(flag in flags for flag in _NATIVE_FLAGS)
+    flags = _cpu_flags()
+    return flags is None or any(flag in flags for flag in _NATIVE_FLAGS)
+
+
+def cpu_has_avx512() -> bool:
+    """Whether this CPU has AVX-512 (Linux /proc/cpuinfo flags); False where it cannot tell."""
+    flags = _cpu_flags()
+    return flags is not None and "avx512f" in flags
 
 
 def upcasts(x: torch.Tensor) -> bool:
@@ -49,10 +63,81 @@ def upcasts(x: torch.Tensor) -> bool:
     )
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+# Rows from which a product with a `PromptPack` goes through it, and the row count it is laid out for
+# (docs/model.md#a-prompts-products-weights-packed-for-onednn has the measurements).
+PACKED_ROWS = 64
+PACK_ROWS_HINT = 512
+# `GPTOSS.prepare_for_inference` packs a model's prompt weights when the copies take at most this: the
+# small and mid-sized models whose prompts are bound by arithmetic, not gpt-oss-20b (1.3 GB of bf16
+# attention weights) or the 502M preset in fp32, where the memory is worth more.
+PROMPT_PACK_BYTES = 512 << 20
+
+
+def packs_dtype(dtype: torch.dtype) -> bool:
+    """Whether weights of this dtype get a `PromptPack` here: on CPUs with AVX-512 (where it was
+    measured; an AVX2-only CPU keeps MKL's sgemm) and PyTorch's oneDNN, fp32, and bf16 with native bf16
+    instructions (elsewhere `linear` computes bf16 in fp32, see above)."""
+    if not (torch.backends.mkldnn.is_available() and cpu_has_avx512()):
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_has_native_bf16())
+
+
+def packs(w: torch.Tensor) -> bool:
+    """Whether w can have a `PromptPack`: a CPU weight of a dtype `packs_dtype` takes, made outside
+    inference mode (an inference tensor keeps no version counter, so a pack could not tell that it
+    changed)."""
+    return w.device.type == "cpu" and not w.is_inference() and packs_dtype(w.dtype)
+
+
+class PromptPack:
+    """A weight w (out, in) re-laid once for oneDNN's GEMM, for the products of many rows (prompts,
+    prefill chunks). It serves only the tensor it copies, unchanged: the same storage, shape and
+    strides and no in-place write since (the version counter PyTorch keeps per storage); anything else
+    (a .to(dtype), a load_state_dict, training) and `linear` takes its ordinary path. Inference only."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        self.key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype)
+        self.version = w._version
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), PACK_ROWS_HINT)
+
+    def serves(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        return (
+            x.device.type == "cpu"
+            and x.dtype == w.dtype
+            and x.dim() == 2
+            and x.shape[0] >= PACKED_ROWS
+            and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()
+            and not w.is_inference()
+            and w._version == self.version
+            and (w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype) == self.key
+        )
+
+    def __call__(self, x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, b, "none", [], "")
+
+    def __deepcopy__(self, memo: dict) -> PromptPack:
+        """A copy of a model has weights of its own, which this pack does not copy: its copy serves
+        nothing (oneDNN's packed tensor cannot be copied either)."""
+        dead = PromptPack.__new__(PromptPack)
+        dead.key, dead.version, dead.packed = None, -1, None
+        return dead
+
+    @staticmethod
+    def nbytes(w: torch.Tensor) -> int:
+        """What packing w adds (its values once more)."""
+        return w.numel() * w.element_size()
+
+
+def linear(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, pack: PromptPack | None = None
+) -> torch.Tensor:
     """F.linear(x, w, b), computed in fp32 for 16-bit inputs of many rows on CPUs without native bf16,
     and by `kernels.bf16.gemv` for a few bf16 rows on CPUs with AVX-512 BF16 (the same fp32 sums,
-    read at the memory's rate where oneDNN's GEMV reads at about 60% of it)."""
+    read at the memory's rate where oneDNN's GEMV reads at about 60% of it). With a `pack` of w, a
+    2-D x of many rows goes through it (the same product, summed in another order)."""
+    if pack is not None and pack.serves(x, w):
+        return pack(x, b)
     if upcasts(x):
         return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
     if bf16_kernel.applies(x, w):
@@ -60,19 +145,28 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     return F.linear(x, w, b)
 
 
-def linear_into(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """`linear(x, w, b)` written into out (rows of a larger buffer: no separate result to concatenate);
-    the same product, by the same path."""
-    if upcasts(x) or bf16_kernel.applies(x, w) or out.dtype != x.dtype:
-        return out.copy_(linear(x, w, b))
+def linear_into(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor, pack: PromptPack | None = None
+) -> torch.Tensor:
+    """`linear(x, w, b, pack)` written into out (rows of a larger buffer: no separate result to
+    concatenate); the same product, by the same path."""
+    if (pack is not None and pack.serves(x, w)) or upcasts(x) or bf16_kernel.applies(x, w) or out.dtype != x.dtype:
+        return out.copy_(linear(x, w, b, pack))
     return torch.mm(x, w.t(), out=out) if b is None else torch.addmm(b, x, w.t(), out=out)
 
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state-dict names) whose product is `linear`."""
 
+    prompt_pack: PromptPack | None = None  # see GPTOSS.pack_for_prompts
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        pack = self.prompt_pack
+        if pack is not None and x.dim() > 2:
+            flat = x.reshape(-1, x.shape[-1])
+            if pack.serves(flat, self.weight):
+                return pack(flat, self.bias).view(*x.shape[:-1], -1)
+        return linear(x, self.weight, self.bias, pack)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

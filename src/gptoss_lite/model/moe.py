@@ -11,7 +11,16 @@ from gptoss_lite.config import ModelConfig
 from gptoss_lite.kernels import moe as moe_kernel
 from gptoss_lite.kernels.mxfp4 import BLOCK, dequantize_rows, matvec, matvec_int8, quantize_mxfp4, reference_rows
 from gptoss_lite.model.decode_pack import input_major_for, pack_pair, pack_rows, still_packed, store_for_decode
-from gptoss_lite.model.matmul import Linear, decode_linear, linear, linear_into, rounded, select_linear
+from gptoss_lite.model.matmul import (
+    Linear,
+    PromptPack,
+    decode_linear,
+    linear,
+    linear_into,
+    packs,
+    rounded,
+    select_linear,
+)
 
 
 def activate(gate: torch.Tensor, up: torch.Tensor, activation: str, limit: float) -> torch.Tensor:
@@ -77,6 +86,7 @@ class Experts(nn.Module):
         else:
             self.gate_bias = self.up_bias = self.down_bias = None
         self._gate_up: tuple[torch.Tensor, torch.Tensor | None, bool] | None = None  # see pack_for_decode
+        self._prompt_packs: list[tuple[PromptPack, PromptPack]] | None = None  # see pack_for_prompts
 
     @torch.no_grad()
     def pack_for_decode(self, input_major: bool | None = None) -> None:
@@ -102,6 +112,25 @@ class Experts(nn.Module):
     def is_packed(self) -> bool:
         """Whether gate_proj and up_proj still live in the buffer `pack_for_decode` made."""
         return self._packed_gate_up() is not None
+
+    def prompt_weights(self) -> list[torch.Tensor]:
+        """The weights whose prompt products `pack_for_prompts` can pack: each expert's packed gate|up
+        (after `pack_for_decode`) and down-projection."""
+        packed = self._packed_gate_up()
+        return [] if packed is None else [packed[0], self.down_proj]
+
+    @torch.no_grad()
+    def pack_for_prompts(self, on: bool) -> None:
+        """Give each expert's gate|up and down-projection a `PromptPack` (on) or drop them, for
+        `grouped`; `GPTOSS.pack_for_prompts`."""
+        packed = self._packed_gate_up()
+        self._prompt_packs = None
+        if on and packed is not None and packs(packed[0]) and packs(self.down_proj):
+            buf, _, input_major = packed
+            self._prompt_packs = [
+                (PromptPack(buf[e].t() if input_major else buf[e]), PromptPack(self.down_proj[e]))
+                for e in range(buf.shape[0])
+            ]
 
     def _packed_gate_up(self) -> tuple[torch.Tensor, torch.Tensor | None, bool] | None:
         """The packed (weight, bias, input_major) while the parameters still live in it (e.g. not after
@@ -159,14 +188,17 @@ class Experts(nn.Module):
             return _grouped_by_expert(self, xs, counts)
         buf, bias, input_major = packed  # (E, C, 2I) or (E, 2I, C); (E, 2I)
         out = xs.new_empty(xs.shape[0], self.down_proj.shape[1])
+        packs = self._prompt_packs
         start = 0
         for e, n in enumerate(counts):
             if n:
                 rows = xs[start : start + n]
-                gate_up = linear(rows, buf[e].t() if input_major else buf[e], None if bias is None else bias[e])
+                gu_pack, down_pack = (None, None) if packs is None else packs[e]
+                gu_w = buf[e].t() if input_major else buf[e]
+                gate_up = linear(rows, gu_w, None if bias is None else bias[e], gu_pack)
                 act = activate_halves(gate_up, self.activation, self.limit)  # (n, I)
                 db = None if self.down_bias is None else self.down_bias[e]
-                linear_into(act, self.down_proj[e], db, out[start : start + n])
+                linear_into(act, self.down_proj[e], db, out[start : start + n], down_pack)
                 start += n
         return out
 

@@ -15,7 +15,7 @@ from gptoss_lite.kv.base import KVCache, RaggedBatch, StaticKV
 from gptoss_lite.model.attention import Attention
 from gptoss_lite.model.compiled_decode import CompiledDecoder
 from gptoss_lite.model.decode_pack import store_for_decode
-from gptoss_lite.model.matmul import Linear, decode_linear, linear, rounded
+from gptoss_lite.model.matmul import PROMPT_PACK_BYTES, Linear, PromptPack, decode_linear, linear, packs, rounded
 from gptoss_lite.model.moe import Experts, MoE, MXFP4Experts
 from gptoss_lite.model.rope import RotaryEmbedding, rotary_tables
 
@@ -166,11 +166,37 @@ class GPTOSS(nn.Module):
         return any(isinstance(block.moe.experts, MXFP4Experts) for block in self.blocks)
 
     @torch.no_grad()
+    @torch.no_grad()
+    def pack_for_prompts(self, max_bytes: int | None = PROMPT_PACK_BYTES) -> int:
+        """Give the weights of a prompt's products (attention q|kv and o, the router, each expert's
+        gate|up and down) a `matmul.PromptPack` each: a copy re-laid for oneDNN's GEMM, used by products
+        of many rows (prompts, prefill chunks) while the weight is unchanged. Only where the copies take
+        at most `max_bytes` in all (None: no limit; 0: drop every pack), since they add that much memory
+        beside the weights decode steps read. Call after `pack_for_decode` (the packs copy its
+        buffers); `prepare_for_inference` does. Returns the bytes the packs hold (0 if none)."""
+        weights = []
+        for module in self.modules():
+            if isinstance(module, (Attention, Experts)):
+                weights += module.prompt_weights()
+            elif isinstance(module, MoE):
+                weights.append(module.router.weight)
+        weights = [w for w in weights if packs(w)]
+        total = sum(PromptPack.nbytes(w) for w in weights)
+        on = bool(weights) and (max_bytes is None or total <= max_bytes)
+        for module in self.modules():
+            if isinstance(module, (Attention, Experts)):
+                module.pack_for_prompts(on)
+            elif isinstance(module, MoE):
+                w = module.router.weight
+                module.router.prompt_pack = PromptPack(w) if on and packs(w) else None
+        return total if on else 0
+
     def prepare_for_inference(
         self,
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         compile_decode: bool = False,
+        prompt_packs: int | None = PROMPT_PACK_BYTES,
     ) -> GPTOSS:
         """The one place a model is made ready to generate: weights moved to `device` / `dtype` (None
         keeps them), eval mode (no dropout), then `pack_for_decode`. `load_model` calls it;
@@ -179,14 +205,18 @@ class GPTOSS(nn.Module):
         `compile_decode=True` packs every weight out-major and attaches a `CompiledDecoder`
         (`gptoss_lite.model.compiled_decode`) as `self.compiled_decoder`: `generate()` then runs its
         decode steps as one compiled graph (compiled on first use, cached on disk by inductor).
+
+        `prompt_packs` is `pack_for_prompts`'s memory budget in bytes (None: no limit, 0: no packs).
         """
         self.to(device=device, dtype=dtype)
         self.eval()
         self.compiled_decoder = None
         if not compile_decode:
-            return self.pack_for_decode()
-        self.pack_for_decode(input_major=False)
-        self.compiled_decoder = CompiledDecoder(self)
+            self.pack_for_decode()
+        else:
+            self.pack_for_decode(input_major=False)
+            self.compiled_decoder = CompiledDecoder(self)
+        self.pack_for_prompts(prompt_packs)
         return self
 
     @property

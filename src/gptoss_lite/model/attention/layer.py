@@ -18,7 +18,7 @@ from gptoss_lite.model.attention.decode import masked_decode
 from gptoss_lite.model.attention.plan import distance_bias
 from gptoss_lite.model.attention.reference import attention_mass_reference, attention_reference
 from gptoss_lite.model.decode_pack import input_major_for, pack_pair, pack_rows, still_packed
-from gptoss_lite.model.matmul import Linear, decode_linear, linear
+from gptoss_lite.model.matmul import Linear, PromptPack, decode_linear, linear, packs
 from gptoss_lite.model.rope import apply_rotary_tables
 
 
@@ -37,6 +37,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(H * D, C, bias=cfg.attention_bias)
         self.sinks = nn.Parameter(torch.zeros(H))  # learned sink logit per query head
         self._qkv: tuple[torch.Tensor, torch.Tensor | None, bool] | None = None  # see pack_for_decode
+        self._qkv_pack: PromptPack | None = None  # see pack_for_prompts
         self._clamped_sinks: tuple[tuple[int, int], torch.Tensor] | None = None  # see sink_logits
 
     @torch.no_grad()
@@ -59,6 +60,21 @@ class Attention(nn.Module):
     def is_packed(self) -> bool:
         """Whether q_proj and kv_proj still live in the buffer `pack_for_decode` made."""
         return self._packed_qkv() is not None
+
+    def prompt_weights(self) -> list[torch.Tensor]:
+        """The (out, in) weights whose prompt products `pack_for_prompts` can pack: the packed q|kv
+        (after `pack_for_decode`) and o_proj."""
+        packed = self._packed_qkv()
+        return ([] if packed is None else [packed[0]]) + [self.o_proj.weight]
+
+    @torch.no_grad()
+    def pack_for_prompts(self, on: bool) -> None:
+        """Give q|kv and o_proj a `PromptPack` each (on) or drop them; `GPTOSS.pack_for_prompts`."""
+        packed = self._packed_qkv()
+        qkv = None if packed is None else packed[0].t() if packed[2] else packed[0]
+        o = self.o_proj.weight
+        self._qkv_pack = PromptPack(qkv) if on and qkv is not None and packs(qkv) else None
+        self.o_proj.prompt_pack = PromptPack(o) if on and packs(o) else None
 
     def _packed_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None, bool] | None:
         """The packed (weight, bias, input_major) while the parameters still live in it (e.g. not after
@@ -120,7 +136,10 @@ class Attention(nn.Module):
         else:
             w, b, input_major = packed
             flat = x.view(B * T, C)
-            if input_major:
+            pack = self._qkv_pack
+            if pack is not None and pack.serves(flat, w.t() if input_major else w):
+                qkv = pack(flat, b)
+            elif input_major:
                 qkv = torch.mm(flat, w) if b is None else torch.addmm(b, flat, w)
             else:
                 qkv = linear(flat, w, b)
