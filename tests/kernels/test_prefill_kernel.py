@@ -185,3 +185,31 @@ def test_fallback_without_kernels_agrees(without_kernels):
         "atol=1e-5, rtol=1e-5)"
     )
     without_kernels(script)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tasks_filling_their_own_tiles_give_the_shared_tiles_result(tmp_path, dtype):
+    """Without a window the tasks read tiles filled once per call; past SHARED_MAX bytes (or when that
+    memory cannot be had) each fills its own, as windowed calls do. A build with SHARED_MAX 0 always
+    takes that fallback: the same sums in the same order, so the same bits."""
+    from gptoss_lite.kernels.build import _HERE, FLAGS, _compiler
+
+    lib_path = tmp_path / "prefill-own-tiles.so"
+    flags = [f for f in FLAGS if f != "-shared"]
+    src = str(_HERE / "prefill.c")
+    subprocess.run(
+        [_compiler(), *flags, "-shared", "-DSHARED_MAX=0", "-I", str(_HERE), src, "-o", str(lib_path), "-lm"],
+        check=True,
+    )
+    own = ctypes.CDLL(str(lib_path))
+    own.gl_prefill_attention.argtypes = prefill._library().gl_prefill_attention.argtypes
+    for T, past in ((300, 0), (64, 700)):
+        q, k, v, sinks = _inputs(1, 2, 4, T, T + past, 32, dtype, seed=T + past)
+        shared = prefill.prefill_attention(q, k, v, sinks, past, -1)
+        out = torch.empty_like(shared)
+        own.gl_prefill_attention(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), int(dtype == torch.bfloat16), 1, 2, 4, T, T + past, 32,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], past, -1, sinks.data_ptr(), 32**-0.5, out.data_ptr(),
+        )  # fmt: skip
+        assert torch.equal(out, shared)
