@@ -98,7 +98,7 @@ class PromptPack:
     def __init__(self, w: torch.Tensor) -> None:
         self.key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype)
         self.version = w._version
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), PACK_ROWS_HINT)
+        self.packed: torch.Tensor | None = None  # made by the first product it serves
 
     def serves(self, x: torch.Tensor, w: torch.Tensor) -> bool:
         return (
@@ -113,7 +113,11 @@ class PromptPack:
             and (w.data_ptr(), tuple(w.shape), tuple(w.stride()), w.dtype) == self.key
         )
 
-    def __call__(self, x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, b: torch.Tensor | None, w: torch.Tensor) -> torch.Tensor:
+        """x · wᵀ (+ b) for an x and w that `serves` accepted; the first call lays w out (so a model that
+        only decodes never holds the copies)."""
+        if self.packed is None:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), PACK_ROWS_HINT)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, b, "none", [], "")
 
     def __deepcopy__(self, memo: dict) -> PromptPack:
@@ -137,7 +141,7 @@ def linear(
     read at the memory's rate where oneDNN's GEMV reads at about 60% of it). With a `pack` of w, a
     2-D x of many rows goes through it (the same product, summed in another order)."""
     if pack is not None and pack.serves(x, w):
-        return pack(x, b)
+        return pack(x, b, w)
     if upcasts(x):
         return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
     if bf16_kernel.applies(x, w):
@@ -165,7 +169,7 @@ class Linear(nn.Linear):
         if pack is not None and x.dim() > 2:
             flat = x.reshape(-1, x.shape[-1])
             if pack.serves(flat, self.weight):
-                return pack(flat, self.bias).view(*x.shape[:-1], -1)
+                return pack(flat, self.bias, self.weight).view(*x.shape[:-1], -1)
         return linear(x, self.weight, self.bias, pack)
 
 

@@ -173,7 +173,8 @@ class GPTOSS(nn.Module):
         of many rows (prompts, prefill chunks) while the weight is unchanged. Only where the copies take
         at most `max_bytes` in all (None: no limit; 0: drop every pack), since they add that much memory
         beside the weights decode steps read. Call after `pack_for_decode` (the packs copy its
-        buffers); `prepare_for_inference` does. Returns the bytes the packs hold (0 if none)."""
+        buffers); `prepare_for_inference` does. Each copy is made by the first product it serves, so a
+        model that only decodes never holds them. Returns the bytes the packs take once made (0 if none)."""
         weights = []
         for module in self.modules():
             if isinstance(module, (Attention, Experts)):

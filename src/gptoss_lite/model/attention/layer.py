@@ -136,9 +136,9 @@ class Attention(nn.Module):
         else:
             w, b, input_major = packed
             flat = x.view(B * T, C)
-            pack = self._qkv_pack
-            if pack is not None and pack.serves(flat, w.t() if input_major else w):
-                qkv = pack(flat, b)
+            pack, out_major = self._qkv_pack, w.t() if input_major else w
+            if pack is not None and pack.serves(flat, out_major):
+                qkv = pack(flat, b, out_major)
             elif input_major:
                 qkv = torch.mm(flat, w) if b is None else torch.addmm(b, flat, w)
             else:
