@@ -214,11 +214,9 @@ void gl_prefill_attention(const void *q, const void *k, const void *v, int bf16,
      * call's keys in fp32 again, so past SHARED_MAX bytes (a long context's global layer) or when that
      * allocation fails, every task fills its own. */
     int shared = window <= 0;
-    const int64_t k_lo = window > 0 && q_offset - window + 1 > 0 ? q_offset - window + 1 : 0;
-    const int64_t k_hi = q_offset + T < S ? q_offset + T : S;
-    const int64_t t_lo = k_lo / KT;
+    const int64_t k_hi = q_offset + T < S ? q_offset + T : S; /* keys 0 .. k_hi - 1 are seen */
     const size_t tile_floats = (size_t)(2 * KT * D);
-    int64_t n_tiles = shared && k_hi > k_lo ? (k_hi + KT - 1) / KT - t_lo : 0;
+    int64_t n_tiles = shared && k_hi > 0 ? (k_hi + KT - 1) / KT : 0;
     size_t tile_bytes = ((size_t)(B * K * n_tiles) * tile_floats * sizeof(float) + 63) / 64 * 64;
     float *tiles = NULL;
     if (n_tiles > 0 && tile_bytes <= SHARED_MAX) tiles = (float *)aligned_alloc(64, tile_bytes);
@@ -229,7 +227,7 @@ void gl_prefill_attention(const void *q, const void *k, const void *v, int bf16,
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < B * K * n_tiles; i++) {
             int64_t tile = i % n_tiles, kh = (i / n_tiles) % K, b = i / (n_tiles * K);
-            int64_t ks = (t_lo + tile) * KT, n = k_hi - ks < KT ? k_hi - ks : KT;
+            int64_t ks = tile * KT, n = k_hi - ks < KT ? k_hi - ks : KT;
             float *Kt = tiles + (size_t)i * tile_floats;
             fill_tile(k, v, bf16, D, b * ksb + kh * ksh, kss, b * vsb + kh * vsh, vss, ks, n, Kt, Kt + KT * D);
         }
@@ -256,11 +254,11 @@ void gl_prefill_attention(const void *q, const void *k, const void *v, int bf16,
             memset(acc, 0, (size_t)(rows * D) * sizeof(float));
             int64_t lo = window > 0 && first_q - window + 1 > 0 ? first_q - window + 1 : 0;
             int64_t hi = last_q + 1 < S ? last_q + 1 : S;
-            for (int64_t ks = shared ? (lo / KT) * KT : lo; ks < hi; ks += KT) {
+            for (int64_t ks = lo; ks < hi; ks += KT) { /* lo is 0 where tiles are shared */
                 int n = (int)(hi - ks < KT ? hi - ks : KT);
                 const float *Kt = own;
                 if (shared)
-                    Kt = tiles + (size_t)((b * K + kh) * n_tiles + ks / KT - t_lo) * tile_floats;
+                    Kt = tiles + (size_t)((b * K + kh) * n_tiles + ks / KT) * tile_floats;
                 else
                     fill_tile(k, v, bf16, D, b * ksb + kh * ksh, kss, b * vsb + kh * vsh, vss, ks, n, own, own + KT * D);
                 for (int64_t g = 0; g < G; g++)

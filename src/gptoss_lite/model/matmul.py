@@ -127,21 +127,18 @@ class PromptPack:
         dead.key, dead.version, dead.packed = None, -1, None
         return dead
 
-    @staticmethod
-    def nbytes(w: torch.Tensor) -> int:
-        """What packing w adds (its values once more)."""
-        return w.numel() * w.element_size()
-
 
 def linear(
     x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, pack: PromptPack | None = None
 ) -> torch.Tensor:
     """F.linear(x, w, b), computed in fp32 for 16-bit inputs of many rows on CPUs without native bf16,
     and by `kernels.bf16.gemv` for a few bf16 rows on CPUs with AVX-512 BF16 (the same fp32 sums,
-    read at the memory's rate where oneDNN's GEMV reads at about 60% of it). With a `pack` of w, a
-    2-D x of many rows goes through it (the same product, summed in another order)."""
-    if pack is not None and pack.serves(x, w):
-        return pack(x, b, w)
+    read at the memory's rate where oneDNN's GEMV reads at about 60% of it). With a `pack` of w, an x
+    of many rows (across its leading dims) goes through it (the same product, summed in another order)."""
+    if pack is not None:
+        flat = x.reshape(-1, x.shape[-1])
+        if pack.serves(flat, w):
+            return pack(flat, b, w).view(*x.shape[:-1], w.shape[0])
     if upcasts(x):
         return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
     if bf16_kernel.applies(x, w):
@@ -154,8 +151,10 @@ def linear_into(
 ) -> torch.Tensor:
     """`linear(x, w, b, pack)` written into out (rows of a larger buffer: no separate result to
     concatenate); the same product, by the same path."""
-    if (pack is not None and pack.serves(x, w)) or upcasts(x) or bf16_kernel.applies(x, w) or out.dtype != x.dtype:
-        return out.copy_(linear(x, w, b, pack))
+    if pack is not None and pack.serves(x, w):
+        return out.copy_(pack(x, b, w))
+    if upcasts(x) or bf16_kernel.applies(x, w) or out.dtype != x.dtype:
+        return out.copy_(linear(x, w, b))
     return torch.mm(x, w.t(), out=out) if b is None else torch.addmm(b, x, w.t(), out=out)
 
 
@@ -165,12 +164,7 @@ class Linear(nn.Linear):
     prompt_pack: PromptPack | None = None  # see GPTOSS.pack_for_prompts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        pack = self.prompt_pack
-        if pack is not None and x.dim() > 2:
-            flat = x.reshape(-1, x.shape[-1])
-            if pack.serves(flat, self.weight):
-                return pack(flat, self.bias, self.weight).view(*x.shape[:-1], -1)
-        return linear(x, self.weight, self.bias, pack)
+        return linear(x, self.weight, self.bias, self.prompt_pack)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:

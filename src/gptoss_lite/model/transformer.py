@@ -166,7 +166,6 @@ class GPTOSS(nn.Module):
         return any(isinstance(block.moe.experts, MXFP4Experts) for block in self.blocks)
 
     @torch.no_grad()
-    @torch.no_grad()
     def pack_for_prompts(self, max_bytes: int | None = PROMPT_PACK_BYTES) -> int:
         """Give the weights of a prompt's products (attention q|kv and o, the router, each expert's
         gate|up and down) a `matmul.PromptPack` each: a copy re-laid for oneDNN's GEMM, used by products
@@ -182,7 +181,7 @@ class GPTOSS(nn.Module):
             elif isinstance(module, MoE):
                 weights.append(module.router.weight)
         weights = [w for w in weights if packs(w)]
-        total = sum(PromptPack.nbytes(w) for w in weights)
+        total = sum(w.nbytes for w in weights)  # each pack holds its weight's values once more
         on = bool(weights) and (max_bytes is None or total <= max_bytes)
         for module in self.modules():
             if isinstance(module, (Attention, Experts)):
@@ -192,6 +191,7 @@ class GPTOSS(nn.Module):
                 module.router.prompt_pack = PromptPack(w) if on and packs(w) else None
         return total if on else 0
 
+    @torch.no_grad()
     def prepare_for_inference(
         self,
         device: str | torch.device | None = None,

@@ -61,18 +61,21 @@ class Attention(nn.Module):
         """Whether q_proj and kv_proj still live in the buffer `pack_for_decode` made."""
         return self._packed_qkv() is not None
 
+    def _qkv_out_major(self) -> torch.Tensor | None:
+        """The packed q|kv weight as (out, in), a view (None before `pack_for_decode`)."""
+        packed = self._packed_qkv()
+        return None if packed is None else packed[0].t() if packed[2] else packed[0]
+
     def prompt_weights(self) -> list[torch.Tensor]:
         """The (out, in) weights whose prompt products `pack_for_prompts` can pack: the packed q|kv
         (after `pack_for_decode`) and o_proj."""
-        packed = self._packed_qkv()
-        return ([] if packed is None else [packed[0]]) + [self.o_proj.weight]
+        qkv = self._qkv_out_major()
+        return ([] if qkv is None else [qkv]) + [self.o_proj.weight]
 
     @torch.no_grad()
     def pack_for_prompts(self, on: bool) -> None:
         """Give q|kv and o_proj a `PromptPack` each (on) or drop them; `GPTOSS.pack_for_prompts`."""
-        packed = self._packed_qkv()
-        qkv = None if packed is None else packed[0].t() if packed[2] else packed[0]
-        o = self.o_proj.weight
+        qkv, o = self._qkv_out_major(), self.o_proj.weight
         self._qkv_pack = PromptPack(qkv) if on and qkv is not None and packs(qkv) else None
         self.o_proj.prompt_pack = PromptPack(o) if on and packs(o) else None
 
