@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gptoss_lite.kernels import rows as rows_kernel
 from gptoss_lite.validation import check_int
 
 MAX_SEED = 2**64 - 1  # largest seed torch.Generator.manual_seed accepts
@@ -125,10 +126,13 @@ def _is_number(value) -> bool:
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """logits (..., V) -> the index of each row's largest logit (the first of equals). 16-bit logits are
     widened first (exact, so the same index): torch's CPU argmax over bf16 took 355 µs for 16 rows of
-    12,288 logits against 98 µs for fp32, a conversion included (Zen 4)."""
+    12,288 logits against 98 µs for fp32, a conversion included (Zen 4). Rows of fp32 logits go to
+    `kernels.rows.argmax` where it is built (the same index, a vectorised pass: ~5 µs for those 16
+    rows where torch's argmax took ~65 µs)."""
     if logits.dtype in (torch.bfloat16, torch.float16):
         logits = logits.float()
-    return logits.argmax(dim=-1)
+    fast = rows_kernel.argmax(logits) if logits.dim() == 2 else None
+    return logits.argmax(dim=-1) if fast is None else fast
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:

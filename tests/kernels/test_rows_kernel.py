@@ -1,5 +1,6 @@
 """The fp32 rows kernel (`kernels/rows.c`, `gptoss_lite::rows_mm`) against F.linear, its builds for
-other CPUs, its place in the compiled decode step's `decode_linear`, and the fallback without it."""
+other CPUs, its place in the compiled decode step's `decode_linear`, and the fallback without it; the
+rows' argmax (`gl_rows_argmax`, `sampling.greedy`'s fp32 path) against torch.argmax."""
 
 from __future__ import annotations
 
@@ -149,6 +150,57 @@ def test_inside_torch_compile_with_a_dynamic_batch():
     torch._dynamo.reset()
 
 
+def _argmax_cases(g: torch.Generator) -> list[torch.Tensor]:
+    """Rows that tell argmax rules apart: ties (the first wins), NaN (the first NaN wins), ±inf, -0 and
+    +0 (equal), a maximum in the last element of a tail, widths around the 16-lane vectors."""
+    cases = []
+    for V in (1, 5, 15, 16, 17, 31, 32, 33, 64, 65, 1000, 12_288):
+        x = torch.randint(-3, 3, (9, V), generator=g).float()  # many ties
+        x[1, V // 2] = float("nan")
+        x[2] = float("-inf")
+        x[3, -1] = float("inf")
+        x[4] = 0.0
+        x[4, V // 3] = -0.0
+        x[5] = -0.0
+        x[5, -1] = 0.0
+        x[6, [V - 1, 0]] = float("nan")
+        x[7] = torch.randn(V, generator=g)
+        cases.append(x)
+    return cases
+
+
+@needs_kernel
+def test_argmax_is_torch_argmax():
+    g = torch.Generator().manual_seed(5)
+    for x in _argmax_cases(g):
+        assert torch.equal(rows.argmax(x), x.argmax(-1)), x.shape
+        wide = torch.randn(x.shape[0], x.shape[1] + 7, generator=g)
+        wide[:, 3 : 3 + x.shape[1]] = x
+        view = wide[:, 3 : 3 + x.shape[1]]  # rows further apart than their width
+        assert torch.equal(rows.argmax(view), x.argmax(-1))
+
+
+def test_argmax_declines_what_it_does_not_serve():
+    """None (torch.argmax's turn) for other dtypes, shapes and strides, an empty row, or autograd."""
+    assert rows.argmax(torch.randn(4, 8, dtype=torch.float64)) is None
+    assert rows.argmax(torch.randn(2, 4, 8)) is None
+    assert rows.argmax(torch.randn(8, 4).t()) is None  # columns, not rows, are contiguous
+    assert rows.argmax(torch.empty(3, 0)) is None
+    assert rows.argmax(torch.randn(4, 8, requires_grad=True)) is None
+
+
+def test_greedy_is_argmax_on_every_path():
+    """`sampling.greedy` picks the same tokens through the kernel, through torch, for 16-bit and for
+    1-d logits."""
+    from gptoss_lite.sampling import greedy
+
+    g = torch.Generator().manual_seed(6)
+    for x in _argmax_cases(g):
+        assert torch.equal(greedy(x), x.argmax(-1))
+        assert torch.equal(greedy(x[0]), x[0].argmax(-1))
+        assert torch.equal(greedy(x.bfloat16()), x.bfloat16().float().argmax(-1))
+
+
 @pytest.mark.parametrize("arch, isa", [("x86-64", 0), ("haswell", 1)])
 def test_other_cpus_builds_agree(tmp_path, arch, isa):
     """The C source as built for a CPU without AVX2 (the plain-C path) and for an AVX2-only CPU (no
@@ -175,6 +227,11 @@ def test_other_cpus_builds_agree(tmp_path, arch, isa):
                 x.data_ptr(), w.data_ptr(), None if bias is None else bias.data_ptr(), M, R, K, out.data_ptr()
             )
             _check(out, x, w, bias)
+    lib.gl_rows_argmax.argtypes = [ptr, i64, i64, i64, ptr]
+    for x in _argmax_cases(g):
+        out = torch.empty(x.shape[0], dtype=torch.long)
+        lib.gl_rows_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.shape[1], out.data_ptr())
+        assert torch.equal(out, x.argmax(-1)), (arch, x.shape)
 
 
 def test_fallback_without_kernels_agrees(without_kernels):
@@ -184,6 +241,8 @@ def test_fallback_without_kernels_agrees(without_kernels):
         "assert not rows.available(); x, w, b = torch.randn(5, 40), torch.randn(420, 40), torch.randn(420); "
         "assert not rows.traceable(x, w); "
         "assert torch.equal(decode_linear(x, w, b), F.linear(x, w, b)); "
-        "assert torch.equal(rows.rows_mm(x, w, b), F.linear(x, w, b))"
+        "assert torch.equal(rows.rows_mm(x, w, b), F.linear(x, w, b)); "
+        "from gptoss_lite.sampling import greedy; y = torch.randn(16, 1000); "
+        "assert rows.argmax(y) is None and torch.equal(greedy(y), y.argmax(-1))"
     )
     without_kernels(script)

@@ -27,6 +27,8 @@ def _library() -> ctypes.CDLL | None:
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.gl_rows_mm.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr]
         lib.gl_rows_mm.restype = None
+        lib.gl_rows_argmax.argtypes = [ptr, i64, i64, i64, ptr]
+        lib.gl_rows_argmax.restype = None
         lib.isa = ISA_NAMES[lib.gl_rows_isa()]
         lib._typed = True
         cpp_ops.bind("rows_mm", lib.gl_rows_mm)  # the op's calls stay out of Python from here on
@@ -91,3 +93,26 @@ def rows_mm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
 @rows_mm.register_fake
 def _(x, w, b):
     return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor | None:
+    """The index of each row's largest value of x (M, V), fp32 on the CPU with unit stride along V and
+    V >= 1: torch.argmax(x, -1)'s answer (the first of equals, the first NaN where a row holds one),
+    by `gl_rows_argmax`, a vectorised pass where torch's compares one element at a time; None where it
+    does not serve (the caller takes torch.argmax): another dtype or device, other strides, autograd
+    or tracing, or no kernel built here."""
+    if (
+        x.dtype != torch.float32
+        or x.device.type != "cpu"
+        or x.dim() != 2
+        or x.shape[1] == 0
+        or (x.shape[0] > 1 and x.stride(0) < x.shape[1])
+        or x.stride(1) != 1
+        or x.requires_grad
+        or torch.compiler.is_compiling()
+        or not available()
+    ):
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    _library().gl_rows_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+    return out
