@@ -205,8 +205,43 @@ class PagedBatch:
         horizon = {kind: self.full_window if kind == LayerKind.FULL else None for kind in tables}
         real_t = torch.tensor(real, dtype=torch.long, device=dev)
         return PagedDecode(
-            self.store, self._positions[order_t], tables, slots, distances, horizon, order_t, real_t, quant
-        )
+            self.store, self._positions[order_t], tables, slots, distances, horizon, order_t, real_t, quant,
+            identity=T == 1,  # one row a segment: the rows in their own order
+        )  # fmt: skip
+
+
+def plain_decode(
+    store: PagedKVStore,
+    rows: list[tuple[int, dict[str, int], dict[str, tuple[tuple[int, ...], int]]]],
+    full_window: int | None = None,
+) -> PagedDecode:
+    """`PagedBatch.static()` of a step of plain decode rows on 16-bit blocks, built straight from them:
+    each row (its position, its write slot per layer kind (block · bs + slot), its tables per kind as
+    in `Segment.tables`) is a group of one, in order. The same tensors as building the step's
+    `PagedBatch` and asking it (tests/engine/test_plain_decode.py) from a few numpy calls: the runner
+    builds one of these for every decode step (`ModelRunner.forward`), after the compiled step has
+    streamed the weights through the caches, so each call here costs microseconds."""
+    bs, dev, kinds = store.block_size, store.device, store.kinds
+    # positions and every kind's write slot: one array, a row of it each (copies: the compiled step's
+    # inputs must not share storage, or dynamo's aliasing guards would ask for another graph)
+    columns = np.array([[position, *(slot[kind] for kind in kinds)] for position, slot, _ in rows], dtype=np.int64).T
+    starts = columns[0].copy()
+    tables, slots, distances = {}, {}, {}
+    for i, kind in enumerate(kinds):
+        lists = [table[kind] for _, _, table in rows]
+        used = max(len(blocks) for blocks, _ in lists)
+        width = max(used, 2)  # at least two columns, as `static()` pads them (one graph for every width)
+        table = np.array([[*blocks, *[0] * (width - len(blocks))] for blocks, _ in lists], dtype=np.int64)
+        firsts = np.array([first for _, first in lists], dtype=np.int64)
+        # key j of a row sits at position first + j: its distance to the row's query, hidden where negative
+        distance = (starts - firsts)[:, None, None] - np.arange(width * bs, dtype=np.int64)
+        if width > used:  # columns added to reach two blocks: -1, as `_decode_table` makes them
+            distance[..., used * bs :] = -1
+        tables[kind], distances[kind] = torch.from_numpy(table).to(dev), torch.from_numpy(distance).to(dev)
+        slots[kind] = torch.from_numpy(columns[1 + i].copy()).to(dev)
+    horizon = {kind: full_window if kind == LayerKind.FULL else None for kind in tables}
+    positions = torch.from_numpy(starts).to(dev)
+    return PagedDecode(store, positions, tables, slots, distances, horizon, None, None, identity=True)
 
 
 # Decode rows are gathered in at most this many buckets of similar length, each padded to its own
@@ -236,15 +271,26 @@ def _decode_table(
     (B, nb·bs); with offsets (B, T), T queries per segment at start_pos + offsets[b, t]: distances
     (B, T, nb·bs). Padding columns past a row's blocks hold block 0; where a row's distance there is
     not already negative (the compiled step's extra columns) it is made -1."""
-    lists = [seg.tables[kind][0] for seg in segments]
-    used = max(len(blocks) for blocks in lists)
+    return _table_and_distance(
+        [seg.tables[kind] for seg in segments], [seg.start_pos for seg in segments], bs, offsets, pad_to
+    )
+
+
+def _table_and_distance(
+    tables: list[tuple[tuple[int, ...], int]],
+    starts: list[int],
+    bs: int,
+    offsets: np.ndarray | None = None,
+    pad_to: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_decode_table` of rows given as their (blocks, first position) and query positions."""
+    used = max(len(blocks) for blocks, _ in tables)
     width = max(used, pad_to)
-    table = np.zeros((len(segments), width), dtype=np.int64)  # padding reads block 0, masked
-    for row, blocks in enumerate(lists):
-        table[row, : len(blocks)] = blocks
-    firsts = np.array([seg.tables[kind][1] for seg in segments], dtype=np.int64)
+    # padding reads block 0, masked; one array from padded rows (a step builds this for every decode step)
+    table = np.array([[*blocks, *[0] * (width - len(blocks))] for blocks, _ in tables], dtype=np.int64)
+    firsts = np.array([first for _, first in tables], dtype=np.int64)
     key_pos = firsts[:, None] + np.arange(width * bs, dtype=np.int64)[None, :]  # (B, S)
-    query_pos = np.array([seg.start_pos for seg in segments], dtype=np.int64)[:, None]
+    query_pos = np.array(starts, dtype=np.int64)[:, None]
     if offsets is None:
         distance = query_pos - key_pos
     else:

@@ -26,7 +26,8 @@ class PagedDecode:
     nb · bs). `order` (R·T,) is the flat-batch row each row runs, `real` the row of each flat-batch row
     (the logits to keep). The group, table and row dimensions are marked dynamic, so one compiled graph
     serves every batch size from 2 and every context length (one more serves a lone row, and one more
-    every draft length)."""
+    every draft length). `identity`: each flat-batch row is its own group, in order (plain decode rows),
+    so the caller runs the step's ids as they are and keeps every row (order and real may be None)."""
 
     def __init__(
         self,
@@ -36,15 +37,16 @@ class PagedDecode:
         slots: dict[str, torch.Tensor],
         distances: dict[str, torch.Tensor],
         horizon: dict[str, int | None],
-        order: torch.Tensor,
-        real: torch.Tensor,
+        order: torch.Tensor | None,
+        real: torch.Tensor | None,
         quantized: QuantizedStep | None = None,
+        identity: bool = False,
     ) -> None:
         self.k, self.v = store.k, store.v
         self.kinds = [store.kind(layer) for layer in range(len(store.k))]
         self._positions, self._horizon = positions, horizon
         self.tables, self.slots, self.distances = tables, slots, distances
-        self.order, self.real = order, real
+        self.order, self.real, self.identity = order, real, identity
         self.quantized = quantized
         # the codes' owner, which quantises the tails (None: 16-bit blocks)
         self.store = store if quantized is not None and isinstance(store, QuantizedPagedStore) else None

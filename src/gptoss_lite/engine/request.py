@@ -113,6 +113,8 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling = sampling
+        # greedy with nothing to adjust and no logprobs: one batched argmax gives its token (ModelRunner.sample)
+        self.plain_greedy = sampling.greedy and not sampling.adjusts_logits and sampling.logprobs is None
         self.scope = scope  # the prefix cache's scope
         self.tenant = tenant  # whose share of the engine it runs on (engine/fairness.py)
         self.priority = priority  # lower runs first within its tenant's share
@@ -258,6 +260,11 @@ class Request:
             held = P + len(self.output_token_ids)
             out += self.draft[max(0, start - held) : start + n - held]
         return out
+
+    @property
+    def last_token_id(self) -> int:
+        """The last token the request holds (what a plain decode step feeds)."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     @property
     def num_to_run(self) -> int:

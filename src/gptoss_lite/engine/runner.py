@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from gptoss_lite.engine.paged_batch import PagedBatch, Segment
+from gptoss_lite.engine.paged_batch import PagedBatch, Segment, plain_decode
 from gptoss_lite.engine.paged_decode import PagedDecode
 from gptoss_lite.engine.request import Request, TokenLogprobs
 from gptoss_lite.engine.scheduler import ScheduledBatch
@@ -132,12 +132,42 @@ class ModelRunner:
             self.decoder.step(static, ids)
         return time.perf_counter() - t0
 
+    def plain_decode(self, step: ScheduledBatch) -> tuple[torch.Tensor, PagedDecode, list[Request]] | None:
+        """(input ids, the compiled step's state, the requests) of a step of plain decode rows (one token
+        each, the last a request holds, no draft) on 16-bit blocks, with a decoder to run it: what
+        `build_batch` and `PagedBatch.static` would give, built straight from the step
+        (`paged_batch.plain_decode`); None for any other step."""
+        if self.decoder is None or isinstance(self.store, QuantizedPagedStore):
+            return None
+        bs = self.store.block_size
+        ids: list[int] = []
+        rows = []
+        samplers: list[Request] = []
+        for request, n, plans, tables in step.scheduled:
+            position = request.num_computed
+            if n != 1 or request.draft or position + 1 != request.num_tokens:
+                return None
+            ids.append(request.last_token_id)
+            rows.append(
+                (position, {kind: plan.slots[0][0] * bs + plan.slots[0][1] for kind, plan in plans.items()}, tables)
+            )
+            samplers.append(request)
+        if not rows:
+            return None
+        static = plain_decode(self.store, rows, self.store.full_window)
+        return torch.tensor(ids, dtype=torch.long, device=self.device), static, samplers
+
     @torch.inference_mode()
     def forward(self, step: ScheduledBatch) -> tuple[torch.Tensor, list[Request]]:
         """Make the step's copy-on-write copies, then run its one forward: (logits (M, V), the requests
-        they belong to, in order)."""
+        they belong to, in order). A step of plain decode rows goes straight to the compiled step
+        (`plain_decode`); any other builds its `PagedBatch`."""
         for kind, src, dst, n in step.copies:
             self.store.apply_copies(kind, [(src, dst, n)])
+        decode = self.plain_decode(step)
+        if decode is not None:
+            input_ids, static, samplers = decode
+            return self._compiled(input_ids, static), samplers
         input_ids, batch, samplers = self.build_batch(step)
         logits, compiled = self.run(input_ids, batch)
         self.compiled_verifications += compiled and input_ids.shape[0] > len(samplers)
@@ -149,10 +179,15 @@ class ModelRunner:
         static = batch.static() if self.decoder is not None else None
         if static is None:
             return self.model.forward_batch(input_ids, batch), False
-        ids = input_ids[static.order]  # the rows in groups (padding repeats a row)
+        return self._compiled(input_ids, static), True
+
+    def _compiled(self, input_ids: torch.Tensor, static: PagedDecode) -> torch.Tensor:
+        """The compiled step over `static`: the logits of the batch's rows (each row once, in order)."""
+        ids = input_ids if static.identity else input_ids[static.order]  # the rows in groups (padding repeats a row)
         torch._dynamo.maybe_mark_dynamic(ids, 0)  # the batch is dynamic, as in the state
         self.compiled_steps += 1
-        return self.decoder.step(static, ids)[static.real], True
+        logits = self.decoder.step(static, ids)
+        return logits if static.identity else logits[static.real]
 
     @torch.inference_mode()
     def sample(
@@ -166,6 +201,12 @@ class ModelRunner:
         verification rule accepts, then its own next token (`speculative.verify`). Plain greedy rows
         (no logit bias, penalty or processor) are one batched argmax; every other row is adjusted
         and drawn alone, with its own generator."""
+        if (
+            self.fault_hook is None
+            and len(logits) == len(samplers)
+            and all(r.plain_greedy and not r.draft for r in samplers)
+        ):  # the common step: every row greedy, one row each (the loop below would skip them all)
+            return greedy(logits).tolist(), [None] * len(samplers)
         firsts, row = [], 0
         for request in samplers:
             firsts.append(row)

@@ -251,6 +251,23 @@ class PagedKVPool:
         seq.num_tokens = pos
         return AppendPlan(copies=tuple(copies), slots=tuple(slots), new_blocks=tuple(new_blocks))
 
+    def has_room(self, seq_id: Hashable) -> bool:
+        """Whether the sequence's next token fits in its own last block: a partly filled block no one
+        else holds, so `append_in_place` takes no block and copies none."""
+        seq = self._seq(seq_id)
+        return seq.num_tokens % self.block_size != 0 and self._refs[seq.table[-1]] == 1
+
+    def append_in_place(self, seq_id: Hashable) -> AppendPlan:
+        """`append(seq_id, 1)` where `has_room` holds (checked again): one slot of the last block, the
+        plan without the general path's block arithmetic (the engine's decode step asks this of every
+        request in every pool)."""
+        if not self.has_room(seq_id):
+            raise ValueError(f"append_in_place({seq_id!r}): its last block is full or shared; use append()")
+        seq = self._seqs[seq_id]
+        slot = seq.num_tokens % self.block_size
+        seq.num_tokens += 1
+        return AppendPlan(copies=(), slots=((seq.table[-1], slot),), new_blocks=())
+
     def share_prefix(self, source_id: Hashable, target_id: Hashable, prefix_tokens: int) -> None:
         """Create `target_id` whose first `prefix_tokens` tokens are `source_id`'s, sharing blocks.
 
