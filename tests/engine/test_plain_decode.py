@@ -142,3 +142,17 @@ def test_append_in_place_is_append_of_one():
     assert not pool.has_room("a") and not pool.has_room("b")
     with pytest.raises(KeyError):
         pool.has_room("nobody")
+
+
+def test_has_room_counts_blocks_a_window_would_release():
+    pool = PagedKVPool(8, 4)
+    pool.create("a")
+    pool.append("a", 10)  # three blocks, two free slots in the last
+    assert pool.has_room("a") and pool.has_room("a", keep_from=3)
+    assert not pool.has_room("a", keep_from=4)  # the first block lies wholly before token 4
+    assert pool.resident("a") == (pool.page_table("a"), 0)
+    pool.release_before("a", 8)
+    assert pool.has_room("a", keep_from=8) and not pool.has_room("a", keep_from=12)
+    assert (
+        pool.resident("a") == (pool.page_table("a"), pool.first_block_index("a")) and pool.first_block_index("a") == 2
+    )

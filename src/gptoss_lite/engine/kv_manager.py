@@ -168,12 +168,7 @@ class KVManager:
         """Whether the request's next token goes into room its last block in `group` has, with no block
         leaving the window first: then the general path would release nothing, evict nothing and
         copy nothing, and its plan is `append_in_place`'s."""
-        pool = group.pool
-        if not pool.has_room(rid):
-            return False
-        return group.window is None or group.release_target(num_computed) // self.block_size <= pool.first_block_index(
-            rid
-        )
+        return group.pool.has_room(rid, group.release_target(num_computed))
 
     def cache_prompt(self, request: Request) -> None:
         """Pin the computed full blocks of the prompt in every group's prefix cache. A no-op unless the
@@ -238,8 +233,12 @@ class KVManager:
     def tables(self, request: Sequenced) -> dict[str, tuple[tuple[int, ...], int]]:
         """Per layer kind: (the request's resident blocks, the position of its first resident token),
         what the runner's batch reads the request's keys through."""
-        rid = request.request_id
-        return {group.name: (group.pool.page_table(rid), group.released_tokens(rid)) for group in self.groups}
+        rid, bs = request.request_id, self.block_size
+        tables = {}
+        for group in self.groups:
+            blocks, first = group.pool.resident(rid)
+            tables[group.name] = (blocks, first * bs)  # `KVGroup.released_tokens`
+        return tables
 
     # ------------------------------------------------------------------ accounting
 

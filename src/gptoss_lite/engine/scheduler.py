@@ -164,8 +164,9 @@ class Scheduler:
             if request in held:
                 i += 1
                 continue
-            n = min(request.num_to_run, budget)
-            if n < request.num_to_run and request.draft:  # the budget cuts the draft, never the token
+            to_run = request.num_to_run
+            n = min(to_run, budget)
+            if n < to_run and request.draft:  # the budget cuts the draft, never the token
                 request.trim_draft(n - (request.num_tokens - request.num_computed))
                 n = request.num_to_run
             plans = self.kv.allocate(request, n, step.copies)

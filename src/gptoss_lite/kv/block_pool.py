@@ -251,11 +251,16 @@ class PagedKVPool:
         seq.num_tokens = pos
         return AppendPlan(copies=tuple(copies), slots=tuple(slots), new_blocks=tuple(new_blocks))
 
-    def has_room(self, seq_id: Hashable) -> bool:
+    def has_room(self, seq_id: Hashable, keep_from: int = 0) -> bool:
         """Whether the sequence's next token fits in its own last block: a partly filled block no one
-        else holds, so `append_in_place` takes no block and copies none."""
+        else holds, so `append_in_place` takes no block and copies none; and no block lies wholly before
+        token `keep_from` (`release_before(seq_id, keep_from)` would release nothing)."""
         seq = self._seq(seq_id)
-        return seq.num_tokens % self.block_size != 0 and self._refs[seq.table[-1]] == 1
+        return (
+            seq.num_tokens % self.block_size != 0
+            and self._refs[seq.table[-1]] == 1
+            and keep_from // self.block_size <= seq.first_block_index
+        )
 
     def append_in_place(self, seq_id: Hashable) -> AppendPlan:
         """`append(seq_id, 1)` where `has_room` holds (checked again): one slot of the last block, the
@@ -413,6 +418,12 @@ class PagedKVPool:
     def sequences(self) -> tuple[Hashable, ...]:
         """Live sequence ids, in creation order."""
         return tuple(self._seqs)
+
+    def resident(self, seq_id: Hashable) -> tuple[tuple[int, ...], int]:
+        """(`page_table`, `first_block_index`) of a sequence, from one lookup (the engine asks every
+        request's for every step)."""
+        seq = self._seq(seq_id)
+        return tuple(seq.table), seq.first_block_index
 
     def page_table(self, seq_id: Hashable) -> tuple[int, ...]:
         """Resident blocks of a sequence in token order (dropped leading blocks excluded)."""
