@@ -271,26 +271,14 @@ def _decode_table(
     (B, nb·bs); with offsets (B, T), T queries per segment at start_pos + offsets[b, t]: distances
     (B, T, nb·bs). Padding columns past a row's blocks hold block 0; where a row's distance there is
     not already negative (the compiled step's extra columns) it is made -1."""
-    return _table_and_distance(
-        [seg.tables[kind] for seg in segments], [seg.start_pos for seg in segments], bs, offsets, pad_to
-    )
-
-
-def _table_and_distance(
-    tables: list[tuple[tuple[int, ...], int]],
-    starts: list[int],
-    bs: int,
-    offsets: np.ndarray | None = None,
-    pad_to: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_decode_table` of rows given as their (blocks, first position) and query positions."""
+    tables = [seg.tables[kind] for seg in segments]
     used = max(len(blocks) for blocks, _ in tables)
     width = max(used, pad_to)
-    # padding reads block 0, masked; one array from padded rows (a step builds this for every decode step)
+    # padding reads block 0, masked; one array from the padded rows
     table = np.array([[*blocks, *[0] * (width - len(blocks))] for blocks, _ in tables], dtype=np.int64)
     firsts = np.array([first for _, first in tables], dtype=np.int64)
     key_pos = firsts[:, None] + np.arange(width * bs, dtype=np.int64)[None, :]  # (B, S)
-    query_pos = np.array(starts, dtype=np.int64)[:, None]
+    query_pos = np.array([seg.start_pos for seg in segments], dtype=np.int64)[:, None]
     if offsets is None:
         distance = query_pos - key_pos
     else:
