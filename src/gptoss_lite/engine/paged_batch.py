@@ -222,8 +222,8 @@ def plain_decode(
     builds one of these for every decode step (`ModelRunner.forward`), after the compiled step has
     streamed the weights through the caches, so each call here costs microseconds."""
     bs, dev, kinds = store.block_size, store.device, store.kinds
-    # positions and every kind's write slot: one array, a row of it each (copies: the compiled step's
-    # inputs must not share storage, or dynamo's aliasing guards would ask for another graph)
+    # positions and every kind's write slot: one array, a copy of a row of it each (the compiled step's
+    # inputs share no storage, as the general path's never do)
     columns = np.array([[position, *(slot[kind] for kind in kinds)] for position, slot, _ in rows], dtype=np.int64).T
     starts = columns[0].copy()
     tables, slots, distances = {}, {}, {}
