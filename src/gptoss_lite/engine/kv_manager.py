@@ -233,12 +233,8 @@ class KVManager:
     def tables(self, request: Sequenced) -> dict[str, tuple[tuple[int, ...], int]]:
         """Per layer kind: (the request's resident blocks, the position of its first resident token),
         what the runner's batch reads the request's keys through."""
-        rid, bs = request.request_id, self.block_size
-        tables = {}
-        for group in self.groups:
-            blocks, first = group.pool.resident(rid)
-            tables[group.name] = (blocks, first * bs)  # `KVGroup.released_tokens`
-        return tables
+        rid = request.request_id
+        return {group.name: group.resident(rid) for group in self.groups}
 
     # ------------------------------------------------------------------ accounting
 

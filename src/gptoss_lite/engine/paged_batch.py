@@ -228,11 +228,8 @@ def plain_decode(
     starts = columns[0].copy()
     tables, slots, distances = {}, {}, {}
     for i, kind in enumerate(kinds):
-        lists = [table[kind] for _, _, table in rows]
-        used = max(len(blocks) for blocks, _ in lists)
-        width = max(used, 2)  # at least two columns, as `static()` pads them (one graph for every width)
-        table = np.array([[*blocks, *[0] * (width - len(blocks))] for blocks, _ in lists], dtype=np.int64)
-        firsts = np.array([first for _, first in lists], dtype=np.int64)
+        # at least two columns, as `static()` pads them (one graph for every width)
+        table, firsts, used, width = _padded_table([own[kind] for _, _, own in rows], pad_to=2)
         # key j of a row sits at position first + j: its distance to the row's query, hidden where negative
         distance = (starts - firsts)[:, None, None] - np.arange(width * bs, dtype=np.int64)
         if width > used:  # columns added to reach two blocks: -1, as `_decode_table` makes them
@@ -262,6 +259,16 @@ def _buckets(widths: list[int]) -> list[list[int]]:
     return [order[i * len(order) // n : (i + 1) * len(order) // n] for i in range(n)]
 
 
+def _padded_table(tables: list[tuple[tuple[int, ...], int]], pad_to: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """Rows given as (resident blocks, first resident position) -> (their block table (B, width), padded
+    with block 0, which the distances hide; their first positions (B,); the longest row's blocks; the
+    width, at least `pad_to`), from one array call."""
+    used = max(len(blocks) for blocks, _ in tables)
+    width = max(used, pad_to)
+    table = np.array([[*blocks, *[0] * (width - len(blocks))] for blocks, _ in tables], dtype=np.int64)
+    return table, np.array([first for _, first in tables], dtype=np.int64), used, width
+
+
 def _decode_table(
     segments: list[Segment], kind: str, bs: int, offsets: np.ndarray | None = None, pad_to: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,12 +278,7 @@ def _decode_table(
     (B, nb·bs); with offsets (B, T), T queries per segment at start_pos + offsets[b, t]: distances
     (B, T, nb·bs). Padding columns past a row's blocks hold block 0; where a row's distance there is
     not already negative (the compiled step's extra columns) it is made -1."""
-    tables = [seg.tables[kind] for seg in segments]
-    used = max(len(blocks) for blocks, _ in tables)
-    width = max(used, pad_to)
-    # padding reads block 0, masked; one array from the padded rows
-    table = np.array([[*blocks, *[0] * (width - len(blocks))] for blocks, _ in tables], dtype=np.int64)
-    firsts = np.array([first for _, first in tables], dtype=np.int64)
+    table, firsts, used, width = _padded_table([seg.tables[kind] for seg in segments], pad_to)
     key_pos = firsts[:, None] + np.arange(width * bs, dtype=np.int64)[None, :]  # (B, S)
     query_pos = np.array([seg.start_pos for seg in segments], dtype=np.int64)[:, None]
     if offsets is None:

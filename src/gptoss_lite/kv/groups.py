@@ -122,6 +122,12 @@ class KVGroup:
         """Leading tokens whose blocks the window released (0 without a window)."""
         return self.pool.first_block_index(seq_id) * self.block_size
 
+    def resident(self, seq_id: Hashable) -> tuple[tuple[int, ...], int]:
+        """(the sequence's resident blocks, `released_tokens`) from one pool lookup (the engine asks
+        every request's for every step)."""
+        blocks, first = self.pool.resident(seq_id)
+        return blocks, first * self.block_size
+
     def chain_intact(self, seq_id: Hashable, tokens: Sequence[int], scope: str, revision: str) -> bool:
         """Whether the sequence's prompt `tokens` can still go into the prefix cache: nothing released
         yet, or every released block still cached (an evicted one breaks the chain of hashes there, and
