@@ -1,7 +1,7 @@
 """The engine's decode fast paths, each switched off and on in turns in one process.
 
     python benchmarks/engine_decode_paths.py MODEL_DIR --dtype float32 --rounds 20 \\
-        [--paths plain_decode,append_in_place,argmax] [--out benchmarks/results/engine_decode_paths.json]
+        [--paths plain_decode,append_in_place,argmax|bursts] [--out benchmarks/results/engine_decode_paths.json]
 
 Workload: the batch of `serve_vs_vllm.py` and the peers' batch cell (16 requests of 256 random prompt
 tokens, `numpy.random.default_rng(10_000 + i)`, 128 new tokens each, greedy, EOS ignored, all submitted
@@ -12,7 +12,10 @@ docs/engine.md, "The decode step's own fast paths"):
   (`ModelRunner.plain_decode`), where off it builds a `PagedBatch` and asks its `static()`;
 - `append_in_place`: the scheduler's allocation appends a decode token in place
   (`KVManager._in_place`), where off it takes the general path;
-- `argmax`: greedy rows through `kernels.rows.argmax`, where off torch.argmax.
+- `argmax`: greedy rows through `kernels.rows.argmax`, where off torch.argmax;
+- `bursts` (not in the default set): decode bursts of up to the engine's `decode_steps` (docs/engine.md,
+  "Decode bursts"), where off one token a scheduling round. Without it in `--paths` the engine runs one
+  token a round throughout (the single-step paths above are what a burst bypasses).
 
 Before timing, the batch runs once with the chosen paths off and once on, and the tokens must be the
 same. Then each round runs the batch with them off and on, in an order that alternates between rounds.
@@ -37,7 +40,8 @@ from gptoss_lite.checkpoint import load_model
 from gptoss_lite.engine import LLM, SamplingParams, kv_manager
 from gptoss_lite.kernels import rows as rows_kernel
 
-PATHS = ("plain_decode", "append_in_place", "argmax")
+PATHS = ("plain_decode", "append_in_place", "argmax", "bursts")
+DEFAULT_PATHS = PATHS[:3]
 
 
 def main() -> None:
@@ -46,7 +50,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=20)
-    ap.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated, of {', '.join(PATHS)}")
+    choices = ", ".join(PATHS)
+    ap.add_argument("--paths", default=",".join(DEFAULT_PATHS), help=f"comma-separated, of {choices} (default: 1st 3)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     paths = [p for p in args.paths.split(",") if p]
@@ -68,8 +73,16 @@ def main() -> None:
         "plain_decode": llm.runner.plain_decode,
         "append_in_place": kv_manager.KVManager._in_place,
         "argmax": rows_kernel.argmax,
+        "bursts": llm.scheduler.decode_steps,
     }
-    off = {"plain_decode": lambda step: None, "append_in_place": lambda *a: False, "argmax": lambda x: None}
+    if "bursts" not in paths:
+        llm.scheduler.decode_steps = 1
+    off = {
+        "plain_decode": lambda step: None,
+        "append_in_place": lambda *a: False,
+        "argmax": lambda x: None,
+        "bursts": 1,
+    }
 
     def use(fast: bool) -> None:
         for path in paths:
@@ -78,6 +91,8 @@ def main() -> None:
                 llm.runner.plain_decode = fn
             elif path == "append_in_place":
                 kv_manager.KVManager._in_place = fn
+            elif path == "bursts":
+                llm.scheduler.decode_steps = fn
             else:
                 rows_kernel.argmax = fn
 

@@ -39,11 +39,29 @@ class RecordingRunner(ModelRunner):
         super().__init__(model, store, decoder)
         self.logits: dict[str, list[torch.Tensor]] = {}
 
+    _burst: list | None = None  # the requests of the decode burst running, in row order
+
     def forward(self, step):
         logits, samplers = super().forward(step)
+        self._keep(logits, samplers)
+        return logits, samplers
+
+    def decode_burst(self, step):
+        self._burst = [entry.request for entry in step.scheduled]
+        try:
+            return super().decode_burst(step)
+        finally:
+            self._burst = None
+
+    def _compiled(self, input_ids, static):
+        logits = super()._compiled(input_ids, static)
+        if self._burst is not None:  # each step of a burst (rows past a request's stop are kept too)
+            self._keep(logits, self._burst)
+        return logits
+
+    def _keep(self, logits, samplers):
         for row, request in zip(logits, samplers):
             self.logits.setdefault(request.request_id, []).append(row.float().clone())
-        return logits, samplers
 
 
 def recording(llm: LLM) -> RecordingRunner:

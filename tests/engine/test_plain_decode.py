@@ -46,7 +46,8 @@ def test_plain_decode_builds_what_the_batch_builds(models, knobs):
     over requests longer than the sliding window (their tables start past released blocks), arriving
     at random, some from the prefix cache."""
     model = models("gpt-oss-tiny")
-    llm = _compiled(model, kv_blocks=400, max_batch_tokens=128, max_running=8, **knobs)
+    # one token a round: every decode step goes through forward (bursts: tests/engine/test_decode_burst.py)
+    llm = _compiled(model, kv_blocks=400, max_batch_tokens=128, max_running=8, decode_steps=1, **knobs)
     runner, forward = llm.runner, llm.runner.forward
     served = []
 

@@ -47,6 +47,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     p.add_argument("--max-batch-tokens", type=int, default=512, help="token budget per step (default: 512)")
     p.add_argument("--max-running", type=int, default=64, help="most requests running at once (default: 64)")
+    p.add_argument(
+        "--decode-steps",
+        type=int,
+        default=1,
+        help="decode tokens a request may run per scheduling round while all decode greedily and none waits "
+        "(default: 1; the library's LLM: 8)",
+    )
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     add_engine_kv_args(p)
     p.add_argument("--sequential", action="store_true", help="also run the requests one by one through generate()")
@@ -71,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     check_int("--requests", args.requests, 1)
     check_int("--shared-prefix", args.shared_prefix, 0)
     check_int("--long-prompt", args.long_prompt, 0)
+    check_int("--decode-steps", args.decode_steps, 1)
     check_int("--decoders", args.decoders, 1)
     if not args.rate > 0:
         raise ValueError(f"--rate={args.rate}: must be > 0 (inf: all at once)")
@@ -85,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         max_batch_tokens=args.max_batch_tokens,
         max_running=args.max_running,
+        decode_steps=args.decode_steps,
         dtype=torch_dtype(args.dtype),
         rope_factor=args.rope_factor,
         mxfp4_activations=args.mxfp4_activations,
@@ -101,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         **kv_kwargs,
         "speculate": None if spec is None else speculation_label(args, llm),
         "compile_s": llm.compile_seconds,
+        "decode_steps": args.decode_steps,
         **result,
     }
     if args.json:

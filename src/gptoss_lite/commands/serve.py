@@ -60,6 +60,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per engine step (default: 512)")
     p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks in the pool (default: sized by the engine)")
+    p.add_argument(
+        "--decode-steps",
+        type=int,
+        default=1,
+        help="decode tokens a request may run per scheduling round while all decode greedily and none waits "
+        "(default: 1; the library's LLM: 8)",
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     p.add_argument("--no-prefix-caching", action="store_true", help="never reuse cached prompt prefixes")
     p.add_argument(
@@ -366,6 +373,7 @@ def check_args(args: argparse.Namespace) -> dict[str, str] | None:
     check_int("--max-running", args.max_running, 1)
     check_int("--max-waiting", args.max_waiting, 1)
     check_int("--max-batch-tokens", args.max_batch_tokens, 1)
+    check_int("--decode-steps", args.decode_steps, 1)
     check_int("--block-size", args.block_size, 1)
     if args.kv_blocks is not None:
         check_int("--kv-blocks", args.kv_blocks, 1)
@@ -457,6 +465,7 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         max_batch_tokens=args.max_batch_tokens,
         max_running=args.max_running,
+        decode_steps=args.decode_steps,
         dtype=torch_dtype(args.dtype),
         rope_factor=args.rope_factor,
         mxfp4_activations=args.mxfp4_activations,

@@ -28,6 +28,11 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30  # both pools together, when kv_blocks is not g
 DEFAULT_MAX_BATCH_TOKENS = 512
 OFFLINE_MAX_BATCH_TOKENS = 2048
 DEFAULT_MAX_RUNNING = 64
+# Decode tokens a request may run per scheduling round while every running request decodes greedily
+# and nothing waits (`EngineConfig.decode_steps`, docs/engine.md#decode-bursts): the library's
+# default. `serve` and `bench-serve` default to 1 (a token per round: tokens stream one at a time and
+# a new request waits for one step at most).
+DEFAULT_DECODE_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,8 @@ class EngineConfig:
     gives each tenant's share of the engine and its quotas (engine/fairness.py; None: equal shares,
     no quotas). `mxfp4_activations` "int8" opts packed MXFP4 experts into int8-rounded activations
     (`GPTOSS.set_mxfp4_activations`; changes results; None: "exact", or as a model passed in was set).
+    `decode_steps` N lets a round of plain greedy decoding run up to N compiled steps back to back,
+    scheduled once (1: one token per round; docs/engine.md#decode-bursts).
     """
 
     kv_blocks: int | None = None
@@ -67,9 +74,10 @@ class EngineConfig:
     rope_factor: float | None = None
     tenants: TenantPolicy | None = None
     mxfp4_activations: str | None = None
+    decode_steps: int = DEFAULT_DECODE_STEPS
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_running"):
+        for name in ("block_size", "max_running", "decode_steps"):
             check_int(name, getattr(self, name), 1)
         for name in ("kv_blocks", "sliding_blocks", "max_model_len", "kv_cache_bytes", "max_batch_tokens"):
             if getattr(self, name) is not None:

@@ -73,9 +73,9 @@ class LLM:
         if cfg.full_window is None:  # a request's whole length must fit in the (first) pool
             pool_tokens = self.kv.usage().blocks_total[self.kv.kinds[0]] * cfg.block_size
             self.max_model_len = min(self.max_model_len, pool_tokens)
-        self.scheduler = Scheduler(self.kv, cfg)
         decoder = None if cfg.compile_decode is False else model.compiled_decoder
         self.runner = ModelRunner(model, store, decoder)
+        self.scheduler = Scheduler(self.kv, cfg, bursts=self.runner.plain_steps and cfg.speculate is None)
         # compiling the decode step now, before any request holds a block (None: not compiled)
         compiled = self.runner.decoder is not None
         self.compile_seconds = self.runner.warm_up(cfg.speculate is not None) if compiled else None
@@ -363,8 +363,10 @@ class LLM:
             return []
         executed = time.perf_counter()
         sampled, failed = self._execute(step) if step.scheduled else ([], [])
-        if step.scheduled and all(entry.num_tokens == 1 for entry in step.scheduled):  # a decode-only step
-            self.scheduler.waiting.step_cost.record(len(step.scheduled), time.perf_counter() - executed)
+        if step.scheduled and (step.decode_steps > 1 or all(entry.num_tokens == 1 for entry in step.scheduled)):
+            seconds = (time.perf_counter() - executed) / step.decode_steps  # a decode-only step's (a burst: per step)
+            self.scheduler.waiting.step_cost.record(len(step.scheduled), seconds)
+            self.scheduler.record_decode(seconds)
         outcome = self.scheduler.postprocess(step, sampled, failed)
         for sample in outcome.aborted:  # forks of a request that failed before its prompt was computed
             if self._requests.pop(sample.request_id, None) is not None:
@@ -409,7 +411,9 @@ class LLM:
         sampled, failed = [], []
         for entry in step.scheduled:
             try:
-                one_sampled, one_failed = self.runner.execute(ScheduledBatch([entry], copies=step.copies))
+                one_sampled, one_failed = self.runner.execute(
+                    ScheduledBatch([entry], copies=step.copies, decode_steps=step.decode_steps)
+                )
             except Exception as exc:  # noqa: BLE001 - this request makes the forward raise
                 logger.exception("request %s fails the forward alone", entry[0].request_id)
                 failed.append((entry[0], f"{type(exc).__name__} in the forward"))

@@ -241,6 +241,48 @@ def plain_decode(
     return PagedDecode(store, positions, tables, slots, distances, horizon, None, None, identity=True)
 
 
+class DecodeBurst:
+    """Several plain decode steps of the same rows, one after another, each row's blocks allocated for
+    every step's token up front (a decode burst, docs/engine.md#decode-bursts). `state` is the first
+    step's `plain_decode`; `advance(j)` moves the same tensors on to step j in place: every position
+    one further, each row's write slot its j-th, every key one further from its query. So a later
+    step's state is what `plain_decode` would build for it (tests/engine/test_decode_burst.py) at the
+    price of a few tensor ops, and the compiled step sees the same input tensors every step.
+
+    rows: (position, per layer kind the write slot (block · bs + slot) of each step, tables per kind
+    as in `Segment.tables`) for each row, in order, every row with the same number of steps."""
+
+    # Padding columns `plain_decode` hides with -1 would come into view as distances grow; hidden
+    # with this they stay hidden for any burst.
+    HIDDEN = -(1 << 30)
+
+    def __init__(
+        self,
+        store: PagedKVStore,
+        rows: list[tuple[int, dict[str, list[int]], dict[str, tuple[tuple[int, ...], int]]]],
+        full_window: int | None = None,
+    ) -> None:
+        kinds = store.kinds
+        self.steps = len(rows[0][1][kinds[0]])
+        first = [(position, {kind: own[0] for kind, own in slots.items()}, tables) for position, slots, tables in rows]
+        self.state = plain_decode(store, first, full_window)
+        bs = store.block_size
+        for kind, distance in self.state.distances.items():
+            used = max(len(own[kind][0]) for _, _, own in rows)
+            if distance.shape[-1] > used * bs:
+                distance[..., used * bs :] = self.HIDDEN
+        every = np.array([[slots[kind] for kind in kinds] for _, slots, _ in rows], dtype=np.int64)  # (R, kinds, K)
+        self._slots = {kind: torch.from_numpy(every[:, i].T.copy()).to(store.device) for i, kind in enumerate(kinds)}
+
+    def advance(self, step: int) -> None:
+        """The state of step `step` (1 … steps - 1), from the state of the step before it."""
+        state = self.state
+        state.positions.add_(1)
+        for kind, slots in state.slots.items():
+            slots.copy_(self._slots[kind][step])
+            state.distances[kind].add_(1)
+
+
 # Decode rows are gathered in at most this many buckets of similar length, each padded to its own
 # longest row, and only from this many rows on: each bucket costs a few more ops per layer, and the
 # padding a bucket saves is gathered and multiplied by every layer.

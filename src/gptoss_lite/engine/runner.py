@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from gptoss_lite.engine.paged_batch import PagedBatch, Segment, plain_decode
+from gptoss_lite.engine.paged_batch import DecodeBurst, PagedBatch, Segment, plain_decode
 from gptoss_lite.engine.paged_decode import PagedDecode
 from gptoss_lite.engine.request import Request, TokenLogprobs
 from gptoss_lite.engine.scheduler import ScheduledBatch
@@ -132,6 +132,12 @@ class ModelRunner:
             self.decoder.step(static, ids)
         return time.perf_counter() - t0
 
+    @property
+    def plain_steps(self) -> bool:
+        """Whether plain decode steps go straight to the compiled step (`plain_decode`) and decode bursts
+        run (`decode_burst`): there is a decoder and the blocks are 16-bit."""
+        return self.decoder is not None and not isinstance(self.store, QuantizedPagedStore)
+
     def plain_decode(self, step: ScheduledBatch) -> tuple[torch.Tensor, PagedDecode, list[Request]] | None:
         """(input ids, the compiled step's state, the requests) of a step of plain decode rows (one token
         each, the last a request holds, no draft) on 16-bit blocks, with a decoder to run it: what
@@ -156,6 +162,31 @@ class ModelRunner:
             return None
         static = plain_decode(self.store, rows, self.store.full_window)
         return torch.tensor(ids, dtype=torch.long, device=self.device), static, samplers
+
+    @torch.inference_mode()
+    def decode_burst(self, step: ScheduledBatch) -> tuple[list[list[int]], list[Request]]:
+        """Run a decode burst (`step.decode_steps` K > 1, every request plain greedy with K tokens
+        allocated): K compiled steps, each fed the argmax of the one before, over one `DecodeBurst`
+        advanced in place; (the K tokens each request drew, the requests). The tokens stay tensors
+        until the burst ends: one `tolist` for the burst, where K single steps take one each."""
+        for kind, src, dst, n in step.copies:
+            self.store.apply_copies(kind, [(src, dst, n)])
+        bs = self.store.block_size
+        ids, rows, samplers = [], [], []
+        for request, _, plans, tables in step.scheduled:
+            ids.append(request.last_token_id)
+            slots = {kind: [block * bs + slot for block, slot in plan.slots] for kind, plan in plans.items()}
+            rows.append((request.num_computed, slots, tables))
+            samplers.append(request)
+        burst = DecodeBurst(self.store, rows, self.store.full_window)
+        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
+        drawn = []
+        for j in range(step.decode_steps):
+            if j:
+                burst.advance(j)
+            tokens = greedy(self._compiled(tokens, burst.state))
+            drawn.append(tokens)
+        return torch.stack(drawn, 1).tolist(), samplers
 
     @torch.inference_mode()
     def forward(self, step: ScheduledBatch) -> tuple[torch.Tensor, list[Request]]:
@@ -260,7 +291,11 @@ class ModelRunner:
     ) -> tuple[list[tuple[Request, int | list[int], TokenLogprobs | None]], list[tuple[Request, str]]]:
         """Run the step: ((request, sampled token, its logprobs or None) for every request that
         samples, (request, reason) for those whose sampling failed). A request that verified a draft
-        gets the list of its new tokens instead of one token."""
+        gets the list of its new tokens instead of one token, and so does every request of a decode
+        burst (`decode_burst`)."""
+        if step.decode_steps > 1:
+            drawn, samplers = self.decode_burst(step)
+            return self._hooked([(request, tokens, None) for request, tokens in zip(samplers, drawn)])
         logits, samplers = self.forward(step)
         sampled: list[tuple[Request, int | list[int], TokenLogprobs | None]] = []
         failed: list[tuple[Request, str]] = []
@@ -272,6 +307,20 @@ class ModelRunner:
                 else:
                     sampled.append((request, token, lp))
         return sampled, failed
+
+    def _hooked(self, sampled: list) -> tuple[list, list[tuple[Request, str]]]:
+        """A burst's (sampled, failed): the fault hook, where set, fails the requests it raises for."""
+        if self.fault_hook is None:
+            return sampled, []
+        kept, failed = [], []
+        for entry in sampled:
+            try:
+                self.fault_hook(entry[0])
+            except Exception as exc:  # noqa: BLE001 - confined to this request, as in sample()
+                failed.append((entry[0], f"{type(exc).__name__} while sampling"))
+                continue
+            kept.append(entry)
+        return kept, failed
 
 
 def token_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:

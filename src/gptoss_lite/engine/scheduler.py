@@ -59,6 +59,9 @@ class ScheduledBatch:
     copies: list[BlockCopy] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     expired: list[Request] = field(default_factory=list)
+    # > 1: a decode burst, each request running this many tokens one compiled step after another,
+    # each step fed the token the one before sampled (`Scheduler._burst_length`)
+    decode_steps: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -82,14 +85,24 @@ class StepOutcome:
     aborted: list[Request] = field(default_factory=list)
 
 
+# A decode burst's longest expected wall time: a request that arrives during one waits this long at
+# most before the scheduler sees it (steps of a larger model are too slow to burst at all).
+MAX_BURST_SECONDS = 0.03
+
+
 class Scheduler:
     """Waiting and running queues over a `KVManager` (see the module docstring)."""
 
-    def __init__(self, kv: KVManager, config: EngineConfig) -> None:
+    def __init__(self, kv: KVManager, config: EngineConfig, bursts: bool = True) -> None:
+        """`bursts` False: one decode token a round whatever `config.decode_steps` (the runner's bursts
+        need the compiled step over 16-bit blocks, and speculation gives several tokens a step its own
+        way, choosing by the tokens/s of its single steps)."""
         self.kv = kv
         self.max_batch_tokens = config.max_batch_tokens
         self.max_running = config.max_running
         self.decode_reserve = config.decode_reserve  # decode tokens of growth kept free per running request
+        self.decode_steps = config.decode_steps if bursts else 1  # the longest decode burst
+        self.decode_step_seconds: float | None = None  # a decode step's time, smoothed (`record_decode`)
         self.waiting = TenantQueues(config.tenants)  # the waiting requests, per tenant, and each tenant's share
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -152,19 +165,50 @@ class Scheduler:
                 return False
         return True
 
+    def record_decode(self, seconds: float) -> None:
+        """A decode-only step took `seconds` (a burst: per step): what `_burst_length` expects of the next."""
+        last = self.decode_step_seconds
+        self.decode_step_seconds = seconds if last is None else 0.8 * last + 0.2 * seconds
+
+    def _burst_length(self) -> int:
+        """How many tokens each running request decodes this round: up to `decode_steps` when every one
+        is a plain greedy decode (its token drawn by argmax alone, no draft, no samples to fork),
+        nothing waits (the caller asks only when no request is held back or expired), the burst is
+        expected to end within MAX_BURST_SECONDS, no request would pass its max_tokens, and the pools
+        surely hold every request's tokens (a burst never preempts); else 1. A
+        request that stops inside a burst finishes there: the tokens computed after its stop are
+        dropped with its blocks."""
+        seconds = self.decode_step_seconds
+        if self.decode_steps == 1 or seconds is None or self.waiting or not self.running:
+            return 1
+        steps = min(self.decode_steps, int(MAX_BURST_SECONDS / seconds), self.max_batch_tokens // len(self.running))
+        for request in self.running:
+            if steps < 2:
+                return 1
+            if not request.plain_greedy or request.draft or request.forks or request.num_to_run != 1:
+                return 1
+            steps = min(steps, request.sampling.max_tokens - len(request.output_token_ids))
+        if steps < 2:
+            return 1
+        # each request takes at most a copy-on-write block and the blocks its tokens start: a bound
+        # (the pools give blocks back to windows first) so that allocating never falls short
+        need = len(self.running) * (1 + -(-steps // self.kv.block_size))
+        return steps if all(self.kv.spare_blocks(kind) >= need for kind in self.kv.kinds) else 1
+
     def schedule(self) -> ScheduledBatch:
         step = ScheduledBatch(expired=self.waiting.expired())
         self._yield_slots(step)
         short_of_blocks = False
         budget = self.max_batch_tokens
         held = self.waiting.held_back(self.running, self.max_running)
+        step.decode_steps = burst = 1 if held or step.expired else self._burst_length()
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             if request in held:
                 i += 1
                 continue
-            to_run = request.num_to_run
+            to_run = burst if burst > 1 else request.num_to_run
             n = min(to_run, budget)
             if n < to_run and request.draft:  # the budget cuts the draft, never the token
                 request.trim_draft(n - (request.num_tokens - request.num_computed))
