@@ -120,6 +120,22 @@ def test_bf16_gemv_equals_f_linear(rows, out, k):
     ).abs().max().item() <= 2 * 2**-7 * want.abs().max()
 
 
+@pytest.mark.parametrize("rows, out, k", [(16, 12288, 256), (16, 77, 2880), (7, 33, 50), (6, 9, 31), (2, 5, 64)])
+def test_bf16_gemv_of_many_rows_equals_f_linear(rows, out, k):
+    """The compiled step's op over more rows than one weight load serves (register tiles of 4 weight
+    rows by up to 4 rows, edges of both included): F.linear's fp32 sums, to fp32 rounding."""
+    from gptoss_lite.kernels import bf16
+
+    if not bf16.available():
+        pytest.skip("this CPU has no AVX-512 BF16: linear keeps F.linear")
+    g = torch.Generator().manual_seed(rows * out + k)
+    x, w, b = (torch.randn(*s, generator=g).bfloat16() for s in ((rows, k), (out, k), (out,)))
+    got = bf16.gemv_fp32(x, w, b)
+    want = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    assert got.dtype == torch.float32 and got.shape == (rows, out)
+    assert (got.double() - want).abs().max().item() < 1e-5 * k**0.5 * want.abs().max().item()
+
+
 @pytest.mark.parametrize("arch", ["x86-64", "haswell"])
 def test_other_cpus_builds_agree(tmp_path, arch):
     """The C source as built for a CPU without AVX2 (the scalar path) and for an AVX2-only CPU (no

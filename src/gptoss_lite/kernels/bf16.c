@@ -8,6 +8,7 @@
  */
 #include <stdint.h>
 #include <omp.h>
+#include "vec.h"
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define GL_AVX512BF16 1
@@ -30,12 +31,25 @@ void gl_bf16_gemv(const uint16_t *x, const uint16_t *w, const float *bias, int64
     const int64_t ntiles = (R + TILE - 1) / TILE;
     const int64_t full = K / 32, rest = K % 32;
     const __mmask32 tail = rest ? (__mmask32)((1u << rest) - 1u) : 0;
-    for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-        int n = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
+    /* a tile of TILE weight rows (TILE * K * 2 bytes: in L1 or L2) serves every MAX_ROWS rows of x in
+     * turn, so the weight is read from memory once whatever M (a pass over the weight per MAX_ROWS
+     * rows of x had read it M / MAX_ROWS times) */
 #pragma omp parallel for schedule(static)
-        for (int64_t t = 0; t < ntiles; t++) {
-            int64_t r1 = (t + 1) * TILE < R ? (t + 1) * TILE : R;
-            for (int64_t r = t * TILE; r < r1; r++) {
+    for (int64_t t = 0; t < ntiles; t++) {
+        const int64_t r1 = (t + 1) * TILE < R ? (t + 1) * TILE : R;
+        for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+            const int n = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
+            int64_t r = t * TILE;
+#if defined(GL_BF16_TILES)
+            /* two rows or more: 4 weight rows by n rows of x in registers, one fold of their 16 sums
+             * (vec.h), where a row each spends a fold per output (at K = 256, more than its products) */
+            if (n > 1)
+                for (; r < r1; r += 4) {
+                    const int nr = (int)(r1 - r < 4 ? r1 - r : 4);
+                    BF16_TILES[nr - 1][n - 1](x + m0 * K, w + r * K, bias ? bias + r : NULL, K, K, R, out + m0 * R + r);
+                }
+#endif
+            for (; r < r1; r++) {
                 const uint16_t *row = w + r * K;
                 __m512 acc[MAX_ROWS][2];
                 for (int j = 0; j < n; j++) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
