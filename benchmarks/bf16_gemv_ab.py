@@ -1,0 +1,153 @@
+"""The bf16 GEMV kernel (`kernels/bf16.c`) of another commit against this checkout's, in one process.
+
+    python benchmarks/bf16_gemv_ab.py --base 1ddfc8f [--calls 30] [--engine MODEL_DIR --rounds 10] [--out F]
+
+Both sources are built with the project's flags (`kernels.build.FLAGS`) into a temporary folder. Per
+shape (rows x weight rows x K): the median time of each build over `--calls` calls alternating, each
+after a 64 MB write that evicts the weight from the caches (as a decode step's other weights do), and
+the largest difference between their fp32 outputs. With `--engine`, also the peers' batch cell through
+`LLM` on that model in bf16 (16 × 256 random prompt tokens × 128 new, greedy, the compiled step, which
+calls the kernel for every projection and the head): the library the op calls swapped between runs,
+the order alternating by round; wall seconds, medians, and how many requests kept the same tokens
+(bf16 sums in another order round differently, so near-ties may part on random weights).
+Needs a CPU with AVX-512 BF16 (elsewhere the kernel is a stub).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SHAPES = [
+    (16, 12288, 256), (16, 384, 256), (8, 12288, 256), (4, 12288, 256), (2, 12288, 256), (1, 12288, 256),
+    (16, 5760, 2880), (4, 5760, 2880),
+]  # fmt: skip
+
+
+def build(source: str, folder: Path, name: str) -> ctypes.CDLL:
+    from gptoss_lite.kernels.build import _HERE, FLAGS, _compiler
+
+    src = folder / f"{name}.c"
+    src.write_text(source)
+    out = folder / f"{name}.so"
+    flags = [f for f in FLAGS if f != "-shared"]
+    subprocess.run([_compiler(), *flags, "-shared", "-I", str(_HERE), str(src), "-o", str(out), "-lm"], check=True)
+    lib = ctypes.CDLL(str(out))
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.gl_bf16_gemv.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr]
+    lib.gl_bf16_gemv.restype = None
+    lib.usable, lib._typed = bool(lib.gl_has_bf16_gemv()), True
+    return lib
+
+
+def shapes(libs, calls: int) -> list[dict]:
+    import torch
+
+    flush = torch.zeros(16 << 20)
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for M, R, K in SHAPES:
+        x, w = torch.randn(M, K, generator=g).bfloat16(), torch.randn(R, K, generator=g).bfloat16()
+        b = torch.randn(R, generator=g)
+        outs = [torch.empty(M, R) for _ in libs]
+        times: list[list[float]] = [[], []]
+        for r in range(calls):
+            for i in (0, 1) if r % 2 == 0 else (1, 0):
+                flush.add_(1.0)
+                t0 = time.perf_counter()
+                libs[i].gl_bf16_gemv(x.data_ptr(), w.data_ptr(), b.data_ptr(), M, R, K, outs[i].data_ptr())
+                times[i].append(time.perf_counter() - t0)
+        base, here = (statistics.median(t) * 1e6 for t in times)
+        diff = (outs[0] - outs[1]).abs().max().item()
+        rows.append({"rows": M, "out": R, "k": K, "base_us": base, "this_us": here, "max_abs_diff": diff})
+        print(f"| {M} x {R} x {K} | {base:.0f} | {here:.0f} | {base / here:.2f} | {diff:.1e} |")
+    return rows
+
+
+def engine(libs, model_dir: str, rounds: int) -> dict:
+    import numpy as np
+    import torch
+
+    from gptoss_lite.checkpoint import load_model
+    from gptoss_lite.engine import LLM, SamplingParams
+    from gptoss_lite.kernels import bf16
+
+    model = load_model(model_dir, dtype=torch.bfloat16)
+    model.prepare_for_inference(compile_decode=True)
+    llm = LLM(model, enable_prefix_caching=False)
+    vocab = model.config.vocab_size
+    prompts = [np.random.default_rng(10_000 + i).integers(1, vocab, 256).tolist() for i in range(16)]
+    params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+
+    def use(i: int) -> None:
+        bf16._library = lambda lib=libs[i]: lib
+
+    tokens = []
+    for i in (0, 1):
+        use(i)
+        tokens.append([o.token_ids for o in llm.generate(prompts, params)])
+    walls: list[list[float]] = [[], []]
+    for r in range(rounds):
+        for i in (0, 1) if r % 2 == 0 else (1, 0):
+            use(i)
+            t0 = time.perf_counter()
+            llm.generate(prompts, params)
+            walls[i].append(time.perf_counter() - t0)
+    ratio = statistics.median(a / b for a, b in zip(*walls))
+    same = sum(a == b for a, b in zip(*tokens))
+    print(
+        f"engine batch-16, bf16: base {statistics.median(walls[0]):.3f} s, this {statistics.median(walls[1]):.3f} s, "
+        f"base / this {ratio:.3f} (median of {rounds} rounds); {same} of 16 requests the same tokens"
+    )
+    return {"base_s": walls[0], "this_s": walls[1], "median_ratio": ratio, "same_tokens": same}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", required=True, help="git revision whose bf16.c is the baseline")
+    ap.add_argument("--calls", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--engine", metavar="MODEL_DIR", help="also time the engine's batch cell on this model")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    root = Path(__file__).resolve().parents[1]
+    path = "src/gptoss_lite/kernels/bf16.c"
+    base = subprocess.run(["git", "show", f"{args.base}:{path}"], cwd=root, capture_output=True, text=True)
+    if base.returncode:
+        print(f"no {path} at {args.base}: {base.stderr.strip()}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = [build(base.stdout, Path(tmp), "base"), build((root / path).read_text(), Path(tmp), "here")]
+        if not all(lib.usable for lib in libs):
+            print("this CPU has no AVX-512 BF16: bf16.c is a stub here", file=sys.stderr)
+            return 2
+        print(f"bf16 GEMV, {args.threads} threads, cold weights, {args.calls} calls each, alternating")
+        print("| rows x weight rows x K | base µs | this µs | base / this | max abs diff |")
+        print("|---|---:|---:|---:|---:|")
+        result = {"base": args.base, "threads": args.threads, "shapes": shapes(libs, args.calls)}
+        if args.engine:
+            result["engine"] = engine(libs, args.engine, args.rounds)
+    result["lscpu"] = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp_out = args.out.with_suffix(".tmp")
+        tmp_out.write_text(json.dumps(result, indent=1))
+        tmp_out.replace(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
