@@ -1,20 +1,28 @@
-"""The step budget's default: the library's `LLM` takes the offline budget (2,048 tokens a step) where its
-pools hold such a step and 512 where they do not; a number given is kept; `serve` and `bench-serve` keep
-512 of their own."""
+"""The step budget's default: the library's `LLM` takes the first offline budget (4,096 tokens a step, then
+2,048) whose step its pools hold and 512 where they hold neither; a number given is kept; `serve` and
+`bench-serve` keep 512 of their own."""
 
 import pytest
 import torch
 
 from conftest import make_model
 from gptoss_lite.engine import LLM, SamplingParams
-from gptoss_lite.engine.config import DEFAULT_MAX_BATCH_TOKENS, OFFLINE_MAX_BATCH_TOKENS, EngineConfig
+from gptoss_lite.engine.config import (
+    DEFAULT_MAX_BATCH_TOKENS,
+    OFFLINE_MAX_BATCH_TOKENS,
+    OFFLINE_STEP_BUDGETS,
+    EngineConfig,
+)
 from gptoss_lite.generation import generate
 
 
 def test_llm_takes_the_offline_budget_where_the_pools_hold_it():
     model = make_model()
     assert EngineConfig().max_batch_tokens is None
-    assert LLM(model).engine_config.max_batch_tokens == OFFLINE_MAX_BATCH_TOKENS == 2048
+    assert LLM(model).engine_config.max_batch_tokens == OFFLINE_MAX_BATCH_TOKENS == 4096
+    assert OFFLINE_STEP_BUDGETS == (4096, 2048)
+    middle = LLM(model, kv_blocks=200)  # a 2,048-token step beside a window, not a 4,096-token one
+    assert middle.engine_config.max_batch_tokens == middle.scheduler.max_batch_tokens == 2048
     small = LLM(model, kv_blocks=100)  # too few blocks for a 2,048-token step beside a window
     assert small.engine_config.max_batch_tokens == DEFAULT_MAX_BATCH_TOKENS == 512
     assert small.scheduler.max_batch_tokens == 512

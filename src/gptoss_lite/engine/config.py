@@ -22,11 +22,13 @@ from gptoss_lite.validation import check_int
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # both pools together, when kv_blocks is not given
 # Tokens a step: `serve` and `bench-serve` default to 512, so that a prompt chunk delays the requests
 # decoding beside it by little. The library's `LLM` (offline batches, where the batch's wall time is
-# what counts) takes OFFLINE_MAX_BATCH_TOKENS where its pools hold such a step, else 512
+# what counts) takes the first of OFFLINE_STEP_BUDGETS its pools hold a step of, else 512
 # (`EngineConfig.max_batch_tokens` None): the batch-16 cell 1.10x (fp32) and 1.15x (bf16) faster
-# at 2,048 than at 512 (benchmarks/engine_step_budget.py, docs/engine.md#how-a-step-works).
+# at 2,048 than at 512, and with decode bursts 1.06x and 1.04x faster at 4,096 than at 2,048
+# (benchmarks/engine_step_budget.py, docs/engine.md#how-a-step-works).
 DEFAULT_MAX_BATCH_TOKENS = 512
-OFFLINE_MAX_BATCH_TOKENS = 2048
+OFFLINE_STEP_BUDGETS = (4096, 2048)
+OFFLINE_MAX_BATCH_TOKENS = OFFLINE_STEP_BUDGETS[0]
 DEFAULT_MAX_RUNNING = 64
 # Decode tokens a request may run per scheduling round while every running request decodes greedily
 # and nothing waits (`EngineConfig.decode_steps`, docs/engine.md#decode-bursts): the library's

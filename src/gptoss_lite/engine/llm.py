@@ -27,7 +27,7 @@ import torch
 
 from gptoss_lite.checkpoint import load_model
 from gptoss_lite.engine import sources
-from gptoss_lite.engine.config import DEFAULT_MAX_BATCH_TOKENS, EngineConfig
+from gptoss_lite.engine.config import DEFAULT_MAX_BATCH_TOKENS, OFFLINE_STEP_BUDGETS, EngineConfig
 from gptoss_lite.engine.detokenize import TextStream
 from gptoss_lite.engine.drafting import PagedDrafter
 from gptoss_lite.engine.kv_manager import KVManager, pool_blocks
@@ -143,17 +143,21 @@ class LLM:
         self, cfg: EngineConfig, model: GPTOSS, source: str | None, model_dir: Path | None
     ) -> tuple[EngineConfig, PagedKVStore, KVManager]:
         """The pools (`_make_kv`) and the config with its step budget a number: as given, or for the
-        library's default (None) the offline budget where the pools hold such a step, else 512 (the
-        pools built again for it)."""
+        library's default (None) the first offline budget (`OFFLINE_STEP_BUDGETS`) whose step the pools
+        hold, else 512 (the pools built again for each smaller budget: it sizes the sliding pool)."""
         store, kv = self._make_kv(cfg, model, source, model_dir)
         if cfg.max_batch_tokens is not None:
             return cfg, store, kv
-        try:
-            kv.check_step_fits(cfg.step_tokens)
-            return dataclasses.replace(cfg, max_batch_tokens=cfg.step_tokens), store, kv
-        except ValueError:
-            cfg = dataclasses.replace(cfg, max_batch_tokens=DEFAULT_MAX_BATCH_TOKENS)
-            return (cfg, *self._make_kv(cfg, model, source, model_dir))
+        for budget in (*OFFLINE_STEP_BUDGETS, DEFAULT_MAX_BATCH_TOKENS):
+            sized = dataclasses.replace(cfg, max_batch_tokens=budget)
+            if budget != cfg.step_tokens:
+                store, kv = self._make_kv(sized, model, source, model_dir)
+            try:
+                kv.check_step_fits(budget)
+                return sized, store, kv
+            except ValueError:
+                pass
+        return sized, store, kv  # not even 512 fits: `__init__`'s own check says so
 
     def _make_kv(
         self, cfg: EngineConfig, model: GPTOSS, source: str | None, model_dir: Path | None
