@@ -25,21 +25,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from kernel_versions import base_and_here
+
 SHAPES = [
     (16, 12288, 256), (16, 384, 256), (8, 12288, 256), (4, 12288, 256), (2, 12288, 256), (1, 12288, 256),
     (16, 5760, 2880), (4, 5760, 2880),
 ]  # fmt: skip
 
 
-def build(source: str, folder: Path, name: str) -> ctypes.CDLL:
-    from gptoss_lite.kernels.build import _HERE, FLAGS, _compiler
-
-    src = folder / f"{name}.c"
-    src.write_text(source)
-    out = folder / f"{name}.so"
-    flags = [f for f in FLAGS if f != "-shared"]
-    subprocess.run([_compiler(), *flags, "-shared", "-I", str(_HERE), str(src), "-o", str(out), "-lm"], check=True)
-    lib = ctypes.CDLL(str(out))
+def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.gl_bf16_gemv.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr]
     lib.gl_bf16_gemv.restype = None
@@ -122,14 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    root = Path(__file__).resolve().parents[1]
-    path = "src/gptoss_lite/kernels/bf16.c"
-    base = subprocess.run(["git", "show", f"{args.base}:{path}"], cwd=root, capture_output=True, text=True)
-    if base.returncode:
-        print(f"no {path} at {args.base}: {base.stderr.strip()}", file=sys.stderr)
-        return 2
     with tempfile.TemporaryDirectory() as tmp:
-        libs = [build(base.stdout, Path(tmp), "base"), build((root / path).read_text(), Path(tmp), "here")]
+        libs = [typed(lib) for lib in base_and_here(args.base, "bf16", Path(tmp))]
         if not all(lib.usable for lib in libs):
             print("this CPU has no AVX-512 BF16: bf16.c is a stub here", file=sys.stderr)
             return 2

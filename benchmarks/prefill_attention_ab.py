@@ -15,22 +15,14 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from kernel_versions import base_and_here
 
-def build(source: str, folder: Path, name: str) -> ctypes.CDLL:
-    from gptoss_lite.kernels.build import _HERE, FLAGS, _compiler
 
-    src = folder / f"{name}.c"
-    src.write_text(source)
-    out = folder / f"{name}.so"
-    flags = [f for f in FLAGS if f != "-shared"]
-    subprocess.run([_compiler(), *flags, "-shared", "-I", str(_HERE), str(src), "-o", str(out), "-lm"], check=True)
-    lib = ctypes.CDLL(str(out))
+def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.gl_prefill_attention.argtypes = [ptr, ptr, ptr, ctypes.c_int, *[i64] * 17, ptr, ctypes.c_float, ptr]
     return lib
@@ -47,14 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    root = Path(__file__).resolve().parents[1]
-    path = "src/gptoss_lite/kernels/prefill.c"
-    base = subprocess.run(["git", "show", f"{args.base}:{path}"], cwd=root, capture_output=True, text=True)
-    if base.returncode:
-        print(f"no {path} at {args.base}: {base.stderr.strip()}", file=sys.stderr)
-        return 2
     with tempfile.TemporaryDirectory() as tmp:
-        libs = [build(base.stdout, Path(tmp), "base"), build((root / path).read_text(), Path(tmp), "here")]
+        libs = [typed(lib) for lib in base_and_here(args.base, "prefill", Path(tmp))]
         g = torch.Generator().manual_seed(0)
         B, H, K, T, D = 1, 8, 2, args.tokens, 32
         q, k, v = (torch.randn(B, n, T, D, generator=g) for n in (H, K, K))

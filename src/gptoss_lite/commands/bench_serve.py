@@ -28,7 +28,7 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from gptoss_lite.commands.common import add_engine_kv_args, add_model_arg
+    from gptoss_lite.commands.common import add_decode_steps_arg, add_engine_kv_args, add_model_arg
 
     p = sub.add_parser(
         "bench-serve",
@@ -47,13 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     p.add_argument("--max-batch-tokens", type=int, default=512, help="token budget per step (default: 512)")
     p.add_argument("--max-running", type=int, default=64, help="most requests running at once (default: 64)")
-    p.add_argument(
-        "--decode-steps",
-        type=int,
-        default=1,
-        help="decode tokens a request may run per scheduling round while all decode greedily and none waits "
-        "(default: 1; the library's LLM: 8)",
-    )
+    add_decode_steps_arg(p)
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     add_engine_kv_args(p)
     p.add_argument("--sequential", action="store_true", help="also run the requests one by one through generate()")

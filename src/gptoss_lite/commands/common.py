@@ -277,6 +277,18 @@ def warn(command: str, message: str) -> None:
     print(f"gptoss-lite {command}: {message}", file=sys.stderr)
 
 
+def add_decode_steps_arg(parser: argparse.ArgumentParser) -> None:
+    """`--decode-steps N` of the server commands: decode bursts (docs/engine.md#decode-bursts), 1 by
+    default so that tokens stream one at a time (the library's `LLM` takes 8)."""
+    parser.add_argument(
+        "--decode-steps",
+        type=int,
+        default=1,
+        help="decode tokens a request may run per scheduling round while all decode greedily and none waits "
+        "(default: 1; the library's LLM: 8)",
+    )
+
+
 def add_speculate_args(parser: argparse.ArgumentParser) -> None:
     """--speculate {none,lookup,draft:PATH} and --draft-tokens K."""
     parser.add_argument(

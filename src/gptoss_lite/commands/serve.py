@@ -23,7 +23,7 @@ from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from gptoss_lite.commands.common import add_engine_kv_args, add_model_arg
+    from gptoss_lite.commands.common import add_decode_steps_arg, add_engine_kv_args, add_model_arg
 
     p = sub.add_parser(
         "serve",
@@ -60,13 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per engine step (default: 512)")
     p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks in the pool (default: sized by the engine)")
-    p.add_argument(
-        "--decode-steps",
-        type=int,
-        default=1,
-        help="decode tokens a request may run per scheduling round while all decode greedily and none waits "
-        "(default: 1; the library's LLM: 8)",
-    )
+    add_decode_steps_arg(p)
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     p.add_argument("--no-prefix-caching", action="store_true", help="never reuse cached prompt prefixes")
     p.add_argument(

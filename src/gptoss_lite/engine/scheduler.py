@@ -175,9 +175,8 @@ class Scheduler:
         is a plain greedy decode (its token drawn by argmax alone, no draft, no samples to fork),
         nothing waits (the caller asks only when no request is held back or expired), the burst is
         expected to end within MAX_BURST_SECONDS, no request would pass its max_tokens, and the pools
-        surely hold every request's tokens (a burst never preempts); else 1. A
-        request that stops inside a burst finishes there: the tokens computed after its stop are
-        dropped with its blocks."""
+        surely hold every request's tokens (a burst never preempts); else 1. A request that stops
+        inside a burst finishes there: the tokens computed after its stop are dropped with its blocks."""
         seconds = self.decode_step_seconds
         if self.decode_steps == 1 or seconds is None or self.waiting or not self.running:
             return 1
