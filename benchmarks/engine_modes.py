@@ -12,8 +12,9 @@ off), taking turns on each workload, the order reversed every other round:
 compiled step and only the chunks eagerly; it measured 0.96-1.03x `compiled` and was removed.)
 
 Workloads: `chat` is `gptoss-lite bench-serve`'s chat-like workload (64 requests at once, prompts 16-512
-tokens, 32-256 new tokens, seed 0, step budget 512, as bench-serve runs it); `batch16` is the peers
-harness's batch cell (16 prompts of 256 random tokens, 128 new each, the engine's default step budget).
+tokens, 32-256 new tokens, seed 0, step budget 512 and one decode token a round, as bench-serve runs
+it); `batch16` is the peers harness's batch cell (16 prompts of 256 random tokens, 128 new each, the
+engine's defaults: its offline step budget, decode bursts).
 Greedy, EOS ignored; generated tokens over wall time; medians over rounds and the median of the per-round
 ratios; every mode's tokens checked equal to the eager engine's (a count of equal requests: 16-bit
 rounding may differ between batch shapes).
@@ -74,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     base = args.modes[0]
     results: dict = {}
     for wl in args.workloads:
-        budget = {"max_batch_tokens": 512} if wl == "chat" else {}
+        # the chat workload as bench-serve runs it (its step budget and one decode token a round)
+        budget = {"max_batch_tokens": 512, "decode_steps": 1} if wl == "chat" else {}
         engines = {}
         for mode in args.modes:
             engines[mode] = LLM(model, enable_prefix_caching=False, compile_decode=mode == "compiled", **budget)
