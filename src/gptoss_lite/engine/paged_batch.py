@@ -214,13 +214,15 @@ def plain_decode(
     store: PagedKVStore,
     rows: list[tuple[int, dict[str, int], dict[str, tuple[tuple[int, ...], int]]]],
     full_window: int | None = None,
+    hidden: int = -1,
 ) -> PagedDecode:
     """`PagedBatch.static()` of a step of plain decode rows on 16-bit blocks, built straight from them:
     each row (its position, its write slot per layer kind (block · bs + slot), its tables per kind as
     in `Segment.tables`) is a group of one, in order. The same tensors as building the step's
     `PagedBatch` and asking it (tests/engine/test_plain_decode.py) from a few numpy calls: the runner
     builds one of these for every decode step (`ModelRunner.forward`), after the compiled step has
-    streamed the weights through the caches, so each call here costs microseconds."""
+    streamed the weights through the caches, so each call here costs microseconds. `hidden`: the
+    distance of the padding columns (`DecodeBurst` hides them further than -1)."""
     bs, dev, kinds = store.block_size, store.device, store.kinds
     # positions and every kind's write slot: one array, a copy of a row of it each (the compiled step's
     # inputs share no storage, as the general path's never do)
@@ -232,8 +234,8 @@ def plain_decode(
         table, firsts, used, width = _padded_table([own[kind] for _, _, own in rows], pad_to=2)
         # key j of a row sits at position first + j: its distance to the row's query, hidden where negative
         distance = (starts - firsts)[:, None, None] - np.arange(width * bs, dtype=np.int64)
-        if width > used:  # columns added to reach two blocks: -1, as `_decode_table` makes them
-            distance[..., used * bs :] = -1
+        if width > used:  # columns added to reach two blocks: -1 as `_decode_table` makes them, or `hidden`
+            distance[..., used * bs :] = hidden
         tables[kind], distances[kind] = torch.from_numpy(table).to(dev), torch.from_numpy(distance).to(dev)
         slots[kind] = torch.from_numpy(columns[1 + i].copy()).to(dev)
     horizon = {kind: full_window if kind == LayerKind.FULL else None for kind in tables}
@@ -265,12 +267,7 @@ class DecodeBurst:
         kinds = store.kinds
         self.steps = len(rows[0][1][kinds[0]])
         first = [(position, {kind: own[0] for kind, own in slots.items()}, tables) for position, slots, tables in rows]
-        self.state = plain_decode(store, first, full_window)
-        bs = store.block_size
-        for kind, distance in self.state.distances.items():
-            used = max(len(own[kind][0]) for _, _, own in rows)
-            if distance.shape[-1] > used * bs:
-                distance[..., used * bs :] = self.HIDDEN
+        self.state = plain_decode(store, first, full_window, hidden=self.HIDDEN)
         every = np.array([[slots[kind] for kind in kinds] for _, slots, _ in rows], dtype=np.int64)  # (R, kinds, K)
         self._slots = {kind: torch.from_numpy(every[:, i].T.copy()).to(store.device) for i, kind in enumerate(kinds)}
 

@@ -182,8 +182,6 @@ class Scheduler:
             return 1
         steps = min(self.decode_steps, int(MAX_BURST_SECONDS / seconds), self.max_batch_tokens // len(self.running))
         for request in self.running:
-            if steps < 2:
-                return 1
             if not request.plain_greedy or request.draft or request.forks or request.num_to_run != 1:
                 return 1
             steps = min(steps, request.sampling.max_tokens - len(request.output_token_ids))
