@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kernel_versions import base_and_here
+from kernel_versions import base_and_here, engine_batch
 
 SHAPES = [
     (16, 12288, 256), (16, 384, 256), (8, 12288, 256), (4, 12288, 256), (2, 12288, 256), (1, 12288, 256),
@@ -66,41 +66,12 @@ def shapes(libs, calls: int) -> list[dict]:
 
 
 def engine(libs, model_dir: str, rounds: int) -> dict:
-    import numpy as np
-    import torch
-
-    from gptoss_lite.checkpoint import load_model
-    from gptoss_lite.engine import LLM, SamplingParams
     from gptoss_lite.kernels import bf16
-
-    model = load_model(model_dir, dtype=torch.bfloat16)
-    model.prepare_for_inference(compile_decode=True)
-    llm = LLM(model, enable_prefix_caching=False)
-    vocab = model.config.vocab_size
-    prompts = [np.random.default_rng(10_000 + i).integers(1, vocab, 256).tolist() for i in range(16)]
-    params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
 
     def use(i: int) -> None:
         bf16._library = lambda lib=libs[i]: lib
 
-    tokens = []
-    for i in (0, 1):
-        use(i)
-        tokens.append([o.token_ids for o in llm.generate(prompts, params)])
-    walls: list[list[float]] = [[], []]
-    for r in range(rounds):
-        for i in (0, 1) if r % 2 == 0 else (1, 0):
-            use(i)
-            t0 = time.perf_counter()
-            llm.generate(prompts, params)
-            walls[i].append(time.perf_counter() - t0)
-    ratio = statistics.median(a / b for a, b in zip(*walls))
-    same = sum(a == b for a, b in zip(*tokens))
-    print(
-        f"engine batch-16, bf16: base {statistics.median(walls[0]):.3f} s, this {statistics.median(walls[1]):.3f} s, "
-        f"base / this {ratio:.3f} (median of {rounds} rounds); {same} of 16 requests the same tokens"
-    )
-    return {"base_s": walls[0], "this_s": walls[1], "median_ratio": ratio, "same_tokens": same}
+    return engine_batch(use, model_dir, "bfloat16", rounds)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,36 +1,80 @@
-"""A kernel source as another commit has it beside this checkout's, both built in one folder, for the
-scripts that time two versions of one kernel in one process (`prefill_attention_ab.py`,
-`bf16_gemv_ab.py`). Run from those scripts (their folder is on `sys.path`)."""
+"""A kernel source as another commit has it beside this checkout's, both built in one folder, and the
+engine's batch cell timed with each, for the scripts that time two versions of one kernel in one
+process (`prefill_attention_ab.py`, `bf16_gemv_ab.py`, `block_attention_ab.py`). Run from those
+scripts (their folder is on `sys.path`)."""
 
 from __future__ import annotations
 
 import ctypes
+import statistics
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def build(source: str, folder: Path, name: str) -> ctypes.CDLL:
+def build(source: str, folder: Path, name: str, march: str = "native") -> ctypes.CDLL:
     """`source` (C text) built with the project's flags (`kernels.build.FLAGS`; the kernels' folder on the
-    include path, for vec.h) into folder/name.so, loaded."""
+    include path, for vec.h), for another CPU than this one where `march` names it (`haswell`: the
+    AVX2-only path), into folder/name.so, loaded."""
     from gptoss_lite.kernels.build import _HERE, FLAGS, _compiler
 
     src = folder / f"{name}.c"
     src.write_text(source)
     out = folder / f"{name}.so"
-    flags = [f for f in FLAGS if f != "-shared"]
+    flags = [f"-march={march}" if f.startswith("-march=") else f for f in FLAGS if f != "-shared"]
     subprocess.run([_compiler(), *flags, "-shared", "-I", str(_HERE), str(src), "-o", str(out), "-lm"], check=True)
     return ctypes.CDLL(str(out))
 
 
-def base_and_here(revision: str, kernel: str, folder: Path) -> list[ctypes.CDLL]:
-    """[kernels/`kernel`.c at git `revision`, this checkout's], built; exits with a message (status 2)
-    where the revision has no such file."""
+def base_and_here(revision: str, kernel: str, folder: Path, march: str = "native") -> list[ctypes.CDLL]:
+    """[kernels/`kernel`.c at git `revision`, this checkout's], built (`build`); exits with a message
+    (status 2) where the revision has no such file."""
     path = f"src/gptoss_lite/kernels/{kernel}.c"
     base = subprocess.run(["git", "show", f"{revision}:{path}"], cwd=ROOT, capture_output=True, text=True)
     if base.returncode:
         print(f"no {path} at {revision}: {base.stderr.strip()}", file=sys.stderr)
         raise SystemExit(2)
-    return [build(base.stdout, folder, "base"), build((ROOT / path).read_text(), folder, "here")]
+    return [build(base.stdout, folder, "base", march), build((ROOT / path).read_text(), folder, "here", march)]
+
+
+def engine_batch(use: Callable[[int], None], model_dir: str, dtype: str, rounds: int) -> dict:
+    """The peers' batch cell through `LLM` on model_dir in `dtype` (16 × 256 random prompt tokens × 128 new,
+    greedy, the compiled step) with build 0 (the base) and build 1 (this checkout's), `use(i)` switching
+    the process to build i: one run each first (their tokens), then `rounds` rounds of both, the order
+    alternating by round. Wall seconds, the median of the per-round ratios base / this, and how many of
+    the 16 requests kept the same tokens (bf16 sums in another order may part near-ties on random weights)."""
+    import numpy as np
+    import torch
+
+    from gptoss_lite.checkpoint import load_model
+    from gptoss_lite.engine import LLM, SamplingParams
+
+    model = load_model(model_dir, dtype=getattr(torch, dtype))
+    model.prepare_for_inference(compile_decode=True)
+    llm = LLM(model, enable_prefix_caching=False)
+    vocab = model.config.vocab_size
+    prompts = [np.random.default_rng(10_000 + i).integers(1, vocab, 256).tolist() for i in range(16)]
+    params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+    tokens = []
+    for i in (0, 1):
+        use(i)
+        tokens.append([o.token_ids for o in llm.generate(prompts, params)])
+    walls: list[list[float]] = [[], []]
+    for r in range(rounds):
+        for i in (0, 1) if r % 2 == 0 else (1, 0):
+            use(i)
+            t0 = time.perf_counter()
+            llm.generate(prompts, params)
+            walls[i].append(time.perf_counter() - t0)
+    ratio = statistics.median(a / b for a, b in zip(*walls))
+    same = sum(a == b for a, b in zip(*tokens))
+    print(
+        f"engine batch-16, {dtype}: base {statistics.median(walls[0]):.3f} s, "
+        f"this {statistics.median(walls[1]):.3f} s, base / this {ratio:.3f} (median of {rounds} rounds); "
+        f"{same} of 16 requests the same tokens"
+    )
+    return {"dtype": dtype, "base_s": walls[0], "this_s": walls[1], "median_ratio": ratio, "same_tokens": same}

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import platform
+import shutil
+import subprocess
+
 import pytest
 import torch
 
@@ -70,6 +75,43 @@ def test_bf16_rounds_where_masked_decode_rounds(shape):
     # the same bf16 value almost everywhere; where the sums' order tips a rounding, one bf16 step
     assert (got == want).float().mean().item() > 0.98
     assert (got - want).abs().max().item() <= 2**-7 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("arch", ["x86-64", "haswell"])
+def test_other_cpus_builds_agree(tmp_path, arch):
+    """The source as built for a CPU without AVX2 (plain C) and for an AVX2-only one (the generic path,
+    with its prefetches of fp32 blocks while scoring and of bf16 blocks while widening) against
+    masked_decode: machines unlike this one read their blocks correctly too."""
+    from gptoss_lite.kernels.build import _HERE
+
+    if platform.machine() != "x86_64" or shutil.which("gcc") is None:
+        pytest.skip("needs gcc on x86-64")
+    if arch == "haswell" and " avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU cannot run the AVX2 build")
+    lib_path = tmp_path / f"blocks-{arch}.so"
+    cmd = ["gcc", "-O3", f"-march={arch}", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+    subprocess.run([*cmd, str(_HERE / "blocks.c"), "-o", str(lib_path), "-lm"], check=True)
+    lib = ctypes.CDLL(str(lib_path))
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.gl_block_attention.argtypes = [
+        ptr, i64, i64, i64, i64, ptr, ptr, i32, i64, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, ctypes.c_float, i32, ptr,
+    ]  # fmt: skip
+    for shape in SHAPES:
+        *dims, per_row, window = shape
+        for dtype in (torch.float32, torch.bfloat16):
+            rows, keys, values, table, distance, sinks = case(*dims, per_row, dtype, seed=5)
+            R, K, M, D = rows.shape
+            _, N, bs, _ = keys.shape
+            out = torch.empty(R, K, M, D)
+            code = lib.gl_block_attention(
+                rows.data_ptr(), R, K, M, D, keys.data_ptr(), values.data_ptr(), int(dtype == torch.bfloat16), N, bs,
+                table.data_ptr(), table.shape[1], distance.data_ptr(), distance.shape[0], distance.shape[1], window,
+                sinks.data_ptr(), M // distance.shape[1], D**-0.5, int(dtype == torch.bfloat16), out.data_ptr(),
+            )  # fmt: skip
+            assert code == 0
+            want = oracle(rows, keys, values, table, distance, window, sinks, dtype)
+            tol = 1e-5 if dtype == torch.float32 else 2**-7
+            assert (out - want).abs().max().item() <= tol * want.abs().max().item(), (arch, shape, dtype)
 
 
 def test_a_row_that_sees_nothing_gets_zeros():

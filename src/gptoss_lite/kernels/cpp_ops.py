@@ -40,6 +40,16 @@ def bind(op: str, fn: ctypes._CFuncPtr, flags: int = 0) -> bool:
     return True
 
 
+def rebind(op: str, fn: ctypes._CFuncPtr, flags: int = 0) -> bool:
+    """`bind` op to another C function where it is bound already: for timing two builds of one kernel
+    in one process (`benchmarks/block_attention_ab.py`); not while another thread runs a step."""
+    lib = load_torch_ops("ops")
+    if lib is not None and op in _bound:
+        lib.gl_ops_unbind(op.encode())
+        _bound.discard(op)
+    return bind(op, fn, flags)
+
+
 def use_cpp(on: bool) -> frozenset[str]:
     """Switch every op bound so far between its C++ (True) and its Python implementation (False), in this
     process and for graphs already compiled (they call the op through the dispatcher); the ops now served
