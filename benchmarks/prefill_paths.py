@@ -6,8 +6,11 @@ new token), one part of the model switched at a time, in one process.
 Modes, taking turns in each round (the order alternating between rounds), each timed as the best of
 `--reps` prefills:
 
-- default: `Experts.grouped` (one gate|up GEMM per expert, the down-projection written in place)
-  with `kernels/moe.c`'s two passes (`activate_halves`, `combine`), and `kernels/norm.c`'s RMSNorm;
+- default: `Experts.grouped` (one gate|up GEMM per expert; `combine` reads each down-projection's
+  output where its GEMM wrote it) with `kernels/moe.c`'s two passes (`activate_halves`, `combine`),
+  and `kernels/norm.c`'s RMSNorm;
+- moe-one-buffer: the same, the down-projections' outputs first copied into one buffer (as before
+  `combine` read them in pieces);
 - moe-torch: the same MoE structure with PyTorch's ops for the two passes (the references, and
   what a machine without the kernel runs);
 - moe-per-expert: each expert by `Experts.expert` (two GEMMs and PyTorch's activation), the outputs
@@ -56,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     library, grouped, combine = moe_kernel._prefill_library, moe.Experts.grouped, moe.combine
     norm_applies = norm_kernel.applies
 
-    def index_add(rows, at, weights):  # the weighting and index_add_ the prefill ran before `combine`
+    def index_add(pieces, at, weights):  # the weighting and index_add_ the prefill ran before `combine`
+        rows = torch.cat(pieces)
         token = torch.arange(at.shape[0]).repeat_interleave(at.shape[1])
         order = torch.empty_like(token)
         order[at.reshape(-1)] = torch.arange(at.numel())
@@ -64,13 +68,18 @@ def main(argv: list[str] | None = None) -> int:
         out = torch.zeros(at.shape[0], rows.shape[1], dtype=rows.dtype)
         return out.index_add_(0, token.index_select(0, order), rows * w[:, None])
 
+    def one_buffer(self, xs, counts):  # the outputs in one buffer, each copied in after its GEMM
+        pieces = grouped(self, xs, counts)
+        return [torch.cat(pieces)] if pieces else pieces
+
     model.pack_for_prompts(None)  # whatever the budget, so that the mode below has packs to turn off
     packed_rows = matmul.PACKED_ROWS
 
     def use(mode: str) -> None:
         matmul.PACKED_ROWS = 1 << 62 if mode == "no-prompt-packs" else packed_rows  # no product serves
-        moe_kernel._prefill_library = (lambda *t: None) if mode.startswith("moe-") else library
-        moe.Experts.grouped = moe._grouped_by_expert if mode == "moe-per-expert" else grouped
+        moe_kernel._prefill_library = (lambda *t: None) if mode in ("moe-torch", "moe-per-expert") else library
+        swapped = {"moe-per-expert": moe._grouped_by_expert, "moe-one-buffer": one_buffer}
+        moe.Experts.grouped = swapped.get(mode, grouped)
         moe.combine = index_add if mode == "moe-per-expert" else combine
         norm_kernel.applies = (lambda *a: False) if mode == "norm-torch" else norm_applies
 
@@ -82,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             best = min(best, time.perf_counter() - t0)
         return args.tokens / best
 
-    modes = ["default", "moe-torch", "moe-per-expert", "norm-torch", "no-prompt-packs"]
+    modes = ["default", "moe-one-buffer", "moe-torch", "moe-per-expert", "norm-torch", "no-prompt-packs"]
     tokens = {}
     for mode in modes:  # warm-up, and the first token of each path
         use(mode)

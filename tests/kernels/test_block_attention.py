@@ -94,7 +94,8 @@ def test_other_cpus_builds_agree(tmp_path, arch):
     lib = ctypes.CDLL(str(lib_path))
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.gl_block_attention.argtypes = [
-        ptr, i64, i64, i64, i64, ptr, ptr, i32, i64, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64, ctypes.c_float, i32, ptr,
+        ptr, i64, i64, i64, i64, ptr, ptr, i32, i64, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64,
+        ctypes.c_float, i32, ptr,
     ]  # fmt: skip
     for shape in SHAPES:
         *dims, per_row, window = shape

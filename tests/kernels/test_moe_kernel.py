@@ -210,11 +210,12 @@ def test_other_cpus_builds(tmp_path, arch, isa):
     if isa == 0:
         assert code == -1 and (out == 7.0).all()
         lib.gl_moe_activate.argtypes = [ptr, i32, i64, i64, i32, ctypes.c_float, ptr]
-        lib.gl_moe_combine.argtypes = [ptr, i32, ptr, ptr, i64, i64, i64, i64, ptr]
+        lib.gl_moe_combine.argtypes = [ptr, ptr, i64, i32, ptr, ptr, i64, i64, i64, ptr]
         assert lib.gl_moe_activate(h.data_ptr(), 0, 5, 20, 0, 7.0, out.data_ptr()) == -1
-        assert (
-            lib.gl_moe_combine(h.data_ptr(), 0, idx.data_ptr(), weights.data_ptr(), 5, 2, 40, 5, out.data_ptr()) == -1
-        )
+        bases, starts = torch.tensor([h.data_ptr()]), torch.tensor([0, 5])
+        code = lib.gl_moe_combine(bases.data_ptr(), starts.data_ptr(), 1, 0, idx.data_ptr(), weights.data_ptr(), 5, 2,
+                                  40, out.data_ptr())  # fmt: skip
+        assert code == -1
         assert (out == 7.0).all()  # the prefill passes have no path there either: nothing written
         return
     assert code == 0
@@ -271,12 +272,16 @@ def activate_fp32(gate_up, swiglu):
 @needs_prefill_passes
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("N, A, C", [(1, 1, 16), (5, 2, 40), (300, 4, 256)])
-def test_combine_equals_the_reference(N, A, C, dtype):
+@pytest.mark.parametrize("n_pieces", [1, 3, 8])
+def test_combine_equals_the_reference(N, A, C, dtype, n_pieces):
     g = torch.Generator().manual_seed(N * A + C)
     rows = torch.randn(N * A + 3, C, generator=g).to(dtype)  # three rows no token takes
     at = torch.randperm(N * A + 3, generator=g)[: N * A].view(N, A)
     weights = torch.softmax(torch.randn(N, A, generator=g), dim=-1).to(dtype)
-    got = moe_kernel.combine(rows, at, weights)
+    # the rows in pieces of random sizes (each a tensor of its own, as each expert's product writes it)
+    cuts = sorted(torch.randint(1, rows.shape[0], (n_pieces - 1,), generator=g).tolist())
+    pieces = [rows[a:b].clone() for a, b in zip([0, *cuts], [*cuts, rows.shape[0]]) if b > a]
+    got = moe_kernel.combine(pieces, at, weights)
     # the same fp32 products, summed in the same order and rounded once: equal, bit for bit
     assert got.dtype == dtype and torch.equal(got, combine_reference(rows, at, weights))
 
@@ -285,7 +290,8 @@ def test_combine_equals_the_reference(N, A, C, dtype):
 def test_combine_refuses_a_place_outside_the_rows():
     rows, weights = torch.randn(4, 16), torch.ones(2, 2)
     with pytest.raises(IndexError, match="outside the 4 rows"):
-        moe_kernel.combine(rows, torch.tensor([[0, 1], [2, 4]]), weights)
+        moe_kernel.combine([rows[:1], rows[1:]], torch.tensor([[0, 1], [2, 4]]), weights)
+    assert moe_kernel.combine([rows, torch.randn(2, 8)], torch.tensor([[0, 1]]), weights[:1]) is None  # widths differ
 
 
 @pytest.mark.parametrize("preset", ["lite-tiny", "gpt-oss-tiny"])
@@ -315,8 +321,8 @@ def test_prefill_passes_fall_back_without_kernels(without_kernels):
         "import torch; from gptoss_lite.kernels import moe; from gptoss_lite.model import moe as m; "
         "assert moe._prefill_library(torch.zeros(1)) is None; "
         "gu = torch.randn(9, 32); rows = torch.randn(6, 8); at = torch.tensor([[0, 5], [3, 2]]); w = torch.rand(2, 2); "
-        "assert moe.activate(gu, False, 7.0) is None and moe.combine(rows, at, w) is None; "
+        "assert moe.activate(gu, False, 7.0) is None and moe.combine([rows], at, w) is None; "
         "assert torch.equal(m.activate_halves(gu, 'gptoss', 7.0), m.activate_halves_reference(gu, 'gptoss', 7.0)); "
-        "assert torch.equal(m.combine(rows, at, w), m.combine_reference(rows, at, w))"
+        "assert torch.equal(m.combine([rows[:2], rows[2:]], at, w), m.combine_reference(rows, at, w))"
     )
     without_kernels(script)

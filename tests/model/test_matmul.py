@@ -116,10 +116,6 @@ def test_a_prompt_pack_gives_the_product_of_many_rows_and_only_those():
     with torch.inference_mode():
         assert pack.serves(x, w)
         torch.testing.assert_close(matmul.linear(x, w, b, pack), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-        out = torch.zeros(2 * x.shape[0], w.shape[0])
-        matmul.linear_into(x, w, b, out[1::2], pack)  # rows of a larger buffer
-        torch.testing.assert_close(out[1::2], F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-        assert not out[0::2].any()
         few = x[: matmul.PACKED_ROWS - 1]
         assert not pack.serves(few, w)
         assert torch.equal(matmul.linear(few, w, b, pack), F.linear(few, w, b))

@@ -241,28 +241,45 @@ int gl_moe_activate(const void *gate_up, int bf16, int64_t n, int64_t I, int swi
 #endif
 }
 
-/* gl_moe_combine: y[t] = sum_a wts[t, a] * rows[at[t, a]] for N tokens of A experts each: rows (P, C),
- * every expert's output in expert order, fp32 or bf16; at (N, A) each (token, slot)'s place in it;
- * wts (N, A) fp32. Summed in fp32 in slot order, y (N, C) in the rows' dtype (rounded once). Returns 0,
- * or -1 for a place outside [0, P) or a build without the path (nothing written then). */
-int gl_moe_combine(const void *rows, int bf16, const int64_t *at, const float *wts, int64_t N, int64_t A,
-                   int64_t C, int64_t P, void *y) {
+/* gl_moe_combine: y[t] = sum_a wts[t, a] * row(at[t, a]) for N tokens of A experts each. The rows are
+ * every expert's output in expert order, P of them, held in E pieces: piece e (a contiguous block of
+ * rows of C values, fp32 or bf16, at address bases[e]) holds rows starts[e] .. starts[e+1]-1, starts[0] = 0,
+ * starts[E] = P (so the down-projection's results are read where they were written, not copied into one
+ * buffer first). at (N, A) each (token, slot)'s row; wts (N, A) fp32. Summed in fp32 in slot order, y
+ * (N, C) in the rows' dtype (rounded once). Returns 0, or -1 for a row outside [0, P), pieces out of order,
+ * or a build without the path (nothing written then). */
+int gl_moe_combine(const int64_t *bases, const int64_t *starts, int64_t E, int bf16, const int64_t *at,
+                   const float *wts, int64_t N, int64_t A, int64_t C, void *y) {
 #if defined(GL_AVX512)
+    if (E < 1 || starts[0] != 0) return -1;
+    for (int64_t e = 0; e < E; e++)
+        if (starts[e + 1] < starts[e]) return -1;
+    const int64_t P = starts[E], esz = bf16 ? 2 : 4;
     for (int64_t i = 0; i < N * A; i++)
         if (at[i] < 0 || at[i] >= P) return -1;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < N; t++) {
+        const char *src[A > 0 ? A : 1]; /* each slot's row */
+        for (int64_t a = 0; a < A; a++) {
+            const int64_t p = at[t * A + a];
+            int64_t lo = 0, hi = E - 1; /* the piece holding row p: the last e with starts[e] <= p */
+            while (lo < hi) {
+                const int64_t mid = (lo + hi + 1) / 2;
+                if (starts[mid] <= p) lo = mid;
+                else hi = mid - 1;
+            }
+            src[a] = (const char *)(intptr_t)bases[lo] + (p - starts[lo]) * C * esz;
+        }
         for (int64_t c0 = 0; c0 < C; c0 += 16) {
             const __mmask16 lanes = C - c0 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (C - c0)) - 1u);
             __m512 s = _mm512_setzero_ps();
             for (int64_t a = 0; a < A; a++) {
-                const int64_t p = at[t * A + a];
                 __m512 v;
                 if (bf16)
                     v = _mm512_castsi512_ps(_mm512_slli_epi32(
-                        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, (const uint16_t *)rows + p * C + c0)), 16));
+                        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, (const uint16_t *)src[a] + c0)), 16));
                 else
-                    v = _mm512_maskz_loadu_ps(lanes, (const float *)rows + p * C + c0);
+                    v = _mm512_maskz_loadu_ps(lanes, (const float *)src[a] + c0);
                 s = _mm512_add_ps(s, _mm512_mul_ps(v, _mm512_set1_ps(wts[t * A + a]))); /* as PyTorch: product, then sum */
             }
             if (bf16) {
@@ -275,7 +292,7 @@ int gl_moe_combine(const void *rows, int bf16, const int64_t *at, const float *w
     }
     return 0;
 #else
-    (void)rows, (void)bf16, (void)at, (void)wts, (void)N, (void)A, (void)C, (void)P, (void)y;
+    (void)bases, (void)starts, (void)E, (void)bf16, (void)at, (void)wts, (void)N, (void)A, (void)C, (void)y;
     return -1;
 #endif
 }

@@ -12,6 +12,8 @@ reference, which runs where the library does not."""
 from __future__ import annotations
 
 import ctypes
+import itertools
+from collections.abc import Sequence
 
 import torch
 
@@ -30,7 +32,7 @@ def _library() -> ctypes.CDLL | None:
         lib.gl_moe_experts.restype = ctypes.c_int
         lib.gl_moe_activate.argtypes = [ptr, i32, i64, i64, i32, ctypes.c_float, ptr]
         lib.gl_moe_activate.restype = ctypes.c_int
-        lib.gl_moe_combine.argtypes = [ptr, i32, ptr, ptr, i64, i64, i64, i64, ptr]
+        lib.gl_moe_combine.argtypes = [ptr, ptr, i64, i32, ptr, ptr, i64, i64, i64, ptr]
         lib.gl_moe_combine.restype = ctypes.c_int
         lib.isa = lib.gl_moe_isa()
         lib._typed = True
@@ -154,18 +156,26 @@ def activate(gate_up: torch.Tensor, swiglu: bool, limit: float) -> torch.Tensor 
     return out if code == 0 else None
 
 
-def combine(rows: torch.Tensor, at: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
-    """Σ_a weights[t, a] · rows[at[t, a]] -> (N, C) in rows' dtype, in one pass: rows (P, C), at (N, A),
-    weights (N, A); fp32 products summed in slot order, rounded once (`model.moe.combine_reference`,
-    the reference). None where the library does not serve; IndexError for a place outside the rows."""
-    lib = _prefill_library(rows, weights)
+def combine(pieces: Sequence[torch.Tensor], at: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
+    """Σ_a weights[t, a] · rows[at[t, a]] -> (N, C) in the rows' dtype, in one pass, where rows (P, C) are
+    the pieces one after another (each expert's outputs where its product wrote them, not concatenated);
+    at (N, A), weights (N, A); fp32 products summed in slot order, rounded once
+    (`model.moe.combine_reference`, the reference). None where the library does not serve; IndexError for
+    a place outside the rows."""
+    lib = _prefill_library(*pieces, weights) if pieces else None
     N, A = at.shape
-    if lib is None or rows.dim() != 2 or tuple(weights.shape) != (N, A):
+    if lib is None or tuple(weights.shape) != (N, A):
         return None
-    r, ix, w = rows.contiguous(), at.to(torch.int64).contiguous(), weights.float().contiguous()
-    out = r.new_empty(N, r.shape[1])
-    code = lib.gl_moe_combine(r.data_ptr(), int(r.dtype == torch.bfloat16), ix.data_ptr(), w.data_ptr(), N, A,
-                              r.shape[1], r.shape[0], out.data_ptr())  # fmt: skip
+    C, dtype = pieces[0].shape[-1], pieces[0].dtype
+    if any(p.dim() != 2 or p.shape[1] != C or p.dtype != dtype for p in pieces):
+        return None
+    held = [p.contiguous() for p in pieces]  # kept alive until the call returns
+    bases = torch.tensor([p.data_ptr() for p in held], dtype=torch.int64)
+    starts = torch.tensor([0, *itertools.accumulate(p.shape[0] for p in held)], dtype=torch.int64)
+    ix, w = at.to(torch.int64).contiguous(), weights.float().contiguous()
+    out = held[0].new_empty(N, C)
+    code = lib.gl_moe_combine(bases.data_ptr(), starts.data_ptr(), len(held), int(dtype == torch.bfloat16),
+                              ix.data_ptr(), w.data_ptr(), N, A, C, out.data_ptr())  # fmt: skip
     if code != 0:  # the library has the path (`_prefill_library`): -1 is a bad place
-        raise IndexError(f"moe combine: a place lies outside the {r.shape[0]} rows")
+        raise IndexError(f"moe combine: a place lies outside the {int(starts[-1])} rows")
     return out

@@ -146,18 +146,6 @@ def linear(
     return F.linear(x, w, b)
 
 
-def linear_into(
-    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, out: torch.Tensor, pack: PromptPack | None = None
-) -> torch.Tensor:
-    """`linear(x, w, b, pack)` written into out (rows of a larger buffer: no separate result to
-    concatenate); the same product, by the same path."""
-    if pack is not None and pack.serves(x, w):
-        return out.copy_(pack(x, b, w))
-    if upcasts(x) or bf16_kernel.applies(x, w) or out.dtype != x.dtype:
-        return out.copy_(linear(x, w, b))
-    return torch.mm(x, w.t(), out=out) if b is None else torch.addmm(b, x, w.t(), out=out)
-
-
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state-dict names) whose product is `linear`."""
 

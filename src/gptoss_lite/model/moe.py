@@ -16,7 +16,6 @@ from gptoss_lite.model.matmul import (
     PromptPack,
     decode_linear,
     linear,
-    linear_into,
     packs,
     rounded,
     select_linear,
@@ -47,12 +46,13 @@ def activate_halves_reference(gate_up: torch.Tensor, activation: str, limit: flo
     return activate(*gate_up.chunk(2, dim=-1), activation, limit)
 
 
-def combine(rows: torch.Tensor, at: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Σ_a weights[t, a] · rows[at[t, a]] -> (N, C) in rows' dtype: rows (P, C) the experts' outputs,
-    at (N, A) int64 each (token, slot)'s row, weights (N, A); fp32 products summed in slot order and
-    rounded once. `kernels.moe.combine` in one pass where built, else `combine_reference`."""
-    out = moe_kernel.combine(rows, at, weights)
-    return out if out is not None else combine_reference(rows, at, weights)
+def combine(pieces: list[torch.Tensor], at: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Σ_a weights[t, a] · rows[at[t, a]] -> (N, C) in the rows' dtype: rows (P, C) the experts' outputs,
+    the pieces (each expert's, in expert order) one after another; at (N, A) int64 each (token, slot)'s
+    row, weights (N, A); fp32 products summed in slot order and rounded once. `kernels.moe.combine` in one
+    pass over the pieces where built, else `combine_reference` over their concatenation."""
+    out = moe_kernel.combine(pieces, at, weights)
+    return out if out is not None else combine_reference(torch.cat(pieces), at, weights)
 
 
 def combine_reference(rows: torch.Tensor, at: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -177,19 +177,18 @@ class Experts(nn.Module):
         act = self._activate(gate, up)
         return linear(act, self.down_proj[e], None if self.down_bias is None else self.down_bias[e])
 
-    def grouped(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Rows xs (P, C) sorted by expert, counts[e] of them for expert e, each through its expert ->
-        (P, C) in xs's dtype: `expert` for each group. For inference on packed weights, one GEMM per
-        expert for gate and up together, the activation in one pass (`kernels.moe.activate`) and the
-        down-projection written in place, where `expert` makes two GEMMs, six elementwise passes and
-        a result to concatenate."""
+    def grouped(self, xs: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
+        """Rows xs (P, C) sorted by expert, counts[e] of them for expert e, each group through its
+        expert -> the outputs (counts[e], C) in xs's dtype of each expert with rows, in expert order
+        (`combine` reads them where they are). For inference on packed weights, one GEMM per expert
+        for gate and up together and the activation in one pass (`kernels.moe.activate`), where
+        `expert` makes two GEMMs and six elementwise passes."""
         packed = None if torch.is_grad_enabled() else self._packed_gate_up()
         if packed is None:
             return _grouped_by_expert(self, xs, counts)
         buf, bias, input_major = packed  # (E, C, 2I) or (E, 2I, C); (E, 2I)
-        out = xs.new_empty(xs.shape[0], self.down_proj.shape[1])
         packs = self._prompt_packs
-        start = 0
+        outs, start = [], 0
         for e, n in enumerate(counts):
             if n:
                 rows = xs[start : start + n]
@@ -198,9 +197,9 @@ class Experts(nn.Module):
                 gate_up = linear(rows, gu_w, None if bias is None else bias[e], gu_pack)
                 act = activate_halves(gate_up, self.activation, self.limit)  # (n, I)
                 db = None if self.down_bias is None else self.down_bias[e]
-                linear_into(act, self.down_proj[e], db, out[start : start + n], down_pack)
+                outs.append(linear(act, self.down_proj[e], db, down_pack))
                 start += n
-        return out
+        return outs
 
     def _gate_up_stacks(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """gate and up as out-major stacks (E, ·, C) whose outputs, side by side, are (gate, up): the
@@ -354,7 +353,7 @@ class MXFP4Experts(nn.Module):
         down_w = dequantize_rows(self.down_blocks[e], self.down_scales[e], wdt).to(x.dtype)  # (C, I)
         return linear(act, down_w, None if self.down_bias is None else self.down_bias[e])
 
-    def grouped(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def grouped(self, xs: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
         """`Experts.grouped`: each group of rows through its expert (`expert`)."""
         return _grouped_by_expert(self, xs, counts)
 
@@ -384,14 +383,15 @@ class MXFP4Experts(nn.Module):
         return rounded(self._down(act, experts), dt).view(B, A, -1)
 
 
-def _grouped_by_expert(experts: Experts | MXFP4Experts, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Rows xs (P, C) sorted by expert, counts[e] of them for expert e, each through `experts.expert`."""
+def _grouped_by_expert(experts: Experts | MXFP4Experts, xs: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
+    """Rows xs (P, C) sorted by expert, counts[e] of them for expert e, each group through
+    `experts.expert` -> the outputs of the experts with rows, in expert order."""
     outs, start = [], 0
     for e, n in enumerate(counts):
         if n:
             outs.append(experts.expert(e, xs[start : start + n]))
             start += n
-    return torch.cat(outs, dim=0) if outs else xs.new_empty(0, xs.shape[1])
+    return outs
 
 
 FEW_TOKENS = 16  # up to this many tokens (inference), `Experts.mix_few_tokens` replaces the grouping
@@ -437,14 +437,15 @@ class MoE(nn.Module):
         token_of = order // A  # token index of each sorted assignment
         counts = torch.bincount(assign_expert, minlength=E)  # (E,)
         sorted_x = flat.index_select(0, token_of)  # (N·A, C)
-        expert_out = self.experts.grouped(sorted_x, counts.tolist())  # (N·A, C)
+        pieces = self.experts.grouped(sorted_x, counts.tolist())  # each expert's (counts[e], C)
         if torch.is_grad_enabled():
+            expert_out = torch.cat(pieces)  # (N·A, C)
             sorted_w = weights.reshape(-1).index_select(0, order)  # (N·A,)
             routed = torch.zeros_like(flat).index_add_(0, token_of, expert_out * sorted_w[:, None])
         else:  # each token's A outputs gathered and weighted in one pass, summed in fp32
             at = torch.empty_like(order)
             at[order] = torch.arange(order.numel(), device=order.device)  # (token, slot) -> its sorted place
-            routed = combine(expert_out, at.view(-1, A), weights)
+            routed = combine(pieces, at.view(-1, A), weights)
         y = self._add_shared(flat, routed)  # (N, C)
         if not need_aux:
             return y.view(B, T, C), None
