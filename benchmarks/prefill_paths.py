@@ -11,7 +11,9 @@ Modes, taking turns in each round (the order alternating between rounds), each t
   and `kernels/norm.c`'s RMSNorm;
 - moe-one-buffer: the same, the down-projections' outputs first copied into one buffer (as before
   `combine` read them in pieces);
-- moe-torch: the same MoE structure with PyTorch's ops for the two passes (the references, and
+- moe-torch-group: the same, the tokens grouped by expert with PyTorch's ops (stable argsort,
+  bincount, index_select, a scatter) instead of `kernels/moe.c`'s counting sort and gather;
+- moe-torch: the same MoE structure with PyTorch's ops for the three passes (the references, and
   what a machine without the kernel runs);
 - moe-per-expert: each expert by `Experts.expert` (two GEMMs and PyTorch's activation), the outputs
   concatenated, weighted and `index_add_`-ed, as the prefill ran before these passes;
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(args.model, dtype=getattr(torch, args.dtype))
     model.prepare_for_inference(compile_decode=True)
     ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
-    library, grouped, combine = moe_kernel._prefill_library, moe.Experts.grouped, moe.combine
+    library, grouped, combine, group = moe_kernel._prefill_library, moe.Experts.grouped, moe.combine, moe_kernel.group
     norm_applies = norm_kernel.applies
 
     def index_add(pieces, at, weights):  # the weighting and index_add_ the prefill ran before `combine`
@@ -81,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         swapped = {"moe-per-expert": moe._grouped_by_expert, "moe-one-buffer": one_buffer}
         moe.Experts.grouped = swapped.get(mode, grouped)
         moe.combine = index_add if mode == "moe-per-expert" else combine
+        torch_group = mode in ("moe-torch-group", "moe-torch", "moe-per-expert")
+        moe_kernel.group = (lambda *a: None) if torch_group else group
         norm_kernel.applies = (lambda *a: False) if mode == "norm-torch" else norm_applies
 
     def rate() -> float:
@@ -91,7 +95,15 @@ def main(argv: list[str] | None = None) -> int:
             best = min(best, time.perf_counter() - t0)
         return args.tokens / best
 
-    modes = ["default", "moe-one-buffer", "moe-torch", "moe-per-expert", "norm-torch", "no-prompt-packs"]
+    modes = [
+        "default",
+        "moe-one-buffer",
+        "moe-torch-group",
+        "moe-torch",
+        "moe-per-expert",
+        "norm-torch",
+        "no-prompt-packs",
+    ]
     tokens = {}
     for mode in modes:  # warm-up, and the first token of each path
         use(mode)

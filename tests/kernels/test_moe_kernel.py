@@ -286,6 +286,31 @@ def test_combine_equals_the_reference(N, A, C, dtype, n_pieces):
     assert got.dtype == dtype and torch.equal(got, combine_reference(rows, at, weights))
 
 
+@pytest.mark.skipif(moe_kernel._library() is None, reason="no C compiler: MoE.forward groups with PyTorch's ops")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N, A, E, C", [(1, 1, 4, 16), (7, 2, 8, 40), (300, 4, 32, 256), (64, 2, 8, 8)])
+def test_group_equals_the_sort_it_replaces(N, A, E, C, dtype):
+    """The counting sort and gather against what MoE.forward builds with PyTorch: a stable argsort of
+    the experts, bincount, index_select and the scatter of each place."""
+    g = torch.Generator().manual_seed(N + E)
+    x = torch.randn(N, C, generator=g).to(dtype)
+    idx = torch.randint(0, E if N != 64 else 2, (N, A), generator=g)  # N = 64: two experts, long runs of ties
+    sorted_x, counts, at = moe_kernel.group(x, idx, E)
+    order = torch.argsort(idx.reshape(-1), stable=True)
+    want_at = torch.empty_like(order)
+    want_at[order] = torch.arange(order.numel())
+    assert counts == torch.bincount(idx.reshape(-1), minlength=E).tolist()
+    assert torch.equal(at, want_at.view(N, A))
+    assert torch.equal(sorted_x, x.index_select(0, order // A))
+
+
+@pytest.mark.skipif(moe_kernel._library() is None, reason="no C compiler: MoE.forward groups with PyTorch's ops")
+def test_group_refuses_an_expert_outside_the_range():
+    with pytest.raises(IndexError, match=r"outside \[0, 4\)"):
+        moe_kernel.group(torch.randn(3, 8), torch.tensor([[0, 1], [2, 4], [1, 1]]), 4)
+    assert moe_kernel.group(torch.randn(3, 8, requires_grad=True), torch.zeros(3, 2, dtype=torch.long), 4) is None
+
+
 @needs_prefill_passes
 def test_combine_refuses_a_place_outside_the_rows():
     rows, weights = torch.randn(4, 16), torch.ones(2, 2)
@@ -299,7 +324,7 @@ def test_combine_refuses_a_place_outside_the_rows():
 def test_prefill_moe_equals_the_training_forward(preset, dtype, monkeypatch):
     """`MoE.forward` over many tokens at inference (packed weights: one gate|up GEMM per expert, the
     kernel's passes where built) equals the training forward (two GEMMs per expert, PyTorch's passes,
-    index_add_), and so does the same inference path with PyTorch's passes."""
+    index_add_), and so does the same inference path with PyTorch's passes and grouping."""
     model = make_model(preset).to(dtype)
     moe = model.blocks[0].moe
     x = torch.randn(1, 200, model.config.d_model, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -309,6 +334,7 @@ def test_prefill_moe_equals_the_training_forward(preset, dtype, monkeypatch):
         assert moe.experts.is_packed()
         fast, _ = moe(x, need_aux=False)
         monkeypatch.setattr(moe_kernel, "_prefill_library", lambda *t: None)
+        monkeypatch.setattr(moe_kernel, "group", lambda *a: None)
         torch_passes, _ = moe(x, need_aux=False)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.03, rtol=0.03)
     torch.testing.assert_close(fast, want.detach(), **tol)
@@ -322,6 +348,7 @@ def test_prefill_passes_fall_back_without_kernels(without_kernels):
         "assert moe._prefill_library(torch.zeros(1)) is None; "
         "gu = torch.randn(9, 32); rows = torch.randn(6, 8); at = torch.tensor([[0, 5], [3, 2]]); w = torch.rand(2, 2); "
         "assert moe.activate(gu, False, 7.0) is None and moe.combine([rows], at, w) is None; "
+        "assert moe.group(rows, at, 6) is None; "
         "assert torch.equal(m.activate_halves(gu, 'gptoss', 7.0), m.activate_halves_reference(gu, 'gptoss', 7.0)); "
         "assert torch.equal(m.combine([rows[:2], rows[2:]], at, w), m.combine_reference(rows, at, w))"
     )

@@ -296,3 +296,37 @@ int gl_moe_combine(const int64_t *bases, const int64_t *starts, int64_t E, int b
     return -1;
 #endif
 }
+
+/* gl_moe_group: N tokens' rows x (N, C) (es bytes a value) and their A experts each, idx (N, A) in
+ * [0, E), grouped by expert for one GEMM per expert: the N * A (token, slot) assignments sorted by
+ * expert, stably (a counting sort: within an expert, in token then slot order, as a stable argsort of
+ * idx.reshape(-1) orders them). Writes counts[e] (the assignments of expert e), at (N, A) each
+ * assignment's place in that order, and sorted (N * A, C) the token's row at each place. Plain C, for
+ * every CPU. Returns 0, or -1 for an expert outside [0, E) (nothing written then). */
+int gl_moe_group(const void *x, int64_t es, const int64_t *idx, int64_t N, int64_t A, int64_t C, int64_t E,
+                 int64_t *counts, int64_t *at, void *sorted) {
+    for (int64_t i = 0; i < N * A; i++)
+        if (idx[i] < 0 || idx[i] >= E) return -1;
+    int64_t *next = (int64_t *)calloc((size_t)(E > 0 ? E : 1), sizeof(int64_t));
+    int64_t *token = (int64_t *)malloc((size_t)(N * A > 0 ? N * A : 1) * sizeof(int64_t));
+    if (!next || !token) {
+        free(next);
+        free(token);
+        return -2;
+    }
+    memset(counts, 0, (size_t)E * sizeof(int64_t));
+    for (int64_t i = 0; i < N * A; i++) counts[idx[i]]++;
+    for (int64_t e = 1; e < E; e++) next[e] = next[e - 1] + counts[e - 1];
+    for (int64_t i = 0; i < N * A; i++) {
+        const int64_t p = next[idx[i]]++;
+        at[i] = p;
+        token[p] = i / A;
+    }
+    const int64_t row = C * es;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < N * A; p++)
+        memcpy((char *)sorted + p * row, (const char *)x + token[p] * row, (size_t)row);
+    free(next);
+    free(token);
+    return 0;
+}

@@ -4,10 +4,11 @@ step's gathered reduction reads them once per row. `MoE.decode_step` calls it fo
 where it serves (`serves`); elsewhere (one row, MXFP4 experts, no AVX-512, no compiler,
 `GPTOSS_LITE_NO_KERNELS=1`) the reduction stays, and the tests hold the kernel to it.
 
-Prefill's grouped experts (`MoE.forward` over many tokens) use two passes of the same library around
-PyTorch's GEMMs: `activate` (the gated activation of a packed gate|up product, one pass) and `combine`
-(each token's weighted sum of its experts' outputs, one pass). Each has a PyTorch version, the
-reference, which runs where the library does not."""
+Prefill's grouped experts (`MoE.forward` over many tokens) use three passes of the same library around
+PyTorch's GEMMs: `group` (the tokens' rows sorted by expert, a counting sort and a gather, plain C),
+`activate` (the gated activation of a packed gate|up product, one pass) and `combine` (each token's
+weighted sum of its experts' outputs, one pass). Each has a PyTorch version, the reference, which runs
+where the library does not."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def _library() -> ctypes.CDLL | None:
         lib.gl_moe_activate.restype = ctypes.c_int
         lib.gl_moe_combine.argtypes = [ptr, ptr, i64, i32, ptr, ptr, i64, i64, i64, ptr]
         lib.gl_moe_combine.restype = ctypes.c_int
+        lib.gl_moe_group.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr]
+        lib.gl_moe_group.restype = ctypes.c_int
         lib.isa = lib.gl_moe_isa()
         lib._typed = True
         cpp_ops.bind("moe_experts", lib.gl_moe_experts, lib.isa)  # the op's calls stay out of Python from here on
@@ -137,6 +140,39 @@ def _prefill_library(*tensors: torch.Tensor) -> ctypes.CDLL | None:
         return None
     lib = _library()
     return lib if lib is not None and lib.isa >= 1 else None
+
+
+def group(x: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, list[int], torch.Tensor] | None:
+    """Tokens x (N, C) and their experts idx (N, A) grouped by expert, in one pass: -> sorted (N·A, C),
+    each assignment's token row in the order a stable argsort of idx.reshape(-1) gives; counts[e], the
+    assignments of expert e; at (N, A), each (token, slot)'s place in that order. What `MoE.forward`
+    builds from argsort, bincount, index_select and a scatter (the reference, where the library is not
+    built, and while gradients are recorded). None where the library does not serve; IndexError for an
+    expert outside [0, n_experts)."""
+    if (
+        torch.compiler.is_compiling()
+        or x.device.type != "cpu"
+        or x.requires_grad
+        or x.dim() != 2
+        or idx.dim() != 2
+        or idx.shape[0] != x.shape[0]
+    ):
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    rows, ix = x.contiguous(), idx.to(torch.int64).contiguous()
+    N, A = ix.shape
+    counts = torch.empty(n_experts, dtype=torch.int64)
+    at = torch.empty(N, A, dtype=torch.int64)
+    out = rows.new_empty(N * A, rows.shape[1])
+    code = lib.gl_moe_group(rows.data_ptr(), rows.element_size(), ix.data_ptr(), N, A, rows.shape[1], n_experts,
+                            counts.data_ptr(), at.data_ptr(), out.data_ptr())  # fmt: skip
+    if code == -1:
+        raise IndexError(f"moe group: an expert lies outside [0, {n_experts})")
+    if code != 0:
+        raise MemoryError("moe group: no memory for the order")
+    return out, counts.tolist(), at
 
 
 def activate(gate_up: torch.Tensor, swiglu: bool, limit: float) -> torch.Tensor | None:

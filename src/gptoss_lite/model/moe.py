@@ -432,26 +432,32 @@ class MoE(nn.Module):
                 return self._add_shared(flat, y).view(B, T, C), None
 
         # Group the N·A (token, expert) assignments by expert: one matmul per expert that has tokens.
-        assign_expert = top_idx.reshape(-1)  # (N·A,)
-        order = torch.argsort(assign_expert, stable=True)
-        token_of = order // A  # token index of each sorted assignment
-        counts = torch.bincount(assign_expert, minlength=E)  # (E,)
-        sorted_x = flat.index_select(0, token_of)  # (N·A, C)
-        pieces = self.experts.grouped(sorted_x, counts.tolist())  # each expert's (counts[e], C)
-        if torch.is_grad_enabled():
-            expert_out = torch.cat(pieces)  # (N·A, C)
-            sorted_w = weights.reshape(-1).index_select(0, order)  # (N·A,)
-            routed = torch.zeros_like(flat).index_add_(0, token_of, expert_out * sorted_w[:, None])
-        else:  # each token's A outputs gathered and weighted in one pass, summed in fp32
-            at = torch.empty_like(order)
-            at[order] = torch.arange(order.numel(), device=order.device)  # (token, slot) -> its sorted place
-            routed = combine(pieces, at.view(-1, A), weights)
+        grouping = None if torch.is_grad_enabled() else moe_kernel.group(flat, top_idx, E)
+        if grouping is not None:  # the sort and the gather below in one pass (the same order)
+            sorted_x, counts, at = grouping
+            pieces = self.experts.grouped(sorted_x, counts)  # each expert's (counts[e], C)
+            routed = combine(pieces, at, weights)
+        else:
+            assign_expert = top_idx.reshape(-1)  # (N·A,)
+            order = torch.argsort(assign_expert, stable=True)
+            token_of = order // A  # token index of each sorted assignment
+            counts = torch.bincount(assign_expert, minlength=E)  # (E,)
+            sorted_x = flat.index_select(0, token_of)  # (N·A, C)
+            pieces = self.experts.grouped(sorted_x, counts.tolist())  # each expert's (counts[e], C)
+            if torch.is_grad_enabled():
+                expert_out = torch.cat(pieces)  # (N·A, C)
+                sorted_w = weights.reshape(-1).index_select(0, order)  # (N·A,)
+                routed = torch.zeros_like(flat).index_add_(0, token_of, expert_out * sorted_w[:, None])
+            else:  # each token's A outputs gathered and weighted in one pass, summed in fp32
+                at = torch.empty_like(order)
+                at[order] = torch.arange(order.numel(), device=order.device)  # (token, slot) -> its sorted place
+                routed = combine(pieces, at.view(-1, A), weights)
         y = self._add_shared(flat, routed)  # (N, C)
         if not need_aux:
             return y.view(B, T, C), None
 
         # Switch-style load balancing: E · Σ_e f_e · P_e (f: fraction of assignments, P: mean prob).
-        frac = counts.float() / assign_expert.numel()  # (E,)
+        frac = torch.as_tensor(counts, dtype=torch.float32) / top_idx.numel()  # (E,)
         mean_prob = torch.softmax(logits.float(), dim=-1).mean(dim=0)  # (E,)
         aux = E * (frac * mean_prob).sum()
         return y.view(B, T, C), aux
