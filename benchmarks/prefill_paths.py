@@ -18,6 +18,7 @@ Modes, taking turns in each round (the order alternating between rounds), each t
 - moe-per-expert: each expert by `Experts.expert` (two GEMMs and PyTorch's activation), the outputs
   concatenated, weighted and `index_add_`-ed, as the prefill ran before these passes;
 - norm-torch: RMSNorm by `F.rms_norm` (as before `kernels/norm.c`);
+- rope-torch: the queries' and keys' rotation by PyTorch's four ops (as before `kernels/rope.c`);
 - no-prompt-packs: the prompt's products by PyTorch's `addmm` on the weights as stored, the oneDNN
   copies `GPTOSS.pack_for_prompts` makes (`model/matmul.py`, `PromptPack`) kept but serving nothing.
 
@@ -53,13 +54,14 @@ def main(argv: list[str] | None = None) -> int:
     from gptoss_lite.generation import generate
     from gptoss_lite.kernels import moe as moe_kernel
     from gptoss_lite.kernels import norm as norm_kernel
+    from gptoss_lite.kernels import rope as rope_kernel
     from gptoss_lite.model import matmul, moe
 
     model = load_model(args.model, dtype=getattr(torch, args.dtype))
     model.prepare_for_inference(compile_decode=True)
     ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
     library, grouped, combine, group = moe_kernel._prefill_library, moe.Experts.grouped, moe.combine, moe_kernel.group
-    norm_applies = norm_kernel.applies
+    norm_applies, rotate = norm_kernel.applies, rope_kernel.rotate
 
     def index_add(pieces, at, weights):  # the weighting and index_add_ the prefill ran before `combine`
         rows = torch.cat(pieces)
@@ -86,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         torch_group = mode in ("moe-torch-group", "moe-torch", "moe-per-expert")
         moe_kernel.group = (lambda *a: None) if torch_group else group
         norm_kernel.applies = (lambda *a: False) if mode == "norm-torch" else norm_applies
+        rope_kernel.rotate = (lambda *a: None) if mode == "rope-torch" else rotate
 
     def rate() -> float:
         best = float("inf")
@@ -102,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         "moe-torch",
         "moe-per-expert",
         "norm-torch",
+        "rope-torch",
         "no-prompt-packs",
     ]
     tokens = {}

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from gptoss_lite.config import ModelConfig
+from gptoss_lite.kernels import rope as rope_kernel
 
 
 def yarn_inv_freq(
@@ -111,7 +112,12 @@ def apply_rotary_tables(x: torch.Tensor, cos_full: torch.Tensor, sin_signed: tor
     """`apply_rotary` with tables from `rotary_tables`: x·(cos|cos) + swap_halves(x)·(-sin|sin).
 
     Bit-identical to `apply_rotary` (x1·cos + x2·(-sin) is x1·cos - x2·sin exactly in IEEE arithmetic).
+    A prompt's (B, H, T, D) queries and keys take `kernels.rope.rotate` (one pass, the same bits) where it
+    serves; PyTorch's four ops otherwise (and always in a trace).
     """
+    fast = rope_kernel.rotate(x, cos_full, sin_signed)
+    if fast is not None:
+        return fast
     xf = x if x.dtype == torch.float32 else x.float()
     out = xf * cos_full + xf.roll(x.shape[-1] // 2, dims=-1) * sin_signed
     return out if out.dtype == x.dtype else out.to(x.dtype)
