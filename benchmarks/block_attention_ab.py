@@ -11,7 +11,8 @@ median µs per call over `--calls` calls alternating, each after a 64 MB write t
 from the caches (as a decode step's weights do), and the largest difference between their outputs.
 `--march haswell` builds both for an AVX2-only CPU (the generic path such a machine takes). With
 `--engine`, also the peers' batch cell through `LLM` on that model (`kernel_versions.engine_batch`),
-the `gptoss_lite::block_attention` op bound to one build, then the other (`cpp_ops.rebind`).
+the `gptoss_lite::block_attention` op bound to one build, then the other (`cpp_ops.rebind`); with
+`--kv-bits 8` or `4`, over int8 or int4 blocks (`gl_block_attention_quant`).
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ from kernel_versions import base_and_here, engine_batch
 
 
 def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
-    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.gl_block_attention.argtypes = [
-        ptr, i64, i64, i64, i64, ptr, ptr, i32, i64, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64,
-        ctypes.c_float, i32, ptr,
-    ]  # fmt: skip
-    lib.gl_block_attention.restype = ctypes.c_int
+    """lib's two entry points typed as this checkout's own build types them (`kernels.blocks`)."""
+    from gptoss_lite.kernels import blocks
+
+    own = blocks._library()
+    for name in ("gl_block_attention", "gl_block_attention_quant"):
+        fn, ref = getattr(lib, name), getattr(own, name)
+        fn.argtypes, fn.restype = ref.argtypes, ref.restype
     return lib
 
 
@@ -77,14 +79,17 @@ def shapes(libs, calls: int) -> list[dict]:
     return rows_out
 
 
-def engine(libs, model_dir: str, dtype: str, rounds: int) -> dict:
+def engine(libs, model_dir: str, dtype: str, rounds: int, kv_bits: int) -> dict:
     from gptoss_lite.kernels import blocks, cpp_ops
+    from gptoss_lite.kvspec import kv_format
 
     def use(i: int) -> None:
-        blocks._library = lambda lib=libs[i]: lib  # the op's Python implementation, where C++ is not built
+        # the ops' Python implementations (the quantised one always, the plain one where C++ is not built)
+        blocks._library = lambda lib=libs[i]: lib
         cpp_ops.rebind("block_attention", libs[i].gl_block_attention)
 
-    return engine_batch(use, model_dir, dtype, rounds)
+    kwargs = {} if kv_bits == 16 else {"kv_format": kv_format(kv_bits)}
+    return engine_batch(use, model_dir, dtype, rounds, kwargs) | {"kv_bits": kv_bits}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", metavar="MODEL_DIR", help="also time the engine's batch cell on this model")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the engine's dtype")
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--kv-bits", type=int, choices=[16, 8, 4], default=16, help="the engine's KV format")
     ap.add_argument("--march", default="native", help="build both for this CPU (haswell: the AVX2-only path)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
@@ -112,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         print("|---|---|---:|---:|---:|---:|")
         result = {"base": args.base, "march": args.march, "threads": args.threads, "shapes": shapes(libs, args.calls)}
         if args.engine:
-            result["engine"] = engine(libs, args.engine, args.dtype, args.rounds)
+            result["engine"] = engine(libs, args.engine, args.dtype, args.rounds, args.kv_bits)
     result["lscpu"] = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     if args.out:

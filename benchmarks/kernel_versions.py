@@ -41,12 +41,15 @@ def base_and_here(revision: str, kernel: str, folder: Path, march: str = "native
     return [build(base.stdout, folder, "base", march), build((ROOT / path).read_text(), folder, "here", march)]
 
 
-def engine_batch(use: Callable[[int], None], model_dir: str, dtype: str, rounds: int) -> dict:
+def engine_batch(
+    use: Callable[[int], None], model_dir: str, dtype: str, rounds: int, llm_kwargs: dict | None = None
+) -> dict:
     """The peers' batch cell through `LLM` on model_dir in `dtype` (16 × 256 random prompt tokens × 128 new,
-    greedy, the compiled step) with build 0 (the base) and build 1 (this checkout's), `use(i)` switching
-    the process to build i: one run each first (their tokens), then `rounds` rounds of both, the order
-    alternating by round. Wall seconds, the median of the per-round ratios base / this, and how many of
-    the 16 requests kept the same tokens (bf16 sums in another order may part near-ties on random weights)."""
+    greedy, the compiled step; `llm_kwargs` for the engine, e.g. a KV format) with build 0 (the base) and
+    build 1 (this checkout's), `use(i)` switching the process to build i: one run each first (their
+    tokens), then `rounds` rounds of both, the order alternating by round. Wall seconds, the median of the
+    per-round ratios base / this, and how many of the 16 requests kept the same tokens (bf16 sums in
+    another order may part near-ties on random weights)."""
     import numpy as np
     import torch
 
@@ -55,7 +58,7 @@ def engine_batch(use: Callable[[int], None], model_dir: str, dtype: str, rounds:
 
     model = load_model(model_dir, dtype=getattr(torch, dtype))
     model.prepare_for_inference(compile_decode=True)
-    llm = LLM(model, enable_prefix_caching=False)
+    llm = LLM(model, enable_prefix_caching=False, **(llm_kwargs or {}))
     vocab = model.config.vocab_size
     prompts = [np.random.default_rng(10_000 + i).integers(1, vocab, 256).tolist() for i in range(16)]
     params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)

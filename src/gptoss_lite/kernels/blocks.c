@@ -63,14 +63,16 @@ static inline const float *slot_f32(const void *base, int bf16, int64_t index, i
  * first blocks too, prefetched while this one is scored, gained nothing more. */
 #define PREFETCH_BLOCKS 2
 
+/* the bytes [p, p + n) into L1 */
+static inline void prefetch_range(const void *p, int64_t n) {
+    for (int64_t o = 0; o < n; o += 64) __builtin_prefetch((const char *)p + o, 0, 3);
+}
+
 /* the keys and values of the plain block whose first slot is `slot` into L1 */
 static inline void prefetch_block(const void *keys, const void *values, int bf16, int64_t slot, int64_t bs, int64_t D) {
     const int64_t bytes = bs * D * (bf16 ? 2 : 4);
-    const char *kb = (const char *)keys + slot / bs * bytes, *vb = (const char *)values + slot / bs * bytes;
-    for (int64_t o = 0; o < bytes; o += 64) {
-        __builtin_prefetch(kb + o, 0, 3);
-        __builtin_prefetch(vb + o, 0, 3);
-    }
+    prefetch_range((const char *)keys + slot / bs * bytes, bytes);
+    prefetch_range((const char *)values + slot / bs * bytes, bytes);
 }
 
 /* the first block to prefetch on reaching block c of a group: the one PREFETCH_BLOCKS ahead, and from the
@@ -236,6 +238,15 @@ static void load_slots(const Source *src, int64_t r, int64_t k, int64_t D, const
     float *kzero = kscale + D;
     for (int64_t c = 0; c < nb; c++) {
         const int64_t b = src->table[r * nb + c];
+        for (int64_t a = ahead_from(c); a <= c + PREFETCH_BLOCKS && a < nb; a++) { /* codes, scales, zeros */
+            const int64_t ab = k * N + src->table[r * nb + a];
+            prefetch_range(src->kq + ab * bs * Dc, bs * Dc);
+            prefetch_range(src->vq + ab * bs * Dc, bs * Dc);
+            prefetch_range(src->ks + ab * D, D * 2);
+            prefetch_range(src->kz + ab * D, D * 2);
+            prefetch_range(src->vs + ab * bs * ng, bs * ng * 2);
+            prefetch_range(src->vz + ab * bs * ng, bs * ng * 2);
+        }
         const uint16_t *ks = src->ks + (k * N + b) * D, *kz = src->kz + (k * N + b) * D;
         for (int64_t d = 0; d < D; d++) {
             kscale[d] = widen_half(ks[d]);
