@@ -1,9 +1,13 @@
 """Shared fixtures: tiny seeded models on CPU in fp32; and no test reaches the network."""
 
+import ctypes
 import os
+import platform
+import shutil
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,6 +50,28 @@ def make_model(preset: str = "lite-tiny", seed: int = 0, **changes) -> GPTOSS:
             elif "norm" in name:
                 p.copy_(1 + torch.randn(p.shape, generator=gen) * 0.1)
     return model.prepare_for_inference()
+
+
+# what a CPU needs to run a build for `-march=ARCH` (a build that is only loaded runs anywhere)
+_ARCH_NEEDS = {"x86-64": (), "haswell": ("avx2", "fma"), "skylake-avx512": ("avx512f",)}
+
+
+def build_kernel_for(kernel: str, arch: str, folder: Path, *, run: bool = True, flags: tuple[str, ...] = ()):
+    """kernels/`kernel`.c built for another CPU than this one (`-march=arch`: x86-64 for the plain-C paths,
+    haswell for AVX2 without AVX-512, skylake-avx512 for AVX-512 without BF16) into folder, loaded. The
+    test is skipped without gcc on x86-64, and, when it will `run` the build's code, where this CPU
+    lacks what the build needs."""
+    from gptoss_lite.kernels.build import _HERE
+
+    if platform.machine() != "x86_64" or shutil.which("gcc") is None:
+        pytest.skip("needs gcc on x86-64")
+    cpu = Path("/proc/cpuinfo").read_text()
+    if run and not all(f" {flag}" in cpu for flag in _ARCH_NEEDS[arch]):
+        pytest.skip(f"this CPU cannot run a build for {arch}")
+    lib = folder / f"{kernel}-{arch}.so"
+    cmd = ["gcc", "-O3", f"-march={arch}", "-fopenmp", "-fPIC", "-shared", "-std=c11", *flags, "-I", str(_HERE)]
+    subprocess.run([*cmd, str(_HERE / f"{kernel}.c"), "-o", str(lib), "-lm"], check=True)
+    return ctypes.CDLL(str(lib))
 
 
 @pytest.fixture

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import ctypes
-import platform
-import shutil
-import subprocess
 
 import pytest
 import torch
 
+from conftest import build_kernel_for
 from gptoss_lite.kernels import blocks
 from gptoss_lite.model.attention.decode import masked_decode
 from gptoss_lite.model.attention.layer import gathered
@@ -82,16 +80,7 @@ def test_other_cpus_builds_agree(tmp_path, arch):
     """The source as built for a CPU without AVX2 (plain C) and for an AVX2-only one (the generic path,
     with its prefetches of fp32 blocks while scoring and of bf16 blocks while widening) against
     masked_decode: machines unlike this one read their blocks correctly too."""
-    from gptoss_lite.kernels.build import _HERE
-
-    if platform.machine() != "x86_64" or shutil.which("gcc") is None:
-        pytest.skip("needs gcc on x86-64")
-    if arch == "haswell" and " avx2" not in open("/proc/cpuinfo").read():
-        pytest.skip("this CPU cannot run the AVX2 build")
-    lib_path = tmp_path / f"blocks-{arch}.so"
-    cmd = ["gcc", "-O3", f"-march={arch}", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-    subprocess.run([*cmd, str(_HERE / "blocks.c"), "-o", str(lib_path), "-lm"], check=True)
-    lib = ctypes.CDLL(str(lib_path))
+    lib = build_kernel_for("blocks", arch, tmp_path)
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.gl_block_attention.argtypes = [
         ptr, i64, i64, i64, i64, ptr, ptr, i32, i64, i64, ptr, i64, ptr, i64, i64, i64, ptr, i64,

@@ -8,14 +8,12 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import make_model
+from conftest import build_kernel_for, make_model
 from gptoss_lite.kernels import moe as moe_kernel
 from gptoss_lite.model.moe import Experts, activate_halves_reference, combine_reference
 
@@ -186,14 +184,7 @@ def test_other_cpus_builds(tmp_path, arch, isa):
     """Built for a CPU without AVX-512 the library compiles, reports no path, and refuses a call
     (nothing written); built for AVX-512 without BF16 it serves fp32 only, and agrees with the
     reduction where this CPU can run it."""
-    from gptoss_lite.kernels.build import _HERE
-
-    if platform.machine() != "x86_64" or shutil.which("gcc") is None:
-        pytest.skip("needs gcc on x86-64")
-    lib_path = tmp_path / f"moe-{arch}.so"
-    cmd = ["gcc", "-O3", f"-march={arch}", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-    subprocess.run([*cmd, str(_HERE / "moe.c"), "-o", str(lib_path), "-lm"], check=True)
-    lib = ctypes.CDLL(str(lib_path))
+    lib = build_kernel_for("moe", arch, tmp_path, run=False)  # only called below where this CPU runs it
     assert lib.gl_moe_isa() == isa
     if isa and " avx512f" not in _flags():
         return

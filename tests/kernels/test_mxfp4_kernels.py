@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 import torch
 
+from conftest import build_kernel_for
 from gptoss_lite.kernels import mxfp4
 
 
@@ -141,17 +141,8 @@ def test_other_cpus_builds_agree(tmp_path, arch):
     """The C source as built for a CPU without AVX2 (the scalar path) and for an AVX2-only CPU (no
     AVX-512): both agree with the reference, so machines unlike this one get correct kernels too."""
     import ctypes
-    import platform
-    import shutil
 
-    from gptoss_lite.kernels.build import _HERE
-
-    if platform.machine() != "x86_64" or shutil.which("gcc") is None:
-        pytest.skip("needs gcc on x86-64")
-    lib_path = tmp_path / f"mxfp4-{arch}.so"
-    cmd = ["gcc", "-O3", f"-march={arch}", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-    subprocess.run([*cmd, str(_HERE / "mxfp4.c"), "-o", str(lib_path), "-lm"], check=True)
-    lib = ctypes.CDLL(str(lib_path))
+    lib = build_kernel_for("mxfp4", arch, tmp_path)
     assert lib.gl_has_avx2() == (arch == "haswell") and lib.gl_has_bf16_dot() == 0
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.gl_mxfp4_matvec.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ptr]

@@ -5,14 +5,12 @@ machines without it (GPTOSS_LITE_NO_KERNELS=1)."""
 from __future__ import annotations
 
 import ctypes
-import platform
-import shutil
-import subprocess
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import build_kernel_for
 from gptoss_lite.kernels import norm as norm_kernel
 from gptoss_lite.model.transformer import RMSNorm
 
@@ -80,16 +78,7 @@ def test_leaves_other_inputs_to_pytorch():
 @pytest.mark.parametrize("arch", ["x86-64", "haswell"])
 def test_other_cpus_builds(tmp_path, arch):
     """Built for a CPU without AVX-512 (plain x86-64, AVX2) the kernel gives the same values."""
-    from gptoss_lite.kernels.build import _HERE
-
-    if platform.machine() != "x86_64" or shutil.which("gcc") is None:
-        pytest.skip("needs gcc on x86-64")
-    if arch == "haswell" and " avx2" not in open("/proc/cpuinfo").read():
-        pytest.skip("this CPU cannot run an AVX2 build")
-    lib_path = tmp_path / f"norm-{arch}.so"
-    cmd = ["gcc", "-O3", f"-march={arch}", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-    subprocess.run([*cmd, str(_HERE / "norm.c"), "-o", str(lib_path), "-lm"], check=True)
-    lib = ctypes.CDLL(str(lib_path))
+    lib = build_kernel_for("norm", arch, tmp_path)
     lib.gl_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                 ctypes.c_float, ctypes.c_void_p]  # fmt: skip
     for dtype in (torch.float32, torch.bfloat16):

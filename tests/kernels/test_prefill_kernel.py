@@ -7,14 +7,13 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import make_model
+from conftest import build_kernel_for, make_model
 from gptoss_lite.kernels import prefill
 from gptoss_lite.kv.base import KVRead
 from gptoss_lite.model.attention import attention_fast, attention_reference
@@ -163,14 +162,7 @@ def test_whole_model_prefill_equals_the_reference(changes, monkeypatch):
 def test_builds_without_avx512_report_themselves_unusable(tmp_path, arch):
     """Built for a CPU without AVX-512 (plain x86-64, an AVX2-only CPU) the library compiles and says
     it has no kernel, so those machines keep PyTorch's path."""
-    from gptoss_lite.kernels.build import _HERE
-
-    if platform.machine() != "x86_64" or shutil.which("gcc") is None:
-        pytest.skip("needs gcc on x86-64")
-    lib_path = tmp_path / f"prefill-{arch}.so"
-    cmd = ["gcc", "-O3", f"-march={arch}", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-    subprocess.run([*cmd, str(_HERE / "prefill.c"), "-o", str(lib_path), "-lm"], check=True)
-    assert ctypes.CDLL(str(lib_path)).gl_has_prefill_attention() == 0
+    assert build_kernel_for("prefill", arch, tmp_path, run=False).gl_has_prefill_attention() == 0
 
 
 def test_fallback_without_kernels_agrees(without_kernels):

@@ -4,13 +4,11 @@ machine's build, builds for other CPUs, and what stays with PyTorch."""
 from __future__ import annotations
 
 import ctypes
-import platform
-import shutil
-import subprocess
 
 import pytest
 import torch
 
+from conftest import build_kernel_for
 from gptoss_lite.kernels import rope as rope_kernel
 from gptoss_lite.model.rope import apply_rotary, apply_rotary_tables, rotary_tables
 
@@ -63,16 +61,7 @@ def test_leaves_other_inputs_to_pytorch():
 @pytest.mark.parametrize("arch", ["x86-64", "haswell"])
 def test_other_cpus_builds(tmp_path, arch):
     """Built for a CPU without AVX-512 (plain x86-64, AVX2) the kernel gives the same bits."""
-    from gptoss_lite.kernels.build import _HERE
-
-    if platform.machine() != "x86_64" or shutil.which("gcc") is None:
-        pytest.skip("needs gcc on x86-64")
-    if arch == "haswell" and " avx2" not in open("/proc/cpuinfo").read():
-        pytest.skip("this CPU cannot run an AVX2 build")
-    lib_path = tmp_path / f"rope-{arch}.so"
-    cmd = ["gcc", "-O3", f"-march={arch}", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-I", str(_HERE)]
-    subprocess.run([*cmd, str(_HERE / "rope.c"), "-o", str(lib_path)], check=True)
-    lib = ctypes.CDLL(str(lib_path))
+    lib = build_kernel_for("rope", arch, tmp_path)
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.gl_rotary.argtypes = [ptr, ctypes.c_int, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr]
     for dtype in (torch.float32, torch.bfloat16):

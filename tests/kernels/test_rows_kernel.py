@@ -8,14 +8,13 @@ import ctypes
 import itertools
 import os
 import platform
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import build_kernel_for
 from gptoss_lite.kernels import rows
 from gptoss_lite.model import matmul
 
@@ -205,16 +204,7 @@ def test_greedy_is_argmax_on_every_path():
 def test_other_cpus_builds_agree(tmp_path, arch, isa):
     """The C source as built for a CPU without AVX2 (the plain-C path) and for an AVX2-only CPU (no
     AVX-512) agrees with F.linear, so machines unlike this one get a correct kernel too."""
-    from gptoss_lite.kernels.build import _HERE
-
-    if platform.machine() != "x86_64" or shutil.which("gcc") is None:
-        pytest.skip("needs gcc on x86-64")
-    if isa and not _has_avx2():
-        pytest.skip("this CPU cannot run the AVX2 build")
-    lib_path = tmp_path / f"rows-{arch}.so"
-    cmd = ["gcc", "-O3", f"-march={arch}", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-    subprocess.run([*cmd, str(_HERE / "rows.c"), "-o", str(lib_path)], check=True)
-    lib = ctypes.CDLL(str(lib_path))
+    lib = build_kernel_for("rows", arch, tmp_path)
     assert lib.gl_rows_isa() == isa
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.gl_rows_mm.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr]
