@@ -15,17 +15,14 @@ Needs a CPU with AVX-512 BF16 (elsewhere the kernel is a stub).
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from kernel_versions import base_and_here, engine_batch
+from kernel_versions import ab_parser, base_and_here, engine_batch, save
 
 SHAPES = [
     (16, 12288, 256), (16, 384, 256), (8, 12288, 256), (4, 12288, 256), (2, 12288, 256), (1, 12288, 256),
@@ -75,13 +72,7 @@ def engine(libs, model_dir: str, rounds: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base", required=True, help="git revision whose bf16.c is the baseline")
-    ap.add_argument("--calls", type=int, default=30)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--engine", metavar="MODEL_DIR", help="also time the engine's batch cell on this model")
-    ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--out", type=Path)
+    ap = ab_parser(__doc__, "bf16", calls=30)
     args = ap.parse_args(argv)
 
     import torch
@@ -98,13 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {"base": args.base, "threads": args.threads, "shapes": shapes(libs, args.calls)}
         if args.engine:
             result["engine"] = engine(libs, args.engine, args.rounds)
-    result["lscpu"] = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp_out = args.out.with_suffix(".tmp")
-        tmp_out.write_text(json.dumps(result, indent=1))
-        tmp_out.replace(args.out)
+    save(result, args.out)
     return 0
 
 

@@ -40,6 +40,26 @@ def _haswell_build(folder: Path) -> ctypes.CDLL:
     return ctypes.CDLL(str(lib))
 
 
+def case(R: int, K: int, G: int, D: int, S: int, window: int, dtype: torch.dtype, N: int) -> tuple[tuple, list]:
+    """One call's C arguments for gl_block_attention (16-slot blocks scattered over a storage of N, seed
+    0) and the tensors they point into, the output last (keep them while calling)."""
+    bs, nb = 16, S // 16
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(K, N, bs, D, generator=g).to(dtype)
+    values = torch.randn(K, N, bs, D, generator=g).to(dtype)
+    table = torch.randperm(N, generator=g)[: R * nb].view(R, nb).contiguous()
+    distance = (S - 1 - torch.arange(S))[None, None, :].expand(R, 1, S).contiguous()
+    rows = torch.randn(R, K, G, D, generator=g)
+    sinks = torch.randn(K, G, generator=g)
+    out = torch.empty(R, K, G, D)
+    bf16 = int(dtype == torch.bfloat16)
+    c_args = (
+        rows.data_ptr(), R, K, G, D, keys.data_ptr(), values.data_ptr(), bf16, N, bs, table.data_ptr(),
+        nb, distance.data_ptr(), R, 1, window, sinks.data_ptr(), G, D**-0.5, bf16, out.data_ptr(),
+    )  # fmt: skip
+    return c_args, [keys, values, table, distance, rows, sinks, out]
+
+
 def _timed(lib: ctypes.CDLL, c_args: tuple, reps: int) -> float:
     """µs per call of lib's block attention on these arguments."""
     t = time.perf_counter()
@@ -63,22 +83,7 @@ def main() -> None:
         print(f"{'shape':14s} {'dtype':9s} {'native':>8s} {'haswell':>8s} {'ratio':>6s}")
         for label, R, K, G, D, S, window in SHAPES:
             for dtype in (torch.float32, torch.bfloat16):
-                bs, nb = 16, S // 16
-                N = R * nb + 8
-                g = torch.Generator().manual_seed(0)
-                keys = torch.randn(K, N, bs, D, generator=g).to(dtype)
-                values = torch.randn(K, N, bs, D, generator=g).to(dtype)
-                table = torch.randperm(N, generator=g)[: R * nb].view(R, nb).contiguous()
-                distance = (S - 1 - torch.arange(S))[None, None, :].expand(R, 1, S).contiguous()
-                rows = torch.randn(R, K, G, D, generator=g)
-                sinks = torch.randn(K, G, generator=g)
-                out = torch.empty(R, K, G, D)
-                bf16 = int(dtype == torch.bfloat16)
-
-                c_args = (
-                    rows.data_ptr(), R, K, G, D, keys.data_ptr(), values.data_ptr(), bf16, N, bs, table.data_ptr(),
-                    nb, distance.data_ptr(), R, 1, window, sinks.data_ptr(), G, D**-0.5, bf16, out.data_ptr(),
-                )  # fmt: skip
+                c_args, _held = case(R, K, G, D, S, window, dtype, R * (S // 16) + 8)
                 call = functools.partial(_timed, c_args=c_args, reps=args.reps)
                 call(native), call(haswell)
                 a, b = [], []

@@ -17,17 +17,14 @@ the `gptoss_lite::block_attention` op bound to one build, then the other (`cpp_o
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import json
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from block_attention import SHAPES
-from kernel_versions import base_and_here, engine_batch
+from block_attention import SHAPES, case
+from kernel_versions import ab_parser, base_and_here, engine_batch, save
 
 
 def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -48,31 +45,18 @@ def shapes(libs, calls: int) -> list[dict]:
     rows_out = []
     for label, R, K, G, D, S, window in SHAPES:
         for dtype in (torch.float32, torch.bfloat16):
-            bs, nb = 16, S // 16
-            N = 4 * R * nb  # the pools hold more blocks than these groups use
-            g = torch.Generator().manual_seed(0)
-            keys = torch.randn(K, N, bs, D, generator=g).to(dtype)
-            values = torch.randn(K, N, bs, D, generator=g).to(dtype)
-            table = torch.randperm(N, generator=g)[: R * nb].view(R, nb).contiguous()
-            distance = (S - 1 - torch.arange(S))[None, None, :].expand(R, 1, S).contiguous()
-            rows = torch.randn(R, K, G, D, generator=g)
-            sinks = torch.randn(K, G, generator=g)
-            outs = [torch.empty(R, K, G, D) for _ in libs]
-            bf16 = int(dtype == torch.bfloat16)
+            # one case per build (the same inputs), the pools holding more blocks than these groups use
+            cases = [case(R, K, G, D, S, window, dtype, 4 * R * (S // 16)) for _ in libs]
             times: list[list[float]] = [[], []]
             for r in range(calls):
                 for i in (0, 1) if r % 2 == 0 else (1, 0):
                     flush.add_(1.0)
                     t0 = time.perf_counter()
-                    code = libs[i].gl_block_attention(
-                        rows.data_ptr(), R, K, G, D, keys.data_ptr(), values.data_ptr(), bf16, N, bs,
-                        table.data_ptr(), nb, distance.data_ptr(), R, 1, window, sinks.data_ptr(), G, D**-0.5,
-                        bf16, outs[i].data_ptr(),
-                    )  # fmt: skip
+                    code = libs[i].gl_block_attention(*cases[i][0])
                     times[i].append(time.perf_counter() - t0)
                     assert code == 0
             base, here = (statistics.median(t) * 1e6 for t in times)
-            diff = (outs[0] - outs[1]).abs().max().item()
+            diff = (cases[0][1][-1] - cases[1][1][-1]).abs().max().item()
             name = str(dtype).removeprefix("torch.")
             rows_out.append({"shape": label, "dtype": name, "base_us": base, "this_us": here, "max_abs_diff": diff})
             print(f"| {label} | {name} | {base:.0f} | {here:.0f} | {base / here:.2f} | {diff:.1e} |")
@@ -93,16 +77,10 @@ def engine(libs, model_dir: str, dtype: str, rounds: int, kv_bits: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base", required=True, help="git revision whose blocks.c is the baseline")
-    ap.add_argument("--calls", type=int, default=40)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--engine", metavar="MODEL_DIR", help="also time the engine's batch cell on this model")
+    ap = ab_parser(__doc__, "blocks", calls=40)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="the engine's dtype")
-    ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--kv-bits", type=int, choices=[16, 8, 4], default=16, help="the engine's KV format")
     ap.add_argument("--march", default="native", help="build both for this CPU (haswell: the AVX2-only path)")
-    ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
 
     import torch
@@ -119,13 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {"base": args.base, "march": args.march, "threads": args.threads, "shapes": shapes(libs, args.calls)}
         if args.engine:
             result["engine"] = engine(libs, args.engine, args.dtype, args.rounds, args.kv_bits)
-    result["lscpu"] = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp_out = args.out.with_suffix(".tmp")
-        tmp_out.write_text(json.dumps(result, indent=1))
-        tmp_out.replace(args.out)
+    save(result, args.out)
     return 0
 
 

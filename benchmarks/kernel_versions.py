@@ -5,7 +5,9 @@ scripts (their folder is on `sys.path`)."""
 
 from __future__ import annotations
 
+import argparse
 import ctypes
+import json
 import statistics
 import subprocess
 import sys
@@ -81,3 +83,27 @@ def engine_batch(
         f"{same} of 16 requests the same tokens"
     )
     return {"dtype": dtype, "base_s": walls[0], "this_s": walls[1], "median_ratio": ratio, "same_tokens": same}
+
+
+def save(result: dict, out: Path | None) -> None:
+    """result with this machine's `lscpu` and the date added, written to out as JSON (whole or not at all)."""
+    result["lscpu"] = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        tmp.replace(out)
+
+
+def ab_parser(doc: str, kernel: str, calls: int) -> argparse.ArgumentParser:
+    """The arguments the A/B scripts with an engine cell share: --base, --calls, --threads, --engine,
+    --rounds, --out."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", required=True, help=f"git revision whose {kernel}.c is the baseline")
+    ap.add_argument("--calls", type=int, default=calls)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--engine", metavar="MODEL_DIR", help="also time the engine's batch cell on this model")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--out", type=Path)
+    return ap
