@@ -134,3 +134,18 @@ def test_one_token_forward_is_the_decode_step(preset, packed, monkeypatch):
     torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
     scale = want16.float().abs().max().item()  # bf16 sums of terms this large differ by their rounding
     torch.testing.assert_close(y16.float(), want16.float(), atol=0.01 * scale, rtol=0.02)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_no_tokens_give_no_rows_in_every_path(packed):
+    """An empty chunk (zero tokens) through training, inference with the load-balancing loss and
+    without it, on stored and on packed weights: an empty output of the right shape, no error."""
+    moe = _random_moe("gpt-oss-tiny", seed=3)
+    if packed:
+        moe.experts.pack_for_decode()
+    x = torch.zeros(2, 0, moe.router.weight.shape[1])
+    for grad in (True, False):
+        for need_aux in (True, False):
+            with torch.set_grad_enabled(grad and not packed):
+                y, _ = moe(x, need_aux=need_aux)
+            assert y.shape == x.shape

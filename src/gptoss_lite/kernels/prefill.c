@@ -12,11 +12,12 @@
  * all of its G query heads. Each 64-key tile is widened to fp32 and transposed for the scores once
  * and used by all G * 32 rows: without a window once per call, in tiles every task shares (a causal
  * tile serves every later query block); with a window once per task, from the task's first key. The
- * scores of 8 (D = 32) or 4 (D = 64) rows at a time stay in registers, and
- * tiles that no query of a row group sees are skipped, and so are the vectors of 16 keys it does not see
- * in the tiles on its edges (a window's lower edge, the causal diagonal): benchmarks/prefill_attention_ab.py
- * measured 1.10x on a 128-token window's layer and 1.005-1.04x on a causal one (Zen 5, 512-8,192 tokens). The softmax is online per row (running max, sum and values), the
- * sink being the starting state (max = sink logit, sum = 1).
+ * scores of 8 (D = 32) or 4 (D = 64) rows at a time stay in registers, and tiles that no query of a
+ * row group sees are skipped, and so are the vectors of 16 keys it does not see in the tiles on its
+ * edges (a window's lower edge, the causal diagonal; benchmarks/prefill_attention_ab.py measured 1.10x
+ * on a 128-token window's layer and 1.005-1.04x on a causal one, Zen 5, 512-8,192 tokens). The softmax
+ * is online per row (running max, sum and values), the sink being the starting state (max = sink
+ * logit, sum = 1).
  *
  * Built only for CPUs with AVX-512 (gl_has_prefill_attention says whether); elsewhere the caller
  * keeps PyTorch's kernel.

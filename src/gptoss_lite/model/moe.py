@@ -180,9 +180,9 @@ class Experts(nn.Module):
     def grouped(self, xs: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
         """Rows xs (P, C) sorted by expert, counts[e] of them for expert e, each group through its
         expert -> the outputs (counts[e], C) in xs's dtype of each expert with rows, in expert order
-        (`combine` reads them where they are). For inference on packed weights, one GEMM per expert
-        for gate and up together and the activation in one pass (`kernels.moe.activate`), where
-        `expert` makes two GEMMs and six elementwise passes."""
+        (`combine` reads them where they are; one empty piece when no expert has rows). For inference
+        on packed weights, one GEMM per expert for gate and up together and the activation in one pass
+        (`kernels.moe.activate`), where `expert` makes two GEMMs and six elementwise passes."""
         packed = None if torch.is_grad_enabled() else self._packed_gate_up()
         if packed is None:
             return _grouped_by_expert(self, xs, counts)
@@ -199,7 +199,7 @@ class Experts(nn.Module):
                 db = None if self.down_bias is None else self.down_bias[e]
                 outs.append(linear(act, self.down_proj[e], db, down_pack))
                 start += n
-        return outs
+        return outs or [xs.new_empty(0, xs.shape[1])]
 
     def _gate_up_stacks(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """gate and up as out-major stacks (E, ·, C) whose outputs, side by side, are (gate, up): the
@@ -385,13 +385,14 @@ class MXFP4Experts(nn.Module):
 
 def _grouped_by_expert(experts: Experts | MXFP4Experts, xs: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
     """Rows xs (P, C) sorted by expert, counts[e] of them for expert e, each group through
-    `experts.expert` -> the outputs of the experts with rows, in expert order."""
+    `experts.expert` -> the outputs of the experts with rows, in expert order (one empty piece where
+    none has rows)."""
     outs, start = [], 0
     for e, n in enumerate(counts):
         if n:
             outs.append(experts.expert(e, xs[start : start + n]))
             start += n
-    return outs
+    return outs or [xs.new_empty(0, xs.shape[1])]
 
 
 FEW_TOKENS = 16  # up to this many tokens (inference), `Experts.mix_few_tokens` replaces the grouping
