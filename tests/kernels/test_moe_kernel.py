@@ -179,15 +179,33 @@ def _traced_graphs(model, cache):
     return graphs
 
 
+def _group_agrees(lib: ctypes.CDLL) -> None:
+    """lib's gl_moe_group against MoE.forward's PyTorch grouping (stable argsort, index_select, scatter)."""
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.gl_moe_group.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr]
+    g = torch.Generator().manual_seed(7)
+    x, idx = torch.randn(50, 24, generator=g), torch.randint(0, 6, (50, 2), generator=g)
+    counts, at, out = torch.empty(6, dtype=torch.long), torch.empty(50, 2, dtype=torch.long), torch.empty(100, 24)
+    code = lib.gl_moe_group(x.data_ptr(), 4, idx.data_ptr(), 50, 2, 24, 6, counts.data_ptr(), at.data_ptr(),
+                            out.data_ptr())  # fmt: skip
+    order = torch.argsort(idx.reshape(-1), stable=True)
+    want_at = torch.empty_like(order)
+    want_at[order] = torch.arange(100)
+    assert code == 0 and torch.equal(counts, torch.bincount(idx.reshape(-1), minlength=6))
+    assert torch.equal(at.view(-1), want_at) and torch.equal(out, x.index_select(0, order // 2))
+
+
 @pytest.mark.parametrize("arch, isa", [("x86-64", 0), ("haswell", 0), ("skylake-avx512", 1)])
 def test_other_cpus_builds(tmp_path, arch, isa):
     """Built for a CPU without AVX-512 the library compiles, reports no path, and refuses a call
     (nothing written); built for AVX-512 without BF16 it serves fp32 only, and agrees with the
-    reduction where this CPU can run it."""
+    reduction where this CPU can run it. Prefill's grouping, plain C, agrees in every build."""
     lib = build_kernel_for("moe", arch, tmp_path, run=False)  # only called below where this CPU runs it
     assert lib.gl_moe_isa() == isa
     if isa and " avx512f" not in _flags():
         return
+    if arch != "haswell" or " avx2" in _flags():
+        _group_agrees(lib)  # plain C in every build
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.gl_moe_experts.argtypes = [ptr, i32, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i32,
                                    ctypes.c_float, ptr]  # fmt: skip
