@@ -9,6 +9,7 @@ Modes, taking turns in each round (the order alternating between rounds), each t
 - default: `Experts.grouped` (one gate|up GEMM per expert; `combine` reads each down-projection's
   output where its GEMM wrote it) with `kernels/moe.c`'s two passes (`activate_halves`, `combine`),
   and `kernels/norm.c`'s RMSNorm;
+- topk-torch: the router's top k by torch.topk, not `kernels.moe.topk` (one pass, the same answer);
 - moe-one-buffer: the same, the down-projections' outputs first copied into one buffer (as before
   `combine` read them in pieces);
 - moe-torch-group: the same, the tokens grouped by expert with PyTorch's ops (stable argsort,
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     model.prepare_for_inference(compile_decode=True)
     ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
     library, grouped, combine, group = moe_kernel._prefill_library, moe.Experts.grouped, moe.combine, moe_kernel.group
+    topk = moe_kernel.topk
     norm_applies, rotate = norm_kernel.applies, rope_kernel.rotate
 
     def index_add(pieces, at, weights):  # the weighting and index_add_ the prefill ran before `combine`
@@ -87,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         moe.combine = index_add if mode == "moe-per-expert" else combine
         torch_group = mode in ("moe-torch-group", "moe-torch", "moe-per-expert")
         moe_kernel.group = (lambda *a: None) if torch_group else group
+        moe_kernel.topk = (lambda *a: None) if mode in ("topk-torch", "moe-torch", "moe-per-expert") else topk
         norm_kernel.applies = (lambda *a: False) if mode == "norm-torch" else norm_applies
         rope_kernel.rotate = (lambda *a: None) if mode == "rope-torch" else rotate
 
@@ -100,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
     modes = [
         "default",
+        "topk-torch",
         "moe-one-buffer",
         "moe-torch-group",
         "moe-torch",

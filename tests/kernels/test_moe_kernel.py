@@ -193,6 +193,13 @@ def _group_agrees(lib: ctypes.CDLL) -> None:
     want_at[order] = torch.arange(100)
     assert code == 0 and torch.equal(counts, torch.bincount(idx.reshape(-1), minlength=6))
     assert torch.equal(at.view(-1), want_at) and torch.equal(out, x.index_select(0, order // 2))
+    lib.gl_moe_topk.argtypes = [ptr, ctypes.c_int, i64, i64, i64, ptr, ptr, ptr]
+    lib.gl_moe_topk.restype = i64
+    logits, vals, top = torch.randn(50, 8, generator=g), torch.empty(50, 2), torch.empty(50, 2, dtype=torch.long)
+    tied = torch.empty(50, dtype=torch.uint8)
+    assert lib.gl_moe_topk(logits.data_ptr(), 0, 50, 8, 2, vals.data_ptr(), top.data_ptr(), tied.data_ptr()) == 0
+    want = logits.topk(2, dim=-1)
+    assert torch.equal(vals, want.values) and torch.equal(top, want.indices)
 
 
 @pytest.mark.parametrize("arch, isa", [("x86-64", 0), ("haswell", 0), ("skylake-avx512", 1)])
@@ -313,6 +320,27 @@ def test_group_equals_the_sort_it_replaces(N, A, E, C, dtype):
     assert torch.equal(sorted_x, x.index_select(0, order // A))
 
 
+@pytest.mark.skipif(moe_kernel._library() is None, reason="no C compiler: MoE.forward asks torch.topk")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N, E, k", [(1, 8, 2), (300, 8, 2), (64, 32, 4), (5, 4, 4), (9, 128, 4)])
+def test_topk_is_torch_topk(N, E, k, dtype):
+    """The same values and indices in the same order as torch.topk, on random rows and on rows built
+    with ties (the kernel hands those to torch.topk) and a NaN."""
+    g = torch.Generator().manual_seed(N + E)
+    logits = (3 * torch.randn(N, E, generator=g)).to(dtype)
+    logits[-1, :2] = logits[-1].max() + 1  # the two largest of a row equal
+    if k < E:
+        logits[0] = torch.arange(E, dtype=dtype)
+        logits[0, E - k - 1] = logits[0, E - k]  # the k-th and the (k+1)-th largest equal
+    if N > 2:
+        logits[1, 0] = float("nan")
+    got = moe_kernel.topk(logits, k)
+    want = logits.topk(k, dim=-1)
+    assert got is not None and got[0].dtype == dtype
+    torch.testing.assert_close(got[0], want.values, rtol=0, atol=0, equal_nan=True)  # the same bits, NaN too
+    assert torch.equal(got[1], want.indices)
+
+
 @pytest.mark.skipif(moe_kernel._library() is None, reason="no C compiler: MoE.forward groups with PyTorch's ops")
 def test_group_refuses_an_expert_outside_the_range():
     with pytest.raises(IndexError, match=r"outside \[0, 4\)"):
@@ -357,7 +385,7 @@ def test_prefill_passes_fall_back_without_kernels(without_kernels):
         "assert moe._prefill_library(torch.zeros(1)) is None; "
         "gu = torch.randn(9, 32); rows = torch.randn(6, 8); at = torch.tensor([[0, 5], [3, 2]]); w = torch.rand(2, 2); "
         "assert moe.activate(gu, False, 7.0) is None and moe.combine([rows], at, w) is None; "
-        "assert moe.group(rows, at, 6) is None; "
+        "assert moe.group(rows, at, 6) is None and moe.topk(rows, 2) is None; "
         "assert torch.equal(m.activate_halves(gu, 'gptoss', 7.0), m.activate_halves_reference(gu, 'gptoss', 7.0)); "
         "assert torch.equal(m.combine([rows[:2], rows[2:]], at, w), m.combine_reference(rows, at, w))"
     )

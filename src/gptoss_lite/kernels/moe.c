@@ -330,3 +330,45 @@ int gl_moe_group(const void *x, int64_t es, const int64_t *idx, int64_t N, int64
     free(token);
     return 0;
 }
+
+/* gl_moe_topk: the A largest of each row's E router logits (N, E), fp32 or bf16, in descending order,
+ * as torch.topk(A) gives them: vals (N, A) in the logits' dtype, idx (N, A). A row where torch.topk's
+ * answer depends on how it breaks ties (two of the row's A + 1 largest equal, or a NaN) is marked in
+ * tied[n] for the caller to ask torch.topk (which treats each row alone). Returns the number of such
+ * rows, or -1 for A outside [1, E] or E above MAX_EXPERTS. Plain C. */
+#define MAX_EXPERTS 1024
+int64_t gl_moe_topk(const void *logits, int bf16, int64_t N, int64_t E, int64_t A, void *vals, int64_t *idx,
+                    uint8_t *tied) {
+    if (A < 1 || A > E || E > MAX_EXPERTS) return -1;
+    const int64_t K = A < E ? A + 1 : A; /* the A + 1 largest tell a tie at the boundary */
+    int64_t n_tied = 0;
+#pragma omp parallel for schedule(static) reduction(+ : n_tied)
+    for (int64_t n = 0; n < N; n++) {
+        float best[MAX_EXPERTS + 1];
+        int64_t at[MAX_EXPERTS + 1];
+        int64_t have = 0;
+        int tie = 0;
+        for (int64_t e = 0; e < E; e++) {
+            const float v = bf16 ? widen(((const uint16_t *)logits)[n * E + e]) : ((const float *)logits)[n * E + e];
+            if (v != v) tie = 1; /* NaN: torch.topk's place for it is its own */
+            int64_t j = have < K ? have++ : K; /* insert v, keeping the K largest in descending order */
+            while (j > 0 && best[j - 1] < v) {
+                if (j < K) best[j] = best[j - 1], at[j] = at[j - 1];
+                j--;
+            }
+            if (j < K) best[j] = v, at[j] = e;
+        }
+        for (int64_t j = 1; j < have; j++)
+            if (best[j] == best[j - 1]) tie = 1;
+        tied[n] = (uint8_t)tie;
+        n_tied += tie;
+        for (int64_t j = 0; j < A && j < have; j++) {
+            idx[n * A + j] = at[j];
+            if (bf16)
+                ((uint16_t *)vals)[n * A + j] = ((const uint16_t *)logits)[n * E + at[j]];
+            else
+                ((float *)vals)[n * A + j] = best[j];
+        }
+    }
+    return n_tied;
+}

@@ -4,8 +4,9 @@ step's gathered reduction reads them once per row. `MoE.decode_step` calls it fo
 where it serves (`serves`); elsewhere (one row, MXFP4 experts, no AVX-512, no compiler,
 `GPTOSS_LITE_NO_KERNELS=1`) the reduction stays, and the tests hold the kernel to it.
 
-Prefill's grouped experts (`MoE.forward` over many tokens) use three passes of the same library around
-PyTorch's GEMMs: `group` (the tokens' rows sorted by expert, a counting sort and a gather, plain C),
+Prefill's grouped experts (`MoE.forward` over many tokens) use passes of the same library around
+PyTorch's GEMMs: `topk` (the router's top k, plain C; torch.topk for a row where its tie order decides),
+`group` (the tokens' rows sorted by expert, a counting sort and a gather, plain C),
 `activate` (the gated activation of a packed gate|up product, one pass) and `combine` (each token's
 weighted sum of its experts' outputs, one pass). Each has a PyTorch version, the reference, which runs
 where the library does not."""
@@ -37,6 +38,8 @@ def _library() -> ctypes.CDLL | None:
         lib.gl_moe_combine.restype = ctypes.c_int
         lib.gl_moe_group.argtypes = [ptr, i64, ptr, i64, i64, i64, i64, ptr, ptr, ptr]
         lib.gl_moe_group.restype = ctypes.c_int
+        lib.gl_moe_topk.argtypes = [ptr, i32, i64, i64, i64, ptr, ptr, ptr]
+        lib.gl_moe_topk.restype = ctypes.c_int64
         lib.isa = lib.gl_moe_isa()
         lib._typed = True
         cpp_ops.bind("moe_experts", lib.gl_moe_experts, lib.isa)  # the op's calls stay out of Python from here on
@@ -140,6 +143,37 @@ def _prefill_library(*tensors: torch.Tensor) -> ctypes.CDLL | None:
         return None
     lib = _library()
     return lib if lib is not None and lib.isa >= 1 else None
+
+
+def topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """logits.topk(k, dim=-1) of router logits (N, E), fp32 or bf16, in one pass: the same values and
+    indices, in the same order. The rows whose answer torch.topk's own way of breaking ties decides (two
+    of the row's k + 1 largest equal, or a NaN) are asked of torch.topk, which treats each row alone.
+    None where the library does not serve."""
+    if (
+        torch.compiler.is_compiling()
+        or logits.device.type != "cpu"
+        or logits.dtype not in (torch.float32, torch.bfloat16)
+        or logits.requires_grad
+        or logits.dim() != 2
+        or not 0 < k <= logits.shape[1]
+    ):
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    x = logits.contiguous()
+    N, E = x.shape
+    vals, idx, tied = x.new_empty(N, k), torch.empty(N, k, dtype=torch.int64), torch.empty(N, dtype=torch.uint8)
+    n_tied = lib.gl_moe_topk(
+        x.data_ptr(), int(x.dtype == torch.bfloat16), N, E, k, vals.data_ptr(), idx.data_ptr(), tied.data_ptr()
+    )
+    if n_tied < 0:
+        return None
+    if n_tied:
+        rows = tied.nonzero().view(-1)
+        vals[rows], idx[rows] = x.index_select(0, rows).topk(k, dim=-1)
+    return vals, idx
 
 
 def group(x: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, list[int], torch.Tensor] | None:

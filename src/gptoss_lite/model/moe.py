@@ -424,7 +424,8 @@ class MoE(nn.Module):
         if flat.shape[0] == 1 and not need_aux:  # one token: the compiled step's own function, run eagerly
             return self.decode_step(flat).to(x.dtype).view(B, T, C), None
         logits = self.router(flat)  # (N, E)
-        top_logits, top_idx = logits.topk(A, dim=-1)  # (N, A)
+        top = None if torch.is_grad_enabled() else moe_kernel.topk(logits, A)  # the same answer, one pass
+        top_logits, top_idx = top if top is not None else logits.topk(A, dim=-1)  # (N, A)
         weights = torch.softmax(top_logits.float(), dim=-1).to(x.dtype)  # (N, A)
         if flat.shape[0] <= FEW_TOKENS and not need_aux:
             # A few tokens (speculative verification, a short chunk): every expert on every token.
