@@ -134,14 +134,19 @@ def _(h, idx, weights, gate_up, gate_up_bias, down, down_bias, swiglu, limit):
     return h.new_empty(h.shape, dtype=torch.float32)
 
 
-def _prefill_library(*tensors: torch.Tensor) -> ctypes.CDLL | None:
-    """The library where its prefill passes serve these tensors: a build with AVX-512 (isa >= 1), CPU
-    tensors of fp32 or bf16, nothing recording gradients, not inside a trace."""
+def _eager_library(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """The library where its eager passes serve these tensors: CPU tensors of fp32 or bf16, nothing
+    recording gradients, not inside a trace, the library built (any ISA: `topk` and `group` are plain C)."""
     if torch.compiler.is_compiling() or any(
         t.device.type != "cpu" or t.dtype not in (torch.float32, torch.bfloat16) or t.requires_grad for t in tensors
     ):
         return None
-    lib = _library()
+    return _library()
+
+
+def _prefill_library(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """`_eager_library` where the build has AVX-512 (isa >= 1): `activate` and `combine`."""
+    lib = _eager_library(*tensors)
     return lib if lib is not None and lib.isa >= 1 else None
 
 
@@ -150,17 +155,8 @@ def topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | No
     indices, in the same order. The rows whose answer torch.topk's own way of breaking ties decides (two
     of the row's k + 1 largest equal, or a NaN) are asked of torch.topk, which treats each row alone.
     None where the library does not serve."""
-    if (
-        torch.compiler.is_compiling()
-        or logits.device.type != "cpu"
-        or logits.dtype not in (torch.float32, torch.bfloat16)
-        or logits.requires_grad
-        or logits.dim() != 2
-        or not 0 < k <= logits.shape[1]
-    ):
-        return None
-    lib = _library()
-    if lib is None:
+    lib = _eager_library(logits)
+    if lib is None or logits.dim() != 2 or not 0 < k <= logits.shape[1]:
         return None
     x = logits.contiguous()
     N, E = x.shape
@@ -183,17 +179,8 @@ def group(x: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple[torch.Ten
     builds from argsort, bincount, index_select and a scatter (the reference, where the library is not
     built, and while gradients are recorded). None where the library does not serve; IndexError for an
     expert outside [0, n_experts)."""
-    if (
-        torch.compiler.is_compiling()
-        or x.device.type != "cpu"
-        or x.requires_grad
-        or x.dim() != 2
-        or idx.dim() != 2
-        or idx.shape[0] != x.shape[0]
-    ):
-        return None
-    lib = _library()
-    if lib is None:
+    lib = _eager_library(x)
+    if lib is None or x.dim() != 2 or idx.dim() != 2 or idx.shape[0] != x.shape[0]:
         return None
     rows, ix = x.contiguous(), idx.to(torch.int64).contiguous()
     N, A = ix.shape

@@ -55,6 +55,25 @@ def combine(pieces: list[torch.Tensor], at: torch.Tensor, weights: torch.Tensor)
     return out if out is not None else combine_reference(torch.cat(pieces), at, weights)
 
 
+def group(x: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """Tokens x (N, C) and their experts idx (N, A) grouped by expert: -> the rows (N·A, C) of each
+    (token, slot) in the order of a stable sort by expert, counts[e] the assignments of expert e, at
+    (N, A) each (token, slot)'s place in that order. `kernels.moe.group` in one pass where it serves,
+    else `group_reference`."""
+    out = moe_kernel.group(x, idx, n_experts)
+    return out if out is not None else group_reference(x, idx, n_experts)
+
+
+def group_reference(x: torch.Tensor, idx: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """`group` in PyTorch's ops (a stable argsort, bincount, index_select and a scatter), the reference."""
+    assign = idx.reshape(-1)  # (N·A,)
+    order = torch.argsort(assign, stable=True)
+    at = torch.empty_like(order)
+    at[order] = torch.arange(order.numel(), device=order.device)  # (token, slot) -> its sorted place
+    counts = torch.bincount(assign, minlength=n_experts).tolist()
+    return x.index_select(0, order // idx.shape[1]), counts, at.view(idx.shape)
+
+
 def combine_reference(rows: torch.Tensor, at: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """`combine` in PyTorch's ops, the reference."""
     picked = rows.index_select(0, at.reshape(-1)).view(*at.shape, rows.shape[1]).float()  # (N, A, C)
@@ -424,7 +443,7 @@ class MoE(nn.Module):
         if flat.shape[0] == 1 and not need_aux:  # one token: the compiled step's own function, run eagerly
             return self.decode_step(flat).to(x.dtype).view(B, T, C), None
         logits = self.router(flat)  # (N, E)
-        top = None if torch.is_grad_enabled() else moe_kernel.topk(logits, A)  # the same answer, one pass
+        top = moe_kernel.topk(logits, A)  # torch.topk's answer in one pass, where it serves
         top_logits, top_idx = top if top is not None else logits.topk(A, dim=-1)  # (N, A)
         weights = torch.softmax(top_logits.float(), dim=-1).to(x.dtype)  # (N, A)
         if flat.shape[0] <= FEW_TOKENS and not need_aux:
@@ -434,26 +453,15 @@ class MoE(nn.Module):
                 return self._add_shared(flat, y).view(B, T, C), None
 
         # Group the N·A (token, expert) assignments by expert: one matmul per expert that has tokens.
-        grouping = None if torch.is_grad_enabled() else moe_kernel.group(flat, top_idx, E)
-        if grouping is not None:  # the sort and the gather below in one pass (the same order)
-            sorted_x, counts, at = grouping
-            pieces = self.experts.grouped(sorted_x, counts)  # each expert's (counts[e], C)
+        sorted_x, counts, at = group(flat, top_idx, E)  # at: each (token, slot)'s place among the sorted
+        pieces = self.experts.grouped(sorted_x, counts)  # each expert's (counts[e], C)
+        if torch.is_grad_enabled():  # training: index_add_, which has a backward
+            order = torch.empty_like(at.view(-1))
+            order[at.view(-1)] = torch.arange(order.numel(), device=order.device)  # sorted place -> (token, slot)
+            sorted_w = weights.reshape(-1).index_select(0, order)  # (N·A,)
+            routed = torch.zeros_like(flat).index_add_(0, order // A, torch.cat(pieces) * sorted_w[:, None])
+        else:  # each token's A outputs gathered and weighted in one pass, summed in fp32
             routed = combine(pieces, at, weights)
-        else:
-            assign_expert = top_idx.reshape(-1)  # (N·A,)
-            order = torch.argsort(assign_expert, stable=True)
-            token_of = order // A  # token index of each sorted assignment
-            counts = torch.bincount(assign_expert, minlength=E)  # (E,)
-            sorted_x = flat.index_select(0, token_of)  # (N·A, C)
-            pieces = self.experts.grouped(sorted_x, counts.tolist())  # each expert's (counts[e], C)
-            if torch.is_grad_enabled():
-                expert_out = torch.cat(pieces)  # (N·A, C)
-                sorted_w = weights.reshape(-1).index_select(0, order)  # (N·A,)
-                routed = torch.zeros_like(flat).index_add_(0, token_of, expert_out * sorted_w[:, None])
-            else:  # each token's A outputs gathered and weighted in one pass, summed in fp32
-                at = torch.empty_like(order)
-                at[order] = torch.arange(order.numel(), device=order.device)  # (token, slot) -> its sorted place
-                routed = combine(pieces, at.view(-1, A), weights)
         y = self._add_shared(flat, routed)  # (N, C)
         if not need_aux:
             return y.view(B, T, C), None
