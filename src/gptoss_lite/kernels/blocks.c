@@ -68,17 +68,6 @@ static inline void prefetch_range(const void *p, int64_t n) {
     for (int64_t o = 0; o < n; o += 64) __builtin_prefetch((const char *)p + o, 0, 3);
 }
 
-/* the keys and values of the plain block whose first slot is `slot` into L1 */
-static inline void prefetch_block(const void *keys, const void *values, int bf16, int64_t slot, int64_t bs, int64_t D) {
-    const int64_t bytes = bs * D * (bf16 ? 2 : 4);
-    prefetch_range((const char *)keys + slot / bs * bytes, bytes);
-    prefetch_range((const char *)values + slot / bs * bytes, bytes);
-}
-
-/* the first block to prefetch on reaching block c of a group: the one PREFETCH_BLOCKS ahead, and from the
- * first block all of those up to it */
-static inline int64_t ahead_from(int64_t c) { return c ? c + PREFETCH_BLOCKS : 1; }
-
 #ifdef GL_AVX2
 /* the eight sums of the lanes of a[0..7], in order */
 static inline __m256 hsum8(const __m256 a[8]) {
@@ -145,6 +134,29 @@ typedef struct {
     const int64_t *tails;
     int round_kv; /* dequantised values rounded to bf16 (a bf16 model's store) */
 } Source;
+
+/* On reaching block c of group r, head k: the group's block PREFETCH_BLOCKS ahead into L1, and at its
+ * first block every one up to it. Plain blocks: keys and values; quantised ones: codes, scales and zero
+ * points. */
+INLINE void prefetch_due(const Source *src, int64_t r, int64_t k, int64_t D, int64_t c) {
+    const int64_t bs = src->bs;
+    for (int64_t a = c ? c + PREFETCH_BLOCKS : 1; a <= c + PREFETCH_BLOCKS && a < src->nb; a++) {
+        const int64_t at = k * src->N + src->table[r * src->nb + a]; /* the block's index in the storage */
+        if (src->fmt < 0) {
+            const int64_t bytes = bs * D * (src->bf16 ? 2 : 4);
+            prefetch_range((const char *)src->keys + at * bytes, bytes);
+            prefetch_range((const char *)src->values + at * bytes, bytes);
+        } else {
+            const int64_t ng = D / src->vg;
+            prefetch_range(src->kq + at * bs * src->Dc, bs * src->Dc);
+            prefetch_range(src->vq + at * bs * src->Dc, bs * src->Dc);
+            prefetch_range(src->ks + at * D, D * 2);
+            prefetch_range(src->kz + at * D, D * 2);
+            prefetch_range(src->vs + at * bs * ng, bs * ng * 2);
+            prefetch_range(src->vz + at * bs * ng, bs * ng * 2);
+        }
+    }
+}
 
 static inline float widen_half(uint16_t h) {
 #ifdef __F16C__
@@ -226,9 +238,7 @@ static void load_slots(const Source *src, int64_t r, int64_t k, int64_t D, const
     if (src->fmt < 0) {
         for (int64_t j = 0; j < nb * bs; j++) {
             int64_t slot = (k * N + src->table[r * nb + j / bs]) * bs + j % bs;
-            if (src->bf16 && j % bs == 0) /* fp32 blocks are read where they lie: `attend` prefetches them */
-                for (int64_t c = ahead_from(j / bs); c <= j / bs + PREFETCH_BLOCKS && c < nb; c++)
-                    prefetch_block(src->keys, src->values, 1, (k * N + src->table[r * nb + c]) * bs, bs, D);
+            if (src->bf16 && j % bs == 0) prefetch_due(src, r, k, D, j / bs); /* fp32 blocks: `attend` does */
             kp[j] = slot_f32(src->keys, src->bf16, slot, D, src->bf16 ? kbuf + j * D : NULL);
             vp[j] = slot_f32(src->values, src->bf16, slot, D, src->bf16 ? vbuf + j * D : NULL);
         }
@@ -238,15 +248,7 @@ static void load_slots(const Source *src, int64_t r, int64_t k, int64_t D, const
     float *kzero = kscale + D;
     for (int64_t c = 0; c < nb; c++) {
         const int64_t b = src->table[r * nb + c];
-        for (int64_t a = ahead_from(c); a <= c + PREFETCH_BLOCKS && a < nb; a++) { /* codes, scales, zeros */
-            const int64_t ab = k * N + src->table[r * nb + a];
-            prefetch_range(src->kq + ab * bs * Dc, bs * Dc);
-            prefetch_range(src->vq + ab * bs * Dc, bs * Dc);
-            prefetch_range(src->ks + ab * D, D * 2);
-            prefetch_range(src->kz + ab * D, D * 2);
-            prefetch_range(src->vs + ab * bs * ng, bs * ng * 2);
-            prefetch_range(src->vz + ab * bs * ng, bs * ng * 2);
-        }
+        prefetch_due(src, r, k, D, c);
         const uint16_t *ks = src->ks + (k * N + b) * D, *kz = src->kz + (k * N + b) * D;
         for (int64_t d = 0; d < D; d++) {
             kscale[d] = widen_half(ks[d]);
@@ -319,10 +321,8 @@ static int attend(const Source *src, const float *rows, int64_t R, int64_t K, in
 #ifdef GL_AVX2
                         if (D % 8 == 0) {
                             for (; j + 8 <= S; j += 8) {
-                                const int64_t bs = src->bs;
-                                if (m == 0 && !buffered && j % bs == 0) /* fp32 blocks, read in place */
-                                    for (int64_t c = ahead_from(j / bs); c <= j / bs + PREFETCH_BLOCKS && c < src->nb; c++)
-                                        prefetch_block(src->keys, src->values, 0, (k * src->N + src->table[r * src->nb + c]) * bs, bs, D);
+                                if (m == 0 && !buffered && j % src->bs == 0) /* fp32 blocks, read in place */
+                                    prefetch_due(src, r, k, D, j / src->bs);
                                 __m256 acc[8];
                                 for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
                                 for (int64_t d = 0; d < D; d += 8) {
@@ -443,17 +443,13 @@ INLINE void attend_rows512(const Source *src, int64_t r, int64_t k, const float 
                            const float *sinks, float scale, int round, float *sc, float *out) {
     const int64_t D = 16 * DV;
     const int bf16 = src->bf16;
-    (void)r;
     __m512 qv[QR][MAX_DV];
     for (int i = 0; i < QR; i++)
         for (int c = 0; c < DV; c++) qv[i][c] = i < nq ? _mm512_loadu_ps(q + i * D + 16 * c) : _mm512_setzero_ps();
     /* raw scores, 4 keys at a time, the blocks PREFETCH_BLOCKS ahead on their way */
-    const int64_t bs = src->bs;
     int64_t j = 0;
     for (; j + 4 <= S; j += 4) {
-        if (j % bs == 0)
-            for (int64_t c = ahead_from(j / bs); c <= j / bs + PREFETCH_BLOCKS && c * bs < S; c++)
-                prefetch_block(src->keys, src->values, bf16, slot[c * bs], bs, D);
+        if (j % src->bs == 0) prefetch_due(src, r, k, D, j / src->bs);
         __m512 kv[4][MAX_DV];
         for (int i = 0; i < 4; i++) LOAD_SLOT(kv[i], src->keys, slot[j + i]);
         __m512 a[QR][4];
