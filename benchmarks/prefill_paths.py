@@ -23,18 +23,37 @@ Modes, taking turns in each round (the order alternating between rounds), each t
 - no-prompt-packs: the prompt's products by PyTorch's `addmm` on the weights as stored, the oneDNN
   copies `GPTOSS.pack_for_prompts` makes (`model/matmul.py`, `PromptPack`) kept but serving nothing.
 
+`--modes` picks some of them (default is always timed). Under `GPTOSS_LITE_CPU=avx2
+ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` the process takes an AVX2-only CPU's paths
+(docs/kernels.md#imitating-an-avx2-only-cpu), which is how a kernel's AVX2 path is held to PyTorch's on
+a wider machine.
+
 The table gives medians over rounds and the median of the per-round ratios default / mode (how much
-faster the default is).
+faster the default is). `--out` keeps the samples with `lscpu` and those three variables.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
+
+MODES = [
+    "default",
+    "topk-torch",
+    "moe-one-buffer",
+    "moe-torch-group",
+    "moe-torch",
+    "moe-per-expert",
+    "norm-torch",
+    "rope-torch",
+    "no-prompt-packs",
+]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=MODES, help="the modes to time besides default")
     ap.add_argument("--out", type=Path, default=None, help="write every sample as JSON")
     args = ap.parse_args(argv)
 
@@ -101,17 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             best = min(best, time.perf_counter() - t0)
         return args.tokens / best
 
-    modes = [
-        "default",
-        "topk-torch",
-        "moe-one-buffer",
-        "moe-torch-group",
-        "moe-torch",
-        "moe-per-expert",
-        "norm-torch",
-        "rope-torch",
-        "no-prompt-packs",
-    ]
+    modes = ["default", *(m for m in MODES if m in args.modes and m != "default")]
     tokens = {}
     for mode in modes:  # warm-up, and the first token of each path
         use(mode)
@@ -124,15 +134,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"round {r + 1}: " + ", ".join(f"{m} {samples[m][-1]:,.0f}" for m in modes), file=sys.stderr)
     use("default")
 
-    print(f"{args.tokens}-token prefill, {args.dtype}, {args.threads} threads, {args.rounds} rounds (tok/s)")
+    env = {k: os.environ.get(k) for k in ("GPTOSS_LITE_CPU", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")}
+    imitating = ", ".join(f"{k}={v}" for k, v in env.items() if v)
+    print(f"{args.tokens}-token prefill, {args.dtype}, {args.threads} threads, {args.rounds} rounds (tok/s)"
+          + (f", {imitating}" if imitating else ""))  # fmt: skip
     print("| mode | tok/s | default / mode | first token |")
     print("|---|---:|---:|---:|")
     for m in modes:
         ratio = statistics.median(a / b for a, b in zip(samples["default"], samples[m]))
         print(f"| {m} | {statistics.median(samples[m]):,.0f} | {ratio:.3f}x | {tokens[m]} |")
     if args.out:
-        args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "samples": samples,
-                                        "first_token": tokens}, indent=1))  # fmt: skip
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "env": env, "lscpu": lscpu,
+                                        "samples": samples, "first_token": tokens}, indent=1))  # fmt: skip
     return 0
 
 

@@ -61,11 +61,11 @@ def build_kernel_for(kernel: str, arch: str, folder: Path, *, run: bool = True, 
     haswell for AVX2 without AVX-512, skylake-avx512 for AVX-512 without BF16) into folder, loaded. The
     test is skipped without gcc on x86-64, and, when it will `run` the build's code, where this CPU
     lacks what the build needs."""
-    from gptoss_lite.kernels.build import _HERE
+    from gptoss_lite.kernels.build import _HERE, cpu_flags
 
     if platform.machine() != "x86_64" or shutil.which("gcc") is None:
         pytest.skip("needs gcc on x86-64")
-    cpu = Path("/proc/cpuinfo").read_text()
+    cpu = cpu_flags() or ""
     if run and not all(f" {flag}" in cpu for flag in _ARCH_NEEDS[arch]):
         pytest.skip(f"this CPU cannot run a build for {arch}")
     lib = folder / f"{kernel}-{arch}.so"

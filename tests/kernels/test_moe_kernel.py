@@ -8,13 +8,13 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
-from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import build_kernel_for, make_model
 from gptoss_lite.kernels import moe as moe_kernel
+from gptoss_lite.kernels.build import cpu_flags
 from gptoss_lite.model.moe import Experts, activate_halves_reference, combine_reference
 
 needs_kernel = pytest.mark.skipif(not moe_kernel.dtypes(), reason="the grouped-expert kernel needs AVX-512")
@@ -22,10 +22,7 @@ needs_bf16 = pytest.mark.skipif("bfloat16" not in moe_kernel.dtypes(), reason="b
 
 
 def _flags() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
+    return cpu_flags() or ""
 
 
 def _experts(E, C, I, activation, bias, dtype, seed, scale=0.5):

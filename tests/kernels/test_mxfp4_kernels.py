@@ -178,6 +178,15 @@ def test_other_cpus_builds_agree(tmp_path, arch):
         lib.gl_mxfp4_matvec_q8(xx.data_ptr(), int(xx.dtype == torch.bfloat16), *args)
         want = int8_reference(xx, w, experts) + bias[experts].double()
         assert ((got.double() - want).abs() / want.abs().max()).max().item() < 1e-6
+    # a block at the smallest scale after ordinary ones, as `test_matvec_int8_smallest_scale` asks of this
+    # CPU's build: the AVX2 path had rounded each block's four partial sums (large, of both signs) one by
+    # one, which left 0.0 here, where each block's sum must be exact before it is scaled
+    tiny, tiny_scales = small_scale_case()
+    ones, first, got = torch.ones(1, 17 * 32), torch.zeros(1, dtype=torch.int64), torch.empty(1, 1)
+    lib.gl_mxfp4_matvec_q8(
+        ones.data_ptr(), 0, tiny.data_ptr(), tiny_scales.data_ptr(), first.data_ptr(), None, 1, 1, 1, 17, got.data_ptr()
+    )
+    assert got.item() == 2.0**-127
 
 
 def int8_reference(x: torch.Tensor, w: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -226,11 +235,18 @@ def test_matvec_int8_matches_its_reference(rows, k):
         assert (got.double() - exact).abs().max() > 0  # it is not the exact path
 
 
-def test_matvec_int8_smallest_scale():
+def small_scale_case() -> tuple[torch.Tensor, torch.Tensor]:
+    """One row of 17 blocks: the 17th (the second set's first) holds one code 2 (1.0) at scale 0, the rest
+    zero codes at scale 127. Times ones, the product is 1.0 * 2^-127."""
     blocks = torch.zeros(1, 1, 17, 16, dtype=torch.uint8)
-    blocks[0, 0, 16, 0] = 0x02  # the 17th block (the second set's first) holds one code 2 (1.0) at scale 0
+    blocks[0, 0, 16, 0] = 0x02
     scales = torch.full((1, 1, 17), 127, dtype=torch.uint8)
     scales[0, 0, 16] = 0
+    return blocks, scales
+
+
+def test_matvec_int8_smallest_scale():
+    blocks, scales = small_scale_case()
     x = torch.ones(1, 17 * 32)
     got = mxfp4.matvec_int8(x, blocks, scales, torch.zeros(1, dtype=torch.int64), None)
     assert got.item() == 2.0**-127  # 1.0 * 2^-127, x = 1 exactly (127 codes of step 1/127)

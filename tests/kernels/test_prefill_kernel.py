@@ -8,23 +8,20 @@ import ctypes
 import os
 import platform
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import build_kernel_for, make_model
 from gptoss_lite.kernels import prefill
+from gptoss_lite.kernels.build import cpu_flags
 from gptoss_lite.kv.base import KVRead
 from gptoss_lite.model.attention import attention_fast, attention_reference
 from gptoss_lite.model.attention import blocks as blocks_module
 
 
 def _has_avx512() -> bool:
-    try:
-        return " avx512f" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    return " avx512f" in (cpu_flags() or "")
 
 
 needs_kernel = pytest.mark.skipif(not prefill.available(), reason="the prefill kernel needs AVX-512 and a C compiler")
@@ -185,10 +182,10 @@ def test_tasks_filling_their_own_tiles_give_the_shared_tiles_result(tmp_path, dt
     """Without a window the tasks read tiles filled once per call; past SHARED_MAX bytes (or when that
     memory cannot be had) each fills its own, as windowed calls do. A build with SHARED_MAX 0 always
     takes that fallback: the same sums in the same order, so the same bits."""
-    from gptoss_lite.kernels.build import _HERE, FLAGS, _compiler
+    from gptoss_lite.kernels.build import _HERE, _compiler, kernel_flags
 
     lib_path = tmp_path / "prefill-own-tiles.so"
-    flags = [f for f in FLAGS if f != "-shared"]
+    flags = [f for f in kernel_flags() if f != "-shared"]
     src = str(_HERE / "prefill.c")
     subprocess.run(
         [_compiler(), *flags, "-shared", "-DSHARED_MAX=0", "-I", str(_HERE), src, "-o", str(lib_path), "-lm"],

@@ -8,7 +8,6 @@ import ctypes
 import itertools
 import os
 import platform
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,14 +15,12 @@ import torch.nn.functional as F
 
 from conftest import build_kernel_for
 from gptoss_lite.kernels import rows
+from gptoss_lite.kernels.build import cpu_flags
 from gptoss_lite.model import matmul
 
 
 def _has_avx2() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    flags = cpu_flags() or ""
     return " avx2" in flags and " fma" in flags
 
 

@@ -9,6 +9,11 @@ succeed, and a crash leaves no half-written library. Compiling takes about a sec
 No compiler or a failed build gives None and one line on stderr; `GPTOSS_LITE_NO_KERNELS=1` gives
 None silently (it was asked for). The callers then use their PyTorch fallbacks.
 
+`GPTOSS_LITE_CPU=avx2` takes the paths an AVX2-only CPU takes, on a wider one: every kernel is built for
+`-march=haswell`, and `cpu_flags()`, the CPU flags the Python side decides by, leaves out AVX-512, AMX and
+AVX-VNNI. Set `ATEN_CPU_CAPABILITY=avx2` and `ONEDNN_MAX_CPU_ISA=AVX2` with it, so that PyTorch's own
+kernels do the same (docs/kernels.md#imitating-an-avx2-only-cpu). Unset, or `native`, it changes nothing.
+
 `load_torch_ops` builds a C++ source against torch's own headers (`ops.cpp`: the kernels' torch ops
 implemented in C++, so a compiled step calls them without entering Python), keyed also by torch's
 version; `GPTOSS_LITE_NO_CPP_OPS=1` leaves the ops' Python implementations in place.
@@ -30,6 +35,32 @@ from pathlib import Path
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 _HERE = Path(__file__).resolve().parent
 
+# GPTOSS_LITE_CPU's values: the -march a kernel is built for, and the CPU flags such a CPU lacks
+_IMITATE = {
+    "native": ("native", None),
+    "avx2": ("haswell", re.compile(r"avx512\w*|amx\w*|avx_vnni\w*|avx_ifma|avx_ne_convert")),
+}
+
+
+def imitated() -> str:
+    """`GPTOSS_LITE_CPU`: `native` (the default: this CPU as it is) or `avx2` (an AVX2-only CPU); a
+    ValueError names the values where it holds another."""
+    name = os.environ.get("GPTOSS_LITE_CPU") or "native"
+    if name not in _IMITATE:
+        raise ValueError(f"GPTOSS_LITE_CPU must be one of {', '.join(_IMITATE)}, not {name!r}")
+    if name == "avx2" and not {"avx2", "fma"} <= set(_cpu_flags().partition(":")[2].split()):
+        # kernels built for haswell would stop the process with an illegal instruction
+        raise ValueError(
+            "GPTOSS_LITE_CPU=avx2 takes an AVX2-only CPU's paths on a wider CPU; this one has no AVX2 and FMA"
+        )
+    return name
+
+
+def kernel_flags() -> tuple[str, ...]:
+    """The compiler flags a kernel is built with: `FLAGS`, for the CPU `GPTOSS_LITE_CPU` names."""
+    march = _IMITATE[imitated()][0]
+    return tuple(f"-march={march}" if f.startswith("-march=") else f for f in FLAGS)
+
 
 def cache_dir() -> Path:
     if os.environ.get("GPTOSS_LITE_KERNEL_DIR"):
@@ -46,6 +77,17 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return ""
+
+
+def cpu_flags() -> str | None:
+    """The `flags` line of /proc/cpuinfo (None where there is none), less the flags of what
+    `GPTOSS_LITE_CPU` says this CPU lacks: what every choice of a path in Python reads."""
+    line = _cpu_flags()
+    lacks = _IMITATE[imitated()][1]
+    if not line or lacks is None:
+        return line or None
+    head, _, flags = line.partition(":")
+    return f"{head}: " + " ".join(f for f in flags.split() if not lacks.fullmatch(f))
 
 
 def _compiler() -> str | None:
@@ -111,7 +153,7 @@ def load(name: str) -> ctypes.CDLL | None:
     if cc is None:
         _say(f"no C compiler (cc, gcc or clang) found; the {name} kernels use the slower PyTorch fallback")
         return None
-    target = _built(name, _HERE / f"{name}.c", cc, [*FLAGS, "-lm"], (), "using the PyTorch fallback")
+    target = _built(name, _HERE / f"{name}.c", cc, [*kernel_flags(), "-lm"], (), "using the PyTorch fallback")
     if target is None:
         return None
     # torch is imported first, so libgomp.so.1 resolves to the OpenMP runtime torch already loaded.

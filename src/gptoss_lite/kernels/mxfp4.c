@@ -433,6 +433,11 @@ static void row_dots_q8(const uint8_t *blocks, const uint8_t *scales, int64_t G,
                                              _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xs[j].q + 64 * t + 32))));
             __m256i init = _mm256_setr_m128i(_mm_cvtsi32_si128(xs[j].init[2 * t]), _mm_cvtsi32_si128(xs[j].init[2 * t + 1]));
             __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(pairs, ones), init);
+            /* each block's four partial sums added into its first dword, exactly, before any rounding:
+             * the partials are large (the codes' +12 offset, less 12 * sum(q) in one of them), and
+             * rounded one by one they would bury a block's small total, or a tiny scale's product */
+            sum = _mm256_hadd_epi32(sum, sum);
+            sum = _mm256_blend_epi32(_mm256_setzero_si256(), _mm256_hadd_epi32(sum, sum), 0x11);
             __m256 step = _mm256_setr_m128(_mm_set1_ps(xs[j].step[2 * t]), _mm_set1_ps(xs[j].step[2 * t + 1]));
             acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sum), step), factor, acc[j]);
         }

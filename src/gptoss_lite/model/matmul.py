@@ -16,7 +16,6 @@ such weight, held beside the one decode steps read, which saves the GEMM re-layi
 from __future__ import annotations
 
 from functools import cache
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +23,7 @@ from torch import nn
 
 from gptoss_lite.kernels import bf16 as bf16_kernel
 from gptoss_lite.kernels import rows as rows_kernel
+from gptoss_lite.kernels.build import cpu_flags
 
 # Rows (tokens) from which a 16-bit product is computed in fp32 on such CPUs. Measured on the
 # 12,288 x 256 output head (one thread): bf16 is faster up to 4 rows, even at 8, 2.3x slower at 16.
@@ -33,21 +33,20 @@ _NATIVE_FLAGS = ("avx512_bf16", "amx_bf16")
 
 @cache
 def _cpu_flags() -> str | None:
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
+    return cpu_flags()
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU has bf16 matrix instructions (Linux /proc/cpuinfo flags); True where it cannot
+    """Whether this CPU has bf16 matrix instructions (Linux /proc/cpuinfo flags, as `GPTOSS_LITE_CPU`
+    leaves them); True where it cannot
     tell, so that nothing changes on machines this rule was not measured on."""
     flags = _cpu_flags()
     return flags is None or any(flag in flags for flag in _NATIVE_FLAGS)
 
 
 def cpu_has_avx512() -> bool:
-    """Whether this CPU has AVX-512 (Linux /proc/cpuinfo flags); False where it cannot tell."""
+    """Whether this CPU has AVX-512 (Linux /proc/cpuinfo flags, as `GPTOSS_LITE_CPU` leaves them); False
+    where it cannot tell."""
     flags = _cpu_flags()
     return flags is not None and "avx512f" in flags
 
