@@ -109,6 +109,9 @@ def main() -> None:
             # measured inside one request
             return wall, torch.stack(steps, dim=1).tolist(), {"first_token_s": [first] * len(prompts)}
 
+    from gptoss_lite.kernels import report
+
+    info["kernels"] = report()  # which path each native kernel takes in this worker
     serve(channel, info, run)
 
 

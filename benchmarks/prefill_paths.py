@@ -29,7 +29,8 @@ ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` the process takes an AVX2-only
 a wider machine.
 
 The table gives medians over rounds and the median of the per-round ratios default / mode (how much
-faster the default is). `--out` keeps the samples with `lscpu` and those three variables.
+faster the default is). `--out` keeps the samples with `lscpu`, those three variables and the path each
+kernel took (`gptoss_lite.kernels.report`).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     from gptoss_lite.generation import generate
     from gptoss_lite.kernels import moe as moe_kernel
     from gptoss_lite.kernels import norm as norm_kernel
+    from gptoss_lite.kernels import report
     from gptoss_lite.kernels import rope as rope_kernel
     from gptoss_lite.model import matmul, moe
 
@@ -146,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
         args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "env": env, "lscpu": lscpu,
-                                        "samples": samples, "first_token": tokens}, indent=1))  # fmt: skip
+                                        "kernels": report(), "samples": samples, "first_token": tokens},
+                                       indent=1))  # fmt: skip
     return 0
 
 

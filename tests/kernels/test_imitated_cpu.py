@@ -51,9 +51,10 @@ _PROBE = """
 import json
 from gptoss_lite.kernels import bf16, moe, prefill, rows
 from gptoss_lite.model import matmul
+from gptoss_lite.kernels import report
 print(json.dumps({"prefill": prefill.available(), "moe": list(moe.dtypes()), "bf16": bf16.available(),
                   "rows": rows._library().isa, "avx512": matmul.cpu_has_avx512(),
-                  "native_bf16": matmul.cpu_has_native_bf16()}))
+                  "native_bf16": matmul.cpu_has_native_bf16(), "report": report()}))
 """
 
 
@@ -68,6 +69,33 @@ def test_a_process_under_avx2_takes_the_avx2_paths(tmp_path):
     env = {**os.environ, "GPTOSS_LITE_CPU": "avx2", "GPTOSS_LITE_KERNEL_DIR": str(tmp_path)}
     env.pop("GPTOSS_LITE_NO_KERNELS", None)
     done = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, check=True)
-    assert json.loads(done.stdout) == {
+    got = json.loads(done.stdout)
+    said = got.pop("report")
+    assert got == {
         "prefill": False, "moe": [], "bf16": False, "rows": "AVX2", "avx512": False, "native_bf16": False,
     }  # fmt: skip
+    # and the report says so
+    assert said["built for"] == "-march=haswell (GPTOSS_LITE_CPU=avx2)"
+    assert (said["mxfp4"], said["rows"], said["blocks"]) == ("AVX2 + FMA", "AVX2", "AVX2 + FMA")
+    assert said["prefill"] == "a stub (no AVX-512)" and said["bf16"] == "a stub (no AVX-512 BF16)"
+    assert said["moe"].startswith("grouped experts: none;")
+    assert said["norm"] == said["rope"] == "plain C vectorised for -march=haswell"
+
+
+def test_the_report_says_what_this_process_takes():
+    """`report()` as `python -m gptoss_lite.kernels` prints it: every kernel named, and each answer the one
+    its module gives (off under GPTOSS_LITE_NO_KERNELS=1, as CI's second run has it)."""
+    from gptoss_lite.kernels import prefill, report, rows
+
+    said = report()
+    assert list(said) == ["built for", "PyTorch", "mxfp4", "bf16", "rows", "blocks", "prefill", "moe", "norm",
+                          "rope", "C++ ops"]  # fmt: skip
+    if os.environ.get("GPTOSS_LITE_NO_KERNELS") == "1":
+        assert all(said[k].startswith("off: GPTOSS_LITE_NO_KERNELS=1") for k in ("mxfp4", "bf16", "rows", "moe"))
+        return
+    lib = rows._library()
+    if lib is not None:
+        assert said["rows"].startswith(lib.isa)
+    assert (said["prefill"] == "AVX-512") == prefill.available()
+    main = subprocess.run([sys.executable, "-m", "gptoss_lite.kernels"], capture_output=True, text=True, check=True)
+    assert "built for" in main.stdout and "prefill" in main.stdout
