@@ -21,7 +21,9 @@ Modes, taking turns in each round (the order alternating between rounds), each t
 - norm-torch: RMSNorm by `F.rms_norm` (as before `kernels/norm.c`);
 - rope-torch: the queries' and keys' rotation by PyTorch's four ops (as before `kernels/rope.c`);
 - no-prompt-packs: the prompt's products by PyTorch's `addmm` on the weights as stored, the oneDNN
-  copies `GPTOSS.pack_for_prompts` makes (`model/matmul.py`, `PromptPack`) kept but serving nothing.
+  copies `GPTOSS.pack_for_prompts` makes (`model/matmul.py`, `PromptPack`) kept but serving nothing;
+- packs-from-64: the copies serving products of 64 rows or more only (`PACKED_ROWS` before 2026-12-07),
+  where they now serve from `matmul.PACKED_ROWS` rows: an expert with fewer rows takes `addmm`.
 
 `--modes` picks some of them (default is always timed). Under `GPTOSS_LITE_CPU=avx2
 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2` the process takes an AVX2-only CPU's paths
@@ -54,6 +56,7 @@ MODES = [
     "norm-torch",
     "rope-torch",
     "no-prompt-packs",
+    "packs-from-64",
 ]
 
 
@@ -104,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     packed_rows = matmul.PACKED_ROWS
 
     def use(mode: str) -> None:
-        matmul.PACKED_ROWS = 1 << 62 if mode == "no-prompt-packs" else packed_rows  # no product serves
+        # no product serves, or only those of 64 rows and more, or the default
+        matmul.PACKED_ROWS = {"no-prompt-packs": 1 << 62, "packs-from-64": 64}.get(mode, packed_rows)
         moe_kernel._prefill_library = (lambda *t: None) if mode in ("moe-torch", "moe-per-expert") else library
         swapped = {"moe-per-expert": moe._grouped_by_expert, "moe-one-buffer": one_buffer}
         moe.Experts.grouped = swapped.get(mode, grouped)
