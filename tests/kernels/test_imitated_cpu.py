@@ -49,9 +49,8 @@ def test_an_unknown_value_is_a_clear_error(monkeypatch):
 
 _PROBE = """
 import json
-from gptoss_lite.kernels import bf16, moe, prefill, rows
+from gptoss_lite.kernels import bf16, moe, prefill, report, rows
 from gptoss_lite.model import matmul
-from gptoss_lite.kernels import report
 print(json.dumps({"prefill": prefill.available(), "moe": list(moe.dtypes()), "bf16": bf16.available(),
                   "rows": rows._library().isa, "avx512": matmul.cpu_has_avx512(),
                   "native_bf16": matmul.cpu_has_native_bf16(), "report": report()}))

@@ -38,8 +38,8 @@ def _cpu_flags() -> str | None:
 
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU has bf16 matrix instructions (Linux /proc/cpuinfo flags, as `GPTOSS_LITE_CPU`
-    leaves them); True where it cannot
-    tell, so that nothing changes on machines this rule was not measured on."""
+    leaves them); True where it cannot tell, so that nothing changes on machines this rule was not
+    measured on."""
     flags = _cpu_flags()
     return flags is None or any(flag in flags for flag in _NATIVE_FLAGS)
 
