@@ -2,5 +2,6 @@
 
 from gptoss_lite.kernels import report
 
-for key, value in report().items():
-    print(f"{key:>10}  {value}")
+if __name__ == "__main__":  # importing this module (as the package's tests import every module) prints nothing
+    for key, value in report().items():
+        print(f"{key:>10}  {value}")
