@@ -32,15 +32,7 @@
 
 /* Which path this build takes: 2 AVX-512 (plain blocks of head size 32 or 64; AVX2 for the rest), 1 AVX2,
  * 0 plain C. */
-int gl_blocks_isa(void) {
-#if defined(GL_AVX512)
-    return 2;
-#elif defined(GL_AVX2)
-    return 1;
-#else
-    return 0;
-#endif
-}
+int gl_blocks_isa(void) { return GL_VECTOR_LEVEL; }
 
 static inline float widen_bf16(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;

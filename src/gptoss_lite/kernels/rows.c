@@ -31,15 +31,7 @@
 #define RB_MAX 256
 
 /* Which path this build takes: 2 AVX-512, 1 AVX2, 0 plain C. */
-int gl_rows_isa(void) {
-#if defined(GL_AVX512)
-    return 2;
-#elif defined(GL_AVX2)
-    return 1;
-#else
-    return 0;
-#endif
-}
+int gl_rows_isa(void) { return GL_VECTOR_LEVEL; }
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 

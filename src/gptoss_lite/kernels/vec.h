@@ -24,6 +24,15 @@
 #if defined(__AVX512F__) && defined(__AVX512VL__)
 #define GL_AVX512 1
 #endif
+/* The vector level a build has, as the kernels' gl_*_isa() report it: 2 AVX-512 (F and VL), 1 AVX2 + FMA,
+ * 0 plain C. */
+#if defined(GL_AVX512)
+#define GL_VECTOR_LEVEL 2
+#elif defined(GL_AVX2)
+#define GL_VECTOR_LEVEL 1
+#else
+#define GL_VECTOR_LEVEL 0
+#endif
 
 #define INLINE static inline __attribute__((always_inline))
 
