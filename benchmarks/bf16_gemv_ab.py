@@ -16,13 +16,12 @@ Needs a CPU with AVX-512 BF16 (elsewhere the kernel is a stub).
 from __future__ import annotations
 
 import ctypes
-import statistics
 import sys
 import tempfile
-import time
+from functools import partial
 from pathlib import Path
 
-from kernel_versions import ab_parser, base_and_here, engine_batch, save
+from kernel_versions import ab_parser, alternate, base_and_here, engine_batch, evicting, save
 
 SHAPES = [
     (16, 12288, 256), (16, 384, 256), (8, 12288, 256), (4, 12288, 256), (2, 12288, 256), (1, 12288, 256),
@@ -41,21 +40,19 @@ def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
 def shapes(libs, calls: int) -> list[dict]:
     import torch
 
-    flush = torch.zeros(16 << 20)
+    flush = evicting()
     rows = []
     g = torch.Generator().manual_seed(0)
     for M, R, K in SHAPES:
         x, w = torch.randn(M, K, generator=g).bfloat16(), torch.randn(R, K, generator=g).bfloat16()
         b = torch.randn(R, generator=g)
         outs = [torch.empty(M, R) for _ in libs]
-        times: list[list[float]] = [[], []]
-        for r in range(calls):
-            for i in (0, 1) if r % 2 == 0 else (1, 0):
-                flush.add_(1.0)
-                t0 = time.perf_counter()
-                libs[i].gl_bf16_gemv(x.data_ptr(), w.data_ptr(), b.data_ptr(), M, R, K, outs[i].data_ptr())
-                times[i].append(time.perf_counter() - t0)
-        base, here = (statistics.median(t) * 1e6 for t in times)
+
+        builds = [
+            partial(lib.gl_bf16_gemv, x.data_ptr(), w.data_ptr(), b.data_ptr(), M, R, K, out.data_ptr())
+            for lib, out in zip(libs, outs)
+        ]
+        base, here = (s * 1e6 for s in alternate(calls, builds, flush))
         diff = (outs[0] - outs[1]).abs().max().item()
         rows.append({"rows": M, "out": R, "k": K, "base_us": base, "this_us": here, "max_abs_diff": diff})
         print(f"| {M} x {R} x {K} | {base:.0f} | {here:.0f} | {base / here:.2f} | {diff:.1e} |")

@@ -18,13 +18,12 @@ the `gptoss_lite::block_attention` op bound to one build, then the other (`cpp_o
 from __future__ import annotations
 
 import ctypes
-import statistics
 import tempfile
-import time
+from functools import partial
 from pathlib import Path
 
 from block_attention import SHAPES, case
-from kernel_versions import ab_parser, base_and_here, engine_batch, save
+from kernel_versions import ab_parser, alternate, base_and_here, engine_batch, evicting, save
 
 
 def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -38,24 +37,23 @@ def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def succeeds(fn, *args) -> None:
+    """fn(*args), which must return 0 (the kernel took the call)."""
+    assert fn(*args) == 0
+
+
 def shapes(libs, calls: int) -> list[dict]:
     import torch
 
-    flush = torch.zeros(16 << 20)
+    flush = evicting()
     rows_out = []
     for label, R, K, G, D, S, window in SHAPES:
         for dtype in (torch.float32, torch.bfloat16):
             # one case per build (the same inputs), the pools holding more blocks than these groups use
             cases = [case(R, K, G, D, S, window, dtype, 4 * R * (S // 16)) for _ in libs]
-            times: list[list[float]] = [[], []]
-            for r in range(calls):
-                for i in (0, 1) if r % 2 == 0 else (1, 0):
-                    flush.add_(1.0)
-                    t0 = time.perf_counter()
-                    code = libs[i].gl_block_attention(*cases[i][0])
-                    times[i].append(time.perf_counter() - t0)
-                    assert code == 0
-            base, here = (statistics.median(t) * 1e6 for t in times)
+
+            builds = [partial(succeeds, lib.gl_block_attention, *c[0]) for lib, c in zip(libs, cases)]
+            base, here = (s * 1e6 for s in alternate(calls, builds, flush))
             diff = (cases[0][1][-1] - cases[1][1][-1]).abs().max().item()
             name = str(dtype).removeprefix("torch.")
             rows_out.append({"shape": label, "dtype": name, "base_us": base, "this_us": here, "max_abs_diff": diff})

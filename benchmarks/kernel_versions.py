@@ -12,7 +12,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +41,32 @@ def base_and_here(revision: str, kernel: str, folder: Path, march: str = "native
         print(f"no {path} at {revision}: {base.stderr.strip()}", file=sys.stderr)
         raise SystemExit(2)
     return [build(base.stdout, folder, "base", march), build((ROOT / path).read_text(), folder, "here", march)]
+
+
+def evicting() -> Callable[[], object]:
+    """A write of 64 MB, to run before a timed call so that the call finds its inputs out of the caches (as
+    the rest of a decode step leaves them)."""
+    import torch
+
+    buffer = torch.zeros(16 << 20)
+    return lambda: buffer.add_(1.0)
+
+
+def alternate(
+    calls: int, builds: Sequence[Callable[[], object]], before: Callable[[], object] | None = None
+) -> list[float]:
+    """The median seconds of `builds[0]()` (the base build's call) and of `builds[1]()` (this checkout's)
+    over `calls` calls each, alternating, the order swapped every round; `before()` runs untimed before
+    each call."""
+    times: list[list[float]] = [[], []]
+    for r in range(calls):
+        for i in (0, 1) if r % 2 == 0 else (1, 0):
+            if before is not None:
+                before()
+            t0 = time.perf_counter()
+            builds[i]()
+            times[i].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
 def engine_batch(

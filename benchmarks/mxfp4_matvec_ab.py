@@ -13,13 +13,12 @@ scales read; and whether the two builds' fp32 outputs are the same bits.
 from __future__ import annotations
 
 import ctypes
-import statistics
 import sys
 import tempfile
-import time
+from functools import partial
 from pathlib import Path
 
-from kernel_versions import ab_parser, base_and_here, save
+from kernel_versions import ab_parser, alternate, base_and_here, evicting, save
 
 # (rows, weight rows, K, bf16 input): a decode token's gate|up and down products, one row per routed
 # expert (four of 32), and two tokens of a batch sharing one expert
@@ -36,7 +35,7 @@ def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
 def shapes(libs, calls: int) -> list[dict]:
     import torch
 
-    flush = torch.zeros(16 << 20)
+    flush = evicting()
     rows = []
     g = torch.Generator().manual_seed(0)
     E = 32
@@ -49,17 +48,10 @@ def shapes(libs, calls: int) -> list[dict]:
         experts = torch.arange(M, dtype=torch.int64) * 7 % E if M <= 4 else torch.arange(M) // 2 * 7 % E
         bias = torch.randn(E, R, generator=g)
         outs = [torch.empty(M, R) for _ in libs]
-        times: list[list[float]] = [[], []]
-        for r in range(calls):
-            for i in (0, 1) if r % 2 == 0 else (1, 0):
-                flush.add_(1.0)
-                t0 = time.perf_counter()
-                libs[i].gl_mxfp4_matvec(
-                    x.data_ptr(), int(bf16), blocks.data_ptr(), scales.data_ptr(), experts.data_ptr(),
-                    bias.data_ptr(), M, E, R, G, outs[i].data_ptr(),
-                )  # fmt: skip
-                times[i].append(time.perf_counter() - t0)
-        base, here = (statistics.median(t) for t in times)
+
+        args = (x.data_ptr(), int(bf16), blocks.data_ptr(), scales.data_ptr(), experts.data_ptr(), bias.data_ptr())
+        builds = [partial(lib.gl_mxfp4_matvec, *args, M, E, R, G, out.data_ptr()) for lib, out in zip(libs, outs)]
+        base, here = alternate(calls, builds, flush)
         read = len(set(experts.tolist())) * R * G * 17  # codes and scales of each expert used
         same = torch.equal(outs[0], outs[1])
         rows.append(

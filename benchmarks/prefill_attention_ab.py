@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import statistics
 import tempfile
-import time
+from functools import partial
 from pathlib import Path
 
-from kernel_versions import base_and_here
+from kernel_versions import alternate, base_and_here
 
 
 def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -51,19 +50,13 @@ def main(argv: list[str] | None = None) -> int:
         for window in (-1, 128):
             outs = [torch.empty(B, T, H, D) for _ in libs]
 
-            def call(i: int, window: int = window, outs: list = outs) -> float:
-                t0 = time.perf_counter()
+            def call(i: int, window: int = window, outs: list = outs) -> None:
                 libs[i].gl_prefill_attention(
                     q.data_ptr(), k.data_ptr(), v.data_ptr(), 0, B, K, H // K, T, T, D, *q.stride()[:3],
                     *k.stride()[:3], *v.stride()[:3], 0, window, sinks.data_ptr(), D**-0.5, outs[i].data_ptr(),
                 )  # fmt: skip
-                return time.perf_counter() - t0
 
-            times: list[list[float]] = [[], []]
-            for r in range(args.calls):
-                for i in (0, 1) if r % 2 == 0 else (1, 0):
-                    times[i].append(call(i))
-            a, b = (statistics.median(t) * 1e3 for t in times)
+            a, b = (s * 1e3 for s in alternate(args.calls, [partial(call, 0), partial(call, 1)]))
             case = "causal" if window < 0 else f"window {window}"
             diff = (outs[0] - outs[1]).abs().max().item()
             print(f"| {case} | {a:.2f} | {b:.2f} | {a / b:.3f}x | {diff:.1e} |")
