@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from gptoss_lite.kernels import blocks, cpp_ops, moe, rows
+from gptoss_lite.kernels import bf16, blocks, cpp_ops, moe, mxfp4, rows
 
 needs_cxx = pytest.mark.skipif(
     not any(shutil.which(c) for c in ("c++", "g++", "clang++")) or os.environ.get("GPTOSS_LITE_NO_KERNELS") == "1",
@@ -30,7 +30,9 @@ def _cpu_kernel(op: str) -> str:
 @needs_cxx
 def test_each_op_is_bound_once_its_library_loads():
     assert rows._library() is not None and blocks._library() is not None and moe._library() is not None
-    assert cpp_ops.bound() == {"rows_mm", "block_attention", "moe_experts"}
+    assert mxfp4._library() is not None and bf16._library() is not None
+    gemv = {"bf16_gemv"} if bf16.available() else set()  # its kernel serves CPUs with AVX-512 BF16 only
+    assert cpp_ops.bound() == {"rows_mm", "block_attention", "moe_experts", "mxfp4_matvec", "mxfp4_matvec_int8"} | gemv
     for op in cpp_ops.bound():
         assert "ops.cpp" in _cpu_kernel(op), op
     assert cpp_ops.bind("rows_mm", rows._library().gl_rows_mm)  # again: a no-op
@@ -102,6 +104,52 @@ def test_moe_experts_cpp_equals_python(dtype):
         torch.ops.gptoss_lite.moe_experts(h, idx, weights[:, :1], gate_up, gb, down, db, False, 7.0)
     with pytest.raises(ValueError, match="moe_experts"):
         torch.ops.gptoss_lite.moe_experts(h, idx, weights, gate_up, gb[:, :3], down, db, False, 7.0)
+
+
+@needs_cxx
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_matvec_cpp_equals_python(dtype):
+    g = torch.Generator().manual_seed(5)
+    E, R, G = 6, 40, 3
+    blocks_ = torch.randint(0, 256, (E, R, G, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(118, 136, (E, R, G), dtype=torch.uint8, generator=g)
+    x = torch.randn(5, 32 * G, generator=g).to(dtype)
+    experts, bias = torch.tensor([4, 0, 4, 5, 4]), torch.randn(E, R, generator=g)
+    mxfp4._library()
+    for name, op in (("mxfp4_matvec", mxfp4.matvec), ("mxfp4_matvec_int8", mxfp4.matvec_int8)):
+        assert name in cpp_ops.bound()
+        cpp = getattr(torch.ops.gptoss_lite, name)
+        for b in (bias, None):
+            assert torch.equal(cpp(x, blocks_, scales, experts, b), op._init_fn(x, blocks_, scales, experts, b)), name
+        for bad_experts in (experts - 1, experts + 2):  # -1 and 6 lie outside [0, 6)
+            with pytest.raises(ValueError, match="expert ids"):
+                cpp(x, blocks_, scales, bad_experts, bias)
+        with pytest.raises(ValueError, match="mxfp4 matvec"):  # K is not 32 G
+            cpp(x[:, :-1], blocks_, scales, experts, bias)
+        with pytest.raises(ValueError, match="mxfp4 matvec"):  # codes that are not bytes
+            cpp(x, blocks_.int(), scales, experts, bias)
+        with pytest.raises(ValueError, match="mxfp4 matvec"):
+            cpp(x, blocks_, scales, experts, bias[:, :-1])
+    with pytest.raises(ValueError, match="mxfp4 matvec"):  # the Python implementation refuses it too
+        mxfp4.matvec._init_fn(x, blocks_.int(), scales, experts, bias)
+
+
+@needs_cxx
+@pytest.mark.skipif(not bf16.available(), reason="the bf16 GEMV needs AVX-512 BF16")
+def test_bf16_gemv_cpp_equals_python():
+    g = torch.Generator().manual_seed(6)
+    x, w = torch.randn(3, 200, generator=g).bfloat16(), torch.randn(70, 200, generator=g).bfloat16()
+    b = torch.randn(70, generator=g)
+    assert "bf16_gemv" in cpp_ops.bound()
+    for bias in (b, None):
+        got = torch.ops.gptoss_lite.bf16_gemv(x, w, bias)
+        assert torch.equal(got, bf16.gemv_fp32._init_fn(x, w, bias))
+        torch.testing.assert_close(got, torch.nn.functional.linear(x.float(), w.float(), bias), atol=1e-3, rtol=1e-4)
+    for bad in ((x.float(), w, b), (x, w[:, :-1], b), (x, w, b[:-1]), (x, w.t(), b)):
+        with pytest.raises(ValueError, match="bf16 gemv"):
+            torch.ops.gptoss_lite.bf16_gemv(*bad)
+        with pytest.raises(ValueError, match="bf16 gemv"):
+            bf16.gemv_fp32._init_fn(*bad)
 
 
 def test_without_cpp_ops_the_python_implementations_serve():

@@ -108,7 +108,20 @@ def test_speculative_decoding_on_packed_experts_keeps_greedy_tokens():
     assert torch.equal(generate(packed, ids, 24, temperature=0, speculate=PromptLookup(k=4, min_ngram=1)), plain)
 
 
-def test_int8_activations_are_opt_in_near_exact_and_compiled_alike(monkeypatch):
+@pytest.fixture
+def python_mxfp4_ops():
+    """The mxfp4 ops served by their Python implementations (which the tests count calls of) rather than
+    from C++ (`kernels/ops.cpp`, the same C function), for the test's length."""
+    from gptoss_lite.kernels import cpp_ops, mxfp4
+
+    ops = ("mxfp4_matvec", "mxfp4_matvec_int8")
+    mxfp4._library()  # bound now, if ever: a binding during the test would bring C++ back
+    cpp_ops.use_cpp(False, ops)
+    yield
+    cpp_ops.use_cpp(True, ops)
+
+
+def test_int8_activations_are_opt_in_near_exact_and_compiled_alike(monkeypatch, python_mxfp4_ops):
     """`set_mxfp4_activations("int8")`: decode logits move by the inputs' rounding only (not 0, small), and
     the compiled step calls the same int8 kernel (the same greedy tokens as eager int8)."""
     packed, _ = pair(torch.float32)
@@ -173,7 +186,7 @@ def test_bad_mxfp4_activations_are_refused():
         EngineConfig(mxfp4_activations="int4")
 
 
-def test_compiled_step_follows_a_later_activation_mode(monkeypatch):
+def test_compiled_step_follows_a_later_activation_mode(monkeypatch, python_mxfp4_ops):
     # The compiled step has no guards on the model: a mode set after its first call must get a graph of
     # its own (calling the int8 kernel, the eager int8 model's greedy tokens), and switching back must
     # reuse the first graph (the exact kernel again).

@@ -7,6 +7,7 @@ import ctypes
 
 import torch
 
+from gptoss_lite.kernels import cpp_ops
 from gptoss_lite.kernels.build import load
 
 MAX_ROWS = 4  # rows that share each weight load; more rows are a GEMM's job
@@ -20,6 +21,8 @@ def _library() -> ctypes.CDLL | None:
         lib.gl_bf16_gemv.restype = None
         lib.usable = bool(lib.gl_has_bf16_gemv())
         lib._typed = True
+        if lib.usable:
+            cpp_ops.bind("bf16_gemv", lib.gl_bf16_gemv)  # the op's calls stay out of Python from here on
     return lib
 
 
@@ -58,10 +61,15 @@ def traceable(x: torch.Tensor, w: torch.Tensor) -> bool:
 def gemv_fp32(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     """x (M, K) · w (R, K)ᵀ (+ b) as fp32 sums, not rounded: (M, R) float32. A torch custom op, so the
     compiled decode step calls it as one node; rows beyond MAX_ROWS are done MAX_ROWS at a time."""
+    # The C code trusts its sizes and reads bf16: a wrong one would read outside the tensors.
+    ok = x.dim() == 2 and w.dim() == 2 and x.dtype == w.dtype == torch.bfloat16 and w.is_contiguous()
+    if not ok or w.shape[1] != x.shape[1] or (b is not None and tuple(b.shape) != (w.shape[0],)):
+        raise ValueError(
+            f"bf16 gemv: x {list(x.shape)} {x.dtype}, w {list(w.shape)} {w.dtype}, "
+            f"b {None if b is None else list(b.shape)} must be x (M, K), w (R, K) contiguous, b (R,), bf16"
+        )
     M, K = x.shape
     R = w.shape[0]
-    if w.shape[1] != K or (b is not None and tuple(b.shape) != (R,)):
-        raise ValueError(f"bf16 gemv: x {list(x.shape)}, w {list(w.shape)}, b {None if b is None else list(b.shape)}")
     flat = x.contiguous()
     out = torch.empty(M, R, dtype=torch.float32)
     bias = None if b is None else b.float().contiguous()

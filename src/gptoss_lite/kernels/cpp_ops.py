@@ -1,6 +1,7 @@
 """The kernels' torch ops dispatched from C++ (`ops.cpp`, built by `build.load_torch_ops`).
 
-`rows_mm`, `moe_experts` and `block_attention` are torch custom ops defined in Python: their Python
+`rows_mm`, `moe_experts`, `block_attention`, `bf16_gemv`, `mxfp4_matvec` and `mxfp4_matvec_int8` are
+torch custom ops defined in Python: their Python
 implementations check the arguments and call the C kernels through ctypes. Once a kernel's library
 has loaded, its module hands the C function's address to `bind`, which registers a CPU
 implementation in C++ doing the same checks and the same call; torch's dispatcher then prefers it to
@@ -12,6 +13,7 @@ with the same results: both call the same C function on the same arguments.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterable
 
 from gptoss_lite.kernels.build import load_torch_ops
 
@@ -50,13 +52,16 @@ def rebind(op: str, fn: ctypes._CFuncPtr, flags: int = 0) -> bool:
     return bind(op, fn, flags)
 
 
-def use_cpp(on: bool) -> frozenset[str]:
-    """Switch every op bound so far between its C++ (True) and its Python implementation (False), in this
-    process and for graphs already compiled (they call the op through the dispatcher); the ops now served
-    from C++. For in-process comparisons (`benchmarks/engine_cpp_ops.py`); not while another thread
-    runs a step."""
+def use_cpp(on: bool, ops: Iterable[str] | None = None) -> frozenset[str]:
+    """Switch every op bound so far (or those of them named in `ops`) between its C++ (True) and its
+    Python implementation (False), in this process and for graphs already compiled (they call the op
+    through the dispatcher); the ops now served from C++. For in-process comparisons
+    (`benchmarks/engine_cpp_ops.py`); not while another thread runs a step."""
     lib = load_torch_ops("ops")
+    chosen = None if ops is None else set(ops)
     for op, (fn, flags) in list(_functions.items()):
+        if chosen is not None and op not in chosen:
+            continue
         if on:
             bind(op, fn, flags)
         elif lib is not None and op in _bound:

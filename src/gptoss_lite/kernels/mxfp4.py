@@ -19,6 +19,7 @@ import ctypes
 
 import torch
 
+from gptoss_lite.kernels import cpp_ops
 from gptoss_lite.kernels.build import load
 
 BLOCK = 32  # values per scale (OCP MX spec)
@@ -105,6 +106,9 @@ def _library() -> ctypes.CDLL | None:
         lib.gl_mxfp4_dequant.restype = None
         lib.bf16_dot = bool(lib.gl_has_bf16_dot())
         lib._typed = True
+        # the ops' calls stay out of Python from here on (flags: the exact kernel takes bf16 inputs)
+        cpp_ops.bind("mxfp4_matvec", lib.gl_mxfp4_matvec, int(lib.bf16_dot))
+        cpp_ops.bind("mxfp4_matvec_int8", lib.gl_mxfp4_matvec_q8)
     return lib
 
 
@@ -136,10 +140,12 @@ def _check_matvec_args(x, blocks, scales, experts, bias) -> None:
     M, K = x.shape
     E, R, G = scales.shape
     # The C code trusts its indices and sizes: a bad one would read outside the tensors.
-    if K != G * BLOCK or tuple(blocks.shape) != (E, R, G, BLOCK // 2) or experts.shape != (M,):
+    packed = blocks.dtype == scales.dtype == torch.uint8 and x.dtype.is_floating_point
+    if not packed or K != G * BLOCK or tuple(blocks.shape) != (E, R, G, BLOCK // 2) or experts.shape != (M,):
         raise ValueError(
             f"mxfp4 matvec: x {list(x.shape)}, blocks {list(blocks.shape)}, scales {list(scales.shape)} and "
-            f"experts {list(experts.shape)} do not fit (x (M, 32·G), blocks (E, R, G, 16), experts (M,))"
+            f"experts {list(experts.shape)} do not fit (x (M, 32·G), blocks (E, R, G, 16) and scales (E, R, G) "
+            "uint8, experts (M,))"
         )
     if M and (int(experts.min()) < 0 or int(experts.max()) >= E):
         raise ValueError(f"mxfp4 matvec: expert ids must be in [0, {E}); got {experts.min()}..{experts.max()}")

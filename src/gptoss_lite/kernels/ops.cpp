@@ -1,6 +1,7 @@
 // The C kernels' torch ops, dispatched from C++ (kernels/cpp_ops.py builds and loads this file).
 //
-// Each op (gptoss_lite::rows_mm, moe_experts, block_attention) is defined in Python with
+// Each op (gptoss_lite::rows_mm, moe_experts, block_attention, bf16_gemv, mxfp4_matvec and
+// mxfp4_matvec_int8) is defined in Python with
 // torch.library.custom_op, whose implementation checks the arguments, makes them contiguous and calls
 // the C kernel through ctypes. From a compiled step that path goes dispatcher -> Python -> ctypes and
 // back: ~20 us a call beyond the kernel, where a step of the engine calls ~33 of them. This file gives
@@ -31,7 +32,14 @@ using blocks_fn_t = int (*)(const float *, int64_t, int64_t, int64_t, int64_t, c
                             int64_t, const int64_t *, int64_t, const int64_t *, int64_t, int64_t, int64_t,
                             const float *, int64_t, float, int, float *);
 
+using gemv_fn_t = void (*)(const void *, const void *, const float *, int64_t, int64_t, int64_t, float *);
+using mxfp4_fn_t = void (*)(const void *, int, const void *, const void *, const int64_t *, const float *, int64_t,
+                            int64_t, int64_t, int64_t, float *);
+
 rows_fn_t rows_fn = nullptr;
+gemv_fn_t gemv_fn = nullptr;
+mxfp4_fn_t mxfp4_fn = nullptr, mxfp4_int8_fn = nullptr;
+bool mxfp4_bf16_dot = false;  // gl_has_bf16_dot(): the exact kernel takes bf16 inputs as they are
 moe_fn_t moe_fn = nullptr;
 int moe_isa = 0;  // gl_moe_isa(): 1 serves fp32, 2 fp32 and bf16
 blocks_fn_t blocks_fn = nullptr;
@@ -60,6 +68,67 @@ at::Tensor rows_mm(const at::Tensor &x, const at::Tensor &w, const std::optional
     rows_fn(xc.const_data_ptr<float>(), w.const_data_ptr<float>(),
             bias ? bias->const_data_ptr<float>() : nullptr, M, R, K, out.mutable_data_ptr<float>());
     return out;
+}
+
+at::Tensor bf16_gemv(const at::Tensor &x, const at::Tensor &w, const std::optional<at::Tensor> &b) {
+    const bool ok = x.dim() == 2 && w.dim() == 2 && x.scalar_type() == at::kBFloat16 &&
+                    w.scalar_type() == at::kBFloat16 && w.size(1) == x.size(1) && w.is_contiguous() &&
+                    (!b || (b->dim() == 1 && b->size(0) == w.size(0)));
+    TORCH_CHECK_VALUE(ok, "bf16 gemv: x ", shape(x), " ", x.scalar_type(), ", w ", shape(w), " ", w.scalar_type(),
+                      ", b ", b ? shape(*b) : std::string("None"),
+                      " must be x (M, K), w (R, K) contiguous, b (R,), bf16");
+    const int64_t M = x.size(0), K = x.size(1), R = w.size(0);
+    std::optional<at::Tensor> bias;
+    if (b) bias = b->to(at::kFloat).contiguous();
+    const at::Tensor xc = x.contiguous();
+    at::Tensor out = at::empty({M, R}, x.options().dtype(at::kFloat));
+    gemv_fn(xc.const_data_ptr(), w.const_data_ptr(), bias ? bias->const_data_ptr<float>() : nullptr, M, R, K,
+            out.mutable_data_ptr<float>());
+    return out;
+}
+
+at::Tensor mxfp4_products(const at::Tensor &x, const at::Tensor &blocks, const at::Tensor &scales,
+                          const at::Tensor &experts, const std::optional<at::Tensor> &bias, bool int8) {
+    bool ok = x.dim() == 2 && scales.dim() == 3 && blocks.dim() == 4 && experts.dim() == 1 &&
+              blocks.scalar_type() == at::kByte && scales.scalar_type() == at::kByte &&
+              at::isFloatingType(x.scalar_type());
+    if (ok) {
+        const int64_t E = scales.size(0), R = scales.size(1), G = scales.size(2);
+        ok = x.size(1) == 32 * G && blocks.size(0) == E && blocks.size(1) == R && blocks.size(2) == G &&
+             blocks.size(3) == 16 && experts.size(0) == x.size(0) &&
+             (experts.scalar_type() == at::kLong || experts.scalar_type() == at::kInt);
+    }
+    TORCH_CHECK_VALUE(ok, "mxfp4 matvec: x ", shape(x), ", blocks ", shape(blocks), ", scales ", shape(scales),
+                      " and experts ", shape(experts),
+                      " do not fit (x (M, 32·G), blocks (E, R, G, 16) and scales (E, R, G) uint8, experts (M,))");
+    const int64_t M = x.size(0), E = scales.size(0), R = scales.size(1), G = scales.size(2);
+    const at::Tensor ids = experts.to(at::kLong).contiguous();
+    const int64_t *id = ids.const_data_ptr<int64_t>();
+    for (int64_t m = 0; m < M; m++)  // the C code trusts its indices: a bad one would read outside the codes
+        TORCH_CHECK_VALUE(id[m] >= 0 && id[m] < E, "mxfp4 matvec: expert ids must be in [0, ", E, "); got ", id[m]);
+    TORCH_CHECK_VALUE(!bias || (bias->dim() == 2 && bias->size(0) == E && bias->size(1) == R), "mxfp4 matvec: bias ",
+                      shape(*bias), " must be (E, R) = [", E, ", ", R, "]");
+    std::optional<at::Tensor> bf;
+    if (bias) bf = bias->to(at::kFloat).contiguous();
+    // bf16 inputs as they are where the kernel takes them (the int8 path always does), else fp32
+    const bool x_bf16 = x.scalar_type() == at::kBFloat16 && (int8 || mxfp4_bf16_dot);
+    const at::Tensor xc = x_bf16 ? x.contiguous() : x.to(at::kFloat).contiguous();
+    const at::Tensor bc = blocks.contiguous(), sc = scales.contiguous();
+    at::Tensor out = at::empty({M, R}, x.options().dtype(at::kFloat));
+    (int8 ? mxfp4_int8_fn : mxfp4_fn)(xc.const_data_ptr(), x_bf16, bc.const_data_ptr(), sc.const_data_ptr(), id,
+                                      bf ? bf->const_data_ptr<float>() : nullptr, M, E, R, G,
+                                      out.mutable_data_ptr<float>());
+    return out;
+}
+
+at::Tensor mxfp4_matvec(const at::Tensor &x, const at::Tensor &blocks, const at::Tensor &scales,
+                        const at::Tensor &experts, const std::optional<at::Tensor> &bias) {
+    return mxfp4_products(x, blocks, scales, experts, bias, false);
+}
+
+at::Tensor mxfp4_matvec_int8(const at::Tensor &x, const at::Tensor &blocks, const at::Tensor &scales,
+                             const at::Tensor &experts, const std::optional<at::Tensor> &bias) {
+    return mxfp4_products(x, blocks, scales, experts, bias, true);
 }
 
 at::Tensor moe_experts(const at::Tensor &h, const at::Tensor &idx, const at::Tensor &weights,
@@ -134,18 +203,23 @@ std::map<std::string, std::unique_ptr<torch::Library>> registrations;  // op -> 
 
 }  // namespace
 
-// Register `op`'s CPU implementation, calling the C function at `fn` (`flags`: the moe kernel's ISA).
+// Register `op`'s CPU implementation, calling the C function at `fn` (`flags`: the moe kernel's ISA; for
+// mxfp4_matvec, whether the exact kernel takes bf16 inputs).
 // 0: registered now or before; 1: an unknown op; 2: registration failed (the reason on stderr).
 extern "C" int gl_ops_bind(const char *op, void *fn, int flags) {
     const std::string name(op);
-    void **slot = name == "rows_mm"           ? reinterpret_cast<void **>(&rows_fn)
-                  : name == "moe_experts"     ? reinterpret_cast<void **>(&moe_fn)
-                  : name == "block_attention" ? reinterpret_cast<void **>(&blocks_fn)
-                                              : nullptr;
+    void **slot = name == "rows_mm"             ? reinterpret_cast<void **>(&rows_fn)
+                  : name == "moe_experts"       ? reinterpret_cast<void **>(&moe_fn)
+                  : name == "block_attention"   ? reinterpret_cast<void **>(&blocks_fn)
+                  : name == "bf16_gemv"         ? reinterpret_cast<void **>(&gemv_fn)
+                  : name == "mxfp4_matvec"      ? reinterpret_cast<void **>(&mxfp4_fn)
+                  : name == "mxfp4_matvec_int8" ? reinterpret_cast<void **>(&mxfp4_int8_fn)
+                                                : nullptr;
     if (slot == nullptr) return 1;
     if (registrations.count(name)) return 0;
     // the function is in place before the implementation is registered: a call may come as soon as it is
     if (name == "moe_experts") moe_isa = flags;
+    if (name == "mxfp4_matvec") mxfp4_bf16_dot = flags != 0;
     *slot = fn;
     try {
         auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, "gptoss_lite",
@@ -154,6 +228,9 @@ extern "C" int gl_ops_bind(const char *op, void *fn, int flags) {
         if (name == "rows_mm") lib->impl("rows_mm", TORCH_FN(rows_mm));
         if (name == "moe_experts") lib->impl("moe_experts", TORCH_FN(moe_experts));
         if (name == "block_attention") lib->impl("block_attention", TORCH_FN(block_attention));
+        if (name == "bf16_gemv") lib->impl("bf16_gemv", TORCH_FN(bf16_gemv));
+        if (name == "mxfp4_matvec") lib->impl("mxfp4_matvec", TORCH_FN(mxfp4_matvec));
+        if (name == "mxfp4_matvec_int8") lib->impl("mxfp4_matvec_int8", TORCH_FN(mxfp4_matvec_int8));
         registrations[name] = std::move(lib);
         return 0;
     } catch (const std::exception &e) {
