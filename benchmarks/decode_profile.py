@@ -10,8 +10,9 @@ table is the ops with the most self time per step. The weight kernels' rows also
 one step reads through them, from the model's own shapes, over their time): `bf16_gemv` over
 the dense bf16 weights and `mxfp4_matvec` (or `mxfp4_matvec_int8`, with `--mxfp4-activations int8`)
 over the routed experts' codes.
-Threads: `--threads` (default 2). The first decode step includes compiling (or loading the compiled
-step from inductor's cache) and is not timed.
+`--ab-ops OP...` then times `--ab-pairs` pairs of steps with those kernel ops served from C++
+(`kernels/ops.cpp`) and from Python, alternating. Threads: `--threads` (default 2). The first decode
+step includes compiling (or loading the compiled step from inductor's cache) and is not timed.
 """
 
 from __future__ import annotations
@@ -55,6 +56,13 @@ def main() -> None:
     ap.add_argument("--profiled", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--top", type=int, default=8)
+    ap.add_argument(
+        "--ab-ops",
+        nargs="+",
+        default=None,
+        help="then time these kernel ops from C++ against their Python implementations, step by step",
+    )
+    ap.add_argument("--ab-pairs", type=int, default=40, help="pairs of steps for --ab-ops")
     ap.add_argument("--mxfp4-activations", default="exact", choices=["exact", "int8"], help="packed experts' path")
     args = ap.parse_args()
     if min(args.context, args.steps, args.profiled, args.threads, args.top) < 1:
@@ -67,7 +75,8 @@ def main() -> None:
     print(f"loaded {args.model} ({args.dtype}) in {time.perf_counter() - t0:.1f} s", flush=True)
     vocab = model.config.vocab_size
     ids = torch.randint(1, vocab, (1, args.context), generator=torch.Generator().manual_seed(args.context))
-    steps = stream_generate(model, ids, 2 + args.steps + args.profiled, temperature=0)
+    ab = 2 * args.ab_pairs if args.ab_ops else 0
+    steps = stream_generate(model, ids, 2 + args.steps + args.profiled + ab, temperature=0)
     t0 = time.perf_counter()
     next(steps)
     print(f"prefill of {args.context} tokens: {time.perf_counter() - t0:.1f} s", flush=True)
@@ -94,6 +103,34 @@ def main() -> None:
         kernel = e.key.split("::")[-1]
         rate = f"{nbytes[kernel] / ms / 1e6:6.1f}" if nbytes.get(kernel) else ""
         print(f"  {e.key[:60]:<60} {ms:8.1f} {e.count / args.profiled:10.0f} {rate:>6}")
+    if args.ab_ops:
+        ab_cpp_ops(steps, args.ab_ops, args.ab_pairs)
+
+
+def ab_cpp_ops(steps, ops: list[str], pairs: int) -> None:
+    """Steps in pairs, one with `ops` served from C++ and one from Python (the order swapped every pair,
+    the other ops left as they are): medians of each and of the pairs' ratios."""
+    from gptoss_lite.kernels import cpp_ops
+
+    missing = set(ops) - cpp_ops.bound()
+    if missing:
+        print(f"--ab-ops: not served from C++ here: {', '.join(sorted(missing))}")
+        return
+    walls: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        for p in range(pairs):
+            for on in (True, False) if p % 2 == 0 else (False, True):
+                cpp_ops.use_cpp(on, ops)
+                t0 = time.perf_counter()
+                next(steps)
+                walls[on].append(time.perf_counter() - t0)
+    finally:
+        cpp_ops.use_cpp(True, ops)
+    ratio = statistics.median(p / c for c, p in zip(walls[True], walls[False]))
+    print(
+        f"{', '.join(ops)} from C++: median step {1e3 * statistics.median(walls[True]):.2f} ms, from Python "
+        f"{1e3 * statistics.median(walls[False]):.2f} ms; Python / C++ over {pairs} pairs: median {ratio:.4f}"
+    )
 
 
 if __name__ == "__main__":

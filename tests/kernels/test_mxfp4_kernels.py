@@ -29,7 +29,8 @@ def test_reference_table():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 11])
-@pytest.mark.parametrize("k", [64, 160, 192, 288])  # blocks per row: 2, 5, 6, 9 (quads of blocks and the rest)
+# blocks per row: 2, 4, 5, 6, 7, 9 (quads of blocks and each rest: none, a single block, a pair, both)
+@pytest.mark.parametrize("k", [64, 128, 160, 192, 224, 288])
 def test_matvec_matches_reference(rows, k):
     blocks, scales = codes(5, 72, k)
     w = mxfp4.reference_rows(blocks, scales)  # (E, R, K)

@@ -173,63 +173,105 @@ static void split_pairs(const uint16_t *x, int64_t G, uint16_t *out) {
 }
 
 
-/* row_dots for bf16 inputs laid out by split_pairs. A pair of blocks is 32 code bytes: widened to
- * words, the low nibbles index the E2M1 table directly (vpermw reads 5 bits and the table repeats)
- * and the high nibbles after one shift; two bf16 dot-product instructions (bf16 times bf16 is exact
- * in fp32) leave lanes 0-7 holding block g's partial sums and lanes 8-15 block g + 1's, which are
- * scaled by their blocks' 2^(scale - 127) into fp32 sums. A last unpaired block is decoded alone. */
-static void row_dots_bf16(const uint8_t *blocks, const uint8_t *scales, int64_t G, const uint16_t *const *xs, int n,
-                          float *dots) {
+/* x rows for row_dots_bf16 with quads: in each quad of blocks (128 elements, the first block's index a
+ * multiple of 4) the elements 4k, then 4k + 1, 4k + 2 and 4k + 3 (k < 32); the blocks after the last quad
+ * as split_pairs lays them out. Two rounds of even/odd permutes: evens of evens are the 4k. */
+static void split_quads(const uint16_t *x, int64_t G, uint16_t *out) {
+    uint16_t ie[32], io[32];
+    for (int j = 0; j < 32; j++) ie[j] = (uint16_t)(2 * j), io[j] = (uint16_t)(2 * j + 1);
+    const __m512i even = _mm512_loadu_si512((const void *)ie), odd = _mm512_loadu_si512((const void *)io);
+    int64_t g = 0;
+    for (; g + 3 < G; g += 4) {
+        const uint16_t *q = x + 32 * g;
+        __m512i a = _mm512_loadu_si512((const void *)q), b = _mm512_loadu_si512((const void *)(q + 32));
+        __m512i c = _mm512_loadu_si512((const void *)(q + 64)), d = _mm512_loadu_si512((const void *)(q + 96));
+        __m512i e1 = _mm512_permutex2var_epi16(a, even, b), o1 = _mm512_permutex2var_epi16(a, odd, b);
+        __m512i e2 = _mm512_permutex2var_epi16(c, even, d), o2 = _mm512_permutex2var_epi16(c, odd, d);
+        _mm512_storeu_si512((void *)(out + 32 * g), _mm512_permutex2var_epi16(e1, even, e2));      /* 4k */
+        _mm512_storeu_si512((void *)(out + 32 * g + 32), _mm512_permutex2var_epi16(o1, even, o2)); /* 4k + 1 */
+        _mm512_storeu_si512((void *)(out + 32 * g + 64), _mm512_permutex2var_epi16(e1, odd, e2));  /* 4k + 2 */
+        _mm512_storeu_si512((void *)(out + 32 * g + 96), _mm512_permutex2var_epi16(o1, odd, o2));  /* 4k + 3 */
+    }
+    split_pairs(x + 32 * g, G - g, out + 32 * g);
+}
+
+/* 2^(e - 127) for the four scale bytes s[0..3], each in four lanes (lanes 4i..4i+3 hold s[i]'s): the
+ * exponent field e << 23, and for e = 0 the subnormal 2^-127 (POW2's values, without a table). */
+static inline __m512 quad_factors(const uint8_t *s) {
+    uint32_t four;
+    memcpy(&four, s, 4);
+    const __m512i shifts = _mm512_set_epi32(24, 24, 24, 24, 16, 16, 16, 16, 8, 8, 8, 8, 0, 0, 0, 0);
+    __m512i e = _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)four), shifts), _mm512_set1_epi32(0xFF));
+    __m512i bits = _mm512_slli_epi32(e, 23);
+    bits = _mm512_mask_mov_epi32(bits, _mm512_testn_epi32_mask(e, e), _mm512_set1_epi32(0x00400000));
+    return _mm512_castsi512_ps(bits);
+}
+
+/* The blocks of a row from g on (after its quads: fewer than four), laid out by split_pairs, added into
+ * acc. A pair of blocks is 32 code bytes: widened to words, the low nibbles index the E2M1 table
+ * directly (vpermw reads 5 bits and the table repeats) and the high nibbles after one shift; two bf16
+ * dot-product instructions (bf16 times bf16 is exact in fp32) leave lanes 0-7 holding block g's partial
+ * sums and lanes 8-15 block g + 1's, which are scaled by their blocks' 2^(scale - 127) into fp32 sums. A
+ * last unpaired block is decoded alone. */
+static void row_dots_bf16_pairs(const uint8_t *blocks, const uint8_t *scales, int64_t g, int64_t G,
+                                const uint16_t *const *xs, int n, __m512 *acc) {
     const __m512i table = _mm512_loadu_si512((const void *)E2M1_BF16);
     const __m512 zero = _mm512_setzero_ps();
-    __m512 acc[MAX_ROWS], acc2 = zero;
-    for (int j = 0; j < n; j++) acc[j] = zero;
-    int64_t g = 0;
-#define PAIR_WEIGHTS(g, lo, hi, factor)                                                                    \
-    __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blocks + 16 * (g))));            \
-    __m512i lo = _mm512_permutexvar_epi16(q, table);                                                       \
-    __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(q, 4), table);                                 \
-    __m512 factor = _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(POW2[scales[g]]), \
-                                         _mm512_set1_ps(POW2[scales[(g) + 1]]))
-    if (n == 1) { /* two pairs at a time: two independent sums */
-        const uint16_t *x = xs[0];
-        for (; g + 3 < G; g += 4) {
-            _mm_prefetch((const char *)(blocks + 16 * g + PREFETCH_AHEAD), _MM_HINT_T0);
-            {
-                PAIR_WEIGHTS(g, lo, hi, f);
-                __m512 p = _mm512_dpbf16_ps(zero, (__m512bh)lo, (__m512bh)_mm512_loadu_si512(x + 32 * g));
-                p = _mm512_dpbf16_ps(p, (__m512bh)hi, (__m512bh)_mm512_loadu_si512(x + 32 * g + 32));
-                acc[0] = _mm512_fmadd_ps(p, f, acc[0]);
-            }
-            {
-                PAIR_WEIGHTS(g + 2, lo, hi, f);
-                __m512 p = _mm512_dpbf16_ps(zero, (__m512bh)lo, (__m512bh)_mm512_loadu_si512(x + 32 * g + 64));
-                p = _mm512_dpbf16_ps(p, (__m512bh)hi, (__m512bh)_mm512_loadu_si512(x + 32 * g + 96));
-                acc2 = _mm512_fmadd_ps(p, f, acc2);
-            }
-        }
-    }
     for (; g + 1 < G; g += 2) {
-        if (!(g & 3)) _mm_prefetch((const char *)(blocks + 16 * g + PREFETCH_AHEAD), _MM_HINT_T0);
-        PAIR_WEIGHTS(g, lo, hi, f);
+        __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(blocks + 16 * g)));
+        __m512i lo = _mm512_permutexvar_epi16(q, table);
+        __m512i hi = _mm512_permutexvar_epi16(_mm512_srli_epi16(q, 4), table);
+        __m512 f = _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(POW2[scales[g]]),
+                                        _mm512_set1_ps(POW2[scales[g + 1]]));
         for (int j = 0; j < n; j++) {
             __m512 p = _mm512_dpbf16_ps(zero, (__m512bh)lo, (__m512bh)_mm512_loadu_si512(xs[j] + 32 * g));
             p = _mm512_dpbf16_ps(p, (__m512bh)hi, (__m512bh)_mm512_loadu_si512(xs[j] + 32 * g + 32));
             acc[j] = _mm512_fmadd_ps(p, f, acc[j]);
         }
     }
-#undef PAIR_WEIGHTS
     if (g < G) { /* the unpaired last block: x as it is */
         __m512i w = decode_block_bf16(blocks + 16 * g, table);
-        __m512 s = _mm512_set1_ps(POW2[scales[g]]);
+        __m512 f = _mm512_set1_ps(POW2[scales[g]]);
         for (int j = 0; j < n; j++) {
             __m512 p = _mm512_dpbf16_ps(zero, (__m512bh)w, (__m512bh)_mm512_loadu_si512(xs[j] + 32 * g));
-            acc[j] = _mm512_fmadd_ps(p, s, acc[j]);
+            acc[j] = _mm512_fmadd_ps(p, f, acc[j]);
         }
     }
-    acc[0] = _mm512_add_ps(acc[0], acc2);
+}
+
+/* row_dots for bf16 inputs laid out by split_quads. A quad of blocks is 64 code bytes, read as 32 words
+ * of four nibbles: vpermw reads the low 5 bits of each word (the table repeats, so bit 4 does not
+ * matter), and shifts by 4, 8 and 12 bring the other three nibbles there: the weights 4k, 4k + 1, 4k + 2
+ * and 4k + 3, no widening. Four bf16 dot-product instructions leave lanes 4i..4i+3 holding block g + i's
+ * partial sums, scaled by quad_factors in one FMA. Blocks after the last quad take row_dots_bf16_pairs. */
+static void row_dots_bf16(const uint8_t *blocks, const uint8_t *scales, int64_t G, const uint16_t *const *xs, int n,
+                          float *dots) {
+    const __m512i table = _mm512_loadu_si512((const void *)E2M1_BF16);
+    const __m512 zero = _mm512_setzero_ps();
+    __m512 acc[MAX_ROWS];
+    for (int j = 0; j < n; j++) acc[j] = zero;
+    int64_t g = 0;
+    for (; g + 3 < G; g += 4) {
+        _mm_prefetch((const char *)(blocks + 16 * g + PREFETCH_AHEAD), _MM_HINT_T0);
+        const __m512i c = _mm512_loadu_si512((const void *)(blocks + 16 * g));
+        const __m512i wa = _mm512_permutexvar_epi16(c, table);
+        const __m512i wb = _mm512_permutexvar_epi16(_mm512_srli_epi16(c, 4), table);
+        const __m512i wc = _mm512_permutexvar_epi16(_mm512_srli_epi16(c, 8), table);
+        const __m512i wd = _mm512_permutexvar_epi16(_mm512_srli_epi16(c, 12), table);
+        const __m512 f = quad_factors(scales + g);
+        for (int j = 0; j < n; j++) {
+            const uint16_t *x = xs[j] + 32 * g;
+            __m512 p = _mm512_dpbf16_ps(zero, (__m512bh)wa, (__m512bh)_mm512_loadu_si512(x));
+            __m512 p2 = _mm512_dpbf16_ps(zero, (__m512bh)wc, (__m512bh)_mm512_loadu_si512(x + 64));
+            p = _mm512_dpbf16_ps(p, (__m512bh)wb, (__m512bh)_mm512_loadu_si512(x + 32));
+            p2 = _mm512_dpbf16_ps(p2, (__m512bh)wd, (__m512bh)_mm512_loadu_si512(x + 96));
+            acc[j] = _mm512_fmadd_ps(_mm512_add_ps(p, p2), f, acc[j]);
+        }
+    }
+    row_dots_bf16_pairs(blocks, scales, g, G, xs, n, acc);
     for (int j = 0; j < n; j++) dots[j] = _mm512_reduce_add_ps(acc[j]);
 }
+
 #endif
 
 /* ---- the opt-in int8-activation path (docs/mxfp4.md, "int8 activations") ------------------------------
@@ -487,7 +529,7 @@ static void matvec(const void *x, int x_bf16, int int8, const uint8_t *blocks, c
     gstart[ngroups] = M;
     const int64_t TILE = 16;
     const int64_t ntiles = (R + TILE - 1) / TILE;
-    uint16_t *split = NULL; /* bf16 rows in row_dots_bf16's order */
+    uint16_t *split = NULL; /* bf16 rows in row_dots_bf16's order (split_quads) */
     /* int8 rows in row_dots_q8's layout: per row, `slots` blocks (G padded to whole sets) */
     const int64_t slots = q8_sets(G) * Q8_SET;
     int8_t *q8 = NULL;
@@ -503,7 +545,7 @@ static void matvec(const void *x, int x_bf16, int int8, const uint8_t *blocks, c
 #ifdef GL_AVX512BF16
     else if (x_bf16) {
         split = malloc(sizeof(uint16_t) * (M * K + 1));
-        for (int64_t m = 0; m < M; m++) split_pairs((const uint16_t *)x + m * K, G, split + m * K);
+        for (int64_t m = 0; m < M; m++) split_quads((const uint16_t *)x + m * K, G, split + m * K);
     }
 #endif
 #pragma omp parallel for schedule(dynamic, 4)
