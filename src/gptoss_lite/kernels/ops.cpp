@@ -52,39 +52,37 @@ std::string shape(const at::Tensor &t) {
 
 const void *ptr_or_null(const std::optional<at::Tensor> &t) { return t ? t->const_data_ptr() : nullptr; }
 
-at::Tensor rows_mm(const at::Tensor &x, const at::Tensor &w, const std::optional<at::Tensor> &b) {
+// x (M, K) times an out-major weight w (R, K), plus b, as fp32 sums: rows_mm (fp32) and bf16_gemv (bf16)
+// check and convert alike and differ in their storage's dtype and the C function they call.
+template <typename Call>
+at::Tensor rows_times_weight(const char *op, at::ScalarType dtype, const at::Tensor &x, const at::Tensor &w,
+                             const std::optional<at::Tensor> &b, Call call) {
     // The C code trusts its sizes: a wrong one would read outside the tensors.
-    const bool ok = x.dim() == 2 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && w.dim() == 2 &&
-                    w.size(1) == x.size(x.dim() - 1) && w.is_contiguous() &&
-                    (!b || (b->dim() == 1 && b->size(0) == w.size(0)));
-    TORCH_CHECK_VALUE(ok, "rows_mm: x ", shape(x), " ", x.scalar_type(), ", w ", shape(w), " ", w.scalar_type(),
-                      ", b ", b ? shape(*b) : std::string("None"),
-                      " must be x (M, K), w (R, K) contiguous, b (R,), fp32");
+    const bool ok = x.dim() == 2 && w.dim() == 2 && x.scalar_type() == dtype && w.scalar_type() == dtype &&
+                    w.size(1) == x.size(1) && w.is_contiguous() && (!b || (b->dim() == 1 && b->size(0) == w.size(0)));
+    TORCH_CHECK_VALUE(ok, op, ": x ", shape(x), " ", x.scalar_type(), ", w ", shape(w), " ", w.scalar_type(), ", b ",
+                      b ? shape(*b) : std::string("None"), " must be x (M, K), w (R, K) contiguous, b (R,), ",
+                      dtype == at::kFloat ? "fp32" : "bf16");
     const int64_t M = x.size(0), K = x.size(1), R = w.size(0);
     std::optional<at::Tensor> bias;
     if (b) bias = b->to(at::kFloat).contiguous();
     const at::Tensor xc = x.contiguous();
     at::Tensor out = at::empty({M, R}, x.options().dtype(at::kFloat));
-    rows_fn(xc.const_data_ptr<float>(), w.const_data_ptr<float>(),
-            bias ? bias->const_data_ptr<float>() : nullptr, M, R, K, out.mutable_data_ptr<float>());
+    call(xc.const_data_ptr(), w.const_data_ptr(), bias ? bias->const_data_ptr<float>() : nullptr, M, R, K,
+         out.mutable_data_ptr<float>());
     return out;
 }
 
+at::Tensor rows_mm(const at::Tensor &x, const at::Tensor &w, const std::optional<at::Tensor> &b) {
+    return rows_times_weight("rows_mm", at::kFloat, x, w, b,
+                             [](const void *xp, const void *wp, const float *bp, int64_t M, int64_t R, int64_t K,
+                                float *out) {
+                                 rows_fn(static_cast<const float *>(xp), static_cast<const float *>(wp), bp, M, R, K, out);
+                             });
+}
+
 at::Tensor bf16_gemv(const at::Tensor &x, const at::Tensor &w, const std::optional<at::Tensor> &b) {
-    const bool ok = x.dim() == 2 && w.dim() == 2 && x.scalar_type() == at::kBFloat16 &&
-                    w.scalar_type() == at::kBFloat16 && w.size(1) == x.size(1) && w.is_contiguous() &&
-                    (!b || (b->dim() == 1 && b->size(0) == w.size(0)));
-    TORCH_CHECK_VALUE(ok, "bf16 gemv: x ", shape(x), " ", x.scalar_type(), ", w ", shape(w), " ", w.scalar_type(),
-                      ", b ", b ? shape(*b) : std::string("None"),
-                      " must be x (M, K), w (R, K) contiguous, b (R,), bf16");
-    const int64_t M = x.size(0), K = x.size(1), R = w.size(0);
-    std::optional<at::Tensor> bias;
-    if (b) bias = b->to(at::kFloat).contiguous();
-    const at::Tensor xc = x.contiguous();
-    at::Tensor out = at::empty({M, R}, x.options().dtype(at::kFloat));
-    gemv_fn(xc.const_data_ptr(), w.const_data_ptr(), bias ? bias->const_data_ptr<float>() : nullptr, M, R, K,
-            out.mutable_data_ptr<float>());
-    return out;
+    return rows_times_weight("bf16 gemv", at::kBFloat16, x, w, b, gemv_fn);
 }
 
 at::Tensor mxfp4_products(const at::Tensor &x, const at::Tensor &blocks, const at::Tensor &scales,
