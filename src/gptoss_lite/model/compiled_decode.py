@@ -13,8 +13,8 @@ Compilation takes tens of seconds the first time for a model shape and dtype (an
 batch-size bucket); inductor caches the result on disk (`TORCHINDUCTOR_CACHE_DIR`), so later processes
 load it in seconds. `compile_seconds` reports the first call's wall time.
 
-Unless the user names `TORCHINDUCTOR_CACHE_DIR`, the cache is a folder per vector ISA under inductor's
-default (`use_inductor_cache_per_isa`): torch 2.13's FX graph cache key leaves out the ISA its C++ was
+The cache is a folder per vector ISA, inside `TORCHINDUCTOR_CACHE_DIR` or inductor's default
+(`use_inductor_cache_per_isa`): torch 2.13's FX graph cache key leaves out the ISA its C++ was
 generated for, so a graph cached under AVX-512 and loaded where `ATEN_CPU_CAPABILITY=avx2` (or on
 another CPU sharing the folder) computed wrong values, in AVX-512-wide steps over AVX2-wide vectors.
 """
@@ -49,19 +49,25 @@ def guards_off_the_model(entries: list) -> list[bool]:
 
 def use_inductor_cache_per_isa() -> str:
     """Point inductor's on-disk cache at a folder of the vector ISA it generates for (an AVX-512, AVX2 or
-    AMX CPU, or `ATEN_CPU_CAPABILITY`), unless the user set `TORCHINDUCTOR_CACHE_DIR`; the folder used.
+    AMX CPU, or `ATEN_CPU_CAPABILITY`), inside `TORCHINDUCTOR_CACHE_DIR` where the user names one, else
+    inside inductor's default; the folder used.
 
     Works around torch's FX graph cache, whose key does not hold that ISA (docstring above): a graph cached
-    for one ISA must not be loaded for another."""
+    for one ISA must not be loaded for another, whoever chose the folder."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     named = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    # torch writes its default into the environment when it first reads it: that is not the user's choice.
-    if named in (None, os.path.abspath(default_cache_dir())) or os.environ.get("GPTOSS_LITE_INDUCTOR_PER_ISA") == "1":
-        isa = "-".join(str(pick_vec_isa()).split()) or "novec"
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(default_cache_dir(), f"isa-{isa}")
-        os.environ["GPTOSS_LITE_INDUCTOR_PER_ISA"] = "1"  # ours, so a child process may re-key it
+    ours = os.environ.get("GPTOSS_LITE_INDUCTOR_BASE")  # the folder a call here keyed, for later calls and children
+    if named is None:
+        base = default_cache_dir()
+    elif ours and os.path.dirname(named) == ours and os.path.basename(named).startswith("isa-"):
+        base = ours  # keyed here (or by a parent) already: key it again, for this process's ISA
+    else:
+        base = named
+    isa = "-".join(str(pick_vec_isa()).split()) or "novec"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"isa-{isa}")
+    os.environ["GPTOSS_LITE_INDUCTOR_BASE"] = base
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
