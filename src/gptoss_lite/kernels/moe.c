@@ -81,21 +81,9 @@ static void product(const void *in, const void *w, const float *bias, int bf16, 
 
 /* act over the (gate, up) halves of one row of gate_up sums, into dst (bf16 bits or fp32) */
 static void activate_row(const float *gu, int64_t I, int swiglu, float limit, int bf16, void *dst) {
-    const __m512 one = _mm512_set1_ps(1.0f), lim = _mm512_set1_ps(limit), nlim = _mm512_set1_ps(-limit);
-    const __m512 alpha = _mm512_set1_ps(1.702f);
     for (int64_t i = 0; i < I; i += 16) {
         const __mmask16 lanes = I - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (I - i)) - 1u);
-        __m512 g = _mm512_maskz_loadu_ps(lanes, gu + i), u = _mm512_maskz_loadu_ps(lanes, gu + I + i), a;
-        if (swiglu) { /* silu(g) * u = g * (1 / (1 + e^-g)) * u */
-            __m512 s = _mm512_mul_ps(g, _mm512_div_ps(one, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
-            a = _mm512_mul_ps(s, u);
-        } else { /* (clamp(u) + 1) * (g' * sigmoid(1.702 g')), g' = min(g, limit) */
-            g = _mm512_min_ps(g, lim);
-            u = _mm512_max_ps(_mm512_min_ps(u, lim), nlim);
-            __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp512(_mm512_mul_ps(_mm512_set1_ps(-1.0f),
-                                                                                     _mm512_mul_ps(g, alpha)))));
-            a = _mm512_mul_ps(_mm512_add_ps(u, one), _mm512_mul_ps(g, sig));
-        }
+        __m512 a = gated16(_mm512_maskz_loadu_ps(lanes, gu + i), _mm512_maskz_loadu_ps(lanes, gu + I + i), swiglu, limit);
         if (bf16) {
             __m512i bits = _mm512_castps_si512(round16(a));
             _mm256_mask_storeu_epi16((uint16_t *)dst + i, lanes, _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));

@@ -334,6 +334,21 @@ INLINE __m512 exp512(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
 }
+
+/* The experts' gated activation of 16 (gate, up) pairs, in fp32: SwiGLU, silu(g) * u, or gpt-oss's
+ * clamped variant, (clamp(u, ±limit) + 1) * g' * sigmoid(1.702 g') with g' = min(g, limit); the same
+ * operations in the same order as `model.moe.activate` (e^x by exp512). For moe.c and mxfp4.c. */
+INLINE __m512 gated16(__m512 g, __m512 u, int swiglu, float limit) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    if (swiglu) /* silu(g) * u = g * (1 / (1 + e^-g)) * u */
+        return _mm512_mul_ps(
+            _mm512_mul_ps(g, _mm512_div_ps(one, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))))), u);
+    g = _mm512_min_ps(g, _mm512_set1_ps(limit));
+    u = _mm512_max_ps(_mm512_min_ps(u, _mm512_set1_ps(limit)), _mm512_set1_ps(-limit));
+    __m512 sig = _mm512_div_ps(
+        one, _mm512_add_ps(one, exp512(_mm512_mul_ps(_mm512_set1_ps(-1.0f), _mm512_mul_ps(g, _mm512_set1_ps(1.702f))))));
+    return _mm512_mul_ps(_mm512_add_ps(u, one), _mm512_mul_ps(g, sig));
+}
 #endif
 
 #endif /* GL_VEC_H */
