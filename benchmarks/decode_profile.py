@@ -8,11 +8,13 @@ prefills a seeded random `--context`-token prompt through `stream_generate`, the
 greedy decode steps without the profiler (median and fastest, ms) and profiles `--profiled` more. The
 table is the ops with the most self time per step. The weight kernels' rows also give GB/s (the bytes
 one step reads through them, from the model's own shapes, over their time): `bf16_gemv` over
-the dense bf16 weights and `mxfp4_matvec` (or `mxfp4_matvec_int8`, with `--mxfp4-activations int8`)
-over the routed experts' codes.
+the dense bf16 weights, `mxfp4_gate_up_act` over the routed experts' gate|up codes and `mxfp4_matvec`
+(or `mxfp4_matvec_int8`, with `--mxfp4-activations int8`) over the rest of their codes.
 `--ab-ops OP...` then times `--ab-pairs` pairs of steps with those kernel ops served from C++
-(`kernels/ops.cpp`) and from Python, alternating. Threads: `--threads` (default 2). The first decode
-step includes compiling (or loading the compiled step from inductor's cache) and is not timed.
+(`kernels/ops.cpp`) and from Python, alternating; `--ab-gate-up-act PAIRS` times pairs of steps with the
+MXFP4 experts' gate|up activation in the product's pass and as separate passes. Threads: `--threads`
+(default 2). The first decode step includes compiling (or loading the compiled step from inductor's
+cache) and is not timed.
 """
 
 from __future__ import annotations
@@ -26,24 +28,27 @@ from torch.profiler import ProfilerActivity, profile
 
 from gptoss_lite.checkpoint import load_model
 from gptoss_lite.generation import stream_generate
+from gptoss_lite.kernels import mxfp4
 from gptoss_lite.model.moe import MXFP4Experts
 
 
 def weight_bytes(model) -> dict[str, int]:
     """Bytes a one-token step reads through each weight kernel: the dense bf16/fp32 matrices of every
-    layer's attention and router plus the output head, and top_k routed experts' MXFP4 codes per layer."""
+    layer's attention and router plus the output head, and top_k routed experts' MXFP4 codes per layer
+    (with the one-pass gate|up activation, `mxfp4_gate_up_act` reads the gate|up codes and the product
+    ops the down codes only)."""
     dense = model.head_weight().numel() * model.head_weight().element_size()
-    experts = 0
+    gate_up = down = 0
     for block in model.blocks:
         for p in (*block.attn.parameters(), block.moe.router.weight):
             if p.dim() == 2:
                 dense += p.numel() * p.element_size()
         ex = block.moe.experts
         if isinstance(ex, MXFP4Experts):
-            codes = (ex.gate_up_blocks, ex.gate_up_scales, ex.down_blocks, ex.down_scales)
-            per_expert = sum(t[0].numel() for t in codes)
-            experts += block.moe.top_k * per_expert
-    return {"bf16_gemv": dense, "mxfp4_matvec": experts, "mxfp4_matvec_int8": experts}
+            gate_up += block.moe.top_k * (ex.gate_up_blocks[0].numel() + ex.gate_up_scales[0].numel())
+            down += block.moe.top_k * (ex.down_blocks[0].numel() + ex.down_scales[0].numel())
+    products = down if gate_up and mxfp4.gate_up_act_available() else gate_up + down
+    return {"bf16_gemv": dense, "mxfp4_matvec": products, "mxfp4_matvec_int8": products, "mxfp4_gate_up_act": gate_up}
 
 
 def main() -> None:
@@ -63,6 +68,13 @@ def main() -> None:
         help="then time these kernel ops from C++ against their Python implementations, step by step",
     )
     ap.add_argument("--ab-pairs", type=int, default=40, help="pairs of steps for --ab-ops")
+    ap.add_argument(
+        "--ab-gate-up-act",
+        type=int,
+        default=0,
+        metavar="PAIRS",
+        help="then time PAIRS pairs of steps with the MXFP4 experts' one-pass gate|up activation and without",
+    )
     ap.add_argument("--mxfp4-activations", default="exact", choices=["exact", "int8"], help="packed experts' path")
     args = ap.parse_args()
     if min(args.context, args.steps, args.profiled, args.threads, args.top) < 1:
@@ -75,7 +87,7 @@ def main() -> None:
     print(f"loaded {args.model} ({args.dtype}) in {time.perf_counter() - t0:.1f} s", flush=True)
     vocab = model.config.vocab_size
     ids = torch.randint(1, vocab, (1, args.context), generator=torch.Generator().manual_seed(args.context))
-    ab = 2 * args.ab_pairs if args.ab_ops else 0
+    ab = (2 * args.ab_pairs if args.ab_ops else 0) + 2 * args.ab_gate_up_act + (4 if args.ab_gate_up_act else 0)
     steps = stream_generate(model, ids, 2 + args.steps + args.profiled + ab, temperature=0)
     t0 = time.perf_counter()
     next(steps)
@@ -105,6 +117,8 @@ def main() -> None:
         print(f"  {e.key[:60]:<60} {ms:8.1f} {e.count / args.profiled:10.0f} {rate:>6}")
     if args.ab_ops:
         ab_cpp_ops(steps, args.ab_ops, args.ab_pairs)
+    if args.ab_gate_up_act:
+        ab_gate_up_act(steps, args.ab_gate_up_act)
 
 
 def ab_cpp_ops(steps, ops: list[str], pairs: int) -> None:
@@ -130,6 +144,42 @@ def ab_cpp_ops(steps, ops: list[str], pairs: int) -> None:
     print(
         f"{', '.join(ops)} from C++: median step {1e3 * statistics.median(walls[True]):.2f} ms, from Python "
         f"{1e3 * statistics.median(walls[False]):.2f} ms; Python / C++ over {pairs} pairs: median {ratio:.4f}"
+    )
+
+
+def ab_gate_up_act(steps, pairs: int) -> None:
+    """Steps in pairs, one with the MXFP4 experts' gate|up product, bias, rounding and activation in one
+    pass (`kernels.mxfp4.gate_up_act`) and one with the product and then the separate passes (what every
+    CPU without AVX-512 runs), the order swapped every pair. The model's switch
+    (`gate_up_act_available`) is replaced by one the compiled step guards on, so each setting keeps its
+    own graph (the first step of each compiles or loads it, untimed)."""
+    from gptoss_lite.kernels import mxfp4
+    from gptoss_lite.model import moe
+
+    if not mxfp4.gate_up_act_available():
+        print("--ab-gate-up-act: the one-pass activation is not built here (it needs AVX-512)")
+        return
+    setting = {"on": True}
+    moe.gate_up_act_available = lambda: setting["on"]
+    walls: dict[bool, list[float]] = {True: [], False: []}
+    for on in (True, False):  # each setting's graph, before the timing; the op is called only when on
+        setting["on"] = on
+        next(steps)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            next(steps)
+        called = any(e.key == "gptoss_lite::mxfp4_gate_up_act" for e in prof.key_averages())
+        assert called == on, "the compiled step did not follow the switch"
+    for p in range(pairs):
+        for on in (True, False) if p % 2 == 0 else (False, True):
+            setting["on"] = on
+            t0 = time.perf_counter()
+            next(steps)
+            walls[on].append(time.perf_counter() - t0)
+    ratio = statistics.median(s / o for o, s in zip(walls[True], walls[False]))
+    print(
+        f"gate|up activation in one pass: median step {1e3 * statistics.median(walls[True]):.2f} ms, as separate "
+        f"passes {1e3 * statistics.median(walls[False]):.2f} ms; separate / one pass over {pairs} pairs: "
+        f"median {ratio:.4f}"
     )
 
 

@@ -32,7 +32,9 @@ def test_each_op_is_bound_once_its_library_loads():
     assert rows._library() is not None and blocks._library() is not None and moe._library() is not None
     assert mxfp4._library() is not None and bf16._library() is not None
     gemv = {"bf16_gemv"} if bf16.available() else set()  # its kernel serves CPUs with AVX-512 BF16 only
-    assert cpp_ops.bound() == {"rows_mm", "block_attention", "moe_experts", "mxfp4_matvec", "mxfp4_matvec_int8"} | gemv
+    act = {"mxfp4_gate_up_act"} if mxfp4.gate_up_act_available() else set()  # and this one AVX-512 ones
+    always = {"rows_mm", "block_attention", "moe_experts", "mxfp4_matvec", "mxfp4_matvec_int8"}
+    assert cpp_ops.bound() == always | gemv | act
     for op in cpp_ops.bound():
         assert "ops.cpp" in _cpu_kernel(op), op
     assert cpp_ops.bind("rows_mm", rows._library().gl_rows_mm)  # again: a no-op
@@ -106,15 +108,21 @@ def test_moe_experts_cpp_equals_python(dtype):
         torch.ops.gptoss_lite.moe_experts(h, idx, weights, gate_up, gb[:, :3], down, db, False, 7.0)
 
 
+def _mxfp4_case(seed: int, dtype: torch.dtype, top_scale: int) -> tuple[torch.Tensor, ...]:
+    """codes of 6 experts (R = 40 rows, 3 blocks a row, scales 118 .. top_scale), 5 rows x in dtype, three
+    of them on one expert, and an fp32 bias"""
+    g = torch.Generator().manual_seed(seed)
+    E, R, G = 6, 40, 3
+    blocks_ = torch.randint(0, 256, (E, R, G, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(118, top_scale, (E, R, G), dtype=torch.uint8, generator=g)
+    x = torch.randn(5, 32 * G, generator=g).to(dtype)
+    return blocks_, scales, x, torch.tensor([4, 0, 4, 5, 4]), torch.randn(E, R, generator=g)
+
+
 @needs_cxx
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mxfp4_matvec_cpp_equals_python(dtype):
-    g = torch.Generator().manual_seed(5)
-    E, R, G = 6, 40, 3
-    blocks_ = torch.randint(0, 256, (E, R, G, 16), dtype=torch.uint8, generator=g)
-    scales = torch.randint(118, 136, (E, R, G), dtype=torch.uint8, generator=g)
-    x = torch.randn(5, 32 * G, generator=g).to(dtype)
-    experts, bias = torch.tensor([4, 0, 4, 5, 4]), torch.randn(E, R, generator=g)
+    blocks_, scales, x, experts, bias = _mxfp4_case(5, dtype, 136)
     mxfp4._library()
     for name, op in (("mxfp4_matvec", mxfp4.matvec), ("mxfp4_matvec_int8", mxfp4.matvec_int8)):
         assert name in cpp_ops.bound()
@@ -211,3 +219,22 @@ def test_a_failed_cpp_build_says_so_and_keeps_the_python_implementations(tmp_pat
         assert "building the ops kernels failed" in done.stderr and "through Python" in done.stderr
     built = [p.name for p in tmp_path.rglob("*.so")]
     assert "libops.so" not in built and all(name.startswith("lib") for name in built), built  # no temporary left
+
+
+@needs_cxx
+@pytest.mark.skipif(not mxfp4.gate_up_act_available(), reason="the one-pass gate|up activation needs AVX-512")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_gate_up_act_cpp_equals_python(dtype):
+    blocks_, scales, x, experts, bias = _mxfp4_case(7, dtype, 130)  # weights that keep gates near the clamp
+    assert "mxfp4_gate_up_act" in cpp_ops.bound()
+    cpp, py = torch.ops.gptoss_lite.mxfp4_gate_up_act, mxfp4.gate_up_act._init_fn
+    for b in (bias, bias.bfloat16(), None):
+        for swiglu, int8 in ((True, False), (False, False), (False, True)):
+            got = cpp(x, blocks_, scales, experts, b, swiglu, 7.0, int8)
+            assert got.dtype == dtype and torch.equal(got, py(x, blocks_, scales, experts, b, swiglu, 7.0, int8))
+    with pytest.raises(ValueError, match="expert ids"):
+        cpp(x, blocks_, scales, experts + 2, bias, True, 7.0, False)
+    for bad in ((x.half(), blocks_, scales), (x, blocks_[:, :39], scales[:, :39])):  # fp16 rows; an odd R
+        for op in (cpp, py):
+            with pytest.raises(ValueError, match="gate_up_act"):
+                op(*bad, experts, None, True, 7.0, False)

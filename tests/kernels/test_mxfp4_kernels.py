@@ -262,3 +262,73 @@ def test_matvec_refuses_what_would_read_out_of_bounds():
         mxfp4.matvec(torch.randn(2, 96), blocks, scales, torch.tensor([0, 1]), None)
     with pytest.raises(ValueError, match=r"bias \[3, 7\] must be"):
         mxfp4.matvec(x, blocks, scales, torch.tensor([0, 1]), torch.zeros(3, 7))
+
+
+needs_gate_up_act = pytest.mark.skipif(
+    not mxfp4.gate_up_act_available(), reason="the one-pass gate|up activation is built with AVX-512 only"
+)
+
+
+def _gate_up_case(rows: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """codes of 5 experts with I = 36 (R = 72: four tasks of 16 rows and one of 8, i.e. of 4 pairs), k = 96,
+    weights up to 12 so that gates fall on both sides of the clamp at 7; rows share experts beyond the 4
+    that share a decoded block, and a block has the smallest scale"""
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (5, 72, 3, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(118, 129, (5, 72, 3), dtype=torch.uint8, generator=g)
+    scales[2, 1, 0] = 0
+    x = torch.randn(rows, 96, generator=g)
+    experts = torch.tensor([2, 2, 4, 2, 0, 2, 2, 1, 2, 3, 4][:rows])
+    return blocks, scales, x, experts, torch.randn(5, 72, generator=g) * 3
+
+
+@needs_gate_up_act
+@pytest.mark.parametrize("rows", [1, 4, 11])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("swiglu", [True, False])
+@pytest.mark.parametrize("int8", [False, True])
+def test_gate_up_act_equals_its_reference(rows, dtype, swiglu, int8):
+    from gptoss_lite.model.moe import activate
+
+    blocks, scales, x, experts, bias = _gate_up_case(rows, rows)
+    x = x.to(dtype)
+    for b in (None, bias, bias.to(dtype)):
+        got = mxfp4.gate_up_act(x, blocks, scales, experts, b, swiglu, 7.0, int8)
+        assert got.dtype == dtype and got.shape == (rows, 36)
+        # the steps one by one: the same sums, rounded alike, then the model's activation in fp32 (`exact`,
+        # before the one rounding) and rounded (`want`)
+        sums = mxfp4.matvec_int8 if int8 else mxfp4.matvec
+        gate_up = sums(x, blocks, scales, experts, b).to(dtype).float()
+        exact = activate(gate_up[:, 0::2], gate_up[:, 1::2], "swiglu" if swiglu else "gptoss", 7.0)
+        want = exact.to(dtype)
+        if dtype == torch.float32:  # e^x is the kernel's own (vec.h) and PyTorch's: they differ by ulps
+            torch.testing.assert_close(got, want, atol=1e-30, rtol=1e-5)
+        else:  # both round the same fp32 value once: a bf16 step apart at most, and rarely
+            for value in (got, want):
+                assert ((value.float() - exact).abs() <= 2**-8 * exact.abs() + 1e-30).all()
+            assert (got == want).float().mean() >= 0.95
+        assert (exact.abs() > 1).any() and (exact == 0).sum() < exact.numel() // 4  # a test with values in it
+
+
+@needs_gate_up_act
+def test_gate_up_act_refuses_what_it_cannot_do():
+    blocks, scales, x, experts, bias = _gate_up_case(4, 0)
+    with pytest.raises(ValueError, match="gate_up_act"):  # rows that are not (gate, up) pairs
+        mxfp4.gate_up_act(x, blocks[:, :71], scales[:, :71], experts, None, True, 7.0, False)
+    with pytest.raises(ValueError, match="gate_up_act"):
+        mxfp4.gate_up_act(x.half(), blocks, scales, experts, None, True, 7.0, False)
+    with pytest.raises(ValueError, match=r"expert ids must be in \[0, 5\)"):
+        mxfp4.gate_up_act(x, blocks, scales, experts + 1, None, True, 7.0, False)
+    with pytest.raises(ValueError, match="bias"):
+        mxfp4.gate_up_act(x, blocks, scales, experts, bias[:, :70], True, 7.0, False)
+    with pytest.raises(ValueError, match="on the CPU"):
+        mxfp4.gate_up_act._init_fn(x.to("meta"), blocks, scales, experts, None, True, 7.0, False)
+
+
+def test_gate_up_act_says_where_it_is_not_built(without_kernels):
+    without_kernels(
+        "import pytest, torch; from gptoss_lite.kernels import mxfp4 as m; assert not m.gate_up_act_available(); "
+        "b, s = torch.zeros(2, 4, 1, 16, dtype=torch.uint8), torch.zeros(2, 4, 1, dtype=torch.uint8); "
+        "pytest.raises(RuntimeError, m.gate_up_act, torch.ones(1, 32), b, s, torch.zeros(1, dtype=torch.long), "
+        "None, True, 7.0, False)"
+    )

@@ -114,7 +114,7 @@ def python_mxfp4_ops():
     from C++ (`kernels/ops.cpp`, the same C function), for the test's length."""
     from gptoss_lite.kernels import cpp_ops, mxfp4
 
-    ops = ("mxfp4_matvec", "mxfp4_matvec_int8")
+    ops = ("mxfp4_matvec", "mxfp4_matvec_int8", "mxfp4_gate_up_act")
     mxfp4._library()  # bound now, if ever: a binding during the test would bring C++ back
     cpp_ops.use_cpp(False, ops)
     yield
@@ -137,13 +137,18 @@ def test_int8_activations_are_opt_in_near_exact_and_compiled_alike(monkeypatch, 
     prompt = torch.randint(0, 264, (2, 20), generator=torch.Generator().manual_seed(2))
     from gptoss_lite.kernels import mxfp4
 
-    calls, kernel = {True: 0, False: 0}, mxfp4._matvec
+    calls, kernel, act = {True: 0, False: 0}, mxfp4._matvec, mxfp4._gate_up_act
 
     def counted(*args, int8):
         calls[int8] += 1
         return kernel(*args, int8=int8)
 
+    def counted_act(*args, int8):  # the gate|up products with the activation, where built (AVX-512)
+        calls[int8] += 1
+        return act(*args, int8=int8)
+
     monkeypatch.setattr(mxfp4, "_matvec", counted)
+    monkeypatch.setattr(mxfp4, "_gate_up_act", counted_act)
     want = generate(int8, prompt, max_new_tokens=12, temperature=0)
     calls[True] = 0
     assert torch.equal(generate(compiled, prompt, max_new_tokens=12, temperature=0), want)
@@ -196,13 +201,18 @@ def test_compiled_step_follows_a_later_activation_mode(monkeypatch, python_mxfp4
     compiled = copy.deepcopy(packed).prepare_for_inference(compile_decode=True)
     int8 = copy.deepcopy(packed).prepare_for_inference().set_mxfp4_activations("int8")
     ids = torch.randint(0, 264, (1, 20), generator=torch.Generator().manual_seed(6))
-    calls, kernel = {True: 0, False: 0}, mxfp4._matvec
+    calls, kernel, act = {True: 0, False: 0}, mxfp4._matvec, mxfp4._gate_up_act
 
     def counted(*args, int8):
         calls[int8] += 1
         return kernel(*args, int8=int8)
 
+    def counted_act(*args, int8):  # the gate|up products with the activation, where built (AVX-512)
+        calls[int8] += 1
+        return act(*args, int8=int8)
+
     monkeypatch.setattr(mxfp4, "_matvec", counted)
+    monkeypatch.setattr(mxfp4, "_gate_up_act", counted_act)
     for mode, reference in (("exact", packed), ("int8", int8), ("exact", packed)):
         compiled.set_mxfp4_activations(mode)
         want = generate(reference, ids, max_new_tokens=10, temperature=0)
@@ -210,3 +220,30 @@ def test_compiled_step_follows_a_later_activation_mode(monkeypatch, python_mxfp4
         assert torch.equal(generate(compiled, ids, max_new_tokens=10, temperature=0), want), mode
         assert calls[mode == "int8"] > 0 and calls[mode != "int8"] == 0, (mode, calls)
     assert {modes[0] for modes in compiled.compiled_decoder._by_mode} == {"exact", "int8"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_pass_gate_up_activation_equals_the_separate_passes(monkeypatch, dtype):
+    """Where `kernels.mxfp4.gate_up_act` is built (AVX-512) the decode step's gate|up products, bias,
+    rounding and activation are one pass over the codes; with it off (`gate_up_act_available` False,
+    every other CPU) they are the products and PyTorch's ops. Same outputs up to e^x's last bits, and the
+    same greedy tokens, eager and compiled."""
+    from gptoss_lite.kernels import mxfp4
+    from gptoss_lite.model import moe
+
+    if not mxfp4.gate_up_act_available():
+        pytest.skip("the one-pass gate|up activation is built with AVX-512 only")
+    packed, _ = pair(dtype)
+    experts = packed.blocks[1].moe.experts
+    h = torch.randn(3, packed.config.d_model, generator=torch.Generator().manual_seed(3)).to(dtype)
+    top = torch.tensor([[0, 3], [3, 1], [2, 3]])
+    ids = torch.randint(0, 264, (1, 24), generator=torch.Generator().manual_seed(4))
+    fused, tokens = experts.decode_step(h, top), generate(packed, ids, max_new_tokens=16, temperature=0)
+    compiled = copy.deepcopy(packed).prepare_for_inference(compile_decode=True)
+    assert torch.equal(generate(compiled, ids, max_new_tokens=16, temperature=0), tokens)
+    monkeypatch.setattr(moe, "gate_up_act_available", lambda: False)
+    separate = experts.decode_step(h, top)
+    torch.testing.assert_close(fused, separate, atol=1e-5, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+    if dtype == torch.bfloat16:  # fp32's ulps move every output a little; bf16's rounding absorbs most
+        assert (fused == separate).float().mean() >= 0.9
+    assert torch.equal(generate(packed, ids, max_new_tokens=16, temperature=0), tokens)

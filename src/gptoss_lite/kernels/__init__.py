@@ -40,6 +40,7 @@ def report() -> dict[str, str]:
     else:
         vector = "AVX2 + FMA" if lib.gl_has_avx2() else "plain C"
         out["mxfp4"] = f"AVX-512 BF16 for bf16 inputs, {vector} for fp32" if lib.bf16_dot else vector
+        out["mxfp4"] += "; gate|up activation in the same pass (AVX-512)" if lib.gate_up_act else ""
     lib = bf16._library()
     out["bf16"] = off if lib is None else ("AVX-512 BF16" if lib.usable else "a stub (no AVX-512 BF16)")
     lib = rows._library()

@@ -1,7 +1,7 @@
 """The kernels' torch ops dispatched from C++ (`ops.cpp`, built by `build.load_torch_ops`).
 
-`rows_mm`, `moe_experts`, `block_attention`, `bf16_gemv`, `mxfp4_matvec` and `mxfp4_matvec_int8` are
-torch custom ops defined in Python: their Python
+`rows_mm`, `moe_experts`, `block_attention`, `bf16_gemv`, `mxfp4_matvec`, `mxfp4_matvec_int8` and
+`mxfp4_gate_up_act` are torch custom ops defined in Python: their Python
 implementations check the arguments and call the C kernels through ctypes. Once a kernel's library
 has loaded, its module hands the C function's address to `bind`, which registers a CPU
 implementation in C++ doing the same checks and the same call; torch's dispatcher then prefers it to

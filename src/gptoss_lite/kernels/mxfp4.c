@@ -16,10 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define GL_AVX2 1
-#endif
+#include "vec.h" /* GL_AVX2, GL_AVX512, bf16 rounding and the experts' activation (gated16) */
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
 #define GL_AVX512BF16 1
 #endif
@@ -504,14 +501,48 @@ static void row_dots_q8(const uint8_t *blocks, const uint8_t *scales, int64_t G,
 }
 #endif
 
+/* What follows a row's sums: `bias` (E, R) fp32, or bf16 bits with bias_bf16, or NULL; and with `act`
+ * the gate|up epilogue of gpt-oss's experts (gl_mxfp4_gate_up_act). */
+typedef struct {
+    const void *bias;
+    int bias_bf16, act, swiglu, out_bf16;
+    float limit;
+} Epilogue;
+
+#define TILE 16 /* output rows of one task: even, so a task holds whole (gate, up) pairs */
+
+#ifdef GL_AVX512
+/* The act epilogue of one task: sums (bias added) t[j][0 .. r1 - r0) of interleaved (gate, up) rows
+ * r0 .. r1 for its n input rows -> out[rows[j], r0/2 .. r1/2) of (M, R/2), fp32 or bf16 bits. With
+ * out_bf16 the sums are rounded to bf16 first, as the bf16 model holds its gate|up product. */
+static void gate_up_act(float t[MAX_ROWS][TILE], int n, const int64_t *rows, int64_t r0, int64_t r1, int64_t R,
+                        const Epilogue *ep, void *out) {
+    const int64_t I = R / 2, i0 = r0 / 2, np = (r1 - r0) / 2;
+    const __mmask16 sums = (__mmask16)((1u << (r1 - r0)) - 1u), pairs = (__mmask16)((1u << np) - 1u);
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 1, 1, 1, 1, 1, 1, 1, 1);
+    for (int j = 0; j < n; j++) {
+        __m512 v = _mm512_maskz_loadu_ps(sums, t[j]);
+        if (ep->out_bf16) v = round16(v);
+        __m512 a = gated16(_mm512_permutexvar_ps(even, v), _mm512_permutexvar_ps(odd, v), ep->swiglu, ep->limit);
+        if (ep->out_bf16) {
+            __m512i bits = _mm512_srli_epi32(_mm512_castps_si512(round16(a)), 16);
+            _mm256_mask_storeu_epi16((uint16_t *)out + rows[j] * I + i0, pairs, _mm512_cvtepi32_epi16(bits));
+        } else {
+            _mm512_mask_storeu_ps((float *)out + rows[j] * I + i0, pairs, a);
+        }
+    }
+}
+#endif
+
 /* out[m, r] = sum_k W[experts[m], r, k] * x[m, k] (+ bias[experts[m], r]), for m < M.
  * x (M, K) fp32, or bf16 bits when x_bf16; blocks (E, R, G, 16); scales (E, R, G); experts (M,) int64 in
- * [0, E) (the caller checks); bias (E, R) fp32 or NULL; out (M, R) fp32. Rows that use the same expert
- * share each decoded weight block, MAX_ROWS at a time. Work is split over (group of rows, tile of R).
- * int8: x quantised per block of 32 (the opt-in path above), else the exact products (bf16 inputs take
- * the bf16 dot products only where gl_has_bf16_dot()). */
+ * [0, E) (the caller checks); out (M, R) fp32, or with ep->act (M, R/2) as gl_mxfp4_gate_up_act says.
+ * Rows that use the same expert share each decoded weight block, MAX_ROWS at a time. Work is split over
+ * (group of rows, tile of R). int8: x quantised per block of 32 (the opt-in path above), else the exact
+ * products (bf16 inputs take the bf16 dot products only where gl_has_bf16_dot()). */
 static void matvec(const void *x, int x_bf16, int int8, const uint8_t *blocks, const uint8_t *scales,
-                   const int64_t *experts, const float *bias, int64_t M, int64_t E, int64_t R, int64_t G, float *out) {
+                   const int64_t *experts, const Epilogue *ep, int64_t M, int64_t E, int64_t R, int64_t G, void *out) {
     init_tables();
     const int64_t K = 32 * G;
     /* rows grouped by expert, MAX_ROWS per group: a counting sort keeps them in order */
@@ -527,7 +558,6 @@ static void matvec(const void *x, int x_bf16, int int8, const uint8_t *blocks, c
         while (m < M && n < MAX_ROWS && experts[order[m]] == e) m++, n++;
     }
     gstart[ngroups] = M;
-    const int64_t TILE = 16;
     const int64_t ntiles = (R + TILE - 1) / TILE;
     uint16_t *split = NULL; /* bf16 rows in row_dots_bf16's order (split_quads) */
     /* int8 rows in row_dots_q8's layout: per row, `slots` blocks (G padded to whole sets) */
@@ -557,7 +587,7 @@ static void matvec(const void *x, int x_bf16, int int8, const uint8_t *blocks, c
         const float *xs[MAX_ROWS];
         const uint16_t *xh[MAX_ROWS];
         Q8Row xq[MAX_ROWS];
-        float dots[MAX_ROWS];
+        float dots[MAX_ROWS], sums[MAX_ROWS][TILE];
         for (int j = 0; j < n; j++) {
             xs[j] = (const float *)x + rows[j] * K;
             xh[j] = split ? split + rows[j] * K : NULL;
@@ -577,26 +607,72 @@ static void matvec(const void *x, int x_bf16, int int8, const uint8_t *blocks, c
 #endif
             else
                 row_dots(blocks + wr * G * 16, scales + wr * G, G, xs, n, dots);
-            float b = bias ? bias[wr] : 0.0f;
-            for (int j = 0; j < n; j++) out[rows[j] * R + r] = dots[j] + b;
+            const float b = !ep->bias       ? 0.0f
+                            : ep->bias_bf16 ? widen(((const uint16_t *)ep->bias)[wr])
+                                            : ((const float *)ep->bias)[wr];
+            for (int j = 0; j < n; j++) {
+                if (ep->act)
+                    sums[j][r - r0] = dots[j] + b;
+                else
+                    ((float *)out)[rows[j] * R + r] = dots[j] + b;
+            }
         }
+#ifdef GL_AVX512
+        if (ep->act) gate_up_act(sums, n, rows, r0, r1, R, ep, out);
+#else
+        (void)sums; /* ep->act is never set without AVX-512 */
+#endif
     }
     free(q8_step);
     free(split);
     free(order);
 }
 
-/* The exact products (x_bf16 only where gl_has_bf16_dot()). */
+/* The exact products (x_bf16 only where gl_has_bf16_dot()); bias fp32 or NULL. */
 void gl_mxfp4_matvec(const void *x, int x_bf16, const uint8_t *blocks, const uint8_t *scales, const int64_t *experts,
                      const float *bias, int64_t M, int64_t E, int64_t R, int64_t G, float *out) {
-    matvec(x, x_bf16, 0, blocks, scales, experts, bias, M, E, R, G, out);
+    const Epilogue ep = {bias, 0, 0, 0, 0, 0.0f};
+    matvec(x, x_bf16, 0, blocks, scales, experts, &ep, M, E, R, G, out);
 }
 
 /* The opt-in int8-activation products; x fp32 or bf16 (x_bf16) on every build. */
 void gl_mxfp4_matvec_q8(const void *x, int x_bf16, const uint8_t *blocks, const uint8_t *scales,
                         const int64_t *experts, const float *bias, int64_t M, int64_t E, int64_t R, int64_t G,
                         float *out) {
-    matvec(x, x_bf16, 1, blocks, scales, experts, bias, M, E, R, G, out);
+    const Epilogue ep = {bias, 0, 0, 0, 0, 0.0f};
+    matvec(x, x_bf16, 1, blocks, scales, experts, &ep, M, E, R, G, out);
+}
+
+/* Whether gl_mxfp4_gate_up_act is built here (AVX-512; elsewhere the caller keeps its own passes). */
+int gl_mxfp4_has_gate_up_act(void) {
+#ifdef GL_AVX512
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* One step of gpt-oss's experts up to the down projection, in one pass:
+ *   out[m, i] = act(round(g), round(u)),  g, u = (W[experts[m]] . x[m] + bias[experts[m]])[2i, 2i + 1]
+ * W's rows interleaved as the checkpoints store them (row 2i gate i, row 2i + 1 up i), R = 2I even; bias
+ * (E, R) fp32, bf16 bits (bias_bf16) or NULL; act SwiGLU (swiglu) or the clamped variant at `limit`, in
+ * fp32 (gated16); with out_bf16 `round` rounds to bf16 and out (M, I) holds bf16 bits, else nothing is
+ * rounded and out is fp32. The sums are matvec's (exact, or int8 with `int8`), so this equals
+ * gl_mxfp4_matvec followed by those passes up to e^x's last bits. Returns 0, or -1 in a build without it
+ * (nothing written) or for an odd R. */
+int gl_mxfp4_gate_up_act(const void *x, int x_bf16, int int8, const uint8_t *blocks, const uint8_t *scales,
+                         const int64_t *experts, const void *bias, int bias_bf16, int64_t M, int64_t E, int64_t R,
+                         int64_t G, int swiglu, float limit, int out_bf16, void *out) {
+#ifdef GL_AVX512
+    if (R % 2) return -1;
+    const Epilogue ep = {bias, bias_bf16, 1, swiglu, out_bf16, limit};
+    matvec(x, x_bf16, int8, blocks, scales, experts, &ep, M, E, R, G, out);
+    return 0;
+#else
+    (void)x, (void)x_bf16, (void)int8, (void)blocks, (void)scales, (void)experts, (void)bias, (void)bias_bf16;
+    (void)M, (void)E, (void)R, (void)G, (void)swiglu, (void)limit, (void)out_bf16, (void)out;
+    return -1;
+#endif
 }
 
 /* W (R, K) of one matrix as fp32 (out_bf16 == 0) or as bf16 bits (out_bf16 != 0); both exact. */

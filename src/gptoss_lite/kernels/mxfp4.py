@@ -104,11 +104,17 @@ def _library() -> ctypes.CDLL | None:
         lib.gl_q8_quantize.restype = None
         lib.gl_mxfp4_dequant.argtypes = [ptr, ptr, i64, i64, ptr, ctypes.c_int]
         lib.gl_mxfp4_dequant.restype = None
+        lib.gl_mxfp4_gate_up_act.argtypes = [ptr, ctypes.c_int, ctypes.c_int, ptr, ptr, ptr, ptr, ctypes.c_int]
+        lib.gl_mxfp4_gate_up_act.argtypes += [i64, i64, i64, i64, ctypes.c_int, ctypes.c_float, ctypes.c_int, ptr]
+        lib.gl_mxfp4_gate_up_act.restype = ctypes.c_int
         lib.bf16_dot = bool(lib.gl_has_bf16_dot())
+        lib.gate_up_act = bool(lib.gl_mxfp4_has_gate_up_act())
         lib._typed = True
         # the ops' calls stay out of Python from here on (flags: the exact kernel takes bf16 inputs)
         cpp_ops.bind("mxfp4_matvec", lib.gl_mxfp4_matvec, int(lib.bf16_dot))
         cpp_ops.bind("mxfp4_matvec_int8", lib.gl_mxfp4_matvec_q8)
+        if lib.gate_up_act:
+            cpp_ops.bind("mxfp4_gate_up_act", lib.gl_mxfp4_gate_up_act, int(lib.bf16_dot))
     return lib
 
 
@@ -222,6 +228,69 @@ def matvec_int8(
 @matvec_int8.register_fake
 def _(x, blocks, scales, experts, bias):
     return x.new_empty(x.shape[0], scales.shape[1], dtype=torch.float32)
+
+
+@torch.compiler.assume_constant_result  # a trace takes the answer as a constant (it builds or loads a file)
+def gate_up_act_available() -> bool:
+    """Whether `gate_up_act` is built here (the C kernel with AVX-512). Elsewhere its callers keep the
+    products and PyTorch's passes after them (`MXFP4Experts._activated`), which a compiled step fuses."""
+    lib = _library()
+    return lib is not None and lib.gate_up_act
+
+
+def _gate_up_act(x, blocks, scales, experts, bias, swiglu: bool, limit: float, int8: bool) -> torch.Tensor:
+    _check_matvec_args(x, blocks, scales, experts, bias)
+    M, R = x.shape[0], scales.shape[1]
+    if x.dtype not in (torch.float32, torch.bfloat16) or R % 2:
+        raise ValueError(
+            f"mxfp4 gate_up_act: x must be fp32 or bf16 (got {x.dtype}) and the rows (gate, up) pairs (got {R})"
+        )
+    tensors = (x, blocks, scales, experts) + (() if bias is None else (bias,))
+    if any(t.device.type != "cpu" for t in tensors):
+        raise ValueError("mxfp4 gate_up_act: a CPU kernel; the tensors must be on the CPU")
+    lib = _library()
+    if lib is None or not lib.gate_up_act:
+        raise RuntimeError("mxfp4 gate_up_act is not built here (it needs AVX-512): see gate_up_act_available()")
+    x_bf16 = x.dtype == torch.bfloat16 and (int8 or lib.bf16_dot)
+    xc = x.contiguous() if x_bf16 else x.float().contiguous()
+    bc = None if bias is None else bias.contiguous() if bias.dtype == torch.bfloat16 else bias.float().contiguous()
+    ids, bc_, sc = experts.long().contiguous(), blocks.contiguous(), scales.contiguous()
+    out = torch.empty(M, R // 2, dtype=x.dtype)
+    code = lib.gl_mxfp4_gate_up_act(
+        xc.data_ptr(), int(x_bf16), int(int8), bc_.data_ptr(), sc.data_ptr(), ids.data_ptr(),
+        None if bc is None else bc.data_ptr(), int(bc is not None and bc.dtype == torch.bfloat16),
+        M, scales.shape[0], R, scales.shape[2], int(swiglu), limit, int(x.dtype == torch.bfloat16), out.data_ptr(),
+    )  # fmt: skip
+    if code != 0:
+        raise RuntimeError("mxfp4 gate_up_act: the kernel refused its arguments")
+    return out
+
+
+@torch.library.custom_op("gptoss_lite::mxfp4_gate_up_act", mutates_args=())
+def gate_up_act(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    scales: torch.Tensor,
+    experts: torch.Tensor,
+    bias: torch.Tensor | None,
+    swiglu: bool,
+    limit: float,
+    int8: bool,
+) -> torch.Tensor:
+    """gpt-oss's experts up to the down projection, for rows that read the codes: x (M, C) fp32 or bf16,
+    the gate|up codes blocks (E, 2I, C/32, 16) and scales (E, 2I, C/32) with gate and up rows interleaved
+    (row 2i gate i, 2i + 1 up i, as the checkpoints store them), experts (M,) int64, bias (E, 2I) or None
+    -> act (M, I) in x's dtype: the products (`matvec`, or `matvec_int8` with `int8`) plus the bias,
+    rounded to x's dtype, then the activation (SwiGLU with `swiglu`, else gpt-oss's clamped variant at
+    `limit`) in fp32, rounded once. One pass over the codes, each task activating the rows it has just
+    summed; built with AVX-512 only (`gate_up_act_available()`, else RuntimeError). Its reference is
+    those steps one by one (`MXFP4Experts._activated` with the kernel off)."""
+    return _gate_up_act(x, blocks, scales, experts, bias, swiglu, limit, int8=int8)
+
+
+@gate_up_act.register_fake
+def _(x, blocks, scales, experts, bias, swiglu, limit, int8):
+    return x.new_empty(x.shape[0], scales.shape[1] // 2)
 
 
 def native_quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,7 @@
 // The C kernels' torch ops, dispatched from C++ (kernels/cpp_ops.py builds and loads this file).
 //
-// Each op (gptoss_lite::rows_mm, moe_experts, block_attention, bf16_gemv, mxfp4_matvec and
-// mxfp4_matvec_int8) is defined in Python with
+// Each op (gptoss_lite::rows_mm, moe_experts, block_attention, bf16_gemv, mxfp4_matvec,
+// mxfp4_matvec_int8 and mxfp4_gate_up_act) is defined in Python with
 // torch.library.custom_op, whose implementation checks the arguments, makes them contiguous and calls
 // the C kernel through ctypes. From a compiled step that path goes dispatcher -> Python -> ctypes and
 // back: ~20 us a call beyond the kernel, where a step of the engine calls ~33 of them. This file gives
@@ -35,10 +35,13 @@ using blocks_fn_t = int (*)(const float *, int64_t, int64_t, int64_t, int64_t, c
 using gemv_fn_t = void (*)(const void *, const void *, const float *, int64_t, int64_t, int64_t, float *);
 using mxfp4_fn_t = void (*)(const void *, int, const void *, const void *, const int64_t *, const float *, int64_t,
                             int64_t, int64_t, int64_t, float *);
+using gate_up_act_fn_t = int (*)(const void *, int, int, const void *, const void *, const int64_t *, const void *, int,
+                                 int64_t, int64_t, int64_t, int64_t, int, float, int, void *);
 
 rows_fn_t rows_fn = nullptr;
 gemv_fn_t gemv_fn = nullptr;
 mxfp4_fn_t mxfp4_fn = nullptr, mxfp4_int8_fn = nullptr;
+gate_up_act_fn_t gate_up_act_fn = nullptr;
 bool mxfp4_bf16_dot = false;  // gl_has_bf16_dot(): the exact kernel takes bf16 inputs as they are
 moe_fn_t moe_fn = nullptr;
 int moe_isa = 0;  // gl_moe_isa(): 1 serves fp32, 2 fp32 and bf16
@@ -85,8 +88,9 @@ at::Tensor bf16_gemv(const at::Tensor &x, const at::Tensor &w, const std::option
     return rows_times_weight("bf16 gemv", at::kBFloat16, x, w, b, gemv_fn);
 }
 
-at::Tensor mxfp4_products(const at::Tensor &x, const at::Tensor &blocks, const at::Tensor &scales,
-                          const at::Tensor &experts, const std::optional<at::Tensor> &bias, bool int8) {
+// The checks of the MXFP4 ops' Python wrapper (_check_matvec_args): -> the expert ids as int64.
+at::Tensor mxfp4_checked(const at::Tensor &x, const at::Tensor &blocks, const at::Tensor &scales,
+                         const at::Tensor &experts, const std::optional<at::Tensor> &bias) {
     bool ok = x.dim() == 2 && scales.dim() == 3 && blocks.dim() == 4 && experts.dim() == 1 &&
               blocks.scalar_type() == at::kByte && scales.scalar_type() == at::kByte &&
               at::isFloatingType(x.scalar_type());
@@ -99,23 +103,59 @@ at::Tensor mxfp4_products(const at::Tensor &x, const at::Tensor &blocks, const a
     TORCH_CHECK_VALUE(ok, "mxfp4 matvec: x ", shape(x), ", blocks ", shape(blocks), ", scales ", shape(scales),
                       " and experts ", shape(experts),
                       " do not fit (x (M, 32·G), blocks (E, R, G, 16) and scales (E, R, G) uint8, experts (M,))");
-    const int64_t M = x.size(0), E = scales.size(0), R = scales.size(1), G = scales.size(2);
-    const at::Tensor ids = experts.to(at::kLong).contiguous();
+    const int64_t M = x.size(0), E = scales.size(0), R = scales.size(1);
+    at::Tensor ids = experts.to(at::kLong).contiguous();
     const int64_t *id = ids.const_data_ptr<int64_t>();
     for (int64_t m = 0; m < M; m++)  // the C code trusts its indices: a bad one would read outside the codes
         TORCH_CHECK_VALUE(id[m] >= 0 && id[m] < E, "mxfp4 matvec: expert ids must be in [0, ", E, "); got ", id[m]);
     TORCH_CHECK_VALUE(!bias || (bias->dim() == 2 && bias->size(0) == E && bias->size(1) == R), "mxfp4 matvec: bias ",
                       shape(*bias), " must be (E, R) = [", E, ", ", R, "]");
+    return ids;
+}
+
+// x as the MXFP4 kernels read it: bf16 as it is where they take it (the int8 path always does), else fp32
+at::Tensor mxfp4_input(const at::Tensor &x, bool int8, bool *x_bf16) {
+    *x_bf16 = x.scalar_type() == at::kBFloat16 && (int8 || mxfp4_bf16_dot);
+    return *x_bf16 ? x.contiguous() : x.to(at::kFloat).contiguous();
+}
+
+at::Tensor mxfp4_products(const at::Tensor &x, const at::Tensor &blocks, const at::Tensor &scales,
+                          const at::Tensor &experts, const std::optional<at::Tensor> &bias, bool int8) {
+    const at::Tensor ids = mxfp4_checked(x, blocks, scales, experts, bias);
+    const int64_t M = x.size(0), E = scales.size(0), R = scales.size(1), G = scales.size(2);
     std::optional<at::Tensor> bf;
     if (bias) bf = bias->to(at::kFloat).contiguous();
-    // bf16 inputs as they are where the kernel takes them (the int8 path always does), else fp32
-    const bool x_bf16 = x.scalar_type() == at::kBFloat16 && (int8 || mxfp4_bf16_dot);
-    const at::Tensor xc = x_bf16 ? x.contiguous() : x.to(at::kFloat).contiguous();
+    bool x_bf16 = false;
+    const at::Tensor xc = mxfp4_input(x, int8, &x_bf16);
     const at::Tensor bc = blocks.contiguous(), sc = scales.contiguous();
     at::Tensor out = at::empty({M, R}, x.options().dtype(at::kFloat));
-    (int8 ? mxfp4_int8_fn : mxfp4_fn)(xc.const_data_ptr(), x_bf16, bc.const_data_ptr(), sc.const_data_ptr(), id,
-                                      bf ? bf->const_data_ptr<float>() : nullptr, M, E, R, G,
-                                      out.mutable_data_ptr<float>());
+    (int8 ? mxfp4_int8_fn : mxfp4_fn)(xc.const_data_ptr(), x_bf16, bc.const_data_ptr(), sc.const_data_ptr(),
+                                      ids.const_data_ptr<int64_t>(), bf ? bf->const_data_ptr<float>() : nullptr, M, E,
+                                      R, G, out.mutable_data_ptr<float>());
+    return out;
+}
+
+at::Tensor mxfp4_gate_up_act(const at::Tensor &x, const at::Tensor &blocks, const at::Tensor &scales,
+                             const at::Tensor &experts, const std::optional<at::Tensor> &bias, bool swiglu,
+                             double limit, bool int8) {
+    const at::Tensor ids = mxfp4_checked(x, blocks, scales, experts, bias);
+    const int64_t M = x.size(0), E = scales.size(0), R = scales.size(1), G = scales.size(2);
+    const bool out_bf16 = x.scalar_type() == at::kBFloat16;
+    TORCH_CHECK_VALUE((out_bf16 || x.scalar_type() == at::kFloat) && R % 2 == 0,
+                      "mxfp4 gate_up_act: x must be fp32 or bf16 (got ", x.scalar_type(),
+                      ") and the rows (gate, up) pairs (got ", R, ")");
+    // a bf16 bias is read as it is: only the rows of the experts in use, not a converted copy of all
+    std::optional<at::Tensor> bc;
+    if (bias) bc = bias->scalar_type() == at::kBFloat16 ? bias->contiguous() : bias->to(at::kFloat).contiguous();
+    bool x_bf16 = false;
+    const at::Tensor xc = mxfp4_input(x, int8, &x_bf16);
+    const at::Tensor blc = blocks.contiguous(), sc = scales.contiguous();
+    at::Tensor out = at::empty({M, R / 2}, x.options());
+    const int code = gate_up_act_fn(xc.const_data_ptr(), x_bf16, int8, blc.const_data_ptr(), sc.const_data_ptr(),
+                                    ids.const_data_ptr<int64_t>(), ptr_or_null(bc),
+                                    bc && bc->scalar_type() == at::kBFloat16, M, E, R, G, swiglu,
+                                    static_cast<float>(limit), out_bf16, out.mutable_data_ptr());
+    TORCH_CHECK(code == 0, "mxfp4 gate_up_act: this build has no such kernel");
     return out;
 }
 
@@ -202,7 +242,7 @@ std::map<std::string, std::unique_ptr<torch::Library>> registrations;  // op -> 
 }  // namespace
 
 // Register `op`'s CPU implementation, calling the C function at `fn` (`flags`: the moe kernel's ISA; for
-// mxfp4_matvec, whether the exact kernel takes bf16 inputs).
+// mxfp4_matvec and mxfp4_gate_up_act, whether the exact kernel takes bf16 inputs).
 // 0: registered now or before; 1: an unknown op; 2: registration failed (the reason on stderr).
 extern "C" int gl_ops_bind(const char *op, void *fn, int flags) {
     const std::string name(op);
@@ -212,12 +252,13 @@ extern "C" int gl_ops_bind(const char *op, void *fn, int flags) {
                   : name == "bf16_gemv"         ? reinterpret_cast<void **>(&gemv_fn)
                   : name == "mxfp4_matvec"      ? reinterpret_cast<void **>(&mxfp4_fn)
                   : name == "mxfp4_matvec_int8" ? reinterpret_cast<void **>(&mxfp4_int8_fn)
+                  : name == "mxfp4_gate_up_act" ? reinterpret_cast<void **>(&gate_up_act_fn)
                                                 : nullptr;
     if (slot == nullptr) return 1;
     if (registrations.count(name)) return 0;
     // the function is in place before the implementation is registered: a call may come as soon as it is
     if (name == "moe_experts") moe_isa = flags;
-    if (name == "mxfp4_matvec") mxfp4_bf16_dot = flags != 0;
+    if (name == "mxfp4_matvec" || name == "mxfp4_gate_up_act") mxfp4_bf16_dot = flags != 0;
     *slot = fn;
     try {
         auto lib = std::make_unique<torch::Library>(torch::Library::IMPL, "gptoss_lite",
@@ -229,6 +270,7 @@ extern "C" int gl_ops_bind(const char *op, void *fn, int flags) {
         if (name == "bf16_gemv") lib->impl("bf16_gemv", TORCH_FN(bf16_gemv));
         if (name == "mxfp4_matvec") lib->impl("mxfp4_matvec", TORCH_FN(mxfp4_matvec));
         if (name == "mxfp4_matvec_int8") lib->impl("mxfp4_matvec_int8", TORCH_FN(mxfp4_matvec_int8));
+        if (name == "mxfp4_gate_up_act") lib->impl("mxfp4_gate_up_act", TORCH_FN(mxfp4_gate_up_act));
         registrations[name] = std::move(lib);
         return 0;
     } catch (const std::exception &e) {

@@ -9,7 +9,16 @@ from torch import nn
 
 from gptoss_lite.config import ModelConfig
 from gptoss_lite.kernels import moe as moe_kernel
-from gptoss_lite.kernels.mxfp4 import BLOCK, dequantize_rows, matvec, matvec_int8, quantize_mxfp4, reference_rows
+from gptoss_lite.kernels.mxfp4 import (
+    BLOCK,
+    dequantize_rows,
+    gate_up_act,
+    gate_up_act_available,
+    matvec,
+    matvec_int8,
+    quantize_mxfp4,
+    reference_rows,
+)
 from gptoss_lite.model.decode_pack import input_major_for, pack_pair, pack_rows, still_packed, store_for_decode
 from gptoss_lite.model.matmul import (
     Linear,
@@ -272,7 +281,8 @@ class MXFP4Experts(nn.Module):
     gate_up_bias (E, 2I, interleaved the same way) and down_bias (E, C) in the model's dtype.
 
     Same methods as `Experts`, so `MoE` routes the same way: a few rows per expert go through
-    `kernels.mxfp4.matvec`, which reads the codes directly (the decode case); more rows dequantise
+    `kernels.mxfp4.matvec`, which reads the codes directly (the decode case; where built, the gate|up
+    product and its activation are one op, `kernels.mxfp4.gate_up_act`); more rows dequantise
     one expert at a time into a scratch copy for one matmul (prefill). Products are fp32 and every
     value the eager `Experts` holds in the model's dtype is rounded to it, so this equals
     `dequantized()` to accumulation order. Inference only.
@@ -353,11 +363,22 @@ class MXFP4Experts(nn.Module):
         out = self._kernel()(act, self.down_blocks, self.down_scales, experts, None)
         return out if self.down_bias is None else out + self.down_bias[experts].float()
 
+    def _activated(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Row m of x (M, C) through expert experts[m]'s gate|up matrix, bias added, rounded to x's dtype,
+        activated -> (M, I) in x's dtype: `kernels.mxfp4.gate_up_act` in one pass over the codes where it
+        is built (fp32 and bf16 rows), else the products and then PyTorch's ops (which the compiled step
+        fuses); the same values up to e^x's last bits."""
+        if x.dtype in (torch.float32, torch.bfloat16) and x.device.type == "cpu" and gate_up_act_available():
+            return gate_up_act(
+                x, self.gate_up_blocks, self.gate_up_scales, experts, self.gate_up_bias,
+                self.activation == "swiglu", float(self.limit), self.activations == "int8",
+            )  # fmt: skip
+        gate_up = self._gate_up(x, experts).to(x.dtype)
+        return activate(gate_up[:, 0::2], gate_up[:, 1::2], self.activation, self.limit)
+
     def _run(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Row m of x (M, C) through expert experts[m] -> (M, C) in x's dtype, on the codes."""
-        gate_up = self._gate_up(x, experts).to(x.dtype)
-        act = activate(gate_up[:, 0::2], gate_up[:, 1::2], self.activation, self.limit)  # (M, I)
-        return self._down(act, experts).to(x.dtype)
+        return self._down(self._activated(x, experts), experts).to(x.dtype)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Apply expert e to x (N, C) -> (N, C), down-projection bias included."""
@@ -397,8 +418,7 @@ class MXFP4Experts(nn.Module):
         B, A = top_idx.shape
         experts = top_idx.reshape(-1)
         rows = h[:, None].expand(B, A, h.shape[-1]).reshape(B * A, -1)
-        gate_up = rounded(self._gate_up(rows, experts), dt)
-        act = activate(gate_up[:, 0::2], gate_up[:, 1::2], self.activation, self.limit).to(dt)  # (B·A, I)
+        act = self._activated(rows, experts)  # (B·A, I) in dt
         return rounded(self._down(act, experts), dt).view(B, A, -1)
 
 
