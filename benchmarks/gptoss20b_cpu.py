@@ -35,7 +35,11 @@ request: prefill tok/s = L / TTFT, decode tok/s at context L = (new - 1) / (its 
 token), both times taken inside that one request (two requests' prefills differ by more than a
 whole decode takes). Peak RSS is the worker's VmHWM. The table gives medians over rounds, ours / llama.cpp, and
 for decode the bytes a token reads (`decode_bytes`) with the GB/s that implies, beside this machine's
-read bandwidth (the median of 5 passes of `torch.sum` over 2 GiB, 2 threads).
+read bandwidth (the median of 5 passes of `torch.sum` over 2 GiB, 2 threads); then each of ours /
+llama.cpp round by round with their median (engines of one round ran minutes apart, where the medians
+over rounds compare figures up to half an hour apart), and the read bandwidth measured before each
+round (the memory's rate moves by ±15% in a sitting). `table --out FILE` prints the same from a
+results file.
 
 The default directory is `$XDG_CACHE_HOME/gptoss-lite/gpt-oss-20b-random` (~/.cache/...), outside
 the repository; the GGUF goes beside it.
@@ -290,7 +294,10 @@ def run(args: argparse.Namespace) -> dict:
     samples: list[dict] = []
     bandwidth = read_bandwidth(args.threads)
     print(f"read bandwidth: {bandwidth:.1f} GB/s; worker logs in {logs}", file=sys.stderr)
+    round_bandwidth = []
     for r in range(args.rounds):
+        round_bandwidth.append(read_bandwidth(args.threads))  # the memory's rate moves between rounds
+        print(f"round {r}: read bandwidth {round_bandwidth[-1]:.1f} GB/s", file=sys.stderr)
         for engine in engines if r % 2 == 0 else engines[::-1]:
             t0 = time.perf_counter()
             worker = _worker(engine, args, max_len, logs / f"{engine}-{r}.log")
@@ -329,6 +336,7 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "machine": machine(),
         "bandwidth_gb_s": bandwidth,
+        "round_bandwidth_gb_s": round_bandwidth,
         "threads": args.threads,
         "lengths": args.lengths,
         "new_tokens": args.new_tokens,
@@ -367,12 +375,40 @@ def table(result: dict) -> str:
         b = result["decode_bytes"][L]["total"]
         gbs = ", ".join(f"{e} {med(e, 'decode_tok_s', L) * b / 1e9:.1f} GB/s" for e in engines)
         lines.append(f"\ndecode at {L}: {b / 1e9:.2f} GB per token: {gbs} (machine: {bw:.1f} GB/s read)")
+    if vs:
+        lines.append("")
+        for L in result["lengths"]:
+            for key, label in (("prefill_tok_s", "prefill"), ("decode_tok_s", "decode")):
+                for e in ours:
+                    r = per_round_ratios(result, e, key, L)
+                    listed = ", ".join(f"{x:.2f}" for x in r)
+                    median = statistics.median(r)
+                    lines.append(f"{label} at {L}, {e} / llama.cpp per round: {listed} (median {median:.2f})")
+    if result.get("round_bandwidth_gb_s"):
+        lines.append("read bandwidth per round, GB/s: " + ", ".join(f"{x:.1f}" for x in result["round_bandwidth_gb_s"]))
     return "\n".join(lines)
+
+
+def per_round_ratios(result: dict, engine: str, key: str, L: int) -> list[float]:
+    """engine's figure `key` at length L over llama.cpp's in the same round, round by round: the two ran
+    minutes apart, where the medians over rounds compare figures up to half an hour apart."""
+    cells = {(s["round"], s["engine"]): s["cells"][L] for s in result["samples"]}
+    rounds = sorted({r for r, e in cells if e == engine} & {r for r, e in cells if e == "llama.cpp"})
+    return [cells[(r, engine)][key] / cells[(r, "llama.cpp")][key] for r in rounds]
+
+
+def load_results(path: Path) -> dict:
+    """A `run --out` file, its lengths (JSON object keys, so strings there) back to ints."""
+    result = json.loads(path.read_text())
+    for sample in result["samples"]:
+        sample["cells"] = {int(L): cell for L, cell in sample["cells"].items()}
+    result["decode_bytes"] = {int(L): b for L, b in result["decode_bytes"].items()}
+    return result
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["write", "gguf", "run"])
+    parser.add_argument("what", choices=["write", "gguf", "run", "table"])
     parser.add_argument("--dir", type=Path, default=DEFAULT_DIR)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf-python", help="gguf: Python with torch + transformers for the converter")
@@ -389,10 +425,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 4096, 8192])
     parser.add_argument("--new-tokens", type=int, default=33)
-    parser.add_argument("--out", type=Path, help="run: write every sample as JSON")
+    parser.add_argument("--out", type=Path, help="run: write every sample as JSON; table: read them")
     args = parser.parse_args(argv)
     if args.what == "write":
         write(args.dir, args.seed)
+    elif args.what == "table":
+        if not (args.out and args.out.is_file()):
+            parser.error("table needs --out, a results file that `run --out` wrote")
+        print(table(load_results(args.out)))
     elif args.what == "gguf":
         if not (args.hf_python and args.converter):
             parser.error("gguf needs --hf-python and --converter")
