@@ -87,7 +87,8 @@ def main() -> None:
     print(f"loaded {args.model} ({args.dtype}) in {time.perf_counter() - t0:.1f} s", flush=True)
     vocab = model.config.vocab_size
     ids = torch.randint(1, vocab, (1, args.context), generator=torch.Generator().manual_seed(args.context))
-    ab = (2 * args.ab_pairs if args.ab_ops else 0) + 2 * args.ab_gate_up_act + (4 if args.ab_gate_up_act else 0)
+    # the A/B steps: --ab-ops' pairs; --ab-gate-up-act's pairs and 4 untimed (each setting compiled, checked)
+    ab = (2 * args.ab_pairs if args.ab_ops else 0) + (2 * args.ab_gate_up_act + 4 if args.ab_gate_up_act else 0)
     steps = stream_generate(model, ids, 2 + args.steps + args.profiled + ab, temperature=0)
     t0 = time.perf_counter()
     next(steps)
@@ -121,65 +122,65 @@ def main() -> None:
         ab_gate_up_act(steps, args.ab_gate_up_act)
 
 
+def alternate(steps, pairs: int, switch) -> tuple[float, float, float]:
+    """Steps in pairs, one with `switch(True)` and one with `switch(False)`, the order swapped every pair:
+    the median step of each setting and the median of the pairs' ratios, off / on (seconds, seconds, ratio)."""
+    walls: dict[bool, list[float]] = {True: [], False: []}
+    for p in range(pairs):
+        for on in (True, False) if p % 2 == 0 else (False, True):
+            switch(on)
+            t0 = time.perf_counter()
+            next(steps)
+            walls[on].append(time.perf_counter() - t0)
+    ratio = statistics.median(off / on for on, off in zip(walls[True], walls[False]))
+    return statistics.median(walls[True]), statistics.median(walls[False]), ratio
+
+
 def ab_cpp_ops(steps, ops: list[str], pairs: int) -> None:
-    """Steps in pairs, one with `ops` served from C++ and one from Python (the order swapped every pair,
-    the other ops left as they are): medians of each and of the pairs' ratios."""
+    """`alternate` with `ops` served from C++ (on) and from Python (off), the other ops left as they are."""
     from gptoss_lite.kernels import cpp_ops
 
     missing = set(ops) - cpp_ops.bound()
     if missing:
         print(f"--ab-ops: not served from C++ here: {', '.join(sorted(missing))}")
         return
-    walls: dict[bool, list[float]] = {True: [], False: []}
     try:
-        for p in range(pairs):
-            for on in (True, False) if p % 2 == 0 else (False, True):
-                cpp_ops.use_cpp(on, ops)
-                t0 = time.perf_counter()
-                next(steps)
-                walls[on].append(time.perf_counter() - t0)
+        cpp, python, ratio = alternate(steps, pairs, lambda on: cpp_ops.use_cpp(on, ops))
     finally:
         cpp_ops.use_cpp(True, ops)
-    ratio = statistics.median(p / c for c, p in zip(walls[True], walls[False]))
     print(
-        f"{', '.join(ops)} from C++: median step {1e3 * statistics.median(walls[True]):.2f} ms, from Python "
-        f"{1e3 * statistics.median(walls[False]):.2f} ms; Python / C++ over {pairs} pairs: median {ratio:.4f}"
+        f"{', '.join(ops)} from C++: median step {1e3 * cpp:.2f} ms, from Python {1e3 * python:.2f} ms; "
+        f"Python / C++ over {pairs} pairs: median {ratio:.4f}"
     )
 
 
 def ab_gate_up_act(steps, pairs: int) -> None:
-    """Steps in pairs, one with the MXFP4 experts' gate|up product, bias, rounding and activation in one
-    pass (`kernels.mxfp4.gate_up_act`) and one with the product and then the separate passes (what every
-    CPU without AVX-512 runs), the order swapped every pair. The model's switch
-    (`gate_up_act_available`) is replaced by one the compiled step guards on, so each setting keeps its
-    own graph (the first step of each compiles or loads it, untimed)."""
-    from gptoss_lite.kernels import mxfp4
+    """`alternate` with the MXFP4 experts' gate|up product, bias, rounding and activation in one pass
+    (`kernels.mxfp4.gate_up_act`, on) and the product followed by the separate passes (what every CPU
+    without AVX-512 runs, off). The model's switch (`gate_up_act_available`) is replaced by one the
+    compiled step guards on, so each setting keeps its own graph (the first step of each compiles or
+    loads it, untimed)."""
     from gptoss_lite.model import moe
 
     if not mxfp4.gate_up_act_available():
         print("--ab-gate-up-act: the one-pass activation is not built here (it needs AVX-512)")
         return
-    setting = {"on": True}
+    setting, built = {"on": True}, moe.gate_up_act_available
     moe.gate_up_act_available = lambda: setting["on"]
-    walls: dict[bool, list[float]] = {True: [], False: []}
-    for on in (True, False):  # each setting's graph, before the timing; the op is called only when on
-        setting["on"] = on
-        next(steps)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            next(steps)
-        called = any(e.key == "gptoss_lite::mxfp4_gate_up_act" for e in prof.key_averages())
-        assert called == on, "the compiled step did not follow the switch"
-    for p in range(pairs):
-        for on in (True, False) if p % 2 == 0 else (False, True):
+    try:
+        for on in (True, False):  # each setting's graph, before the timing; the op is called only when on
             setting["on"] = on
-            t0 = time.perf_counter()
             next(steps)
-            walls[on].append(time.perf_counter() - t0)
-    ratio = statistics.median(s / o for o, s in zip(walls[True], walls[False]))
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                next(steps)
+            called = any(e.key == "gptoss_lite::mxfp4_gate_up_act" for e in prof.key_averages())
+            assert called == on, "the compiled step did not follow the switch"
+        one, separate, ratio = alternate(steps, pairs, lambda on: setting.update(on=on))
+    finally:
+        moe.gate_up_act_available = built
     print(
-        f"gate|up activation in one pass: median step {1e3 * statistics.median(walls[True]):.2f} ms, as separate "
-        f"passes {1e3 * statistics.median(walls[False]):.2f} ms; separate / one pass over {pairs} pairs: "
-        f"median {ratio:.4f}"
+        f"gate|up activation in one pass: median step {1e3 * one:.2f} ms, as separate passes "
+        f"{1e3 * separate:.2f} ms; separate / one pass over {pairs} pairs: median {ratio:.4f}"
     )
 
 

@@ -35,10 +35,10 @@ request: prefill tok/s = L / TTFT, decode tok/s at context L = (new - 1) / (its 
 token), both times taken inside that one request (two requests' prefills differ by more than a
 whole decode takes). Peak RSS is the worker's VmHWM. The table gives medians over rounds, ours / llama.cpp, and
 for decode the bytes a token reads (`decode_bytes`) with the GB/s that implies, beside this machine's
-read bandwidth (the median of 5 passes of `torch.sum` over 2 GiB, 2 threads); then each of ours /
-llama.cpp round by round with their median (engines of one round ran minutes apart, where the medians
-over rounds compare figures up to half an hour apart), and the read bandwidth measured before each
-round (the memory's rate moves by ±15% in a sitting). `table --out FILE` prints the same from a
+read bandwidth (before each round the median of 5 passes of `torch.sum` over 2 GiB, 2 threads; the
+median over rounds); then each of ours / llama.cpp round by round with their median (engines of one
+round ran minutes apart, where the medians over rounds compare figures up to half an hour apart), and
+each round's read bandwidth (the memory's rate moves by ±15% in a sitting). `table --out FILE` prints the same from a
 results file.
 
 The default directory is `$XDG_CACHE_HOME/gptoss-lite/gpt-oss-20b-random` (~/.cache/...), outside
@@ -292,8 +292,7 @@ def run(args: argparse.Namespace) -> dict:
     max_len = max(args.lengths) + args.new_tokens + 8
     logs = Path(tempfile.mkdtemp(prefix="gptoss20b-"))
     samples: list[dict] = []
-    bandwidth = read_bandwidth(args.threads)
-    print(f"read bandwidth: {bandwidth:.1f} GB/s; worker logs in {logs}", file=sys.stderr)
+    print(f"worker logs in {logs}", file=sys.stderr)
     round_bandwidth = []
     for r in range(args.rounds):
         round_bandwidth.append(read_bandwidth(args.threads))  # the memory's rate moves between rounds
@@ -335,7 +334,7 @@ def run(args: argparse.Namespace) -> dict:
             samples.append(row)
     return {
         "machine": machine(),
-        "bandwidth_gb_s": bandwidth,
+        "bandwidth_gb_s": statistics.median(round_bandwidth),
         "round_bandwidth_gb_s": round_bandwidth,
         "threads": args.threads,
         "lengths": args.lengths,
@@ -427,6 +426,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=33)
     parser.add_argument("--out", type=Path, help="run: write every sample as JSON; table: read them")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if args.what == "write":
         write(args.dir, args.seed)
     elif args.what == "table":

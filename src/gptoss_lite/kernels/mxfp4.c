@@ -631,7 +631,7 @@ static void matvec(const void *x, int x_bf16, int int8, const uint8_t *blocks, c
 /* The exact products (x_bf16 only where gl_has_bf16_dot()); bias fp32 or NULL. */
 void gl_mxfp4_matvec(const void *x, int x_bf16, const uint8_t *blocks, const uint8_t *scales, const int64_t *experts,
                      const float *bias, int64_t M, int64_t E, int64_t R, int64_t G, float *out) {
-    const Epilogue ep = {bias, 0, 0, 0, 0, 0.0f};
+    const Epilogue ep = {.bias = bias}; /* sums plus bias, nothing after them */
     matvec(x, x_bf16, 0, blocks, scales, experts, &ep, M, E, R, G, out);
 }
 
@@ -639,7 +639,7 @@ void gl_mxfp4_matvec(const void *x, int x_bf16, const uint8_t *blocks, const uin
 void gl_mxfp4_matvec_q8(const void *x, int x_bf16, const uint8_t *blocks, const uint8_t *scales,
                         const int64_t *experts, const float *bias, int64_t M, int64_t E, int64_t R, int64_t G,
                         float *out) {
-    const Epilogue ep = {bias, 0, 0, 0, 0, 0.0f};
+    const Epilogue ep = {.bias = bias}; /* sums plus bias, nothing after them */
     matvec(x, x_bf16, 1, blocks, scales, experts, &ep, M, E, R, G, out);
 }
 
@@ -665,7 +665,8 @@ int gl_mxfp4_gate_up_act(const void *x, int x_bf16, int int8, const uint8_t *blo
                          int64_t G, int swiglu, float limit, int out_bf16, void *out) {
 #ifdef GL_AVX512
     if (R % 2) return -1;
-    const Epilogue ep = {bias, bias_bf16, 1, swiglu, out_bf16, limit};
+    const Epilogue ep = {
+        .bias = bias, .bias_bf16 = bias_bf16, .act = 1, .swiglu = swiglu, .out_bf16 = out_bf16, .limit = limit};
     matvec(x, x_bf16, int8, blocks, scales, experts, &ep, M, E, R, G, out);
     return 0;
 #else

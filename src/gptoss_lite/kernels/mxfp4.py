@@ -159,6 +159,13 @@ def _check_matvec_args(x, blocks, scales, experts, bias) -> None:
         raise ValueError(f"mxfp4 matvec: bias {list(bias.shape)} must be (E, R) = {[E, R]}")
 
 
+def _kernel_input(x: torch.Tensor, int8: bool, lib: ctypes.CDLL) -> tuple[torch.Tensor, bool]:
+    """x as the C kernels read it, and whether that is bf16: bf16 inputs go to the bf16 dot products
+    where the CPU has them (the same exact products; the int8 path reads bf16 on every build), else fp32."""
+    x_bf16 = x.dtype == torch.bfloat16 and (int8 or lib.bf16_dot)
+    return (x.contiguous() if x_bf16 else x.float().contiguous()), x_bf16
+
+
 def _matvec(x, blocks, scales, experts, bias, int8: bool) -> torch.Tensor:
     """`matvec` (int8=False) and `matvec_int8`: the C kernel where it runs, else PyTorch."""
     _check_matvec_args(x, blocks, scales, experts, bias)
@@ -167,10 +174,7 @@ def _matvec(x, blocks, scales, experts, bias, int8: bool) -> torch.Tensor:
     bf = None if bias is None else bias.float().contiguous()
     lib = _library()
     if lib is not None and _on_cpu(blocks, scales, experts) and experts.dtype == torch.int64:
-        # bf16 inputs go to the bf16 dot products where the CPU has them: the same exact products; the
-        # int8 path reads bf16 inputs on every build
-        x_bf16 = x.dtype == torch.bfloat16 and (int8 or lib.bf16_dot)
-        xc = x.contiguous() if x_bf16 else x.float().contiguous()
+        xc, x_bf16 = _kernel_input(x, int8, lib)
         out = torch.empty(M, R, dtype=torch.float32)
         kernel = lib.gl_mxfp4_matvec_q8 if int8 else lib.gl_mxfp4_matvec
         kernel(
@@ -251,13 +255,12 @@ def _gate_up_act(x, blocks, scales, experts, bias, swiglu: bool, limit: float, i
     lib = _library()
     if lib is None or not lib.gate_up_act:
         raise RuntimeError("mxfp4 gate_up_act is not built here (it needs AVX-512): see gate_up_act_available()")
-    x_bf16 = x.dtype == torch.bfloat16 and (int8 or lib.bf16_dot)
-    xc = x.contiguous() if x_bf16 else x.float().contiguous()
+    xc, x_bf16 = _kernel_input(x, int8, lib)
     bc = None if bias is None else bias.contiguous() if bias.dtype == torch.bfloat16 else bias.float().contiguous()
-    ids, bc_, sc = experts.long().contiguous(), blocks.contiguous(), scales.contiguous()
+    ids, codes, sc = experts.long().contiguous(), blocks.contiguous(), scales.contiguous()
     out = torch.empty(M, R // 2, dtype=x.dtype)
     code = lib.gl_mxfp4_gate_up_act(
-        xc.data_ptr(), int(x_bf16), int(int8), bc_.data_ptr(), sc.data_ptr(), ids.data_ptr(),
+        xc.data_ptr(), int(x_bf16), int(int8), codes.data_ptr(), sc.data_ptr(), ids.data_ptr(),
         None if bc is None else bc.data_ptr(), int(bc is not None and bc.dtype == torch.bfloat16),
         M, scales.shape[0], R, scales.shape[2], int(swiglu), limit, int(x.dtype == torch.bfloat16), out.data_ptr(),
     )  # fmt: skip
