@@ -26,6 +26,7 @@ from kernel_versions import ab_parser, alternate, base_and_here, engine_batch, e
 SHAPES = [
     (16, 12288, 256), (16, 384, 256), (8, 12288, 256), (4, 12288, 256), (2, 12288, 256), (1, 12288, 256),
     (16, 5760, 2880), (4, 5760, 2880),
+    (1, 5120, 2880), (1, 2880, 4096), (1, 201088, 2880),  # gpt-oss-20b's decode token: qkv, o, the head
 ]  # fmt: skip
 
 

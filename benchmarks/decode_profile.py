@@ -12,7 +12,10 @@ the dense bf16 weights, `mxfp4_gate_up_act` over the routed experts' gate|up cod
 (or `mxfp4_matvec_int8`, with `--mxfp4-activations int8`) over the rest of their codes.
 `--ab-ops OP...` then times `--ab-pairs` pairs of steps with those kernel ops served from C++
 (`kernels/ops.cpp`) and from Python, alternating; `--ab-gate-up-act PAIRS` times pairs of steps with the
-MXFP4 experts' gate|up activation in the product's pass and as separate passes. Threads: `--threads`
+MXFP4 experts' gate|up activation in the product's pass and as separate passes; `--ab-base REV` times
+`--ab-pairs` pairs of steps with the weight kernels (`kernels/bf16.c`, `kernels/mxfp4.c`) as this
+checkout has them and as git revision REV had them, both built here, the C++ ops rebound between the
+two builds step by step (the same compiled graph calls either). Threads: `--threads`
 (default 2). The first decode step includes compiling (or loading the compiled step from inductor's
 cache) and is not timed.
 """
@@ -21,7 +24,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -67,7 +73,12 @@ def main() -> None:
         default=None,
         help="then time these kernel ops from C++ against their Python implementations, step by step",
     )
-    ap.add_argument("--ab-pairs", type=int, default=40, help="pairs of steps for --ab-ops")
+    ap.add_argument(
+        "--ab-base",
+        metavar="REV",
+        help="then time the weight kernels (bf16.c, mxfp4.c) of this checkout against git revision REV's",
+    )
+    ap.add_argument("--ab-pairs", type=int, default=40, help="pairs of steps for --ab-ops and --ab-base")
     ap.add_argument(
         "--ab-gate-up-act",
         type=int,
@@ -88,7 +99,8 @@ def main() -> None:
     vocab = model.config.vocab_size
     ids = torch.randint(1, vocab, (1, args.context), generator=torch.Generator().manual_seed(args.context))
     # the A/B steps: --ab-ops' pairs; --ab-gate-up-act's pairs and 4 untimed (each setting compiled, checked)
-    ab = (2 * args.ab_pairs if args.ab_ops else 0) + (2 * args.ab_gate_up_act + 4 if args.ab_gate_up_act else 0)
+    ab = 2 * args.ab_pairs * (bool(args.ab_ops) + bool(args.ab_base))
+    ab += 2 * args.ab_gate_up_act + 4 if args.ab_gate_up_act else 0
     steps = stream_generate(model, ids, 2 + args.steps + args.profiled + ab, temperature=0)
     t0 = time.perf_counter()
     next(steps)
@@ -120,6 +132,8 @@ def main() -> None:
         ab_cpp_ops(steps, args.ab_ops, args.ab_pairs)
     if args.ab_gate_up_act:
         ab_gate_up_act(steps, args.ab_gate_up_act)
+    if args.ab_base:
+        ab_base(steps, args.ab_base, args.ab_pairs)
 
 
 def alternate(steps, pairs: int, switch) -> tuple[float, float, float]:
@@ -181,6 +195,58 @@ def ab_gate_up_act(steps, pairs: int) -> None:
     print(
         f"gate|up activation in one pass: median step {1e3 * one:.2f} ms, as separate passes "
         f"{1e3 * separate:.2f} ms; separate / one pass over {pairs} pairs: median {ratio:.4f}"
+    )
+
+
+# the C++ ops each weight kernel's library serves: (op, C function, whether its flags say bf16 dot products)
+KERNEL_OPS = {
+    "bf16": [("bf16_gemv", "gl_bf16_gemv", False)],
+    "mxfp4": [
+        ("mxfp4_matvec", "gl_mxfp4_matvec", True),
+        ("mxfp4_matvec_int8", "gl_mxfp4_matvec_q8", False),
+        ("mxfp4_gate_up_act", "gl_mxfp4_gate_up_act", True),
+    ],
+}
+
+
+def ab_base(steps, revision: str, pairs: int) -> None:
+    """`alternate` with the weight kernels' ops bound to this checkout's build (on) and to `revision`'s
+    (off); the ops bound before are bound again after."""
+    from gptoss_lite.kernels import cpp_ops
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from kernel_versions import base_and_here
+
+    bound = cpp_ops.bound()
+    before = {op: cpp_ops._functions[op] for op in bound}
+    with tempfile.TemporaryDirectory() as tmp:
+        builds: list[tuple[str, list, list]] = []  # (op, [base function, this checkout's], flags of each)
+        loaded = []  # the libraries, alive while their functions are bound
+        for kernel, ops in KERNEL_OPS.items():
+            (Path(tmp) / kernel).mkdir()
+            libs = base_and_here(revision, kernel, Path(tmp) / kernel)
+            loaded += libs
+            for op, name, dot in ops:
+                if op in bound:
+                    flags = [int(bool(lib.gl_has_bf16_dot())) if dot else 0 for lib in libs]
+                    builds.append((op, [getattr(lib, name) for lib in libs], flags))
+        if not builds:
+            print("--ab-base: no weight kernel op is served from C++ here")
+            return
+
+        def use(on: bool) -> None:
+            for op, fns, flags in builds:
+                cpp_ops.rebind(op, fns[on], flags[on])
+
+        try:
+            here, base, ratio = alternate(steps, pairs, use)
+        finally:
+            for op, (fn, flags) in before.items():
+                cpp_ops.rebind(op, fn, flags)
+    ops = ", ".join(op for op, _, _ in builds)
+    print(
+        f"weight kernels ({ops}) of this checkout: median step {1e3 * here:.2f} ms, of {revision} "
+        f"{1e3 * base:.2f} ms; {revision} / this over {pairs} pairs: median {ratio:.4f}"
     )
 
 

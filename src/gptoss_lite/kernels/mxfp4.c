@@ -56,9 +56,11 @@ int gl_has_bf16_dot(void) {
 
 /* Codes are prefetched this many bytes ahead of the block being decoded (past the row's end too: the next
  * row of the tile). The decode loop leaves the hardware prefetcher too few loads in flight on its own:
- * one thread read 13.4 GB/s of codes from memory without it, 14.6 with it (Zen 4, 2 KB; 3 KB: 13.5). */
+ * one thread read 13.4 GB/s of codes from memory without it, 14.6 with it (Zen 4, 2 KB; 3 KB: 13.5). On
+ * Zen 5 (2 threads, benchmarks/mxfp4_matvec_ab.py, three runs of 120 calls), 4 KB read a decode token's
+ * gate|up and down codes 1.03-1.05x faster than 2 KB; 6-16 KB were no faster than 4 KB. */
 #ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 2048
+#define PREFETCH_AHEAD 4096
 #endif
 
 #ifdef GL_AVX2
