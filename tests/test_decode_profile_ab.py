@@ -1,0 +1,62 @@
+"""benchmarks/decode_profile.py's `--ab-base`: the weight kernels' ops rebound step by step between a
+revision's build and this checkout's, then bound back to what served them before (steps here are
+calls of the MXFP4 op, not a model's)."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from gptoss_lite.kernels import cpp_ops, mxfp4
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _profile_module():
+    spec = importlib.util.spec_from_file_location("decode_profile", REPO / "benchmarks" / "decode_profile.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _in_git_checkout() -> bool:
+    if shutil.which("git") is None:
+        return False
+    run = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True)
+    return run.returncode == 0
+
+
+@pytest.mark.skipif(not _in_git_checkout(), reason="needs the project's git history")
+def test_ab_base_alternates_the_two_builds_and_binds_back(capsys):
+    if mxfp4._library() is None or "mxfp4_matvec" not in cpp_ops.bound():
+        pytest.skip("the MXFP4 kernel is not served from C++ here")
+    before = dict(cpp_ops._functions)
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (4, 64, 2, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(120, 130, (4, 64, 2), dtype=torch.uint8, generator=g)
+    x = torch.randn(2, 64, generator=g)
+    experts = torch.tensor([1, 3])
+    reference = mxfp4.matvec._init_fn(x, blocks, scales, experts, None)  # the Python implementation
+    seen: list[int] = []
+
+    def steps():
+        while True:
+            seen.append(ctypes.cast(cpp_ops._functions["mxfp4_matvec"][0], ctypes.c_void_p).value)
+            out = torch.ops.gptoss_lite.mxfp4_matvec(x, blocks, scales, experts, None)
+            torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+            yield
+
+    _profile_module().ab_base(steps(), "HEAD", 3)
+    # 3 pairs: each build served 3 steps, and neither is the library the op had before
+    assert len(seen) == 6 and len(set(seen)) == 2
+    assert all(seen.count(a) == 3 for a in set(seen))
+    original = ctypes.cast(before["mxfp4_matvec"][0], ctypes.c_void_p).value
+    assert original not in seen
+    assert cpp_ops._functions == before and "mxfp4_matvec" in cpp_ops.bound()
+    assert "of this checkout: median step" in capsys.readouterr().out
