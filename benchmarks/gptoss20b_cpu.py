@@ -38,8 +38,11 @@ for decode the bytes a token reads (`decode_bytes`) with the GB/s that implies, 
 read bandwidth (before each round the median of 5 passes of `torch.sum` over 2 GiB, 2 threads; the
 median over rounds); then each of ours / llama.cpp round by round with their median (engines of one
 round ran minutes apart, where the medians over rounds compare figures up to half an hour apart), and
-each round's read bandwidth (the memory's rate moves by ±15% in a sitting). `table --out FILE` prints the same from a
-results file.
+each round's read bandwidth (the memory's rate moves by ±15% in a sitting). Around each decode the
+driver also reads 256 MiB with `torch.sum` just before and just after it; the table gives each
+engine's decode GB/s over the mean of those two, round by round (the share of that minute's memory
+rate a token used), and ours / llama.cpp of those shares, which the minutes between engines move
+less than the raw ratio. `table --out FILE` prints the same from a results file.
 
 The default directory is `$XDG_CACHE_HOME/gptoss-lite/gpt-oss-20b-random` (~/.cache/...), outside
 the repository; the GGUF goes beside it.
@@ -221,12 +224,12 @@ def decode_bytes(context: int) -> dict[str, float]:
     return parts
 
 
-def read_bandwidth(threads: int) -> float:
-    """GB/s of the median of 5 passes of torch.sum over 2 GiB of fp32 (after one untimed pass)."""
+def read_bandwidth(threads: int, numel: int = 2**29) -> float:
+    """GB/s of the median of 5 passes of torch.sum over `numel` fp32 (2 GiB; after one untimed pass)."""
     import torch
 
     torch.set_num_threads(threads)
-    x = torch.ones(2**29)
+    x = torch.ones(numel)
     float(x.sum())
     times = []
     for _ in range(5):
@@ -234,6 +237,19 @@ def read_bandwidth(threads: int) -> float:
         float(x.sum())
         times.append(time.perf_counter() - t0)
     return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+PROBE = 2**26  # fp32 elements of the read probe around each decode: 256 MiB, 8x the last-level cache here
+
+
+def decode_efficiency(result: dict, engine: str, L: int) -> list[float]:
+    """Per round, the GB/s engine's decode at L implies (`decode_bytes`) over the mean of the read rates
+    measured just before and after it: how much of the memory's rate of that minute a token used.
+    Empty for a results file without those probes."""
+    b = result["decode_bytes"][L]["total"]
+    rows = sorted((s for s in result["samples"] if s["engine"] == engine), key=lambda s: s["round"])
+    cells = [s["cells"][L] for s in rows if "read_gb_s_around_decode" in s["cells"][L]]
+    return [c["decode_tok_s"] * b / 1e9 / statistics.mean(c["read_gb_s_around_decode"]) for c in cells]
 
 
 def _peak_rss_gib(pid: int) -> float:
@@ -312,7 +328,11 @@ def run(args: argparse.Namespace) -> dict:
                 for L in args.lengths:
                     prompt = [int(t) for t in np.random.default_rng(L).integers(1, 200000, L)]
                     first = worker.run([prompt], 1)
+                    # the memory's rate just before and after the decode (seconds apart, where rounds are
+                    # minutes apart): 256 MiB, so that it fits beside a worker holding a 20b model
+                    around = [read_bandwidth(args.threads, PROBE)]
                     whole = worker.run([prompt], args.new_tokens)
+                    around.append(read_bandwidth(args.threads, PROBE))
                     in_request = whole["wall_s"] - whole["first_token_s"][0]  # decode, inside one request
                     row["cells"][L] = {
                         "prefill_tok_s": L / first["wall_s"],
@@ -321,6 +341,7 @@ def run(args: argparse.Namespace) -> dict:
                         "whole_s": whole["wall_s"],
                         "first_token_s": whole["first_token_s"][0],
                         "tokens": whole["tokens"][0],
+                        "read_gb_s_around_decode": around,
                     }
                     print(
                         f"round {r} {engine} L={L}: {row['cells'][L]['prefill_tok_s']:.1f} prefill, "
@@ -383,6 +404,18 @@ def table(result: dict) -> str:
                     listed = ", ".join(f"{x:.2f}" for x in r)
                     median = statistics.median(r)
                     lines.append(f"{label} at {L}, {e} / llama.cpp per round: {listed} (median {median:.2f})")
+    for L in result["lengths"]:
+        shares = {e: decode_efficiency(result, e, L) for e in engines}
+        if not all(shares.values()):
+            continue
+        lines.append("")
+        for e in engines:
+            listed = ", ".join(f"{x:.2f}" for x in shares[e])
+            lines.append(f"decode at {L}, {e}: GB/s over the read rate around it, per round: {listed} (median {statistics.median(shares[e]):.2f})")
+        for e in ours if vs else []:
+            r = [a / b for a, b in zip(shares[e], shares["llama.cpp"])]
+            listed = ", ".join(f"{x:.2f}" for x in r)
+            lines.append(f"decode at {L}, {e} / llama.cpp of those shares per round: {listed} (median {statistics.median(r):.2f})")
     if result.get("round_bandwidth_gb_s"):
         lines.append("read bandwidth per round, GB/s: " + ", ".join(f"{x:.1f}" for x in result["round_bandwidth_gb_s"]))
     return "\n".join(lines)

@@ -31,3 +31,22 @@ def test_per_round_ratios_pair_each_round_with_llama_cpp():
     # the table's first rows: medians over rounds, then their ratio
     engine, llama = (statistics.median(samples[(r, e)] for r in range(5)) for e in ("ours-engine", "llama.cpp"))
     assert f"{engine:.2f} | {llama:.2f} |" in text and f"{engine / llama:.2f}× |" in text
+
+
+def test_decode_shares_use_the_read_rate_measured_around_each_decode():
+    bench = _bench()
+    result = bench.load_results(SITTING)
+    assert bench.decode_efficiency(result, "ours-engine", 512) == []  # this sitting had no probes
+    assert "over the read rate around it" not in bench.table(result)
+    for i, s in enumerate(result["samples"]):  # probes as a later sitting records them
+        s["cells"][512]["read_gb_s_around_decode"] = [40.0 + i, 44.0 + i]
+    b = result["decode_bytes"][512]["total"]
+    by_round = {(s["round"], s["engine"]): (i, s["cells"][512]) for i, s in enumerate(result["samples"])}
+    ours, llama = (bench.decode_efficiency(result, e, 512) for e in ("ours-engine", "llama.cpp"))
+    for r in range(5):
+        i, cell = by_round[(r, "ours-engine")]
+        assert ours[r] == cell["decode_tok_s"] * b / 1e9 / (42.0 + i)
+    text = bench.table(result)
+    relative = [a / c for a, c in zip(ours, llama)]
+    assert f"ours-engine / llama.cpp of those shares per round: {', '.join(f'{x:.2f}' for x in relative)}" in text
+    assert f"(median {statistics.median(relative):.2f})" in text
