@@ -41,8 +41,9 @@ round ran minutes apart, where the medians over rounds compare figures up to hal
 each round's read bandwidth (the memory's rate moves by ±15% in a sitting). Around each decode the
 driver also reads 256 MiB with `torch.sum` just before and just after it; the table gives each
 engine's decode GB/s over the mean of those two, round by round (the share of that minute's memory
-rate a token used), and ours / llama.cpp of those shares, which the minutes between engines move
-less than the raw ratio. `table --out FILE` prints the same from a results file.
+rate a token used), and ours / llama.cpp of those shares. On Zen 5 those shares spread as widely as
+the raw ratios (one engine 0.63-1.02 within a sitting): a 256 MiB sum does not track what a decode
+meets, so they are context, not a correction. `table --out FILE` prints the same from a results file.
 
 The default directory is `$XDG_CACHE_HOME/gptoss-lite/gpt-oss-20b-random` (~/.cache/...), outside
 the repository; the GGUF goes beside it.
