@@ -98,7 +98,8 @@ def main() -> None:
     print(f"loaded {args.model} ({args.dtype}) in {time.perf_counter() - t0:.1f} s", flush=True)
     vocab = model.config.vocab_size
     ids = torch.randint(1, vocab, (1, args.context), generator=torch.Generator().manual_seed(args.context))
-    # the A/B steps: --ab-ops' pairs; --ab-gate-up-act's pairs and 4 untimed (each setting compiled, checked)
+    # the A/B steps: --ab-ops' and --ab-base's pairs; --ab-gate-up-act's pairs and 4 untimed (each setting
+    # compiled, checked)
     ab = 2 * args.ab_pairs * (bool(args.ab_ops) + bool(args.ab_base))
     ab += 2 * args.ab_gate_up_act + 4 if args.ab_gate_up_act else 0
     steps = stream_generate(model, ids, 2 + args.steps + args.profiled + ab, temperature=0)
@@ -218,7 +219,6 @@ def ab_base(steps, revision: str, pairs: int) -> None:
     from kernel_versions import base_and_here
 
     bound = cpp_ops.bound()
-    before = {op: cpp_ops._functions[op] for op in bound}
     with tempfile.TemporaryDirectory() as tmp:
         builds: list[tuple[str, list, list]] = []  # (op, [base function, this checkout's], flags of each)
         loaded = []  # the libraries, alive while their functions are bound
@@ -233,6 +233,7 @@ def ab_base(steps, revision: str, pairs: int) -> None:
         if not builds:
             print("--ab-base: no weight kernel op is served from C++ here")
             return
+        before = {op: cpp_ops._functions[op] for op, _, _ in builds}  # bound again after
 
         def use(on: bool) -> None:
             for op, fns, flags in builds:

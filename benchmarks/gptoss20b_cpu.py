@@ -410,13 +410,14 @@ def table(result: dict) -> str:
         if not all(shares.values()):
             continue
         lines.append("")
-        for e in engines:
-            listed = ", ".join(f"{x:.2f}" for x in shares[e])
-            lines.append(f"decode at {L}, {e}: GB/s over the read rate around it, per round: {listed} (median {statistics.median(shares[e]):.2f})")
-        for e in ours if vs else []:
-            r = [a / b for a, b in zip(shares[e], shares["llama.cpp"])]
-            listed = ", ".join(f"{x:.2f}" for x in r)
-            lines.append(f"decode at {L}, {e} / llama.cpp of those shares per round: {listed} (median {statistics.median(r):.2f})")
+        rows = [(f"{e}: GB/s over the read rate around it", shares[e]) for e in engines]
+        rows += [
+            (f"{e} / llama.cpp of those shares", [a / b for a, b in zip(shares[e], shares["llama.cpp"])])
+            for e in (ours if vs else [])
+        ]
+        for label, values in rows:
+            listed = ", ".join(f"{x:.2f}" for x in values)
+            lines.append(f"decode at {L}, {label}, per round: {listed} (median {statistics.median(values):.2f})")
     if result.get("round_bandwidth_gb_s"):
         lines.append("read bandwidth per round, GB/s: " + ", ".join(f"{x:.1f}" for x in result["round_bandwidth_gb_s"]))
     return "\n".join(lines)

@@ -48,5 +48,5 @@ def test_decode_shares_use_the_read_rate_measured_around_each_decode():
         assert ours[r] == cell["decode_tok_s"] * b / 1e9 / (42.0 + i)
     text = bench.table(result)
     relative = [a / c for a, c in zip(ours, llama)]
-    assert f"ours-engine / llama.cpp of those shares per round: {', '.join(f'{x:.2f}' for x in relative)}" in text
+    assert f"ours-engine / llama.cpp of those shares, per round: {', '.join(f'{x:.2f}' for x in relative)}" in text
     assert f"(median {statistics.median(relative):.2f})" in text
