@@ -214,17 +214,20 @@ def ab_base(steps, revision: str, pairs: int) -> None:
     """`alternate` with the weight kernels' ops bound to this checkout's build (on) and to `revision`'s
     (off); the ops bound before are bound again after."""
     from gptoss_lite.kernels import cpp_ops
+    from gptoss_lite.kernels.build import kernel_flags
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from kernel_versions import base_and_here
 
+    # for the CPU the process imitates (GPTOSS_LITE_CPU=avx2: haswell), as the project's own builds
+    march = next(f.split("=", 1)[1] for f in kernel_flags() if f.startswith("-march="))
     bound = cpp_ops.bound()
     with tempfile.TemporaryDirectory() as tmp:
         builds: list[tuple[str, list, list]] = []  # (op, [base function, this checkout's], flags of each)
         loaded = []  # the libraries, alive while their functions are bound
         for kernel, ops in KERNEL_OPS.items():
             (Path(tmp) / kernel).mkdir()
-            libs = base_and_here(revision, kernel, Path(tmp) / kernel)
+            libs = base_and_here(revision, kernel, Path(tmp) / kernel, march)
             loaded += libs
             for op, name, dot in ops:
                 if op in bound:

@@ -27,11 +27,19 @@
 static const int8_t TWICE_E2M1[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 static float HALF_POW2[256]; /* 0.5 * 2^(e - 127): exact in fp32, subnormal only for e < 2 */
 static float POW2[256];      /* 2^(e - 127), the bf16 path's factor, read straight into a broadcast */
+/* TWICE_E2M1 as bf16 (exact: at most 3 significant bits), its low and high bytes, for the AVX2 pairs */
+static uint8_t TWICE_E2M1_BF16_LO[16], TWICE_E2M1_BF16_HI[16];
 static int READY = 0;
 
 static void init_tables(void) {
     if (READY) return;
     for (int e = 0; e < 256; e++) HALF_POW2[e] = ldexpf(0.5f, e - 127), POW2[e] = ldexpf(1.0f, e - 127);
+    for (int i = 0; i < 16; i++) {
+        float v = (float)TWICE_E2M1[i]; /* +0 for both zero codes, as the other paths */
+        uint32_t bits;
+        memcpy(&bits, &v, 4);
+        TWICE_E2M1_BF16_LO[i] = (uint8_t)(bits >> 16), TWICE_E2M1_BF16_HI[i] = (uint8_t)(bits >> 24);
+    }
     READY = 1;
 }
 
@@ -79,6 +87,32 @@ static inline void decode_block(const uint8_t *b, float factor, __m128i lut, __m
     w[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(second, 8))), s);
 }
 
+/* row_dots' AVX2 loop reads a pair of blocks (32 code bytes: block g in the low 128 bits, g + 1 in the
+ * high) as eight vectors of 8 fp32 weights, unscaled (twice E2M1, exact). Each nibble's bf16 comes from
+ * two byte tables (vpshufb), bytes pair into words, and a word becomes its fp32 by a shift or a mask:
+ * two shuffles per 16 weights, where decode_block spends five and a conversion per 8. In each 128-bit
+ * lane, lane d of vector v holds element PAIR_BASE[v] + 4d of that lane's block (layout_pairs lays x
+ * out so). */
+static const int PAIR_BASE[8] = {0, 2, 16, 18, 1, 3, 17, 19};
+
+/* 16 weights' bf16 as words (row_dots' AVX2 loop): a shift or a mask makes each half 8 fp32 weights */
+#define PAIR_EVEN(words) _mm256_castsi256_ps(_mm256_slli_epi32((words), 16))
+#define PAIR_ODD(words) _mm256_castsi256_ps(_mm256_and_si256((words), _mm256_set1_epi32((int)0xFFFF0000u)))
+
+/* blocks g and g + 1 of a row: each code's bf16 low and high bytes, the even elements' (low nibbles:
+ * el, eh) and the odd ones' (ol, oh), and the two blocks' factors (four lanes each) */
+static inline void pair_bytes(const uint8_t *blocks, const uint8_t *scales, int64_t g, __m256i lut_lo, __m256i lut_hi,
+                              __m256i *el, __m256i *eh, __m256i *ol, __m256i *oh, __m256 *f) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    _mm_prefetch((const char *)(blocks + 16 * g + PREFETCH_AHEAD), _MM_HINT_T0);
+    const __m256i c = _mm256_loadu_si256((const __m256i *)(blocks + 16 * g));
+    const __m256i even = _mm256_and_si256(c, low4), odd = _mm256_and_si256(_mm256_srli_epi16(c, 4), low4);
+    *el = _mm256_shuffle_epi8(lut_lo, even), *eh = _mm256_shuffle_epi8(lut_hi, even);
+    *ol = _mm256_shuffle_epi8(lut_lo, odd), *oh = _mm256_shuffle_epi8(lut_hi, odd);
+    *f = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(HALF_POW2[scales[g]])),
+                              _mm_set1_ps(HALF_POW2[scales[g + 1]]), 1);
+}
+
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -87,39 +121,81 @@ static inline float hsum(__m256 v) {
 }
 #endif
 
-/* dot products of one weight row (G blocks) with n <= MAX_ROWS input rows xs[j] (K floats each) */
+#ifdef GL_AVX2
+/* x (K = 32 G floats) for row_dots: each pair of blocks's 64 elements in decode_pair's order (vector v,
+ * then the pair's two blocks, then lane d), a last unpaired block as it is */
+static void layout_pairs(const float *x, int64_t G, float *out) {
+    int64_t g = 0;
+    for (; g + 1 < G; g += 2)
+        for (int v = 0; v < 8; v++)
+            for (int h = 0; h < 2; h++)
+                for (int d = 0; d < 4; d++) out[32 * g + 8 * v + 4 * h + d] = x[32 * (g + h) + PAIR_BASE[v] + 4 * d];
+    if (g < G) memcpy(out + 32 * g, x + 32 * g, 32 * sizeof(float));
+}
+#endif
+
+/* dot products of one weight row (G blocks) with n <= MAX_ROWS input rows xs[j] (K floats each; with
+ * AVX2 laid out by layout_pairs). Each pair of blocks' products are summed unscaled and then scaled once
+ * by the two blocks' factors (powers of two: exact), so only the order of the fp32 additions differs
+ * from the reference's. */
 static void row_dots(const uint8_t *blocks, const uint8_t *scales, int64_t G, const float *const *xs, int n,
                      float *dots) {
 #ifdef GL_AVX2
-    const __m128i lut = _mm_loadu_si128((const __m128i *)TWICE_E2M1);
-    __m256 w[4];
-    if (n == 1) { /* the decode case: four independent sums hide the FMA latency */
+    const __m256i lut_lo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)TWICE_E2M1_BF16_LO));
+    const __m256i lut_hi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)TWICE_E2M1_BF16_HI));
+    __m256 acc[MAX_ROWS];
+    for (int j = 0; j < n; j++) acc[j] = _mm256_setzero_ps();
+    int64_t g = 0;
+    if (n == 1) { /* decode: each vector of weights used as soon as it is made, the sum in a register */
         const float *x = xs[0];
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t g = 0; g < G; g++) {
-            decode_block(blocks + 16 * g, HALF_POW2[scales[g]], lut, w);
-            const float *xg = x + 32 * g;
-            a0 = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xg), a0);
-            a1 = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), a1);
-            a2 = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), a2);
-            a3 = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), a3);
+        __m256 a = _mm256_setzero_ps();
+        for (; g + 1 < G; g += 2) {
+            __m256i el, eh, ol, oh;
+            __m256 f;
+            pair_bytes(blocks, scales, g, lut_lo, lut_hi, &el, &eh, &ol, &oh, &f);
+            const float *xp = x + 32 * g;
+            __m256i words = _mm256_unpacklo_epi8(el, eh);
+            __m256 t0 = _mm256_mul_ps(PAIR_EVEN(words), _mm256_loadu_ps(xp));
+            __m256 t1 = _mm256_mul_ps(PAIR_ODD(words), _mm256_loadu_ps(xp + 8));
+            words = _mm256_unpackhi_epi8(el, eh);
+            t0 = _mm256_fmadd_ps(PAIR_EVEN(words), _mm256_loadu_ps(xp + 16), t0);
+            t1 = _mm256_fmadd_ps(PAIR_ODD(words), _mm256_loadu_ps(xp + 24), t1);
+            words = _mm256_unpacklo_epi8(ol, oh);
+            t0 = _mm256_fmadd_ps(PAIR_EVEN(words), _mm256_loadu_ps(xp + 32), t0);
+            t1 = _mm256_fmadd_ps(PAIR_ODD(words), _mm256_loadu_ps(xp + 40), t1);
+            words = _mm256_unpackhi_epi8(ol, oh);
+            t0 = _mm256_fmadd_ps(PAIR_EVEN(words), _mm256_loadu_ps(xp + 48), t0);
+            t1 = _mm256_fmadd_ps(PAIR_ODD(words), _mm256_loadu_ps(xp + 56), t1);
+            a = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), f, a);
         }
-        dots[0] = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-        return;
-    }
-    __m256 acc[MAX_ROWS][2];
-    for (int j = 0; j < n; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
+        acc[0] = a;
+    } else
+        for (; g + 1 < G; g += 2) {
+            __m256i el, eh, ol, oh;
+            __m256 f, w[8];
+            pair_bytes(blocks, scales, g, lut_lo, lut_hi, &el, &eh, &ol, &oh, &f);
+            const __m256i words[4] = {_mm256_unpacklo_epi8(el, eh), _mm256_unpackhi_epi8(el, eh),
+                                      _mm256_unpacklo_epi8(ol, oh), _mm256_unpackhi_epi8(ol, oh)};
+            for (int k = 0; k < 4; k++) w[2 * k] = PAIR_EVEN(words[k]), w[2 * k + 1] = PAIR_ODD(words[k]);
+            for (int j = 0; j < n; j++) {
+                const float *xp = xs[j] + 32 * g;
+                __m256 t0 = _mm256_mul_ps(w[0], _mm256_loadu_ps(xp));
+                __m256 t1 = _mm256_mul_ps(w[1], _mm256_loadu_ps(xp + 8));
+                for (int v = 2; v < 8; v += 2) {
+                    t0 = _mm256_fmadd_ps(w[v], _mm256_loadu_ps(xp + 8 * v), t0);
+                    t1 = _mm256_fmadd_ps(w[v + 1], _mm256_loadu_ps(xp + 8 * v + 8), t1);
+                }
+                acc[j] = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), f, acc[j]);
+            }
+        }
+    if (g < G) { /* the unpaired last block, x as it is */
+        const __m128i lut = _mm_loadu_si128((const __m128i *)TWICE_E2M1);
+        __m256 w[4];
         decode_block(blocks + 16 * g, HALF_POW2[scales[g]], lut, w);
-        for (int j = 0; j < n; j++) {
-            const float *xg = xs[j] + 32 * g;
-            acc[j][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xg), acc[j][0]);
-            acc[j][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), acc[j][1]);
-            acc[j][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), acc[j][0]);
-            acc[j][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), acc[j][1]);
-        }
+        for (int j = 0; j < n; j++)
+            for (int k = 0; k < 4; k++) acc[j] = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(xs[j] + 32 * g + 8 * k), acc[j]);
     }
-    for (int j = 0; j < n; j++) dots[j] = hsum(_mm256_add_ps(acc[j][0], acc[j][1]));
+    for (int j = 0; j < n; j++) dots[j] = hsum(acc[j]);
 #else
     for (int j = 0; j < n; j++) dots[j] = 0.0f;
     for (int64_t g = 0; g < G; g++) {
@@ -580,6 +656,15 @@ static void matvec(const void *x, int x_bf16, int int8, const uint8_t *blocks, c
         for (int64_t m = 0; m < M; m++) split_quads((const uint16_t *)x + m * K, G, split + m * K);
     }
 #endif
+#ifdef GL_AVX2
+    float *pairs = NULL; /* fp32 rows in row_dots' order (layout_pairs) */
+    if (!int8 && !split) {
+        pairs = malloc(sizeof(float) * (M * K + 1));
+        for (int64_t m = 0; m < M; m++) layout_pairs((const float *)x + m * K, G, pairs + m * K);
+    }
+#else
+    const float *pairs = NULL;
+#endif
 #pragma omp parallel for schedule(dynamic, 4)
     for (int64_t u = 0; u < ngroups * ntiles; u++) {
         int64_t grp = u / ntiles, r0 = (u % ntiles) * TILE, r1 = r0 + TILE < R ? r0 + TILE : R;
@@ -591,7 +676,7 @@ static void matvec(const void *x, int x_bf16, int int8, const uint8_t *blocks, c
         Q8Row xq[MAX_ROWS];
         float dots[MAX_ROWS], sums[MAX_ROWS][TILE];
         for (int j = 0; j < n; j++) {
-            xs[j] = (const float *)x + rows[j] * K;
+            xs[j] = (pairs ? pairs : (const float *)x) + rows[j] * K;
             xh[j] = split ? split + rows[j] * K : NULL;
             if (int8) {
                 xq[j].q = q8 + rows[j] * slots * 32;
@@ -627,6 +712,9 @@ static void matvec(const void *x, int x_bf16, int int8, const uint8_t *blocks, c
     }
     free(q8_step);
     free(split);
+#ifdef GL_AVX2
+    free(pairs);
+#endif
     free(order);
 }
 
