@@ -214,20 +214,17 @@ def ab_base(steps, revision: str, pairs: int) -> None:
     """`alternate` with the weight kernels' ops bound to this checkout's build (on) and to `revision`'s
     (off); the ops bound before are bound again after."""
     from gptoss_lite.kernels import cpp_ops
-    from gptoss_lite.kernels.build import kernel_flags
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from kernel_versions import base_and_here
+    from kernel_versions import base_and_here  # built as the project builds here (GPTOSS_LITE_CPU too)
 
-    # for the CPU the process imitates (GPTOSS_LITE_CPU=avx2: haswell), as the project's own builds
-    march = next(f.split("=", 1)[1] for f in kernel_flags() if f.startswith("-march="))
     bound = cpp_ops.bound()
     with tempfile.TemporaryDirectory() as tmp:
         builds: list[tuple[str, list, list]] = []  # (op, [base function, this checkout's], flags of each)
         loaded = []  # the libraries, alive while their functions are bound
         for kernel, ops in KERNEL_OPS.items():
             (Path(tmp) / kernel).mkdir()
-            libs = base_and_here(revision, kernel, Path(tmp) / kernel, march)
+            libs = base_and_here(revision, kernel, Path(tmp) / kernel)
             loaded += libs
             for op, name, dot in ops:
                 if op in bound:

@@ -18,21 +18,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def build(source: str, folder: Path, name: str, march: str = "native") -> ctypes.CDLL:
-    """`source` (C text) built with the project's flags (`kernels.build.FLAGS`; the kernels' folder on the
-    include path, for vec.h), for another CPU than this one where `march` names it (`haswell`: the
-    AVX2-only path), into folder/name.so, loaded."""
-    from gptoss_lite.kernels.build import _HERE, FLAGS, _compiler
+def build(source: str, folder: Path, name: str, march: str | None = None) -> ctypes.CDLL:
+    """`source` (C text) built with the flags the project builds its kernels with in this process
+    (`kernels.build.kernel_flags()`: for the CPU `GPTOSS_LITE_CPU` imitates, else this one; the kernels'
+    folder on the include path, for vec.h), or for the CPU `march` names (`haswell`: the AVX2-only
+    path), into folder/name.so, loaded."""
+    from gptoss_lite.kernels.build import _HERE, _compiler, kernel_flags
 
     src = folder / f"{name}.c"
     src.write_text(source)
     out = folder / f"{name}.so"
-    flags = [f"-march={march}" if f.startswith("-march=") else f for f in FLAGS if f != "-shared"]
+    flags = [f"-march={march}" if march and f.startswith("-march=") else f for f in kernel_flags() if f != "-shared"]
     subprocess.run([_compiler(), *flags, "-shared", "-I", str(_HERE), str(src), "-o", str(out), "-lm"], check=True)
     return ctypes.CDLL(str(out))
 
 
-def base_and_here(revision: str, kernel: str, folder: Path, march: str = "native") -> list[ctypes.CDLL]:
+def base_and_here(revision: str, kernel: str, folder: Path, march: str | None = None) -> list[ctypes.CDLL]:
     """[kernels/`kernel`.c at git `revision`, this checkout's], built (`build`); exits with a message
     (status 2) where the revision has no such file."""
     path = f"src/gptoss_lite/kernels/{kernel}.c"

@@ -122,8 +122,8 @@ static inline float hsum(__m256 v) {
 #endif
 
 #ifdef GL_AVX2
-/* x (K = 32 G floats) for row_dots: each pair of blocks's 64 elements in decode_pair's order (vector v,
- * then the pair's two blocks, then lane d), a last unpaired block as it is */
+/* x (K = 32 G floats) for row_dots: each pair of blocks' 64 elements in the AVX2 loop's order (vector v,
+ * then the pair's two blocks, then lane d: PAIR_BASE), a last unpaired block as it is */
 static void layout_pairs(const float *x, int64_t G, float *out) {
     int64_t g = 0;
     for (; g + 1 < G; g += 2)
@@ -656,14 +656,12 @@ static void matvec(const void *x, int x_bf16, int int8, const uint8_t *blocks, c
         for (int64_t m = 0; m < M; m++) split_quads((const uint16_t *)x + m * K, G, split + m * K);
     }
 #endif
+    float *pairs = NULL; /* fp32 rows in row_dots' AVX2 order (layout_pairs) */
 #ifdef GL_AVX2
-    float *pairs = NULL; /* fp32 rows in row_dots' order (layout_pairs) */
     if (!int8 && !split) {
         pairs = malloc(sizeof(float) * (M * K + 1));
         for (int64_t m = 0; m < M; m++) layout_pairs((const float *)x + m * K, G, pairs + m * K);
     }
-#else
-    const float *pairs = NULL;
 #endif
 #pragma omp parallel for schedule(dynamic, 4)
     for (int64_t u = 0; u < ngroups * ntiles; u++) {
@@ -712,9 +710,7 @@ static void matvec(const void *x, int x_bf16, int int8, const uint8_t *blocks, c
     }
     free(q8_step);
     free(split);
-#ifdef GL_AVX2
     free(pairs);
-#endif
     free(order);
 }
 
