@@ -12,7 +12,9 @@ the dense bf16 weights, `mxfp4_gate_up_act` over the routed experts' gate|up cod
 (or `mxfp4_matvec_int8`, with `--mxfp4-activations int8`) over the rest of their codes.
 `--ab-ops OP...` then times `--ab-pairs` pairs of steps with those kernel ops served from C++
 (`kernels/ops.cpp`) and from Python, alternating; `--ab-gate-up-act PAIRS` times pairs of steps with the
-MXFP4 experts' gate|up activation in the product's pass and as separate passes; `--ab-base REV` times
+MXFP4 experts' gate|up activation in the product's pass and as separate passes; `--ab-bf16-gemv PAIRS`
+pairs of steps with the dense bf16 projections through the bf16 GEMV op and through the graph a CPU
+without it compiles; `--ab-base REV` times
 `--ab-pairs` pairs of steps with the weight kernels (`kernels/bf16.c`, `kernels/mxfp4.c`) as this
 checkout has them and as git revision REV had them, both built here, the C++ ops rebound between the
 two builds step by step (the same compiled graph calls either). Threads: `--threads`
@@ -86,6 +88,13 @@ def main() -> None:
         metavar="PAIRS",
         help="then time PAIRS pairs of steps with the MXFP4 experts' one-pass gate|up activation and without",
     )
+    ap.add_argument(
+        "--ab-bf16-gemv",
+        type=int,
+        default=0,
+        metavar="PAIRS",
+        help="then time PAIRS pairs of steps with the dense bf16 projections through the bf16 GEMV op and without",
+    )
     ap.add_argument("--mxfp4-activations", default="exact", choices=["exact", "int8"], help="packed experts' path")
     args = ap.parse_args()
     if min(args.context, args.steps, args.profiled, args.threads, args.top) < 1:
@@ -101,7 +110,7 @@ def main() -> None:
     # the A/B steps: --ab-ops' and --ab-base's pairs; --ab-gate-up-act's pairs and 4 untimed (each setting
     # compiled, checked)
     ab = 2 * args.ab_pairs * (bool(args.ab_ops) + bool(args.ab_base))
-    ab += 2 * args.ab_gate_up_act + 4 if args.ab_gate_up_act else 0
+    ab += sum(2 * n + 4 for n in (args.ab_gate_up_act, args.ab_bf16_gemv) if n)
     steps = stream_generate(model, ids, 2 + args.steps + args.profiled + ab, temperature=0)
     t0 = time.perf_counter()
     next(steps)
@@ -133,6 +142,8 @@ def main() -> None:
         ab_cpp_ops(steps, args.ab_ops, args.ab_pairs)
     if args.ab_gate_up_act:
         ab_gate_up_act(steps, args.ab_gate_up_act)
+    if args.ab_bf16_gemv:
+        ab_bf16_gemv(steps, args.ab_bf16_gemv)
     if args.ab_base:
         ab_base(steps, args.ab_base, args.ab_pairs)
 
@@ -169,34 +180,50 @@ def ab_cpp_ops(steps, ops: list[str], pairs: int) -> None:
     )
 
 
+def ab_graphs(steps, pairs: int, owner: object, name: str, op: str, label: str) -> None:
+    """`alternate` with the kernel op `op` in the compiled step (on) and without it (off: the graph a CPU
+    without the kernel compiles), switched through owner.`name` (`kernel_versions.switched`). Each
+    setting's first step compiles or loads its graph, untimed, and is checked to follow the switch."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from kernel_versions import switched
+
+    with switched(owner, name) as use:
+        for on in (True, False):
+            use(on)
+            next(steps)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                next(steps)
+            called = any(e.key == f"gptoss_lite::{op}" for e in prof.key_averages())
+            assert called == on, "the compiled step did not follow the switch"
+        with_op, without, ratio = alternate(steps, pairs, use)
+    print(
+        f"{label}: median step {1e3 * with_op:.2f} ms, without {1e3 * without:.2f} ms; "
+        f"without / with over {pairs} pairs: median {ratio:.4f}"
+    )
+
+
 def ab_gate_up_act(steps, pairs: int) -> None:
-    """`alternate` with the MXFP4 experts' gate|up product, bias, rounding and activation in one pass
-    (`kernels.mxfp4.gate_up_act`, on) and the product followed by the separate passes (what every CPU
-    without AVX-512 runs, off). The model's switch (`gate_up_act_available`) is replaced by one the
-    compiled step guards on, so each setting keeps its own graph (the first step of each compiles or
-    loads it, untimed)."""
+    """The MXFP4 experts' gate|up product, bias, rounding and activation in one pass
+    (`kernels.mxfp4.gate_up_act`, on) against the product followed by the separate passes (what every
+    CPU without AVX-512 runs)."""
     from gptoss_lite.model import moe
 
     if not mxfp4.gate_up_act_available():
         print("--ab-gate-up-act: the one-pass activation is not built here (it needs AVX-512)")
         return
-    setting, built = {"on": True}, moe.gate_up_act_available
-    moe.gate_up_act_available = lambda: setting["on"]
-    try:
-        for on in (True, False):  # each setting's graph, before the timing; the op is called only when on
-            setting["on"] = on
-            next(steps)
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                next(steps)
-            called = any(e.key == "gptoss_lite::mxfp4_gate_up_act" for e in prof.key_averages())
-            assert called == on, "the compiled step did not follow the switch"
-        one, separate, ratio = alternate(steps, pairs, lambda on: setting.update(on=on))
-    finally:
-        moe.gate_up_act_available = built
-    print(
-        f"gate|up activation in one pass: median step {1e3 * one:.2f} ms, as separate passes "
-        f"{1e3 * separate:.2f} ms; separate / one pass over {pairs} pairs: median {ratio:.4f}"
-    )
+    ab_graphs(steps, pairs, moe, "gate_up_act_available", "mxfp4_gate_up_act", "gate|up activation in one pass")
+
+
+def ab_bf16_gemv(steps, pairs: int) -> None:
+    """The dense bf16 projections through the bf16 GEMV op (`kernels/bf16.c`, on) against the graph
+    without it (inductor's reductions for one row, fp32 products for several: what a CPU without the
+    kernel runs)."""
+    from gptoss_lite.kernels import bf16
+
+    if not bf16.available():
+        print("--ab-bf16-gemv: the bf16 GEMV is not built here (it needs AVX2 and FMA)")
+        return
+    ab_graphs(steps, pairs, bf16, "traceable", "bf16_gemv", "dense bf16 projections through the bf16 GEMV")
 
 
 # the C++ ops each weight kernel's library serves: (op, C function, whether its flags say bf16 dot products)

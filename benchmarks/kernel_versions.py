@@ -12,7 +12,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +43,21 @@ def base_and_here(revision: str, kernel: str, folder: Path, march: str | None = 
         print(f"no {path} at {revision}: {base.stderr.strip()}", file=sys.stderr)
         raise SystemExit(2)
     return [build(base.stdout, folder, "base", march), build((ROOT / path).read_text(), folder, "here", march)]
+
+
+@contextmanager
+def switched(owner: object, name: str) -> Iterator[Callable[[bool], None]]:
+    """For the block, owner.`name` (a function saying whether a kernel serves a call) also asks a setting,
+    which the yielded function sets (on: as built; off: never, so callers take the path of a CPU without
+    the kernel). The compiled step guards on the setting, so each setting keeps its own graph (the first
+    call of each compiles it). The original is put back after."""
+    original = getattr(owner, name)
+    setting = {"on": True}
+    setattr(owner, name, lambda *args: setting["on"] and original(*args))
+    try:
+        yield lambda on: setting.update(on=on)
+    finally:
+        setattr(owner, name, original)
 
 
 def evicting() -> Callable[[], object]:

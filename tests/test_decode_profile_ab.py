@@ -60,3 +60,33 @@ def test_ab_base_alternates_the_two_builds_and_binds_back(capsys):
     assert original not in seen
     assert cpp_ops._functions == before and "mxfp4_matvec" in cpp_ops.bound()
     assert "of this checkout: median step" in capsys.readouterr().out
+
+
+def test_ab_bf16_gemv_compiles_a_graph_each_way_and_puts_the_switch_back(capsys):
+    """`--ab-bf16-gemv`: the same compiled product with the bf16 GEMV op and without it (the profile of
+    each setting's first step must show the op called, or not), equal to fp64 products either way, and
+    `kernels.bf16.traceable` as it was after."""
+    from gptoss_lite.kernels import bf16
+    from gptoss_lite.model.matmul import decode_linear
+
+    if not bf16.available():
+        pytest.skip("no bf16 GEMV built here (it needs AVX2 and FMA)")
+    original = bf16.traceable
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(2, 64, generator=g).bfloat16(), torch.randn(48, 64, generator=g).bfloat16()
+    want = x.double() @ w.double().T
+    torch._dynamo.reset()
+    step = torch.compile(decode_linear, dynamic=False)
+    calls = []
+
+    def steps():
+        while True:
+            out = step(x, w, None)
+            calls.append(out)
+            torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+            yield
+
+    _profile_module().ab_bf16_gemv(steps(), 3)
+    assert len(calls) == 4 + 6  # two untimed steps of each setting, then 3 pairs
+    assert bf16.traceable is original
+    assert "dense bf16 projections through the bf16 GEMV: median step" in capsys.readouterr().out

@@ -62,21 +62,21 @@ print(json.dumps({"prefill": prefill.available(), "moe": list(moe.dtypes()), "bf
     reason="needs gcc on an x86-64 CPU with AVX2",
 )
 def test_a_process_under_avx2_takes_the_avx2_paths(tmp_path):
-    """Every kernel is built for haswell (no AVX-512 path: the prefill attention, the grouped experts and
-    the bf16 GEMV are unavailable, the rows kernel takes its AVX2 tiles), and the model's rules read no
-    AVX-512 and no native bf16."""
+    """Every kernel is built for haswell (no AVX-512 path: the prefill attention and the grouped experts
+    are unavailable, the rows kernel and the bf16 GEMV take their AVX2 paths), and the model's rules read
+    no AVX-512 and no native bf16."""
     env = {**os.environ, "GPTOSS_LITE_CPU": "avx2", "GPTOSS_LITE_KERNEL_DIR": str(tmp_path)}
     env.pop("GPTOSS_LITE_NO_KERNELS", None)
     done = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, check=True)
     got = json.loads(done.stdout)
     said = got.pop("report")
     assert got == {
-        "prefill": False, "moe": [], "bf16": False, "rows": "AVX2", "avx512": False, "native_bf16": False,
+        "prefill": False, "moe": [], "bf16": True, "rows": "AVX2", "avx512": False, "native_bf16": False,
     }  # fmt: skip
     # and the report says so
     assert said["built for"] == "-march=haswell (GPTOSS_LITE_CPU=avx2)"
-    assert (said["mxfp4"], said["rows"], said["blocks"]) == ("AVX2 + FMA", "AVX2", "AVX2 + FMA")
-    assert said["prefill"] == "a stub (no AVX-512)" and said["bf16"] == "a stub (no AVX-512 BF16)"
+    assert (said["mxfp4"], said["blocks"], said["bf16"]) == ("AVX2 + FMA",) * 3 and said["rows"] == "AVX2"
+    assert said["prefill"] == "a stub (no AVX-512)"
     assert said["moe"].startswith("grouped experts: none;")
     assert said["norm"] == said["rope"] == "plain C vectorised for -march=haswell"
 

@@ -108,7 +108,7 @@ def test_bf16_gemv_equals_f_linear(rows, out, k):
     from gptoss_lite.kernels import bf16
 
     if not bf16.available():
-        pytest.skip("this CPU has no AVX-512 BF16: linear keeps F.linear")
+        pytest.skip("no bf16 GEMV built here (it needs AVX2 and FMA): linear keeps F.linear")
     g = torch.Generator().manual_seed(rows * out)
     x, w, b = (torch.randn(*s, generator=g).bfloat16() for s in ((rows, k), (out, k), (out,)))
     assert bf16.applies(x, w) and not bf16.applies(torch.cat([x] * 5), w)
@@ -128,13 +128,38 @@ def test_bf16_gemv_of_many_rows_equals_f_linear(rows, out, k):
     from gptoss_lite.kernels import bf16
 
     if not bf16.available():
-        pytest.skip("this CPU has no AVX-512 BF16: linear keeps F.linear")
+        pytest.skip("no bf16 GEMV built here (it needs AVX2 and FMA): linear keeps F.linear")
     g = torch.Generator().manual_seed(rows * out + k)
     x, w, b = (torch.randn(*s, generator=g).bfloat16() for s in ((rows, k), (out, k), (out,)))
     got = bf16.gemv_fp32(x, w, b)
     want = torch.nn.functional.linear(x.double(), w.double(), b.double())
     assert got.dtype == torch.float32 and got.shape == (rows, out)
     assert (got.double() - want).abs().max().item() < 1e-5 * k**0.5 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("arch, path", [("x86-64", 0), ("haswell", 1), ("skylake-avx512", 1)])
+def test_bf16_gemv_of_other_cpus_builds(tmp_path, arch, path):
+    """bf16.c as built for a CPU without AVX2 (no GEMV: the op stays unbound), an AVX2-only one and an
+    AVX-512 one without BF16 (the AVX2 path: each 16 weights widened by a shift and a mask against x's
+    even and odd columns): the fp32 sums of the exact products, to fp32 rounding, for 1 to 9 rows (one
+    to four a weight load, then the next four), K with and without a tail past its 16-column steps,
+    an odd number of them, and a bias or none."""
+    import ctypes
+
+    lib = build_kernel_for("bf16", arch, tmp_path)
+    assert lib.gl_has_bf16_gemv() == path
+    if not path:
+        return
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.gl_bf16_gemv.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr]
+    for rows, out, k in [(1, 70, 2880), (2, 33, 48), (3, 5, 31), (4, 40, 16), (5, 9, 7), (9, 37, 100), (1, 3, 272)]:
+        g = torch.Generator().manual_seed(rows * out + k)
+        x, w = torch.randn(rows, k, generator=g).bfloat16(), torch.randn(out, k, generator=g).bfloat16()
+        b = torch.randn(out, generator=g) if rows % 2 else None
+        got = torch.full((rows, out), float("nan"))
+        lib.gl_bf16_gemv(x.data_ptr(), w.data_ptr(), None if b is None else b.data_ptr(), rows, out, k, got.data_ptr())
+        want = x.double() @ w.double().T + (0 if b is None else b.double())
+        assert (got.double() - want).abs().max().item() < 1e-6 * k**0.5 * want.abs().max().item(), (rows, out, k)
 
 
 @pytest.mark.parametrize("arch", ["x86-64", "haswell"])

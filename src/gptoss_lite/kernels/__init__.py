@@ -1,7 +1,7 @@
 """Native kernels built on first use with the machine's C compiler (docs/mxfp4.md).
 
 `mxfp4` holds the MXFP4 matrix-vector product and dequantisation the packed experts run on, each
-with a PyTorch fallback where no compiler is found. `bf16` (a few bf16 rows, AVX-512 BF16 CPUs) and
+with a PyTorch fallback where no compiler is found. `bf16` (a few bf16 rows, AVX2 or AVX-512 BF16) and
 `rows` (a few fp32 rows, AVX2 or AVX-512: docs/model.md#the-compiled-decode-step) serve the compiled
 decode step's products; where they are not built, the step keeps F.linear. `blocks` is the
 compiled step's attention over the engine's block tables, read in place (where it is not built, the
@@ -42,7 +42,8 @@ def report() -> dict[str, str]:
         out["mxfp4"] = f"AVX-512 BF16 for bf16 inputs, {vector} for fp32" if lib.bf16_dot else vector
         out["mxfp4"] += "; gate|up activation in the same pass (AVX-512)" if lib.gate_up_act else ""
     lib = bf16._library()
-    out["bf16"] = off if lib is None else ("AVX-512 BF16" if lib.usable else "a stub (no AVX-512 BF16)")
+    paths = ("a stub (no AVX2)", "AVX2 + FMA", "AVX-512 BF16")
+    out["bf16"] = off if lib is None else paths[lib.gl_has_bf16_gemv()]
     lib = rows._library()
     out["rows"] = off if lib is None else lib.isa + ("" if rows.available() else " (too slow: unused)")
     lib = blocks._library()

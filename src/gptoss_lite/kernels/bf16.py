@@ -1,5 +1,6 @@
-"""bf16 matrix-vector products for one-token steps on CPUs with AVX-512 BF16 (`bf16.c`, built on first
-use by `kernels.build`). Elsewhere `available()` is False and callers keep F.linear."""
+"""bf16 matrix-vector products for one-token steps (`bf16.c`, built on first use by `kernels.build`): AVX-512
+BF16 dot products where the CPU has them, else AVX2 + FMA (the weight widened by a shift and a mask).
+Without AVX2 `available()` is False and callers keep F.linear."""
 
 from __future__ import annotations
 

@@ -133,8 +133,8 @@ def linear(
     x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, pack: PromptPack | None = None
 ) -> torch.Tensor:
     """F.linear(x, w, b), computed in fp32 for 16-bit inputs of many rows on CPUs without native bf16,
-    and by `kernels.bf16.gemv` for a few bf16 rows on CPUs with AVX-512 BF16 (the same fp32 sums,
-    read at the memory's rate where oneDNN's GEMV reads at about 60% of it). With a `pack` of w, an x
+    and by `kernels.bf16.gemv` for a few bf16 rows where it is built (AVX2 + FMA, or AVX-512 BF16: the
+    same fp32 sums, read at the memory's rate where oneDNN's GEMV reads at about 60% of it). With a `pack` of w, an x
     of many rows (across its leading dims) goes through it (the same product, summed in another order)."""
     if pack is not None:
         flat = x.reshape(-1, x.shape[-1])
@@ -178,8 +178,8 @@ def decode_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = Non
     engine's batched decode) are one fp32 matrix product, which reads the weight once for all rows where
     a reduction per row would read it B times. For fp32 rows that product is `kernels.rows.rows_mm`
     where it is built (MKL's sgemm runs this shape, a few rows by a wide weight, at a third of the
-    cores' rate), else F.linear. On CPUs with AVX-512 BF16, several bf16 rows go to
-    `kernels.bf16.gemv_fp32` instead: the same fp32 sums, the weight read at the memory's rate, once
+    cores' rate), else F.linear. Where the bf16 GEMV is built (AVX2 + FMA, or AVX-512 BF16), several bf16
+    rows go to `kernels.bf16.gemv_fp32` instead: the same fp32 sums, the weight read at the memory's rate, once
     per four rows, and so does one bf16 row by a weight of more than FUSED_ROW_BYTES; one row by a
     smaller weight is the reduction in every dtype (see FUSED_ROW_BYTES)."""
     one_traced_row = x.shape[0] == 1 and torch.compiler.is_compiling()
