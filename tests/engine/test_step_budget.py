@@ -58,3 +58,18 @@ def test_the_server_commands_keep_512():
     assert set(sub.choices) == {"serve", "bench-serve"}
     for name, parser in sub.choices.items():
         assert parser.get_default("max_batch_tokens") == 512, name
+
+
+@pytest.mark.parametrize("preset", ["lite-tiny", "gpt-oss-tiny"])
+@pytest.mark.parametrize("length", [300, 2176])
+def test_one_request_whose_context_is_one_step_builds_and_serves(preset, length):
+    """max_running 1 with max_batch_tokens = max_model_len (one request, its whole prompt one step, as
+    the peers' single-request cells ask): the pools the engine sizes hold that step beside each window
+    (they had held the request's tokens and no more, so the engine refused to build), and a prompt
+    that fills the context decodes generate()'s tokens."""
+    model = make_model(preset)
+    llm = LLM(model, max_running=1, max_model_len=length, max_batch_tokens=length, enable_prefix_caching=False)
+    prompt = torch.randint(1, 264, (length - 6,), generator=torch.Generator().manual_seed(length)).tolist()
+    out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    want = generate(model, torch.tensor([prompt]), max_new_tokens=6, temperature=0)[0, len(prompt) :]
+    assert out.token_ids == want.tolist()

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from gptoss_lite.kv.block_pool import AppendPlan
-from gptoss_lite.kv.groups import KVGroup, attach_prefix
+from gptoss_lite.kv.groups import KVGroup, attach_prefix, step_blocks
 from gptoss_lite.kvspec import LayerKind, LayerKVSpec
 
 if TYPE_CHECKING:  # annotations only: this module imports nothing that imports torch
@@ -265,14 +265,17 @@ def pool_blocks(specs: Sequence[LayerKVSpec], cfg: EngineConfig, max_model_len: 
     more than `max_running` requests of `max_model_len` tokens need (under a full-layer window, the
     window plus one step). The sliding pool: as large while the prefix cache is on (a cached prompt
     pins its sliding-layer blocks too); without it, what the running requests hold at once,
-    ceil(W / bs) + 1 blocks each in decode plus the window and one chunk for a prefill."""
+    ceil(W / bs) + 1 blocks each in decode plus the window and one chunk for a prefill. Either pool, sized
+    here, holds at least one step beside its window (`step_blocks`, what `check_step_fits` asks) where
+    the memory allows: a single request whose whole context is one step (max_running 1, max_batch_tokens
+    = max_model_len) needs a block or two more than its tokens fill."""
     bs, running, step = cfg.block_size, cfg.max_running, cfg.step_tokens
+    by_memory = cfg.kv_bytes // sum(spec.block_bytes(bs) for spec in specs)
     full = cfg.kv_blocks
     if full is None:
-        by_memory = cfg.kv_bytes // sum(spec.block_bytes(bs) for spec in specs)
         window = cfg.full_window
         held = max_model_len if window is None else min(max_model_len, window + step)
-        by_need = running * (math.ceil(held / bs) + (window is not None))
+        by_need = max(running * (math.ceil(held / bs) + (window is not None)), step_blocks(step, window, bs))
         full = max(1, min(by_memory, by_need))
     sliding = cfg.sliding_blocks
     if sliding is None:
@@ -280,5 +283,6 @@ def pool_blocks(specs: Sequence[LayerKVSpec], cfg: EngineConfig, max_model_len: 
         if cfg.enable_prefix_caching or W is None:
             sliding = full
         else:
-            sliding = min(full, running * (math.ceil(W / bs) + 1) + math.ceil((W + step) / bs) + 1)
+            held = min(full, running * (math.ceil(W / bs) + 1) + math.ceil((W + step) / bs) + 1)
+            sliding = max(held, min(by_memory, step_blocks(step, W, bs)))
     return full, sliding

@@ -42,6 +42,13 @@ from gptoss_lite.kv.prefix import PrefixCache
 from gptoss_lite.kvspec import LayerKVSpec
 
 
+def step_blocks(step_tokens: int, window: int | None, block_size: int) -> int:
+    """The fewest blocks a pool needs for one sequence to run a step of step_tokens beside its window:
+    the step's blocks, one more where it starts mid-block, the window's, and the block the window's
+    oldest token may straddle."""
+    return math.ceil(step_tokens / block_size) + 1 + math.ceil((window or 0) / block_size) + 1
+
+
 class KVGroup:
     """The layers of one kind, with their pool, prefix cache and window (see the module docstring).
 
@@ -112,9 +119,8 @@ class KVGroup:
 
     def min_blocks(self, max_batch_tokens: int) -> int:
         """The fewest blocks the pool needs for one sequence to run a step of max_batch_tokens beside
-        its window."""
-        bs = self.block_size
-        return math.ceil(max_batch_tokens / bs) + 1 + math.ceil((self.window or 0) / bs) + 1
+        its window (`step_blocks`)."""
+        return step_blocks(max_batch_tokens, self.window, self.block_size)
 
     # ------------------------------------------------------------------ prefix caching
 
