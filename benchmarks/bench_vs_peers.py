@@ -15,10 +15,11 @@ and each engine's turn starts with an untimed 2-token request.
 Engines (`--engines`): `vllm` (vllm.LLM, eager), `llama` (llama-cpp-python over a GGUF of the same
 checkpoint, `llama_worker.py`; `--llama-flash-attn` for its flash attention), `static` (ours:
 `gptoss_lite.generation.generate`, the single-request path), `compiled` (the same with its decode steps
-as one compiled graph, compiled during the untimed warm-up) and `ours` (the batched engine with one
-request). Several llama.cpp builds in one sitting: `--llama-builds NAME=PYTHON ...` and engines
-`llama:NAME` (its default mode) and `llama:NAME+fa` (flash attention), e.g. the build for this CPU
-against an AVX2-only one (`benchmarks/llama_avx2.sh`), which on Zen 5 decoded the 20M model faster:
+as one compiled graph, compiled during the untimed warm-up), `ours` (the batched engine with one
+request, eager) and `ours-compiled` (the engine with its compiled decode step). Several llama.cpp
+builds in one sitting: `--llama-builds NAME=PYTHON ...` and engines `llama:NAME` (its default mode) and
+`llama:NAME+fa` (flash attention), e.g. the build for this CPU against an AVX2-only one
+(`benchmarks/llama_avx2.sh`), which on Zen 5 decoded the 20M model faster:
 
     python benchmarks/bench_vs_peers.py MODEL_DIR --llama-builds native=LLAMA/bin/python \
         avx2=LLAMA_AVX2/bin/python --llama-gguf float32=F32.gguf bfloat16=BF16.gguf \
@@ -47,10 +48,11 @@ NAMES = {
     "static": "ours (generate)",
     "compiled": "ours (generate, compiled decode)",
     "ours": "ours (engine)",
+    "ours-compiled": "ours (engine, compiled decode)",
     "llama": "llama.cpp",
 }
 HERE = Path(__file__).resolve().parent
-OURS = ("static", "compiled", "ours")
+OURS = ("static", "compiled", "ours", "ours-compiled")
 
 
 def is_peer(engine: str) -> bool:
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         "--engines",
         nargs="+",
         default=["vllm", "static"],
-        help="vllm, llama, llama:NAME, llama:NAME+fa (a --llama-builds build), static, compiled, ours",
+        help="vllm, llama, llama:NAME, llama:NAME+fa (a --llama-builds build), static, compiled, ours, ours-compiled",
     )
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, nargs="+", default=[2])

@@ -44,6 +44,7 @@ def test_llama_engines_run_their_build_in_their_mode(tmp_path):
     assert bench.label("llama:avx2+fa") == "llama.cpp (avx2, flash-attn)"
     assert bench.label("llama:native") == "llama.cpp (native)" and bench.label("compiled") == bench.NAMES["compiled"]
     assert bench.is_peer("llama:avx2") and bench.is_peer("vllm") and not bench.is_peer("compiled")
+    assert not bench.is_peer("ours-compiled") and "ours-compiled" in bench.OURS
 
 
 @pytest.mark.parametrize(
