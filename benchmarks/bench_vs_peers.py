@@ -59,20 +59,27 @@ def is_peer(engine: str) -> bool:
     return engine == "vllm" or engine == "llama" or engine.startswith("llama:")
 
 
+def llama_spec(engine: str) -> tuple[str, bool] | None:
+    """`llama:NAME[+fa]` -> (NAME, whether flash attention); None for any other engine."""
+    if not engine.startswith("llama:"):
+        return None
+    return engine[len("llama:") :].removesuffix("+fa"), engine.endswith("+fa")
+
+
 def label(engine: str) -> str:
     """`llama:avx2+fa` -> `llama.cpp (avx2, flash-attn)`; the fixed engines by NAMES."""
-    if not engine.startswith("llama:"):
+    spec = llama_spec(engine)
+    if spec is None:
         return NAMES[engine]
-    build, fa = engine[len("llama:") :].removesuffix("+fa"), engine.endswith("+fa")
-    return f"llama.cpp ({build}{', flash-attn' if fa else ''})"
+    return f"llama.cpp ({spec[0]}{', flash-attn' if spec[1] else ''})"
 
 
 def llama_build(args: argparse.Namespace, engine: str) -> tuple[str, bool]:
     """The Python of the llama-cpp-python venv an engine runs, and whether in flash-attention mode."""
-    if engine == "llama":
+    spec = llama_spec(engine)
+    if spec is None:  # `llama`: --llama-python, --llama-flash-attn
         return args.llama_python, args.llama_flash_attn
-    name = engine[len("llama:") :].removesuffix("+fa")
-    return args.llama_builds[name], engine.endswith("+fa")
+    return args.llama_builds[spec[0]], spec[1]
 
 
 def llama_command(args: argparse.Namespace, engine: str, dtype: str, threads: int) -> tuple[list[str], dict]:
@@ -153,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     args.llama_gguf = gguf_map(args.llama_gguf)
     args.llama_builds = builds_map(args.llama_builds)
     for engine in args.engines:
-        name = engine[len("llama:") :].removesuffix("+fa") if engine.startswith("llama:") else None
-        if engine not in ("vllm", "llama", *OURS) and name not in args.llama_builds:
+        spec = llama_spec(engine)
+        if engine not in ("vllm", "llama", *OURS) and (spec is None or spec[0] not in args.llama_builds):
             ap.error(f"engine {engine!r}: one of vllm, llama, {', '.join(OURS)}, or llama:NAME[+fa] of --llama-builds")
     if any(e.startswith("llama") for e in args.engines):
         if "llama" in args.engines and not args.llama_python:

@@ -283,6 +283,6 @@ def pool_blocks(specs: Sequence[LayerKVSpec], cfg: EngineConfig, max_model_len: 
         if cfg.enable_prefix_caching or W is None:
             sliding = full
         else:
-            held = min(full, running * (math.ceil(W / bs) + 1) + math.ceil((W + step) / bs) + 1)
-            sliding = max(held, min(by_memory, step_blocks(step, W, bs)))
+            need = min(full, running * (math.ceil(W / bs) + 1) + math.ceil((W + step) / bs) + 1)
+            sliding = max(need, min(by_memory, step_blocks(step, W, bs)))
     return full, sliding

@@ -48,15 +48,14 @@ int gl_has_bf16_gemv(void) {
 /* Each 16 columns of x's rows (K of them; the last K % 16 as they are) widened to fp32 as 8 even ones
  * then 8 odd ones: the order in which `dots` widens a weight's 16 bf16 values. */
 static void split_columns(const uint16_t *x, int64_t M, int64_t K, float *xs) {
-    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
     const int64_t full = K / 16;
     for (int64_t m = 0; m < M; m++) {
         const uint16_t *src = x + m * K;
         float *dst = xs + m * K;
         for (int64_t c = 0; c < full; c++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(src + 16 * c));
-            _mm256_storeu_ps(dst + 16 * c, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
-            _mm256_storeu_ps(dst + 16 * c + 8, _mm256_castsi256_ps(_mm256_and_si256(v, high)));
+            _mm256_storeu_ps(dst + 16 * c, bf16_even8(v));
+            _mm256_storeu_ps(dst + 16 * c + 8, bf16_odd8(v));
         }
         for (int64_t k = 16 * full; k < K; k++) dst[k] = widen(src[k]);
     }
@@ -66,7 +65,6 @@ static void split_columns(const uint16_t *x, int64_t M, int64_t K, float *xs) {
  * steps. Four sums a row for one or two rows (a single sum would wait on each FMA's latency), two for
  * more: every sum stays in a register (16 of them on this path). */
 INLINE void dots(const uint16_t *row, const float *xs, int64_t K, int n, float *out) {
-    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
     const __m256 z = _mm256_setzero_ps();
     __m256 s0[MAX_ROWS] = {z, z, z, z}, s1[MAX_ROWS] = {z, z, z, z};
     __m256 s2[MAX_ROWS] = {z, z, z, z}, s3[MAX_ROWS] = {z, z, z, z};
@@ -76,8 +74,7 @@ INLINE void dots(const uint16_t *row, const float *xs, int64_t K, int n, float *
         _mm_prefetch((const char *)(row + 16 * c) + GEMV_AHEAD, _MM_HINT_T0);
         __m256i w0 = _mm256_loadu_si256((const __m256i *)(row + 16 * c));
         __m256i w1 = _mm256_loadu_si256((const __m256i *)(row + 16 * c + 16));
-        __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(w0, high));
-        __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(w1, high));
+        __m256 e0 = bf16_even8(w0), o0 = bf16_odd8(w0), e1 = bf16_even8(w1), o1 = bf16_odd8(w1);
         for (int j = 0; j < n; j++) {
             const float *xj = xs + j * K + 16 * c;
             s0[j] = _mm256_fmadd_ps(e0, _mm256_loadu_ps(xj), s0[j]);
@@ -93,17 +90,14 @@ INLINE void dots(const uint16_t *row, const float *xs, int64_t K, int n, float *
     }
     if (c < full) {
         __m256i w0 = _mm256_loadu_si256((const __m256i *)(row + 16 * c));
-        __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(w0, high));
+        __m256 e0 = bf16_even8(w0), o0 = bf16_odd8(w0);
         for (int j = 0; j < n; j++) {
             s0[j] = _mm256_fmadd_ps(e0, _mm256_loadu_ps(xs + j * K + 16 * c), s0[j]);
             s1[j] = _mm256_fmadd_ps(o0, _mm256_loadu_ps(xs + j * K + 16 * c + 8), s1[j]);
         }
     }
     for (int j = 0; j < n; j++) {
-        __m256 v = _mm256_add_ps(_mm256_add_ps(s0[j], s1[j]), _mm256_add_ps(s2[j], s3[j]));
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        float sum = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+        float sum = hsum256(_mm256_add_ps(_mm256_add_ps(s0[j], s1[j]), _mm256_add_ps(s2[j], s3[j])));
         for (int64_t k = 16 * full; k < K; k++) sum += widen(row[k]) * xs[j * K + k];
         out[j] = sum;
     }

@@ -89,15 +89,12 @@ static inline void decode_block(const uint8_t *b, float factor, __m128i lut, __m
 
 /* row_dots' AVX2 loop reads a pair of blocks (32 code bytes: block g in the low 128 bits, g + 1 in the
  * high) as eight vectors of 8 fp32 weights, unscaled (twice E2M1, exact). Each nibble's bf16 comes from
- * two byte tables (vpshufb), bytes pair into words, and a word becomes its fp32 by a shift or a mask:
+ * two byte tables (vpshufb), bytes pair into words, and a word becomes its fp32 by a shift or a mask
+ * (vec.h's bf16_even8, bf16_odd8):
  * two shuffles per 16 weights, where decode_block spends five and a conversion per 8. In each 128-bit
  * lane, lane d of vector v holds element PAIR_BASE[v] + 4d of that lane's block (layout_pairs lays x
  * out so). */
 static const int PAIR_BASE[8] = {0, 2, 16, 18, 1, 3, 17, 19};
-
-/* 16 weights' bf16 as words (row_dots' AVX2 loop): a shift or a mask makes each half 8 fp32 weights */
-#define PAIR_EVEN(words) _mm256_castsi256_ps(_mm256_slli_epi32((words), 16))
-#define PAIR_ODD(words) _mm256_castsi256_ps(_mm256_and_si256((words), _mm256_set1_epi32((int)0xFFFF0000u)))
 
 /* blocks g and g + 1 of a row: each code's bf16 low and high bytes, the even elements' (low nibbles:
  * el, eh) and the odd ones' (ol, oh), and the two blocks' factors (four lanes each) */
@@ -113,12 +110,6 @@ static inline void pair_bytes(const uint8_t *blocks, const uint8_t *scales, int6
                               _mm_set1_ps(HALF_POW2[scales[g + 1]]), 1);
 }
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
-}
 #endif
 
 #ifdef GL_AVX2
@@ -155,17 +146,17 @@ static void row_dots(const uint8_t *blocks, const uint8_t *scales, int64_t G, co
             pair_bytes(blocks, scales, g, lut_lo, lut_hi, &el, &eh, &ol, &oh, &f);
             const float *xp = x + 32 * g;
             __m256i words = _mm256_unpacklo_epi8(el, eh);
-            __m256 t0 = _mm256_mul_ps(PAIR_EVEN(words), _mm256_loadu_ps(xp));
-            __m256 t1 = _mm256_mul_ps(PAIR_ODD(words), _mm256_loadu_ps(xp + 8));
+            __m256 t0 = _mm256_mul_ps(bf16_even8(words), _mm256_loadu_ps(xp));
+            __m256 t1 = _mm256_mul_ps(bf16_odd8(words), _mm256_loadu_ps(xp + 8));
             words = _mm256_unpackhi_epi8(el, eh);
-            t0 = _mm256_fmadd_ps(PAIR_EVEN(words), _mm256_loadu_ps(xp + 16), t0);
-            t1 = _mm256_fmadd_ps(PAIR_ODD(words), _mm256_loadu_ps(xp + 24), t1);
+            t0 = _mm256_fmadd_ps(bf16_even8(words), _mm256_loadu_ps(xp + 16), t0);
+            t1 = _mm256_fmadd_ps(bf16_odd8(words), _mm256_loadu_ps(xp + 24), t1);
             words = _mm256_unpacklo_epi8(ol, oh);
-            t0 = _mm256_fmadd_ps(PAIR_EVEN(words), _mm256_loadu_ps(xp + 32), t0);
-            t1 = _mm256_fmadd_ps(PAIR_ODD(words), _mm256_loadu_ps(xp + 40), t1);
+            t0 = _mm256_fmadd_ps(bf16_even8(words), _mm256_loadu_ps(xp + 32), t0);
+            t1 = _mm256_fmadd_ps(bf16_odd8(words), _mm256_loadu_ps(xp + 40), t1);
             words = _mm256_unpackhi_epi8(ol, oh);
-            t0 = _mm256_fmadd_ps(PAIR_EVEN(words), _mm256_loadu_ps(xp + 48), t0);
-            t1 = _mm256_fmadd_ps(PAIR_ODD(words), _mm256_loadu_ps(xp + 56), t1);
+            t0 = _mm256_fmadd_ps(bf16_even8(words), _mm256_loadu_ps(xp + 48), t0);
+            t1 = _mm256_fmadd_ps(bf16_odd8(words), _mm256_loadu_ps(xp + 56), t1);
             a = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), f, a);
         }
         acc[0] = a;
@@ -176,7 +167,7 @@ static void row_dots(const uint8_t *blocks, const uint8_t *scales, int64_t G, co
             pair_bytes(blocks, scales, g, lut_lo, lut_hi, &el, &eh, &ol, &oh, &f);
             const __m256i words[4] = {_mm256_unpacklo_epi8(el, eh), _mm256_unpackhi_epi8(el, eh),
                                       _mm256_unpacklo_epi8(ol, oh), _mm256_unpackhi_epi8(ol, oh)};
-            for (int k = 0; k < 4; k++) w[2 * k] = PAIR_EVEN(words[k]), w[2 * k + 1] = PAIR_ODD(words[k]);
+            for (int k = 0; k < 4; k++) w[2 * k] = bf16_even8(words[k]), w[2 * k + 1] = bf16_odd8(words[k]);
             for (int j = 0; j < n; j++) {
                 const float *xp = xs[j] + 32 * g;
                 __m256 t0 = _mm256_mul_ps(w[0], _mm256_loadu_ps(xp));
@@ -195,7 +186,7 @@ static void row_dots(const uint8_t *blocks, const uint8_t *scales, int64_t G, co
         for (int j = 0; j < n; j++)
             for (int k = 0; k < 4; k++) acc[j] = _mm256_fmadd_ps(w[k], _mm256_loadu_ps(xs[j] + 32 * g + 8 * k), acc[j]);
     }
-    for (int j = 0; j < n; j++) dots[j] = hsum(acc[j]);
+    for (int j = 0; j < n; j++) dots[j] = hsum256(acc[j]);
 #else
     for (int j = 0; j < n; j++) dots[j] = 0.0f;
     for (int64_t g = 0; g < G; g++) {
@@ -559,7 +550,7 @@ static void row_dots_q8(const uint8_t *blocks, const uint8_t *scales, int64_t G,
             acc[j] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sum), step), factor, acc[j]);
         }
     }
-    for (int j = 0; j < n; j++) dots[j] = hsum(acc[j]);
+    for (int j = 0; j < n; j++) dots[j] = hsum256(acc[j]);
 }
 #else
 static void row_dots_q8(const uint8_t *blocks, const uint8_t *scales, int64_t G, const Q8Row *xs, int n, float *dots) {

@@ -51,6 +51,23 @@ static inline uint16_t to_bf16(float x) {
     return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
+#if defined(GL_AVX2)
+/* 16 bf16 values as 8 32-bit words (element 2i in word i's low half, 2i + 1 in its high half): a shift
+ * gives the even elements as 8 fp32, a mask the odd ones, exactly. For bf16.c's and mxfp4.c's AVX2 loops. */
+INLINE __m256 bf16_even8(__m256i words) { return _mm256_castsi256_ps(_mm256_slli_epi32(words, 16)); }
+INLINE __m256 bf16_odd8(__m256i words) {
+    return _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* the sum of v's 8 lanes */
+INLINE float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
 /* A tile: out[j * R + i] (+)= x[j] · w[i] (+ bias[i]) over n columns, for i < nr, j < nm; x and w rows
  * are ld floats apart. With `add` the sums go onto what out holds (a later chunk of K; bias is NULL).
  *
