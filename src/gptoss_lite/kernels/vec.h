@@ -10,7 +10,8 @@
  * BF16_TILES is the same over bf16 rows and weights (32 pairs a dot-product instruction).
  *
  * Also, on every path: one bf16 value widened (`widen`) and one fp32 value rounded to bf16
- * (`to_bf16`), for moe.c and norm.c.
+ * (`to_bf16`), for moe.c and norm.c; with AVX2, 16 bf16 values widened as their even and odd halves
+ * (`bf16_even8`, `bf16_odd8`) and an 8-lane sum (`hsum256`), for bf16.c and mxfp4.c.
  */
 #ifndef GL_VEC_H
 #define GL_VEC_H
