@@ -212,3 +212,75 @@ def test_guard_filter_keeps_the_inputs_guards_and_drops_the_models():
     names = ["self._modules['blocks']", "self", "dict(self._modules)", "kv.keys[0]", "tokens", "G['torch']", "selfish"]
     keep = guards_off_the_model([SimpleNamespace(name=n) for n in names])
     assert keep == [False, False, False, True, True, True, True]
+
+
+def test_replayed_steps_equal_steps_through_dynamo():
+    # A step whose guards hold runs the graph the step before ran, without dynamo's frame (`Replay`):
+    # the same graph on the same inputs, so the same logits, bit for bit. The second pair of runs has
+    # a cache of another capacity (the full layers' slot count is dynamic): the replayed graph must
+    # read those slots from this step's state, not the first one's.
+    eager, compiled = make_model("lite-tiny"), _compiled("lite-tiny")
+    decoder = compiled.compiled_decoder
+    prompt = torch.randint(0, eager.config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(4))
+    for steps in (6, 9):
+        logits = {}
+        for replay in (False, True):
+            decoder.replay, before = replay, decoder.replayed
+            logits[replay] = [fast for _, fast in _decode_pair(eager, compiled, prompt, steps, compile_graph=True)]
+            assert (decoder.replayed - before == steps) if replay else decoder.replayed == before
+        for ref, fast in _decode_pair(eager, compiled, prompt, steps, compile_graph=True):
+            torch.testing.assert_close(fast, ref, atol=1e-4, rtol=0)
+        for a, b in zip(logits[False], logits[True]):
+            assert torch.equal(a, b)
+
+
+def test_a_replayed_step_keeps_to_dynamos_guards(monkeypatch):
+    # What dynamo guards still decides which graph runs: a function the step calls, replaced between two
+    # steps, fails the guards of the graph that ran, so the next step goes through dynamo (which traces
+    # the new function) and the step after replays the new graph. A batch of another size fails the
+    # guards on the tokens' shape the same way.
+    import gptoss_lite.model.transformer as transformer
+
+    compiled = _compiled("lite-tiny")
+    decoder = compiled.compiled_decoder
+    prompt = torch.randint(0, compiled.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        cache = MixedKVCache(compiled.config, batch_size=1, capacity=16)
+        compiled.prefill(prompt, cache, 2048)
+        token = torch.tensor([3])
+        first = decoder.step(cache.static_decode(), token)  # through dynamo (compiles)
+        replayed = decoder.replayed
+        again = decoder.step(cache.static_decode(), token)  # the same position, written again: replayed
+        assert decoder.replayed == replayed + 1 and torch.equal(again, first)
+        plain = transformer.decode_linear
+        monkeypatch.setattr(transformer, "decode_linear", lambda x, w, b=None: 2 * plain(x, w, b))
+        doubled = decoder.step(cache.static_decode(), token)
+        assert decoder.replayed == replayed + 1 and torch.equal(doubled, 2 * first)
+        assert torch.equal(decoder.step(cache.static_decode(), token), doubled)
+        assert decoder.replayed == replayed + 2
+        monkeypatch.setattr(transformer, "decode_linear", plain)
+        two = MixedKVCache(compiled.config, batch_size=2, capacity=16)
+        compiled.prefill(prompt.repeat(2, 1), two, 2048)
+        rows = decoder.step(two.static_decode(), token.repeat(2))
+        assert decoder.replayed == replayed + 2
+        torch.testing.assert_close(rows, first.repeat(2, 1), atol=1e-5, rtol=0)
+
+
+def test_replay_needs_every_input_read_back():
+    # A graph with an input that is neither the model's nor read from the step's arguments (a global,
+    # say) is never replayed; nor is one whose inputs, read again, are not the very tensors dynamo passed.
+    from gptoss_lite.model.compiled_decode import Graph, Graphs, Replay
+
+    model = make_model("lite-tiny")
+    backend = Graphs({})
+    weight = "L['self']._modules['embed']._parameters['weight']"
+    assert Graph(None, [weight, "L['tokens']"], backend).inputs_from(model) is not None
+    assert Graph(None, [weight, "G['table']"], backend).inputs_from(model) is None
+    assert Graph(None, [weight, None], backend).inputs_from(model) is None
+    graph = Graph(None, [weight, "L['tokens']"], backend)
+    tokens, logits = torch.tensor([1]), torch.zeros(1, 4)
+    frame = {"self": model, "tokens": tokens, "kv": None}
+    other = torch.tensor([1])
+    assert Replay.of((graph, (model.embed.weight, other), [logits]), logits, None, frame, ()) is None  # not read back
+    assert Replay.of((graph, (model.embed.weight, tokens), [logits]), logits, None, frame, ()) is None  # no entries
+    assert Replay.of((graph, (model.embed.weight, tokens), [logits.clone()]), logits, None, frame, ()) is None

@@ -17,6 +17,12 @@ The cache is a folder per vector ISA, inside `TORCHINDUCTOR_CACHE_DIR` or induct
 (`use_inductor_cache_per_isa`): torch 2.13's FX graph cache key leaves out the ISA its C++ was
 generated for, so a graph cached under AVX-512 and loaded where `ATEN_CPU_CAPABILITY=avx2` (or on
 another CPU sharing the folder) computed wrong values, in AVX-512-wide steps over AVX2-wide vectors.
+
+Dynamo's own call of the step costs more than its guards: its frame reads ~135 inputs off the model and
+the state, enters and leaves its context managers, and calls the graph through its wrappers (a fifth of
+the 20M model's one-row step). So a step first asks the guards of the graph the step before ran
+(`Replay`): where they hold, the graph runs on the inputs read as dynamo reads them (from dynamo's own
+names for their sources); where not, the step goes through dynamo, which picks or compiles a graph.
 """
 
 from __future__ import annotations
@@ -71,6 +77,116 @@ def use_inductor_cache_per_isa() -> str:
     return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
+class Graphs:
+    """The backend of a decoder's `torch.compile`: inductor with `options`, each graph it compiles wrapped in
+    a `Graph` that names where dynamo takes each of its inputs from, and that tells the backend when it
+    runs (`take_last`), so that the decoder knows which graph dynamo's guards chose for a step."""
+
+    def __init__(self, options: dict) -> None:
+        self.options = options
+        self._last: tuple[Graph, tuple, object] | None = None
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Graph:
+        from torch._inductor.compile_fx import compile_fx
+
+        sources = []
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                arg = node.meta.get("grapharg")
+                sources.append(None if arg is None else arg.source.name)
+        return Graph(compile_fx(gm, example_inputs, config_patches=self.options), sources, self)
+
+    def ran(self, graph: Graph, args: tuple, out) -> None:
+        self._last = (graph, args, out)
+
+    def take_last(self) -> tuple[Graph, tuple, object] | None:
+        """The graph that ran last, the inputs dynamo passed it and what it returned, once (nothing is
+        kept after)."""
+        last, self._last = self._last, None
+        return last
+
+
+class Graph:
+    """One compiled graph of the step: `compiled(*inputs)`, and the expression dynamo read each input from
+    (`sources`, such as `L['kv'].keys[3]`, `L['self']._modules['embed']._parameters['weight']` or
+    `L['kv'].keys[1].size()[2]`)."""
+
+    def __init__(self, compiled, sources: list[str | None], backend: Graphs) -> None:
+        self.compiled, self.sources, self._backend = compiled, sources, backend
+        self._inputs: object = None  # the function that reads the inputs (built on first use); False: none
+
+    def __call__(self, *args):
+        out = self.compiled(*args)
+        self._backend.ran(self, args, out)
+        return out
+
+    def inputs_from(self, model) -> types.FunctionType | None:
+        """A function (tokens, kv) -> this graph's inputs, in order: the model's tensors read once, now,
+        and the rest read from the step's arguments as dynamo reads them; None where an input comes from
+        anywhere else (a global, say) or has no source."""
+        if self._inputs is None:
+            consts: dict[str, object] = {}
+            items = []
+            for i, name in enumerate(self.sources):
+                if name is None:
+                    break
+                if name.startswith("L['self']"):
+                    consts[f"_c{i}"] = eval(name, {"L": {"self": model}})  # a source: dynamo's own expression
+                    items.append(f"_c{i}")
+                elif name.startswith(("L['tokens']", "L['kv']")):
+                    items.append(name)
+                else:
+                    break
+            else:
+                self._inputs = eval("lambda L: (" + ", ".join(items) + ",)", consts)
+            if self._inputs is None:
+                self._inputs = False
+        return self._inputs or None
+
+
+class Replay:
+    """A graph of the step to call again without dynamo's frame: `graph` over the inputs `inputs` reads
+    from the step's arguments, where `guards` (dynamo's own, for the entry that ran it) hold on them."""
+
+    def __init__(self, graph: Graph, inputs, guards, mode: tuple) -> None:
+        self.graph, self.inputs, self.guards, self.mode = graph, inputs, guards, mode
+
+    @classmethod
+    def of(cls, ran: tuple, logits: Tensor, code, frame: dict, mode: tuple) -> Replay | None:
+        """The replay of the graph that dynamo just ran (`ran`: the graph, its inputs, its outputs) for the
+        locals `frame` of `code` ({"self", "tokens", "kv"}) and returned `logits` from; None where the
+        step's result is not the graph's one output as it is, where no entry of `code` has guards that
+        hold for `frame`, or where reading the inputs again does not give back those very inputs (the
+        same tensors, the same ints)."""
+        graph, args, out = ran
+        if not (isinstance(out, (list, tuple)) and len(out) == 1 and out[0] is logits):
+            return None
+        inputs = graph.inputs_from(frame["self"])
+        if inputs is None:
+            return None
+        try:
+            again = inputs(frame)
+        except Exception:  # a source that does not read back here: no replay
+            return None
+        if len(again) != len(args) or not all(
+            a is b if isinstance(b, Tensor) else (type(a) is type(b) and a == b) for a, b in zip(again, args)
+        ):
+            return None
+        try:
+            # dynamo tries its entries in order and runs the first whose guards hold: the one that just ran
+            entries = torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code)
+            guards = next((e.guard_manager for e in entries if e.guard_manager.check(frame)), None)
+        except (AttributeError, TypeError):  # a torch without these: no replay
+            return None
+        return None if guards is None else cls(graph, inputs, guards, mode)
+
+    def run(self, frame: dict) -> Tensor | None:
+        """The logits, or None (nothing run) where the guards do not hold for `frame`."""
+        if not self.guards.check(frame):
+            return None
+        return self.graph.compiled(*self.inputs(frame))[0]
+
+
 class CompiledDecoder:
     """`GPTOSS.decode_step` of `model`, compiled. Built by
     `GPTOSS.prepare_for_inference(compile_decode=True)`; it reads the model's weights in place (nothing
@@ -98,19 +214,26 @@ class CompiledDecoder:
         # the packed experts whose activation mode picks the graph (read each call: a plain attribute each)
         self._mxfp4 = [m for m in model.modules() if isinstance(m, MXFP4Experts)]
         self._by_mode: dict[tuple[str, ...], object] = {}  # the experts' activation modes -> the compiled step
+        self._backends: dict[tuple[str, ...], Graphs] = {}
+        self._codes: dict[tuple[str, ...], types.CodeType] = {}  # the code object dynamo keeps each mode's entries on
+        self._replay: Replay | None = None  # the graph the last step through dynamo ran
+        self.replay = True  # whether a step may skip dynamo's frame (`Replay`); False: every step through dynamo
+        self.replayed = 0  # steps that did
         self.compile_seconds: float | None = None  # wall time of the first compiled call
         self.calls = 0
 
-    def _compiled(self, tokens: Tensor, kv: StaticKV) -> Tensor:
-        mode = tuple(experts.activations for experts in self._mxfp4)
+    def _compiled(self, tokens: Tensor, kv: StaticKV, mode: tuple) -> Tensor:
         fn = self._by_mode.get(mode)
         if fn is None:
             f = type(self._model).decode_step
             own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+            self._codes[mode] = own.__code__
             # cpp_wrapper: the ~40 kernel calls of a step are made from generated C++, not Python (bf16
             # step of the 20M model 3.13 -> 2.66 ms, medians of 6 alternating runs in one process).
-            options = {"cpp_wrapper": True, "guard_filter_fn": guards_off_the_model}
-            fn = torch.compile(types.MethodType(own, self._model), dynamic=False, fullgraph=True, options=options)
+            backend = self._backends[mode] = Graphs({"cpp_wrapper": True})
+            options = {"guard_filter_fn": guards_off_the_model}
+            method = types.MethodType(own, self._model)
+            fn = torch.compile(method, backend=backend, dynamic=False, fullgraph=True, options=options)
             self._by_mode[mode] = fn
         return fn(tokens, kv)
 
@@ -123,10 +246,21 @@ class CompiledDecoder:
         return self._weights_key(model) == self._captured
 
     def step(self, kv: StaticKV, tokens: Tensor) -> Tensor:
-        """Run tokens (B,) through the compiled step over `kv`; the logits (B, V) in the model's dtype."""
-        t0 = time.perf_counter() if self.compile_seconds is None else 0.0
-        logits = self._compiled(tokens, kv)
-        if self.compile_seconds is None:
-            self.compile_seconds = time.perf_counter() - t0
+        """Run tokens (B,) through the compiled step over `kv`; the logits (B, V) in the model's dtype: by
+        the graph the step before ran where its guards hold (`Replay`), else through dynamo."""
+        mode = tuple(experts.activations for experts in self._mxfp4)
+        frame = {"self": self._model, "tokens": tokens, "kv": kv}
+        replay = self._replay if self.replay else None
+        logits = replay.run(frame) if replay is not None and replay.mode == mode else None
+        if logits is not None:
+            self.replayed += 1
+        else:
+            t0 = time.perf_counter() if self.compile_seconds is None else 0.0
+            logits = self._compiled(tokens, kv, mode)
+            if self.compile_seconds is None:
+                self.compile_seconds = time.perf_counter() - t0
+            ran = self._backends[mode].take_last()
+            code = self._codes[mode]
+            self._replay = None if ran is None else Replay.of(ran, logits, code, frame, mode)
         self.calls += 1
         return logits
