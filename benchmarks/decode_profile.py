@@ -14,7 +14,8 @@ the dense bf16 weights, `mxfp4_gate_up_act` over the routed experts' gate|up cod
 (`kernels/ops.cpp`) and from Python, alternating; `--ab-gate-up-act PAIRS` times pairs of steps with the
 MXFP4 experts' gate|up activation in the product's pass and as separate passes; `--ab-bf16-gemv PAIRS`
 pairs of steps with the dense bf16 projections through the bf16 GEMV op and through the graph a CPU
-without it compiles; `--ab-base REV` times
+without it compiles; `--ab-replay PAIRS` pairs of compiled steps run straight where the guards of the
+graph the step before ran hold and through dynamo's frame; `--ab-base REV` times
 `--ab-pairs` pairs of steps with the weight kernels (`kernels/bf16.c`, `kernels/mxfp4.c`) as this
 checkout has them and as git revision REV had them, both built here, the C++ ops rebound between the
 two builds step by step (the same compiled graph calls either). Threads: `--threads`
@@ -95,10 +96,19 @@ def main() -> None:
         metavar="PAIRS",
         help="then time PAIRS pairs of steps with the dense bf16 projections through the bf16 GEMV op and without",
     )
+    ap.add_argument(
+        "--ab-replay",
+        type=int,
+        default=0,
+        metavar="PAIRS",
+        help="then time PAIRS pairs of compiled steps run straight where the guards hold and through dynamo",
+    )
     ap.add_argument("--mxfp4-activations", default="exact", choices=["exact", "int8"], help="packed experts' path")
     args = ap.parse_args()
     if min(args.context, args.steps, args.profiled, args.threads, args.top) < 1:
         ap.error("--context, --steps, --profiled, --threads and --top must be at least 1")
+    if args.ab_replay and not args.compiled:
+        ap.error("--ab-replay times the compiled step: add --compiled")
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     model = load_model(args.model, dtype=getattr(torch, args.dtype), mxfp4_activations=args.mxfp4_activations)
@@ -110,7 +120,7 @@ def main() -> None:
     # the A/B steps: --ab-ops' and --ab-base's pairs; --ab-gate-up-act's pairs and 4 untimed (each setting
     # compiled, checked)
     ab = 2 * args.ab_pairs * (bool(args.ab_ops) + bool(args.ab_base))
-    ab += sum(2 * n + 4 for n in (args.ab_gate_up_act, args.ab_bf16_gemv) if n)
+    ab += sum(2 * n + 4 for n in (args.ab_gate_up_act, args.ab_bf16_gemv) if n) + 2 * args.ab_replay
     steps = stream_generate(model, ids, 2 + args.steps + args.profiled + ab, temperature=0)
     t0 = time.perf_counter()
     next(steps)
@@ -146,6 +156,8 @@ def main() -> None:
         ab_bf16_gemv(steps, args.ab_bf16_gemv)
     if args.ab_base:
         ab_base(steps, args.ab_base, args.ab_pairs)
+    if args.ab_replay:
+        ab_replay(steps, model.compiled_decoder, args.ab_replay)
 
 
 def alternate(steps, pairs: int, switch) -> tuple[float, float, float]:
@@ -160,6 +172,20 @@ def alternate(steps, pairs: int, switch) -> tuple[float, float, float]:
             walls[on].append(time.perf_counter() - t0)
     ratio = statistics.median(off / on for on, off in zip(walls[True], walls[False]))
     return statistics.median(walls[True]), statistics.median(walls[False]), ratio
+
+
+def ab_replay(steps, decoder, pairs: int) -> None:
+    """`alternate` with the compiled step run straight where the guards of the graph the step before ran
+    hold (on: `CompiledDecoder.replay`) and through dynamo's frame every step (off)."""
+    before = decoder.replayed
+    try:
+        straight, dynamo, ratio = alternate(steps, pairs, lambda on: setattr(decoder, "replay", on))
+    finally:
+        decoder.replay = True
+    print(
+        f"compiled step run straight: median step {1e3 * straight:.3f} ms, through dynamo {1e3 * dynamo:.3f} ms; "
+        f"dynamo / straight over {pairs} pairs: median {ratio:.4f} ({decoder.replayed - before} steps run straight)"
+    )
 
 
 def ab_cpp_ops(steps, ops: list[str], pairs: int) -> None:

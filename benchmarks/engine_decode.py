@@ -10,6 +10,8 @@ max_running 16, max_batch_tokens 2048 and prefix caching off, for each configura
 
 - `16-bit eager`: the model's dtype in the blocks, every step eager;
 - `16-bit compiled`: all-decode steps compiled (`LLM(compile_decode=True)`);
+- `16-bit compiled, dynamo each step`: the same, every step through dynamo's frame (the decoder's
+  `replay` off: no step runs the graph the step before ran straight, `model/compiled_decode.py`);
 - `int8 eager`, `int4 eager`: full-layer blocks as int8 / int4 codes, every step eager;
 - `int8 compiled`, `int4 compiled`, `fp8 compiled`: those codes with all-decode steps compiled (the
   block kernel reads the codes in place).
@@ -35,6 +37,7 @@ import torch
 CONFIGS = {
     "16-bit eager": {"kv_format": "dense", "compile_decode": False},
     "16-bit compiled": {"kv_format": "dense", "compile_decode": True},
+    "16-bit compiled, dynamo each step": {"kv_format": "dense", "compile_decode": True, "replay": False},
     "int8 eager": {"kv_format": "int8", "compile_decode": False},
     "int8 compiled": {"kv_format": "int8", "compile_decode": True},
     "int4 eager": {"kv_format": "int4", "compile_decode": False},
@@ -58,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     engines = {}
     for name in args.configs:
         t0 = time.perf_counter()
+        options = dict(CONFIGS[name])
+        replay = options.pop("replay", True)
         engines[name] = LLM(
             args.model,
             dtype=getattr(torch, args.dtype),
@@ -65,8 +70,10 @@ def main(argv: list[str] | None = None) -> int:
             max_running=16,
             max_model_len=384,
             enable_prefix_caching=False,
-            **CONFIGS[name],
+            **options,
         )
+        if not replay:
+            engines[name].runner.decoder.replay = False
         print(f"[engine_decode] {name}: built in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     vocab = next(iter(engines.values())).config.vocab_size
     prompts = [np.random.default_rng(10_000 + i).integers(1, vocab, 256).tolist() for i in range(16)]

@@ -90,3 +90,27 @@ def test_ab_bf16_gemv_compiles_a_graph_each_way_and_puts_the_switch_back(capsys)
     assert len(calls) == 4 + 6  # two untimed steps of each setting, then 3 pairs
     assert bf16.traceable is original
     assert "dense bf16 projections through the bf16 GEMV: median step" in capsys.readouterr().out
+
+
+def test_ab_replay_alternates_the_decoders_replay_and_puts_it_back(capsys):
+    """`--ab-replay`: steps of a tiny compiled model, every other one run straight (the decoder's count
+    of such steps goes up by one a pair), the decoder's `replay` on again after, the same tokens as with
+    every step through dynamo."""
+    from conftest import make_model
+    from gptoss_lite.generation import stream_generate
+
+    model = make_model("lite-tiny").prepare_for_inference(compile_decode=True)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(3))
+    decoder = model.compiled_decoder
+    decoder.replay = False
+    expected = torch.cat(list(stream_generate(model, prompt, 10, temperature=0)))
+    decoder.replay = True
+    got = []
+    steps = (got.append(t) for t in stream_generate(model, prompt, 10, temperature=0))
+    next(steps), next(steps)  # prefill, then a step through dynamo
+    before = decoder.replayed
+    _profile_module().ab_replay(steps, decoder, 4)
+    list(steps)
+    assert decoder.replay is True and decoder.replayed - before >= 4
+    assert torch.equal(torch.cat(got), expected)
+    assert "compiled step run straight: median step" in capsys.readouterr().out
