@@ -284,3 +284,19 @@ def test_replay_needs_every_input_read_back():
     assert Replay.of((graph, (model.embed.weight, other), [logits]), logits, None, frame, ()) is None  # not read back
     assert Replay.of((graph, (model.embed.weight, tokens), [logits]), logits, None, frame, ()) is None  # no entries
     assert Replay.of((graph, (model.embed.weight, tokens), [logits.clone()]), logits, None, frame, ()) is None
+
+
+def test_a_copy_of_a_compiled_model_has_no_decoder_until_prepared():
+    # The decoder reads its own model's weights and keeps dynamo's guards, neither of which a copy can
+    # share: a deep copy comes without one (prepared, it generates eagerly), the original keeps its own.
+    import copy
+
+    compiled = _compiled("lite-tiny")
+    prompt = torch.randint(0, compiled.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(6))
+    expected = generate(compiled, prompt, max_new_tokens=6, temperature=0)
+    twin = copy.deepcopy(compiled)
+    assert twin.compiled_decoder is None and compiled.compiled_decoder is not None
+    assert torch.equal(generate(twin.prepare_for_inference(), prompt, max_new_tokens=6, temperature=0), expected)
+    twin.prepare_for_inference(compile_decode=True)
+    assert twin.compiled_decoder is not compiled.compiled_decoder
+    assert torch.equal(generate(twin, prompt, max_new_tokens=6, temperature=0), expected)

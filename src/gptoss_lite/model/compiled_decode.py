@@ -237,6 +237,12 @@ class CompiledDecoder:
             self._by_mode[mode] = fn
         return fn(tokens, kv)
 
+    def __deepcopy__(self, memo: dict) -> None:
+        """A copy of the model has weights of its own, which this decoder does not read (and dynamo's
+        guards cannot be copied): the copy has no compiled decoder until `prepare_for_inference(...,
+        compile_decode=True)` gives it one."""
+        return None
+
     @staticmethod
     def _weights_key(model) -> tuple:
         return tuple((p.data_ptr(), p._version) for p in model.parameters())
