@@ -66,6 +66,25 @@ def test_lone_request_runs_its_own_graph(models):
     assert_same_as_generate(model, llm, work, done, exact=True)
 
 
+def test_replayed_steps_give_the_tokens_of_steps_through_dynamo(models):
+    """Most compiled steps of a workload skip dynamo's frame (they run the graph the step before ran,
+    where its guards hold: `CompiledDecoder.replay`); with that off, every step through dynamo, the
+    outputs are the same, token for token."""
+    model = models("gpt-oss-tiny")
+    work = random_workload(random.Random(9), model.config.vocab_size, 12, 300, 20, 20)
+    outs = {}
+    for replay in (True, False):
+        llm = _compiled_llm(model, kv_blocks=1000, max_batch_tokens=256, max_running=12)
+        decoder = llm.runner.decoder
+        decoder.replay, before = replay, decoder.replayed
+        done = run(llm, work)
+        outs[replay] = {i: o.token_ids for i, o in done.items()}
+        replayed = decoder.replayed - before
+        steps = llm.runner.compiled_steps
+        assert replayed > steps // 2 if replay else replayed == 0, (replayed, steps)
+    assert len(outs[True]) == 12 and outs[True] == outs[False]
+
+
 def test_another_pool_size_compiles_nothing(models):
     """The pools' block counts are dynamic in the compiled step: an engine over the same model with
     other pool sizes (another KV budget) runs on the graphs the first one compiled and gives its tokens."""
