@@ -31,6 +31,7 @@ import os
 import re
 import time
 import types
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -113,7 +114,7 @@ class Graph:
 
     def __init__(self, compiled, sources: list[str | None], backend: Graphs) -> None:
         self.compiled, self.sources, self._backend = compiled, sources, backend
-        self._inputs: object = None  # the function that reads the inputs (built on first use); False: none
+        self._reader: tuple | None = None  # (input_reader's answer,) once built: a graph serves one model
 
     def __call__(self, *args):
         out = self.compiled(*args)
@@ -121,27 +122,27 @@ class Graph:
         return out
 
     def inputs_from(self, model) -> types.FunctionType | None:
-        """A function (tokens, kv) -> this graph's inputs, in order: the model's tensors read once, now,
-        and the rest read from the step's arguments as dynamo reads them; None where an input comes from
-        anywhere else (a global, say) or has no source."""
-        if self._inputs is None:
-            consts: dict[str, object] = {}
-            items = []
-            for i, name in enumerate(self.sources):
-                if name is None:
-                    break
-                if name.startswith("L['self']"):
-                    consts[f"_c{i}"] = eval(name, {"L": {"self": model}})  # a source: dynamo's own expression
-                    items.append(f"_c{i}")
-                elif name.startswith(("L['tokens']", "L['kv']")):
-                    items.append(name)
-                else:
-                    break
-            else:
-                self._inputs = eval("lambda L: (" + ", ".join(items) + ",)", consts)
-            if self._inputs is None:
-                self._inputs = False
-        return self._inputs or None
+        """`input_reader(self.sources, model)`, built on first use."""
+        if self._reader is None:
+            self._reader = (input_reader(self.sources, model),)
+        return self._reader[0]
+
+
+def input_reader(sources: list[str | None], model) -> types.FunctionType | None:
+    """A function of a step's locals {"self", "tokens", "kv"} -> the graph's inputs, in order: the model's
+    tensors read once, now, and the rest read from the step's arguments as dynamo reads them; None where
+    an input comes from anywhere else (a global, say) or has no source."""
+    consts: dict[str, object] = {}
+    items = []
+    for i, name in enumerate(sources):
+        if name is not None and name.startswith("L['self']"):
+            consts[f"_c{i}"] = eval(name, {"L": {"self": model}})  # a source: dynamo's own expression
+            items.append(f"_c{i}")
+        elif name is not None and name.startswith(("L['tokens']", "L['kv']")):
+            items.append(name)
+        else:
+            return None
+    return eval("lambda L: (" + ", ".join(items) + ",)", consts)
 
 
 class Replay:
@@ -187,6 +188,15 @@ class Replay:
         return self.graph.compiled(*self.inputs(frame))[0]
 
 
+class ModeStep(NamedTuple):
+    """A decoder's compiled step for one activation mode: the compiled function, its backend, and the
+    code object dynamo keeps the step's entries on."""
+
+    fn: object
+    backend: Graphs
+    code: types.CodeType
+
+
 class CompiledDecoder:
     """`GPTOSS.decode_step` of `model`, compiled. Built by
     `GPTOSS.prepare_for_inference(compile_decode=True)`; it reads the model's weights in place (nothing
@@ -213,29 +223,27 @@ class CompiledDecoder:
         self._model = model
         # the packed experts whose activation mode picks the graph (read each call: a plain attribute each)
         self._mxfp4 = [m for m in model.modules() if isinstance(m, MXFP4Experts)]
-        self._by_mode: dict[tuple[str, ...], object] = {}  # the experts' activation modes -> the compiled step
-        self._backends: dict[tuple[str, ...], Graphs] = {}
-        self._codes: dict[tuple[str, ...], types.CodeType] = {}  # the code object dynamo keeps each mode's entries on
+        self._by_mode: dict[tuple[str, ...], ModeStep] = {}  # the experts' activation modes -> the compiled step
         self._replay: Replay | None = None  # the graph the last step through dynamo ran
         self.replay = True  # whether a step may skip dynamo's frame (`Replay`); False: every step through dynamo
         self.replayed = 0  # steps that did
         self.compile_seconds: float | None = None  # wall time of the first compiled call
         self.calls = 0
 
-    def _compiled(self, tokens: Tensor, kv: StaticKV, mode: tuple) -> Tensor:
-        fn = self._by_mode.get(mode)
-        if fn is None:
+    def _mode_step(self, mode: tuple) -> ModeStep:
+        """The compiled step of the experts' activation `mode`, made on first use."""
+        made = self._by_mode.get(mode)
+        if made is None:
             f = type(self._model).decode_step
             own = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
-            self._codes[mode] = own.__code__
             # cpp_wrapper: the ~40 kernel calls of a step are made from generated C++, not Python (bf16
             # step of the 20M model 3.13 -> 2.66 ms, medians of 6 alternating runs in one process).
-            backend = self._backends[mode] = Graphs({"cpp_wrapper": True})
+            backend = Graphs({"cpp_wrapper": True})
             options = {"guard_filter_fn": guards_off_the_model}
             method = types.MethodType(own, self._model)
             fn = torch.compile(method, backend=backend, dynamic=False, fullgraph=True, options=options)
-            self._by_mode[mode] = fn
-        return fn(tokens, kv)
+            made = self._by_mode[mode] = ModeStep(fn, backend, own.__code__)
+        return made
 
     def __deepcopy__(self, memo: dict) -> None:
         """A copy of the model has weights of its own, which this decoder does not read (and dynamo's
@@ -261,12 +269,12 @@ class CompiledDecoder:
         if logits is not None:
             self.replayed += 1
         else:
+            made = self._mode_step(mode)
             t0 = time.perf_counter() if self.compile_seconds is None else 0.0
-            logits = self._compiled(tokens, kv, mode)
+            logits = made.fn(tokens, kv)
             if self.compile_seconds is None:
                 self.compile_seconds = time.perf_counter() - t0
-            ran = self._backends[mode].take_last()
-            code = self._codes[mode]
-            self._replay = None if ran is None else Replay.of(ran, logits, code, frame, mode)
+            ran = made.backend.take_last()
+            self._replay = None if ran is None else Replay.of(ran, logits, made.code, frame, mode)
         self.calls += 1
         return logits
